@@ -1,0 +1,107 @@
+"""The run configuration: four frozen dataclasses and their whole-run container.
+
+This module imports no jax: `train.py` builds and validates the config (and the mesh shape)
+before jax is imported, so that it can still choose the number of fake CPU devices.
+
+Every field can be set from the command line with `--set section.field=value`
+(see `configs.overrides`); the resolved config is printed and saved with each run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of the Llama-style decoder."""
+
+    vocab_size: int = 256
+    d_model: int = 128  # D
+    n_layers: int = 4  # X
+    n_heads: int = 8  # N
+    n_kv_heads: int = 2  # K (grouped-query attention: K divides N)
+    head_dim: int = 16  # H
+    d_ff: int = 384  # F (SwiGLU hidden)
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    attention: str = "xla"  # xla | cudnn
+    param_dtype: str = "float32"
+    compute_dtype: str = "bfloat16"
+    remat: str = "none"  # see training.remat.POLICIES
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, batch and logging."""
+
+    steps: int = 200
+    seq_len: int = 128  # L
+    global_batch_size: int = 32  # sequences per optimizer update
+    micro_batch_size: int = 0  # sequences per data-parallel rank per microbatch; 0 = no accumulation
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    z_loss: float = 0.0  # weight of logsumexp(logits)^2 in the loss
+    seed: int = 0
+    log_every: int = 10
+    profile_steps: str = ""  # START:END, a window of steps traced with jax.profiler
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the tokens come from.
+
+    source: stdlib (this Python's own standard library .py files, as bytes), text (a file or a
+    directory of files, as bytes), tokens (a pretokenized .bin file of `token_dtype`),
+    synthetic (uniform random tokens).
+    """
+
+    source: str = "stdlib"
+    path: str = ""
+    token_dtype: str = "uint16"  # for source=tokens: uint16 | uint32
+    seed: int = 1234
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Size of each mesh axis, outermost first; -1 (at most one) fills the remaining devices."""
+
+    stage: int = 1
+    data: int = 1
+    fsdp: int = 1
+    sequence: int = 1
+    tensor: int = 1
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "tiny"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        return cls(
+            name=d["name"],
+            model=ModelConfig(**d["model"]),
+            train=TrainConfig(**d["train"]),
+            data=DataConfig(**d["data"]),
+            parallel=ParallelConfig(**d["parallel"]),
+        )

@@ -1,0 +1,78 @@
+"""Presets: one Python function per model size.
+
+`tiny` is the CPU demo (byte-level, trains in minutes on two cores). The others carry the
+published shapes: `125m` (GPT-3 small widths with SwiGLU), `1b` (Llama 3.2 1B widths),
+`llama3-8b` (8.03B parameters) and `llama3-70b` (70.6B). The large ones are for planning and
+GPUs; they are built abstractly (`nnx.eval_shape`) when no memory should be allocated.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from configs.base import ConfigError, DataConfig, ModelConfig, RunConfig, TrainConfig
+
+
+def tiny() -> RunConfig:
+    return RunConfig(name="tiny")
+
+
+def gpt_125m() -> RunConfig:
+    return RunConfig(
+        name="125m",
+        model=ModelConfig(
+            vocab_size=32768, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12,
+            head_dim=64, d_ff=2048,
+        ),
+        train=TrainConfig(seq_len=1024, global_batch_size=64, lr=6e-4, warmup_steps=100, steps=1000),
+    )
+
+
+def llama_1b() -> RunConfig:
+    return RunConfig(
+        name="1b",
+        model=ModelConfig(
+            vocab_size=32768, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+            head_dim=64, d_ff=8192, rope_theta=500_000.0,
+        ),
+        train=TrainConfig(seq_len=2048, global_batch_size=64, lr=3e-4, warmup_steps=200, steps=1000),
+    )
+
+
+def llama3_8b() -> RunConfig:
+    return RunConfig(
+        name="llama3-8b",
+        model=ModelConfig(
+            vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+            head_dim=128, d_ff=14336, rope_theta=500_000.0, remat="full",
+        ),
+        train=TrainConfig(seq_len=8192, global_batch_size=256, lr=3e-4, warmup_steps=2000, steps=10000),
+        data=DataConfig(source="synthetic"),
+    )
+
+
+def llama3_70b() -> RunConfig:
+    return RunConfig(
+        name="llama3-70b",
+        model=ModelConfig(
+            vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+            head_dim=128, d_ff=28672, rope_theta=500_000.0, remat="full",
+        ),
+        train=TrainConfig(seq_len=8192, global_batch_size=512, lr=1.5e-4, warmup_steps=2000, steps=10000),
+        data=DataConfig(source="synthetic"),
+    )
+
+
+PRESETS: dict[str, Callable[[], RunConfig]] = {
+    "tiny": tiny,
+    "125m": gpt_125m,
+    "1b": llama_1b,
+    "llama3-8b": llama3_8b,
+    "llama3-70b": llama3_70b,
+}
+
+
+def get_preset(name: str) -> RunConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"--config {name!r} is not a preset; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]()

@@ -1,0 +1,1 @@
+"""The Flax NNX transformer; logical axis names only, never mesh axis names."""

@@ -1,0 +1,86 @@
+"""Grouped-query self-attention with a choice of core.
+
+Layout (dimension letters of DESIGN.md):
+  wq [D, N, H] ('embed', 'heads', 'head_dim')     q = x @ wq   [B, L, N, H]
+  wk [D, K, H] ('embed', 'kv_heads', 'head_dim')  k, v         [B, L, K, H]
+  wv [D, K, H]
+  wo [N, H, D] ('heads', 'head_dim', 'embed')     out          [B, L, D]
+QKV are column-parallel over heads, wo is row-parallel: under tensor parallelism each device
+computes its heads locally and the output projection ends in one all-reduce (inserted by XLA
+from the sharding rules). K and V are constrained to the full length L, so under `sequence`
+sharding each layer all-gathers them (context parallelism by all-gather).
+
+Cores (`model.attention`):
+  xla    plain einsum + fp32 softmax, the reference. It repeats K/V heads to N (G = N/K times)
+         and materialises the [B, N, L, L] scores: memory O(L^2) per head.
+  cudnn  jax.nn.dot_product_attention(implementation='cudnn'): fused, GQA without repeats;
+         NVIDIA GPUs only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from configs.base import ConfigError, ModelConfig
+from model.layers import apply_rotary, param
+from sharding.rules import constrain
+
+CORES = ("xla", "cudnn")
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention. q [B, L, N, H], k/v [B, L, K, H] -> [B, L, N, H]."""
+    groups = q.shape[2] // k.shape[2]
+    k = jnp.repeat(k, groups, axis=2)  # [B, L, K, H] -> [B, L, N, H]; kv head j serves q heads jG..jG+G-1
+    v = jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("blnh,bmnh->bnlm", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
+    length = q.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bnlm,bmnh->blnh", probs, v)
+
+
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def attention_core(name: str):
+    """The core function for `model.attention`, or a ConfigError naming the choices."""
+    if name == "xla":
+        return xla_attention
+    if name == "cudnn":
+        if jax.default_backend() != "gpu":
+            raise ConfigError(
+                f"--set model.attention=cudnn needs an NVIDIA GPU (this backend is "
+                f"{jax.default_backend()}); use model.attention=xla"
+            )
+        return cudnn_attention
+    raise ConfigError(f"--set model.attention={name}: unknown core; choose one of {', '.join(CORES)}")
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        dtype = jnp.dtype(cfg.param_dtype)
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5  # residual-branch scaling
+        self.wq = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), cfg.init_std, dtype)
+        self.wk = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg.init_std, dtype)
+        self.wv = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg.init_std, dtype)
+        self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std, dtype)
+        self.core = attention_core(cfg.attention)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        q = jnp.einsum("bld,dnh->blnh", x, self.wq[...])
+        k = jnp.einsum("bld,dkh->blkh", x, self.wk[...])
+        v = jnp.einsum("bld,dkh->blkh", x, self.wv[...])
+        q = constrain(apply_rotary(q, cos, sin), ("batch", "length", "heads", None))
+        k = constrain(apply_rotary(k, cos, sin), ("batch", None, "kv_heads", None))
+        v = constrain(v, ("batch", None, "kv_heads", None))
+        q, k, v = (checkpoint_name(t, name) for t, name in ((q, "query"), (k, "key"), (v, "value")))
+        out = checkpoint_name(self.core(q, k, v), "attn_core")
+        return jnp.einsum("blnh,nhd->bld", out, self.wo[...])

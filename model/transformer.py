@@ -1,0 +1,95 @@
+"""Llama-style decoder: embedding, X pre-norm blocks (attention + SwiGLU), final norm, head.
+
+Layers are stacked: every block parameter has a leading X axis ('layers') and the forward pass
+is one `jax.lax.scan` over it, so compile time does not grow with depth. The remat policy
+(model/remat.py) wraps the scanned body.
+
+  tokens [B, L] -> embed [B, L, D] -> X x (x + attn(norm(x)); x + mlp(norm(x))) -> norm
+  -> head [D, V] ('embed', 'vocab') -> logits [B, L, V] (fp32)
+
+Activations are pinned at block boundaries to ('batch', 'length', 'act_embed'), logits to
+('batch', 'length', 'vocab'); the mesh placement comes from sharding/rules.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from configs.base import ConfigError, ModelConfig
+from model.attention import Attention
+from model.layers import Embed, RMSNorm, param, rotary
+from model.mlp import MLP
+from model.remat import remat
+from sharding.rules import constrain
+
+ACT = ("batch", "length", "act_embed")
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        with jax.named_scope("attention"):
+            x = x + self.attn(self.attn_norm(x), cos, sin)
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ACT)
+
+
+def check_model(cfg: ModelConfig) -> None:
+    """Shape rules the model needs, as ConfigErrors naming the field to change."""
+    if cfg.n_heads % cfg.n_kv_heads:
+        raise ConfigError(
+            f"model.n_heads={cfg.n_heads} is not a multiple of model.n_kv_heads={cfg.n_kv_heads}"
+        )
+    if cfg.head_dim % 2:
+        raise ConfigError(f"model.head_dim={cfg.head_dim} must be even (rotary embedding pairs)")
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        check_model(cfg)
+        dtype = jnp.dtype(cfg.param_dtype)
+        self.cfg = cfg
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg.init_std, dtype, rngs=rngs)
+        self.blocks = self._stacked_blocks(cfg, rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs=rngs)
+        self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, dtype)
+
+    @staticmethod
+    def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs=rngs)
+
+        return make(rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, L] int -> logits [B, L, V] fp32."""
+        cfg = self.cfg
+        with jax.named_scope("embedding"):
+            x = constrain(self.embed(tokens), ACT)
+        cos, sin = rotary(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
+        graphdef, layers = nnx.split(self.blocks)
+
+        def layer(x, layer_state):
+            return nnx.merge(graphdef, layer_state)(x, cos, sin), None
+
+        x, _ = jax.lax.scan(remat(layer, cfg.remat), x, layers)  # over X stacked layers
+        with jax.named_scope("head"):
+            x = self.final_norm(x)
+            logits = jnp.einsum("bld,dv->blv", x, self.head[...], preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "length", "vocab"))
+
+
+def count_params(params: nnx.State) -> int:
+    """Number of scalars in a (possibly abstract) parameter tree."""
+    return sum(x.size for x in jax.tree.leaves(params))

@@ -1,0 +1,1 @@
+"""Mesh construction and the logical->mesh axis rules."""

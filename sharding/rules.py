@@ -1,0 +1,89 @@
+"""The one table from logical axis names to mesh axes, and the functions that apply it.
+
+Model code names dimensions only logically (DESIGN.md's vocabulary); this table decides where
+each lands on the mesh. A parallelism strategy is a change of this table, not of the model:
+
+  batch -> (data, fsdp)   DP and FSDP split the batch; FSDP also splits weights on `embed`,
+                          so XLA all-gathers each layer's weights before use (fwd and bwd)
+                          and reduce-scatters its gradients: 3P(N-1)/N per step per device.
+  embed -> fsdp           ZeRO-3: parameters, gradients and optimizer state all 1/N per device.
+  heads, kv_heads, mlp, vocab -> tensor
+                          Megatron-style TP through GSPMD: column/row-parallel matmuls, XLA
+                          inserts the all-reduces (2 forward + 2 backward per layer).
+  length -> sequence      activations split along L; attention gathers K and V over `sequence`.
+
+Mesh axes of size 1 drop out of every spec. A dimension that the mesh does not divide is an
+error naming the dimension, except kv_heads: with fewer KV heads than the tensor axis they are
+replicated (each device keeps all K heads; their weights are small under GQA).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from configs.base import ConfigError
+
+RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp"),
+    "length": ("sequence",),
+    "embed": ("fsdp",),
+    "act_embed": (),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+    "layers": (),
+    "head_dim": (),
+    "norm": (),
+}
+
+# Dimensions replicated, instead of refused, when the mesh does not divide them.
+REPLICATE_IF_INDIVISIBLE = {"kv_heads"}
+
+
+def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh) -> P:
+    """PartitionSpec for an array of `shape` whose dimensions carry logical `names`."""
+    sizes = dict(mesh.shape)
+    spec = []
+    for name, dim in zip(names, shape):
+        axes = tuple(a for a in RULES[name] if sizes.get(a, 1) > 1) if name else ()
+        split = math.prod(sizes[a] for a in axes)
+        if dim % split:
+            if name in REPLICATE_IF_INDIVISIBLE:
+                axes = ()
+            else:
+                raise ConfigError(
+                    f"dimension {name!r} of size {dim} is not divisible by the mesh axes "
+                    f"{'x'.join(axes)} = {split}: change the model size or the --mesh"
+                )
+        spec.append(axes[0] if len(axes) == 1 else (axes or None))
+    return P(*spec)
+
+
+def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
+    """NamedSharding for every parameter, from its `out_sharding` logical names."""
+
+    def one(var: nnx.Variable) -> NamedSharding:
+        names = var.get_metadata().get("out_sharding") or (None,) * var.ndim
+        return NamedSharding(mesh, logical_to_spec(names, var.shape, mesh))
+
+    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def data_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
+    """Token batches [..., B, L]: B over (data, fsdp), L over sequence; leading dims replicated."""
+    names = (None,) * (len(shape) - 2) + ("batch", "length")
+    return NamedSharding(mesh, logical_to_spec(names, shape, mesh))
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Pin an activation's sharding by logical names (no-op outside a mesh context)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh))

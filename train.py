@@ -1,0 +1,101 @@
+"""meshtrain: train a sharded transformer.
+
+  python train.py                                  tiny preset, stdlib corpus, CPU, ~2 minutes
+  python train.py --mesh dp=8,tp=8                 64 devices (fake CPU devices on a laptop)
+  python train.py --config 125m --set train.lr=3e-4 --run-dir runs/a
+
+Arguments are parsed, and the config and mesh shape checked, before jax is imported: on CPU
+this script sets XLA's host device count to what the mesh needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from configs import PRESETS, ConfigError, RunConfig, apply_overrides, get_preset
+from sharding.mesh import format_mesh, parse_mesh, requested_devices
+
+FAKE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiny", help=f"preset: {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--mesh", default="", help="axis sizes, e.g. dp=8,tp=8; axes pp dp fsdp sp tp; one may be -1")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set model.n_layers=8 (repeatable)")
+    p.add_argument("--steps", type=int, help="shortcut for --set train.steps=N")
+    p.add_argument("--run-dir", type=Path, help="output directory (default runs/<preset>-<time>)")
+    p.add_argument("--profile-steps", help="START:END, trace these steps with jax.profiler")
+    return p.parse_args(argv)
+
+
+def resolve_config(args: argparse.Namespace) -> RunConfig:
+    sets = list(args.set)
+    if args.steps is not None:
+        sets.append(f"train.steps={args.steps}")
+    if args.profile_steps:
+        sets.append(f"train.profile_steps={args.profile_steps}")
+    cfg = apply_overrides(get_preset(args.config), sets)
+    if args.mesh:
+        cfg = RunConfig(cfg.name, cfg.model, cfg.train, cfg.data, parse_mesh(args.mesh))
+    return cfg
+
+
+def request_fake_devices(cfg: RunConfig) -> int | None:
+    """Ask XLA's host platform for as many devices as the mesh needs (before jax is imported)."""
+    needed = requested_devices(cfg.parallel)
+    if not needed or needed == 1 or FAKE_DEVICES_FLAG in os.environ.get("XLA_FLAGS", ""):
+        return None
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAKE_DEVICES_FLAG}={needed}".strip()
+    return needed
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    cfg = resolve_config(args)
+    fake = request_fake_devices(cfg)
+
+    import jax  # noqa: E402 -- after XLA_FLAGS is final
+
+    from sharding.mesh import build_mesh, mesh_config
+    from training.build import build
+    from training.loop import train
+
+    mesh = build_mesh(cfg.parallel)
+    if fake and jax.default_backend() == "cpu":
+        print(f"CPU platform: running mesh {format_mesh(dict(mesh.shape))} on {fake} fake host devices")
+    cfg = RunConfig(cfg.name, cfg.model, cfg.train, cfg.data, mesh_config(mesh))
+    run_dir = args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(cfg.to_dict(), indent=2)
+    if jax.process_index() == 0:
+        (run_dir / "config.json").write_text(text + "\n")
+        print(f"config ({run_dir / 'config.json'}):\n{text}")
+
+    job = build(cfg, mesh)
+    k, b, length = job.batches.shape
+    print(
+        f"{cfg.name}: {job.n_params / 1e6:.2f}M parameters | mesh {format_mesh(dict(mesh.shape))} "
+        f"on {mesh.size} {jax.devices()[0].platform} device(s) | batch {k}x{b}x{length} tokens"
+    )
+    records = train(job, run_dir)
+    if records:
+        print(f"done: final loss {records[-1]['loss']:.4f} after {cfg.train.steps} steps; metrics in {run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

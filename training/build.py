@@ -1,0 +1,101 @@
+"""Put a run together on a mesh: batch layout, sharded state, jitted step, data.
+
+The state is initialised inside `jax.jit` with `out_shardings` from the logical rules, so each
+device materialises only its own shard (a model larger than one device's memory never exists
+whole anywhere). Random initial values depend only on the seed, not on the mesh
+(threefry is partitionable), which is what lets a sharded run equal the single-device run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from configs.base import ConfigError, RunConfig
+from model.transformer import Transformer, count_params
+from sharding.rules import data_sharding, param_shardings
+from training.data import Batches, load_tokens
+from training.optimizer import lr_schedule, make_optimizer
+from training.step import TrainState, make_train_step
+
+
+def batch_layout(cfg: RunConfig, mesh: Mesh) -> tuple[int, int]:
+    """(k microbatches, b sequences per microbatch) for one optimizer step."""
+    t, sizes = cfg.train, dict(mesh.shape)
+    ranks = sizes["data"] * sizes["fsdp"]
+    if t.global_batch_size % ranks:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by dp*fsdp={ranks}: "
+            "change the batch size or the --mesh"
+        )
+    per_rank = t.global_batch_size // ranks
+    micro = t.micro_batch_size or per_rank
+    if per_rank % micro:
+        raise ConfigError(
+            f"train.micro_batch_size={micro} does not divide the {per_rank} sequences per "
+            f"data-parallel rank (global_batch_size {t.global_batch_size} / dp*fsdp {ranks})"
+        )
+    if t.seq_len % sizes["sequence"]:
+        raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by sp={sizes['sequence']}")
+    return per_rank // micro, micro * ranks
+
+
+def state_shardings(abstract: TrainState, mesh: Mesh) -> TrainState:
+    """Parameters and optimizer moments by their logical names; scalars replicated."""
+
+    def one(leaf):
+        if isinstance(leaf, nnx.Variable):
+            return param_shardings(leaf, mesh)
+        return NamedSharding(mesh, P())
+
+    return jax.tree.map(one, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@dataclass
+class Job:
+    cfg: RunConfig
+    mesh: Mesh
+    graphdef: nnx.GraphDef
+    state: TrainState
+    shardings: TrainState
+    step_fn: Callable  # jitted (state, batch) -> (state, metrics)
+    batches: Batches
+    n_params: int
+
+
+def init_state(cfg: RunConfig, mesh: Mesh):
+    """(graphdef, sharded TrainState, its shardings, optimizer, schedule)."""
+    tx, schedule = make_optimizer(cfg.train), lr_schedule(cfg.train)
+
+    def init() -> tuple[nnx.GraphDef, TrainState]:
+        graphdef, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
+        return graphdef, TrainState(jax.numpy.zeros((), jax.numpy.int32), params, tx.init(params))
+
+    graphdef, abstract = nnx.eval_shape(init)
+    shardings = state_shardings(abstract, mesh)
+    with jax.set_mesh(mesh):
+        state = jax.jit(lambda: init()[1], out_shardings=shardings)()
+    return graphdef, state, shardings, tx, schedule
+
+
+def build(cfg: RunConfig, mesh: Mesh, tokens: np.ndarray | None = None) -> Job:
+    """Everything a training loop needs. `tokens` overrides the configured data source."""
+    k, b = batch_layout(cfg, mesh)
+    graphdef, state, shardings, tx, schedule = init_state(cfg, mesh)
+    shape = (k, b, cfg.train.seq_len)
+    batch_sharding = data_sharding(mesh, shape)
+    step = jax.jit(
+        make_train_step(graphdef, tx, schedule, cfg),
+        in_shardings=(shardings, {"inputs": batch_sharding, "targets": batch_sharding}),
+        out_shardings=(shardings, NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )
+    if tokens is None:
+        tokens = load_tokens(cfg.data, cfg.model.vocab_size)
+    batches = Batches(tokens, cfg.data.seed, k, b, cfg.train.seq_len, batch_sharding)
+    return Job(cfg, mesh, graphdef, state, shardings, step, batches, count_params(state.params))

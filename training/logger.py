@@ -1,0 +1,65 @@
+"""Where metrics go: a console line per log step, metrics.jsonl, TensorBoard event files.
+
+Only process 0 writes. metrics.jsonl holds one JSON object per log step (step, loss,
+tokens_per_s, step_time_s, lr, grad_norm, tflops_per_device, mfu, ...), so runs can be read by
+scripts; the same scalars go to TensorBoard (tensorboardX, no TensorFlow needed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, total_steps: int):
+        self.total = total_steps
+        self.started = time.perf_counter()
+        self.enabled = jax.process_index() == 0
+        if self.enabled:
+            from tensorboardX import SummaryWriter
+
+            self.jsonl = open(run_dir / "metrics.jsonl", "a")
+            self.tb = SummaryWriter(str(run_dir))
+
+    def log(self, record: dict) -> None:
+        """Write one log step's record (must hold step, loss, tokens_per_s, step_time_s, lr, grad_norm)."""
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                self.tb.add_scalar(f"train/{key}", value, record["step"])
+        print(self.line(record), flush=True)
+
+    def line(self, r: dict) -> str:
+        step, done = r["step"], r["step"] / self.total
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / done * (1 - done) if done else 0.0
+        parts = [
+            f"step {step:>{len(str(self.total))}}/{self.total} {done:4.0%}",
+            f"loss {r['loss']:.4f}",
+            f"{r['tokens_per_s']:,.0f} tok/s",
+            f"{r['step_time_s'] * 1e3:.1f} ms/step",
+            f"lr {r['lr']:.2e}",
+            f"gnorm {r['grad_norm']:.3f}",
+        ]
+        if r.get("mfu") is not None:
+            parts.append(f"{r['tflops_per_device']:.1f} TFLOP/s/dev MFU {r['mfu']:.1%}")
+        parts.append(f"eta {_duration(eta)}")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.jsonl.close()
+            self.tb.close()

@@ -1,0 +1,69 @@
+"""The loss, gradient accumulation and the jitted train step.
+
+Precision: parameters and optimizer state stay in `param_dtype` (fp32); the step casts the
+parameter tree to `compute_dtype` (bf16 by default) before the forward pass, so XLA moves and
+multiplies bf16 while gradients arrive in fp32 through the cast. Logits and the cross-entropy
+are fp32.
+
+Accumulation: a batch is [k, b, L]; a `lax.scan` over the k microbatches sums fp32 gradients
+(held with the parameters' shardings) and divides by k, then one optimizer update is applied.
+Microbatches have equal token counts, so this equals the gradient of one batch of k*b.
+
+Collectives are not written here: XLA derives them from the shardings of the parameters
+(sharding/rules.py) and of the batch, e.g. the gradient all-reduce over (data, fsdp).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from configs.base import RunConfig
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar
+    params: nnx.State
+    opt_state: Any
+
+
+def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig) -> jax.Array:
+    """Mean next-token cross-entropy (nats) of one microbatch {'inputs', 'targets'} [b, L]."""
+    compute = jax.tree.map(lambda p: p.astype(cfg.model.compute_dtype), params)
+    logits = nnx.merge(graphdef, compute)(batch["inputs"])  # [b, L, V] fp32
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    if cfg.train.z_loss:
+        loss += cfg.train.z_loss * jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    return loss
+
+
+def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig):
+    """Mean loss and gradients over the k microbatches of `batch` ([k, b, L] leaves)."""
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def micro(acc, microbatch):
+        loss, grads = grad_fn(params, graphdef, microbatch, cfg)
+        return jax.tree.map(jnp.add, acc, (loss, grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(micro, zeros, batch)
+    k = batch["inputs"].shape[0]
+    return loss / k, jax.tree.map(lambda g: g / k, grads)
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule, cfg: RunConfig) -> Callable:
+    """(state, batch) -> (state, metrics); jit it with the state's shardings."""
+
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        loss, grads = loss_and_grads(state.params, graphdef, batch, cfg)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step)}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    return train_step
