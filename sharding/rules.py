@@ -45,6 +45,12 @@ RULES: dict[str, tuple[str, ...]] = {
 # Dimensions replicated, instead of refused, when the mesh does not divide them.
 REPLICATE_IF_INDIVISIBLE = {"kv_heads"}
 
+# The config field behind each logical dimension, named in divisibility errors.
+FIELD = {
+    "batch": "train.global_batch_size", "length": "train.seq_len", "embed": "model.d_model",
+    "heads": "model.n_heads", "mlp": "model.d_ff", "vocab": "model.vocab_size",
+}
+
 
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh) -> P:
     """PartitionSpec for an array of `shape` whose dimensions carry logical `names`."""
@@ -58,8 +64,8 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh) -> 
                 axes = ()
             else:
                 raise ConfigError(
-                    f"dimension {name!r} of size {dim} is not divisible by the mesh axes "
-                    f"{'x'.join(axes)} = {split}: change the model size or the --mesh"
+                    f"{FIELD.get(name, name)}: dimension {name!r} of size {dim} is not divisible "
+                    f"by the mesh axes {'x'.join(axes)} = {split}; change it or the --mesh"
                 )
         spec.append(axes[0] if len(axes) == 1 else (axes or None))
     return P(*spec)

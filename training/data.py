@@ -66,8 +66,14 @@ def load_tokens(cfg: DataConfig, vocab_size: int) -> np.ndarray:
         return _read_bytes(files, f"data.path={cfg.path}")
     if cfg.token_dtype not in ("uint16", "uint32"):
         raise ConfigError(f"--set data.token_dtype={cfg.token_dtype}: choose uint16 or uint32")
-    if path.stat().st_size == 0:
+    size, itemsize = path.stat().st_size, np.dtype(cfg.token_dtype).itemsize
+    if size == 0:
         raise ConfigError(f"data.path={cfg.path} is empty")
+    if size % itemsize:
+        raise ConfigError(
+            f"data.path={cfg.path} has {size} bytes, not a multiple of {itemsize}: "
+            f"is --set data.token_dtype={cfg.token_dtype} the dtype it was written with?"
+        )
     tokens = np.memmap(path, dtype=cfg.token_dtype, mode="r")
     if int(tokens.max()) >= vocab_size:
         raise ConfigError(
@@ -81,9 +87,10 @@ class Batches:
 
     def __init__(self, tokens: np.ndarray, seed: int, k: int, b: int, seq_len: int,
                  sharding: jax.sharding.NamedSharding):
-        if tokens.size < seq_len + 2:
+        if tokens.size < seq_len + 1:
             raise ConfigError(
-                f"the corpus has {tokens.size} tokens, fewer than train.seq_len={seq_len} + 1"
+                f"the corpus has {tokens.size} tokens, fewer than train.seq_len={seq_len} + 1 "
+                "(one window of inputs and shifted targets)"
             )
         self.tokens, self.seed, self.shape, self.sharding = tokens, seed, (k, b, seq_len), sharding
         # Rows (along b) held by this process's devices; all processes draw the same offsets.
@@ -94,7 +101,7 @@ class Batches:
         """This process's rows of step `step`, as numpy [k, rows, L]."""
         k, b, length = self.shape
         rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, self.tokens.size - length - 1, size=(k, b))[:, self.rows]
+        starts = rng.integers(0, self.tokens.size - length, size=(k, b))  # window of L + 1[:, self.rows]
         windows = self.tokens[starts[..., None] + np.arange(length + 1)].astype(np.int32)
         return {"inputs": windows[..., :-1], "targets": windows[..., 1:]}
 

@@ -63,7 +63,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         loss, grads = loss_and_grads(state.params, graphdef, batch, cfg)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return train_step

@@ -1,0 +1,201 @@
+"""configs/: dotted overrides, presets, dict round trip, and no jax on import."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from configs import PRESETS, RunConfig, apply_overrides, get_preset
+from configs.base import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- apply_overrides
+
+
+def test_override_int_field():
+    cfg = apply_overrides(RunConfig(), ["model.n_layers=8"])
+    assert cfg.model.n_layers == 8
+    assert isinstance(cfg.model.n_layers, int)
+    # Everything else is untouched.
+    assert cfg.model.d_model == RunConfig().model.d_model == 128
+    assert cfg.train == RunConfig().train
+
+
+def test_override_int_accepts_underscores_and_whitespace():
+    cfg = apply_overrides(RunConfig(), [" train.steps = 1_000 "])
+    assert cfg.train.steps == 1000
+
+
+def test_override_float_fields():
+    cfg = apply_overrides(RunConfig(), ["train.lr=3e-4", "train.z_loss=1e-4"])
+    assert cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.train.z_loss == pytest.approx(1e-4)
+    assert isinstance(cfg.train.lr, float)
+    # A float field given an integer literal still becomes a float.
+    cfg = apply_overrides(RunConfig(), ["train.grad_clip=2"])
+    assert cfg.train.grad_clip == 2.0 and isinstance(cfg.train.grad_clip, float)
+
+
+def test_override_str_fields():
+    cfg = apply_overrides(RunConfig(), ["data.source=synthetic", "model.attention=cudnn"])
+    assert cfg.data.source == "synthetic"
+    assert cfg.model.attention == "cudnn"
+    # A str field keeps digits as text (the converter does not coerce them to int).
+    cfg = apply_overrides(RunConfig(), ["train.profile_steps=5:8", "data.path=/tmp/a=b"])
+    assert cfg.train.profile_steps == "5:8"
+    assert cfg.data.path == "/tmp/a=b"  # only the first '=' separates key from value
+
+
+def test_bool_conversion():
+    """No bool field exists yet (later issues add some); the converter is tested directly."""
+    from configs.overrides import _convert
+
+    for text, value in [("true", True), ("False", False), ("1", True), ("off", False), ("yes", True)]:
+        assert _convert("parallel.flag", text, bool) is value
+    with pytest.raises(ConfigError) as err:
+        _convert("parallel.flag", "maybe", bool)
+    assert "parallel.flag" in str(err.value) and "bool" in str(err.value)
+
+
+def test_overrides_apply_in_order():
+    cfg = apply_overrides(
+        RunConfig(), ["model.n_layers=8", "train.lr=1e-3", "model.n_layers=2", "parallel.tensor=4"]
+    )
+    assert cfg.model.n_layers == 2  # the later value wins
+    assert cfg.train.lr == pytest.approx(1e-3)
+    assert cfg.parallel.tensor == 4
+    assert cfg.name == "tiny"
+
+
+def test_overrides_return_new_config():
+    base = RunConfig()
+    cfg = apply_overrides(base, ["model.n_layers=8"])
+    assert base.model.n_layers == 4
+    assert cfg is not base
+    assert apply_overrides(base, []) == base
+
+
+def test_unknown_key_lists_close_matches():
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(RunConfig(), ["model.n_layer=8"])
+    assert "model.n_layer" in str(err.value)
+    assert "model.n_layers" in str(err.value)
+    assert "did you mean" in str(err.value)
+
+
+def test_unknown_key_without_close_match():
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(RunConfig(), ["zzzz.qqqq=1"])
+    assert "zzzz.qqqq" in str(err.value)
+
+
+def test_unknown_section_only_key():
+    with pytest.raises(ConfigError):
+        apply_overrides(RunConfig(), ["name=foo"])
+
+
+@pytest.mark.parametrize(
+    "item, key, kind",
+    [
+        ("model.n_layers=abc", "model.n_layers", "int"),
+        ("model.n_layers=1.5", "model.n_layers", "int"),
+        ("train.lr=fast", "train.lr", "float"),
+        ("parallel.data=", "parallel.data", "int"),
+    ],
+)
+def test_wrong_value_type(item, key, kind):
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(RunConfig(), [item])
+    msg = str(err.value)
+    assert key in msg
+    assert kind in msg
+
+
+def test_missing_equals():
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(RunConfig(), ["model.n_layers"])
+    assert "model.n_layers" in str(err.value)
+    assert "=" in str(err.value)
+
+
+def test_error_in_later_override_still_raises():
+    with pytest.raises(ConfigError):
+        apply_overrides(RunConfig(), ["model.n_layers=8", "train.lr=fast"])
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+# ---------------------------------------------------------------- presets
+
+
+def test_preset_names():
+    assert {"tiny", "125m", "1b", "llama3-8b", "llama3-70b"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_get_preset_name_matches_key(name):
+    cfg = get_preset(name)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.name == name
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_shapes_consistent(name):
+    m = get_preset(name).model
+    assert m.n_heads % m.n_kv_heads == 0
+    assert m.vocab_size >= 256
+
+
+def test_preset_known_shapes():
+    m = get_preset("llama3-8b").model
+    assert (m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff) == (
+        4096, 32, 32, 8, 128, 14336,
+    )
+    assert get_preset("125m").model.d_model == 768
+    assert get_preset("tiny") == RunConfig()
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(ConfigError) as err:
+        get_preset("huge")
+    msg = str(err.value)
+    assert "huge" in msg
+    for name in PRESETS:
+        assert name in msg
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_dict_round_trip(name):
+    cfg = get_preset(name)
+    d = cfg.to_dict()
+    assert d["name"] == name
+    assert d["model"]["n_layers"] == cfg.model.n_layers
+    assert RunConfig.from_dict(d) == cfg
+
+
+def test_dict_round_trip_after_overrides():
+    cfg = apply_overrides(get_preset("1b"), ["train.lr=1e-5", "data.source=text", "parallel.data=-1"])
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg
+    assert RunConfig.from_dict(cfg.to_dict()).parallel.data == -1
+
+
+# ---------------------------------------------------------------- no jax on import
+
+
+def test_configs_and_mesh_import_without_jax():
+    proc = subprocess.run(
+        [sys.executable, "-c", "import configs, sharding.mesh, sys; assert 'jax' not in sys.modules"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
