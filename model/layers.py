@@ -27,7 +27,7 @@ def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str | None], std
         value = jnp.ones(shape, dtype)
     else:
         value = std * jax.random.normal(rngs.params(), shape, dtype)
-    return nnx.Param(value, sharding_names=tuple(names), eager_sharding=False)
+    return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):

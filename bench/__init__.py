@@ -1,0 +1,1 @@
+"""Benchmark scripts; their recorded results live in bench/results/*.json."""

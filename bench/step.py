@@ -1,0 +1,316 @@
+"""Benchmark the train step: compile time, step time, throughput, memory; compile time vs depth.
+
+  python -m bench.step --config tiny --mesh dp=2,tp=2
+  python -m bench.step --config 125m --mesh fsdp=8 --set train.global_batch_size=32 --steps 20
+  python -m bench.step --config tiny --compile-layers 2,8,32 --out bench/results/scan.json
+
+Throughput: the job is built as train.py builds it (`training.build.build`); the step is lowered
+and compiled ahead of time (lower and compile timed separately), run once (the first step), then
+run --steps more times, each waited for with `jax.block_until_ready`. Step times exclude the
+host's batch assembly (each batch is made and waited for before its step's clock starts). The
+report gives the median step time, tokens/s, TFLOP/s per device and MFU (model FLOPs,
+`training.metrics`), the peak device memory (None where the backend does not report it, e.g.
+CPU) and XLA's static memory analysis of the compiled step (per device; works on CPU).
+
+Compile scaling (--compile-layers): the same step for each model.n_layers, lowered and compiled
+on abstract inputs (nothing allocated, so large presets work), timed wall clock. Layers are one
+`lax.scan`, so the time should stay nearly flat; the ratio largest/smallest says how flat.
+
+The persistent compilation cache is switched off so that every compile is timed from scratch.
+On CPU (fake host devices sharing a few cores) absolute times say nothing about a GPU: compare
+only ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from configs import PRESETS, ConfigError, RunConfig, apply_overrides, get_preset
+from sharding.mesh import format_mesh, parse_mesh
+from train import request_fake_devices
+
+PACKAGES = ("jax", "jaxlib", "flax", "optax")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiny", help=f"preset: {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--mesh", default="", help="axis sizes, e.g. dp=2,tp=2; axes pp dp fsdp sp tp; one may be -1")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set train.seq_len=256 (repeatable)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps after the first (default 10)")
+    p.add_argument("--compile-layers", default="", metavar="X,X,...",
+                   help="also time lower+compile for these model.n_layers, e.g. 2,8,32")
+    p.add_argument("--out", type=Path, help="JSON report (default bench/results/step-<config>-<mesh>.json)")
+    return p.parse_args(argv)
+
+
+def resolve(args: argparse.Namespace) -> tuple[RunConfig, list[int]]:
+    """The run config (before the mesh is built) and the layer counts to compile."""
+    if args.steps < 1:
+        raise ConfigError(f"--steps {args.steps}: time at least one step")
+    cfg = apply_overrides(get_preset(args.config), args.set)
+    if args.mesh:
+        cfg = dataclasses.replace(cfg, parallel=parse_mesh(args.mesh))
+    try:
+        layers = sorted({int(x) for x in args.compile_layers.split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--compile-layers {args.compile_layers!r}: expected integers, e.g. 2,8,32") from None
+    if layers and layers[0] < 1:
+        raise ConfigError(f"--compile-layers {args.compile_layers!r}: layer counts must be positive")
+    return cfg, layers
+
+
+def abstract_step(cfg: RunConfig, mesh):
+    """(jitted step, abstract state, abstract batch): build()'s step, but nothing allocated.
+
+    Mirrors `training.build.init_state` and `build` (same shardings, same donation) so that the
+    compiled program is the one a run compiles; only the inputs are ShapeDtypeStructs.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from model.transformer import Transformer
+    from sharding.rules import data_sharding
+    from training.build import batch_layout, state_shardings
+    from training.optimizer import lr_schedule, make_optimizer
+    from training.step import TrainState, make_train_step
+
+    k, b = batch_layout(cfg, mesh)
+    tx, schedule = make_optimizer(cfg.train), lr_schedule(cfg.train)
+
+    def init():
+        graphdef, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
+        return graphdef, TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+    graphdef, state = nnx.eval_shape(init)
+    shardings = state_shardings(state, mesh)
+    shape = (k, b, cfg.train.seq_len)
+    batch_sharding = data_sharding(mesh, shape)
+    batch = {n: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding) for n in ("inputs", "targets")}
+    step = jax.jit(
+        make_train_step(graphdef, tx, schedule, cfg),
+        in_shardings=(shardings, {"inputs": batch_sharding, "targets": batch_sharding}),
+        out_shardings=(shardings, NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )
+    return step, state, batch
+
+
+def lower_and_compile(jitted, *args) -> tuple[object, float, float]:
+    """(compiled, lower seconds, compile seconds)."""
+    start = time.perf_counter()
+    lowered = jitted.lower(*args)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    return compiled, lowered_at - start, time.perf_counter() - lowered_at
+
+
+def memory_analysis(compiled) -> dict | None:
+    """XLA's static per-device memory figures of a compiled program (None if not reported)."""
+    stats = compiled.memory_analysis()
+    if isinstance(stats, (list, tuple)):
+        stats = stats[0] if stats else None
+    if stats is None:
+        return None
+    return {n: getattr(stats, n) for n in dir(stats) if n.endswith("_in_bytes")}
+
+
+def measure_steps(cfg: RunConfig, mesh, steps: int) -> dict:
+    """Compile, first step and `steps` timed steps of the real job."""
+    import jax
+
+    from training.build import build
+    from training.metrics import peak_memory_bytes, step_figures
+
+    job = build(cfg, mesh)
+    k, b, length = job.batches.shape
+    with jax.set_mesh(mesh):
+        batch = jax.block_until_ready(job.batches(0))
+        compiled, lower_s, compile_s = lower_and_compile(job.step_fn, job.state, batch)
+        start = time.perf_counter()
+        state, metrics = jax.block_until_ready(compiled(job.state, batch))  # donates job.state
+        first_run_s = time.perf_counter() - start
+        first_loss, times = float(metrics["loss"]), []
+        for step in range(1, steps + 1):
+            batch = jax.block_until_ready(job.batches(step))
+            start = time.perf_counter()
+            state, metrics = jax.block_until_ready(compiled(state, batch))
+            times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    peaks = [peak_memory_bytes(d) for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    return {
+        "n_params": job.n_params,
+        "batch_shape": [k, b, length],
+        "tokens_per_step": k * b * length,
+        "lower_s": lower_s,
+        "compile_s": compile_s,
+        "first_step_run_s": first_run_s,
+        "steps_timed": steps,
+        "step_time_median_s": median,
+        "step_time_min_s": min(times),
+        "step_time_max_s": max(times),
+        "step_times_s": times,
+        **step_figures(cfg.model, length, k * b * length, median, mesh.size, mesh.devices.flat[0]),
+        "peak_memory_bytes_per_device": max((p for p in peaks if p is not None), default=None),
+        "memory_analysis": memory_analysis(compiled),
+        "loss_first": first_loss,
+        "loss_last": float(metrics["loss"]),
+    }
+
+
+def compile_scaling(cfg: RunConfig, mesh, layers: list[int]) -> dict:
+    """Lower + compile wall clock of the step for each model.n_layers in `layers`."""
+    import jax
+
+    rows = []
+    for n in layers:
+        step, state, batch = abstract_step(apply_overrides(cfg, [f"model.n_layers={n}"]), mesh)
+        with jax.set_mesh(mesh):
+            _, lower_s, compile_s = lower_and_compile(step, state, batch)
+        rows.append({"n_layers": n, "lower_s": lower_s, "compile_s": compile_s, "total_s": lower_s + compile_s})
+    ratio = rows[-1]["total_s"] / rows[0]["total_s"] if len(rows) > 1 else None
+    return {"rows": rows, "ratio_largest_to_smallest": ratio}
+
+
+def environment(mesh) -> dict:
+    import jax
+
+    def version(pkg: str) -> str | None:
+        try:
+            return importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    device = mesh.devices.flat[0]
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "versions": {p: version(p) for p in PACKAGES},
+        "backend": jax.default_backend(),
+        "device_kind": device.device_kind,
+        "device_count": jax.device_count(),
+        "mesh_devices": mesh.size,
+    }
+
+
+def _cpu_model() -> str:
+    """The CPU model name from /proc/cpuinfo (platform.processor() is empty on Linux)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+
+
+def _seconds(s: float | None) -> str:
+    return "n/a" if s is None else f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _bytes(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def print_report(report: dict) -> None:
+    env, t = report["environment"], report["throughput"]
+    mfu = "n/a" if t["mfu"] is None else f"{100 * t['mfu']:.1f} %"
+    mem = t["memory_analysis"] or {}
+    rows = [
+        ("config", f"{report['config']['name']}: {t['n_params'] / 1e6:.2f}M parameters"),
+        ("mesh", f"{report['mesh']} on {env['mesh_devices']} {env['backend']} device(s) ({env['device_kind']})"),
+        ("batch k x b x L", " x ".join(map(str, t["batch_shape"])) + f" = {t['tokens_per_step']} tokens"),
+        ("lower", _seconds(t["lower_s"])),
+        ("compile", _seconds(t["compile_s"])),
+        ("first step (run)", _seconds(t["first_step_run_s"])),
+        (f"step, median of {t['steps_timed']}",
+         f"{_seconds(t['step_time_median_s'])} (min {_seconds(t['step_time_min_s'])}, "
+         f"max {_seconds(t['step_time_max_s'])})"),
+        ("tokens/s", f"{t['tokens_per_s']:,.0f}"),
+        ("TFLOP/s per device", f"{t['tflops_per_device']:.4g}"),
+        ("MFU", mfu),
+        ("peak memory / device", _bytes(t["peak_memory_bytes_per_device"])),
+        ("XLA arguments / device", _bytes(mem.get("argument_size_in_bytes"))),
+        ("XLA outputs / device", _bytes(mem.get("output_size_in_bytes"))),
+        ("XLA aliased / device", _bytes(mem.get("alias_size_in_bytes"))),
+        ("XLA temp / device", _bytes(mem.get("temp_size_in_bytes"))),
+        ("XLA peak / device", _bytes(mem.get("peak_memory_in_bytes"))),
+        ("loss first -> last", f"{t['loss_first']:.4f} -> {t['loss_last']:.4f}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    print("\n".join(f"  {name:<{width}}  {value}" for name, value in rows))
+    scaling = report.get("compile_scaling")
+    if scaling:
+        print(f"\n  {'n_layers':>8}  {'lower':>10}  {'compile':>10}  {'total':>10}")
+        for r in scaling["rows"]:
+            print(f"  {r['n_layers']:>8}  {_seconds(r['lower_s']):>10}  "
+                  f"{_seconds(r['compile_s']):>10}  {_seconds(r['total_s']):>10}")
+        if scaling["ratio_largest_to_smallest"] is not None:
+            first, last = scaling["rows"][0]["n_layers"], scaling["rows"][-1]["n_layers"]
+            print(f"  compile({last}) / compile({first}) = {scaling['ratio_largest_to_smallest']:.2f}")
+
+
+def default_out(cfg: RunConfig, mesh_text: str) -> Path:
+    """bench/results/step-<config>-<mesh>.json, e.g. step-tiny-dp2_tp2.json."""
+    safe = mesh_text.replace("=", "").replace(",", "_").replace(" ", "-")
+    return Path("bench/results") / f"step-{cfg.name}-{safe}.json"
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    cfg, layers = resolve(args)
+    os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # time every compile from scratch
+    fake = request_fake_devices(cfg)
+
+    import jax  # noqa: E402 -- after XLA_FLAGS is final
+
+    from sharding.mesh import build_mesh, mesh_config
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    mesh = build_mesh(cfg.parallel)
+    mesh_text = format_mesh(dict(mesh.shape))
+    if fake and jax.default_backend() == "cpu":
+        print(f"CPU platform: running mesh {mesh_text} on {fake} fake host devices")
+    cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh))
+
+    report = {
+        "command": shlex.join(["python", "-m", "bench.step", *argv]),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "environment": environment(mesh),
+        "mesh": mesh_text,
+        "config": cfg.to_dict(),
+        "throughput": measure_steps(cfg, mesh, args.steps),
+    }
+    if layers:
+        report["compile_scaling"] = compile_scaling(cfg, mesh, layers)
+    print_report(report)
+    if jax.process_index() == 0:
+        out = args.out or default_out(cfg, mesh_text)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,101 @@
+"""The transformer: presets build abstractly with the published sizes; causality; remat; errors."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import PRESETS, ConfigError, get_preset
+from model.transformer import Transformer, count_params
+from training.step import loss_fn
+
+
+def abstract_params(model_cfg):
+    return nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_builds_abstractly(name):
+    params = abstract_params(get_preset(name).model)
+    leaves = jax.tree.leaves(params)
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+@pytest.mark.parametrize("name, billions", [("llama3-8b", 8.03), ("llama3-70b", 70.6)])
+def test_published_parameter_counts(name, billions):
+    n = count_params(abstract_params(get_preset(name).model))
+    assert n / 1e9 == pytest.approx(billions, abs=0.05)  # published figures are rounded
+
+
+def small_model(**changes):
+    from conftest import small_config
+
+    cfg = small_config().model
+    return dataclasses.replace(cfg, **changes)
+
+
+def test_causal_future_tokens_do_not_change_past_logits():
+    model = Transformer(small_model(), rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+    changed = tokens.at[:, 10:].set((tokens[:, 10:] + 7) % 256)
+    a, b = model(tokens), model(changed)
+    np.testing.assert_array_equal(a[:, :10], b[:, :10])
+    assert not np.allclose(a[:, 10:], b[:, 10:])
+
+
+@pytest.mark.parametrize("policy", ["full", "dots", "attn"])
+def test_remat_policies_change_memory_not_numbers(policy):
+    from conftest import small_config
+
+    cfg = small_config()
+    tokens = jax.random.randint(jax.random.key(2), (4, 33), 0, 256)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    results = []
+    for name in ("none", policy):
+        run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=name))
+        graphdef, params = nnx.split(Transformer(run.model, rngs=nnx.Rngs(0)))
+        results.append(jax.jit(jax.value_and_grad(loss_fn), static_argnums=(1, 3))(params, graphdef, batch, run))
+    (loss0, grads0), (loss1, grads1) = results
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads1), jax.tree.leaves(grads0)):
+        np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5)
+
+
+def test_bf16_compute_stays_close_to_fp32():
+    from conftest import small_config
+
+    cfg = small_config()
+    tokens = jax.random.randint(jax.random.key(3), (4, 33), 0, 256)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    graphdef, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    losses = []
+    for dtype in ("float32", "bfloat16"):
+        run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype=dtype))
+        losses.append(float(loss_fn(params, graphdef, batch, run)))
+    assert losses[0] == pytest.approx(np.log(256), rel=0.02)  # untrained: near-uniform
+    assert losses[1] == pytest.approx(losses[0], rel=1e-2)
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"remat": "sometimes"}, "model.remat"),
+        ({"attention": "flash"}, "model.attention"),
+        ({"n_heads": 8, "n_kv_heads": 3}, "model.n_kv_heads"),
+        ({"head_dim": 7}, "model.head_dim"),
+    ],
+)
+def test_bad_model_config_is_a_clear_error(changes, field):
+    with pytest.raises(ConfigError) as err:
+        model = Transformer(small_model(**changes), rngs=nnx.Rngs(0))
+        model(jnp.zeros((1, 8), jnp.int32))
+    assert field in str(err.value)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="cudnn is available on GPUs")
+def test_cudnn_core_off_gpu_says_so():
+    with pytest.raises(ConfigError, match="NVIDIA GPU"):
+        Transformer(small_model(attention="cudnn"), rngs=nnx.Rngs(0))
