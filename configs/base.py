@@ -76,10 +76,14 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Size of each mesh axis, outermost first; -1 (at most one) fills the remaining devices."""
+    """Size of each mesh axis, outermost first; -1 (at most one) fills the remaining devices.
+
+    The default (no --mesh) is pure data parallelism over every visible device: one device on
+    a laptop, dp=8 on an 8-GPU node.
+    """
 
     stage: int = 1
-    data: int = 1
+    data: int = -1
     fsdp: int = 1
     sequence: int = 1
     tensor: int = 1

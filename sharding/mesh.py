@@ -43,7 +43,7 @@ def parse_mesh(spec: str) -> ParallelConfig:
             raise ConfigError(f"--mesh {spec!r}: size of {name} must be positive or -1 (fill)")
     if list(sizes.values()).count(-1) > 1:
         raise ConfigError(f"--mesh {spec!r}: only one axis may be -1 (fill with the remaining devices)")
-    return ParallelConfig(**sizes)
+    return ParallelConfig(**({a: 1 for a in AXES} | sizes))
 
 
 def format_mesh(shape: dict[str, int]) -> str:

@@ -46,8 +46,13 @@ def test_parse_mesh(spec, expected):
 
 def test_parse_mesh_missing_axes_are_one():
     cfg = parse_mesh("tp=4")
-    assert cfg == ParallelConfig(tensor=4)
+    assert cfg == ParallelConfig(data=1, tensor=4)
     assert (cfg.stage, cfg.data, cfg.fsdp, cfg.sequence) == (1, 1, 1, 1)
+
+
+def test_default_mesh_is_data_parallel_over_every_device():
+    assert resolve_shape(ParallelConfig(), 8) == {"stage": 1, "data": 8, "fsdp": 1, "sequence": 1, "tensor": 1}
+    assert resolve_shape(ParallelConfig(), 1)["data"] == 1
 
 
 @pytest.mark.parametrize("spec", ["xp=2", "dp=2,model=4", "tensors=2", "dp2", "dp:2"])
