@@ -71,46 +71,6 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, list[int]]:
     return cfg, layers
 
 
-def abstract_step(cfg: RunConfig, mesh):
-    """(jitted step, abstract state, abstract batch): build()'s step, but nothing allocated.
-
-    Mirrors `training.build.init_state` and `build` (same shardings, same donation) so that the
-    compiled program is the one a run compiles (same StableHLO); only the inputs are
-    ShapeDtypeStructs. Call it outside `jax.set_mesh`, as init_state does: under a set mesh,
-    nnx.eval_shape turns the logical names into mesh shardings and fails.
-    """
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from model.transformer import Transformer
-    from sharding.rules import data_sharding
-    from training.build import batch_layout, state_shardings
-    from training.optimizer import lr_schedule, make_optimizer
-    from training.step import TrainState, make_train_step
-
-    k, b = batch_layout(cfg, mesh)
-    tx, schedule = make_optimizer(cfg.train), lr_schedule(cfg.train)
-
-    def init():
-        graphdef, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
-        return graphdef, TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
-
-    graphdef, state = nnx.eval_shape(init)
-    shardings = state_shardings(state, mesh)
-    shape = (k, b, cfg.train.seq_len)
-    batch_sharding = data_sharding(mesh, shape)
-    batch = {n: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding) for n in ("inputs", "targets")}
-    step = jax.jit(
-        make_train_step(graphdef, tx, schedule, cfg),
-        in_shardings=(shardings, {"inputs": batch_sharding, "targets": batch_sharding}),
-        out_shardings=(shardings, NamedSharding(mesh, P())),
-        donate_argnums=0,
-    )
-    return step, state, batch
-
-
 def lower_and_compile(jitted, *args) -> tuple[object, float, float]:
     """(compiled, lower seconds, compile seconds)."""
     start = time.perf_counter()
@@ -174,14 +134,16 @@ def measure_steps(cfg: RunConfig, mesh, steps: int) -> dict:
 
 
 def compile_scaling(cfg: RunConfig, mesh, layers: list[int]) -> dict:
-    """Lower + compile wall clock of the step for each model.n_layers in `layers`."""
+    """Lower + compile wall clock of the step for each model.n_layers in `layers` (nothing allocated)."""
     import jax
+
+    from training.build import abstract
 
     rows = []
     for n in layers:
-        step, state, batch = abstract_step(apply_overrides(cfg, [f"model.n_layers={n}"]), mesh)
+        program = abstract(apply_overrides(cfg, [f"model.n_layers={n}"]), mesh)
         with jax.set_mesh(mesh):
-            _, lower_s, compile_s = lower_and_compile(step, state, batch)
+            _, lower_s, compile_s = lower_and_compile(program.step_fn, program.state, program.abstract_batch())
         rows.append({"n_layers": n, "lower_s": lower_s, "compile_s": compile_s, "total_s": lower_s + compile_s})
     ratio = rows[-1]["total_s"] / rows[0]["total_s"] if len(rows) > 1 else None
     return {"rows": rows, "ratio_largest_to_smallest": ratio}

@@ -303,3 +303,13 @@ def test_parse_window_bad(text):
     with pytest.raises(ConfigError) as err:
         parse_window(text)
     assert "START:END" in str(err.value)
+
+
+def test_host_batch_holds_only_this_process_rows(sharding):
+    """With several processes each reads only its rows; simulate a process holding rows 1 and 3."""
+    tokens = np.arange(10_000, dtype=np.uint16)
+    full = Batches(tokens, 7, K, B, L, sharding)
+    part = Batches(tokens, 7, K, B, L, sharding)
+    part.rows = np.array([1, 3])
+    for name in ("inputs", "targets"):
+        np.testing.assert_array_equal(part.host_batch(5)[name], full.host_batch(5)[name][:, [1, 3]])

@@ -68,34 +68,58 @@ class Job:
     n_params: int
 
 
-def init_state(cfg: RunConfig, mesh: Mesh):
-    """(graphdef, sharded TrainState, its shardings, optimizer, schedule)."""
+@dataclass
+class Abstract:
+    """A run's program without its data: shapes, shardings and the jitted step."""
+
+    graphdef: nnx.GraphDef
+    state: TrainState  # ShapeDtypeStructs: nothing allocated
+    shardings: TrainState
+    batch_sharding: NamedSharding
+    batch_shape: tuple[int, int, int]  # (k, b, L)
+    init_fn: Callable  # jitted () -> sharded TrainState
+    step_fn: Callable  # jitted (state, batch) -> (state, metrics), state donated
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        struct = jax.ShapeDtypeStruct(self.batch_shape, np.int32, sharding=self.batch_sharding)
+        return {"inputs": struct, "targets": struct}
+
+
+def abstract(cfg: RunConfig, mesh: Mesh) -> Abstract:
+    """Shapes, shardings and jitted functions of a run; allocates nothing.
+
+    Call outside `jax.set_mesh`: nnx.eval_shape would otherwise apply the logical names as
+    mesh axes.
+    """
+    k, b = batch_layout(cfg, mesh)
     tx, schedule = make_optimizer(cfg.train), lr_schedule(cfg.train)
 
     def init() -> tuple[nnx.GraphDef, TrainState]:
         graphdef, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
         return graphdef, TrainState(jax.numpy.zeros((), jax.numpy.int32), params, tx.init(params))
 
-    graphdef, abstract = nnx.eval_shape(init)
-    shardings = state_shardings(abstract, mesh)
-    with jax.set_mesh(mesh):
-        state = jax.jit(lambda: init()[1], out_shardings=shardings)()
-    return graphdef, state, shardings, tx, schedule
-
-
-def build(cfg: RunConfig, mesh: Mesh, tokens: np.ndarray | None = None) -> Job:
-    """Everything a training loop needs. `tokens` overrides the configured data source."""
-    k, b = batch_layout(cfg, mesh)
-    graphdef, state, shardings, tx, schedule = init_state(cfg, mesh)
+    graphdef, state = nnx.eval_shape(init)
+    shardings = state_shardings(state, mesh)
     shape = (k, b, cfg.train.seq_len)
     batch_sharding = data_sharding(mesh, shape)
-    step = jax.jit(
+    step_fn = jax.jit(
         make_train_step(graphdef, tx, schedule, cfg),
         in_shardings=(shardings, {"inputs": batch_sharding, "targets": batch_sharding}),
         out_shardings=(shardings, NamedSharding(mesh, P())),
         donate_argnums=0,
     )
+    init_fn = jax.jit(lambda: init()[1], out_shardings=shardings)
+    return Abstract(graphdef, state, shardings, batch_sharding, shape, init_fn, step_fn)
+
+
+def build(cfg: RunConfig, mesh: Mesh, tokens: np.ndarray | None = None) -> Job:
+    """Everything a training loop needs. `tokens` overrides the configured data source."""
+    program = abstract(cfg, mesh)
+    with jax.set_mesh(mesh):
+        state = program.init_fn()
     if tokens is None:
         tokens = load_tokens(cfg.data, cfg.model.vocab_size)
-    batches = Batches(tokens, cfg.data.seed, k, b, cfg.train.seq_len, batch_sharding)
-    return Job(cfg, mesh, graphdef, state, shardings, step, batches, count_params(state.params))
+    k, b, length = program.batch_shape
+    batches = Batches(tokens, cfg.data.seed, k, b, length, program.batch_sharding)
+    return Job(cfg, mesh, program.graphdef, state, program.shardings, program.step_fn, batches,
+               count_params(state.params))

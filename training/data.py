@@ -101,7 +101,7 @@ class Batches:
         """This process's rows of step `step`, as numpy [k, rows, L]."""
         k, b, length = self.shape
         rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, self.tokens.size - length, size=(k, b))  # window of L + 1[:, self.rows]
+        starts = rng.integers(0, self.tokens.size - length, size=(k, b))[:, self.rows]  # windows of L + 1
         windows = self.tokens[starts[..., None] + np.arange(length + 1)].astype(np.int32)
         return {"inputs": windows[..., :-1], "targets": windows[..., 1:]}
 
