@@ -1,0 +1,54 @@
+"""Batch layout (microbatches per step) and its errors; the abstract program allocates nothing."""
+
+import jax
+import pytest
+
+from configs import ConfigError
+from conftest import small_config
+from sharding.mesh import build_mesh, parse_mesh
+from training.build import abstract, batch_layout
+
+
+@pytest.mark.parametrize(
+    "mesh, sets, layout",
+    [
+        ("", [], (1, 16)),
+        ("", ["train.micro_batch_size=4"], (4, 4)),
+        ("dp=2,fsdp=2,tp=2", [], (1, 16)),  # 4 data-parallel ranks x 4 sequences
+        ("dp=2,fsdp=2,tp=2", ["train.micro_batch_size=2"], (2, 8)),
+        ("dp=2,tp=2,sp=2", ["train.micro_batch_size=1"], (8, 2)),
+    ],
+)
+def test_batch_layout(mesh, sets, layout):
+    cfg = small_config(mesh, *sets)
+    devices = jax.devices()[:1] if not mesh else None
+    assert batch_layout(cfg, build_mesh(cfg.parallel, devices)) == layout
+
+
+@pytest.mark.parametrize(
+    "mesh, sets, message",
+    [
+        ("dp=8", ["train.global_batch_size=12"], "train.global_batch_size=12 is not divisible by dp*fsdp=8"),
+        ("dp=2,fsdp=2,tp=2", ["train.micro_batch_size=3"], "train.micro_batch_size=3 does not divide"),
+        ("fsdp=4,sp=2", ["train.seq_len=33"], "train.seq_len=33 is not divisible by sp=2"),
+    ],
+)
+def test_batch_layout_errors(mesh, sets, message):
+    cfg = small_config(mesh, *sets)
+    with pytest.raises(ConfigError) as err:
+        batch_layout(cfg, build_mesh(cfg.parallel))
+    assert message in str(err.value)
+
+
+def test_abstract_program_of_llama3_8b_allocates_nothing():
+    """The 8B model on dp=2,fsdp=4 is only shapes: 32 GB of fp32 parameters never exist."""
+    from configs import get_preset
+    from model.transformer import count_params
+
+    cfg = get_preset("llama3-8b")
+    program = abstract(cfg, build_mesh(parse_mesh("dp=2,fsdp=4")))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(program.state))
+    assert count_params(program.state.params) == 8_030_261_248
+    wq = program.shardings.params["blocks"]["attn"]["wq"]
+    assert wq.spec == jax.sharding.PartitionSpec(None, "fsdp", None, None)
+    assert program.batch_shape == (1, 256, 8192)
