@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable, NoReturn
 
 from configs import PRESETS, ConfigError, RunConfig, apply_overrides, get_preset
 from sharding.mesh import format_mesh, parse_mesh, requested_devices
@@ -90,12 +91,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run_cli(entry: Callable[[list[str]], int]) -> NoReturn:
+    """Exit with entry's code; a ConfigError is one `error:` line and exit code 2, no traceback."""
     try:
-        sys.exit(main(sys.argv[1:]))
+        sys.exit(entry(sys.argv[1:]))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -31,13 +31,12 @@ import os
 import platform
 import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
 from configs import PRESETS, ConfigError, RunConfig, apply_overrides, get_preset
 from sharding.mesh import format_mesh, parse_mesh
-from train import request_fake_devices
+from train import request_fake_devices, run_cli
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax")
 
@@ -283,11 +282,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    run_cli(main)
