@@ -11,6 +11,7 @@ this script sets XLA's host device count to what the mesh needs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -24,12 +25,23 @@ from sharding.mesh import format_mesh, parse_mesh, requested_devices
 FAKE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """--config, --mesh and --set: what every entry point (train.py, bench/) takes."""
     p.add_argument("--config", default="tiny", help=f"preset: {', '.join(PRESETS)} (default tiny)")
     p.add_argument("--mesh", default="", help="axis sizes, e.g. dp=8,tp=8; axes pp dp fsdp sp tp; one may be -1")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set model.n_layers=8 (repeatable)")
+
+
+def run_config(args: argparse.Namespace, extra_sets: list[str] = ()) -> RunConfig:
+    """The preset of --config with --set (then `extra_sets`) applied and --mesh as the mesh."""
+    cfg = apply_overrides(get_preset(args.config), [*args.set, *extra_sets])
+    return dataclasses.replace(cfg, parallel=parse_mesh(args.mesh)) if args.mesh else cfg
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(p)
     p.add_argument("--steps", type=int, help="shortcut for --set train.steps=N")
     p.add_argument("--run-dir", type=Path, help="output directory (default runs/<preset>-<time>)")
     p.add_argument("--profile-steps", help="START:END, trace these steps with jax.profiler")
@@ -37,15 +49,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
-    sets = list(args.set)
-    if args.steps is not None:
-        sets.append(f"train.steps={args.steps}")
+    shortcuts = [f"train.steps={args.steps}"] if args.steps is not None else []
     if args.profile_steps:
-        sets.append(f"train.profile_steps={args.profile_steps}")
-    cfg = apply_overrides(get_preset(args.config), sets)
-    if args.mesh:
-        cfg = RunConfig(cfg.name, cfg.model, cfg.train, cfg.data, parse_mesh(args.mesh))
-    return cfg
+        shortcuts.append(f"train.profile_steps={args.profile_steps}")
+    return run_config(args, shortcuts)
 
 
 def request_fake_devices(cfg: RunConfig) -> int | None:
@@ -71,7 +78,7 @@ def main(argv: list[str]) -> int:
     mesh = build_mesh(cfg.parallel)
     if fake and jax.default_backend() == "cpu":
         print(f"CPU platform: running mesh {format_mesh(dict(mesh.shape))} on {fake} fake host devices")
-    cfg = RunConfig(cfg.name, cfg.model, cfg.train, cfg.data, mesh_config(mesh))
+    cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh))
     run_dir = args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
     text = json.dumps(cfg.to_dict(), indent=2)

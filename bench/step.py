@@ -34,19 +34,16 @@ import statistics
 import time
 from pathlib import Path
 
-from configs import PRESETS, ConfigError, RunConfig, apply_overrides, get_preset
-from sharding.mesh import format_mesh, parse_mesh
-from train import request_fake_devices, run_cli
+from configs import ConfigError, RunConfig, apply_overrides
+from sharding.mesh import format_mesh
+from train import add_run_args, request_fake_devices, run_cli, run_config
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="tiny", help=f"preset: {', '.join(PRESETS)} (default tiny)")
-    p.add_argument("--mesh", default="", help="axis sizes, e.g. dp=2,tp=2; axes pp dp fsdp sp tp; one may be -1")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set train.seq_len=256 (repeatable)")
+    add_run_args(p)
     p.add_argument("--steps", type=int, default=10, help="timed steps after the first (default 10)")
     p.add_argument("--compile-layers", default="", metavar="X,X,...",
                    help="also time lower+compile for these model.n_layers, e.g. 2,8,32")
@@ -58,9 +55,7 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, list[int]]:
     """The run config (before the mesh is built) and the layer counts to compile."""
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps}: time at least one step")
-    cfg = apply_overrides(get_preset(args.config), args.set)
-    if args.mesh:
-        cfg = dataclasses.replace(cfg, parallel=parse_mesh(args.mesh))
+    cfg = run_config(args)
     try:
         layers = sorted({int(x) for x in args.compile_layers.split(",") if x.strip()})
     except ValueError:
