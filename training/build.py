@@ -62,10 +62,12 @@ class Job:
     mesh: Mesh
     graphdef: nnx.GraphDef
     state: TrainState
-    shardings: TrainState
     step_fn: Callable  # jitted (state, batch) -> (state, metrics)
     batches: Batches
-    n_params: int
+
+    @property
+    def n_params(self) -> int:
+        return count_params(self.state.params)
 
 
 @dataclass
@@ -121,5 +123,4 @@ def build(cfg: RunConfig, mesh: Mesh, tokens: np.ndarray | None = None) -> Job:
         tokens = load_tokens(cfg.data, cfg.model.vocab_size)
     k, b, length = program.batch_shape
     batches = Batches(tokens, cfg.data.seed, k, b, length, program.batch_sharding)
-    return Job(cfg, mesh, program.graphdef, state, program.shardings, program.step_fn, batches,
-               count_params(state.params))
+    return Job(cfg, mesh, program.graphdef, state, program.step_fn, batches)
