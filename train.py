@@ -21,8 +21,7 @@ from typing import Callable, NoReturn
 
 from configs import PRESETS, ConfigError, RunConfig, apply_overrides, get_preset
 from sharding.mesh import format_mesh, parse_mesh, requested_devices
-
-FAKE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+from sharding.xla_flags import FAKE_DEVICES, with_flags
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -36,7 +35,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 def run_config(args: argparse.Namespace, extra_sets: list[str] = ()) -> RunConfig:
     """The preset of --config with --set (then `extra_sets`) applied and --mesh as the mesh."""
     cfg = apply_overrides(get_preset(args.config), [*args.set, *extra_sets])
-    return dataclasses.replace(cfg, parallel=parse_mesh(args.mesh)) if args.mesh else cfg
+    return dataclasses.replace(cfg, parallel=parse_mesh(args.mesh, cfg.parallel)) if args.mesh else cfg
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -56,11 +55,13 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
 
 
 def request_fake_devices(cfg: RunConfig) -> int | None:
-    """Ask XLA's host platform for as many devices as the mesh needs (before jax is imported)."""
+    """Set XLA_FLAGS before jax is imported: meshtrain's workarounds, and a host platform with
+    as many devices as the mesh needs; returns that number, or None if not requested here."""
+    current = os.environ.get("XLA_FLAGS", "")
     needed = requested_devices(cfg.parallel)
-    if not needed or needed == 1 or FAKE_DEVICES_FLAG in os.environ.get("XLA_FLAGS", ""):
-        return None
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAKE_DEVICES_FLAG}={needed}".strip()
+    if not needed or needed == 1 or FAKE_DEVICES in current:
+        needed = None
+    os.environ["XLA_FLAGS"] = with_flags(current, needed)
     return needed
 
 
@@ -78,7 +79,7 @@ def main(argv: list[str]) -> int:
     mesh = build_mesh(cfg.parallel)
     if fake and jax.default_backend() == "cpu":
         print(f"CPU platform: running mesh {format_mesh(dict(mesh.shape))} on {fake} fake host devices")
-    cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh))
+    cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
     run_dir = args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
     text = json.dumps(cfg.to_dict(), indent=2)

@@ -255,7 +255,7 @@ def main(argv: list[str]) -> int:
     mesh_text = format_mesh(dict(mesh.shape))
     if fake and jax.default_backend() == "cpu":
         print(f"CPU platform: running mesh {mesh_text} on {fake} fake host devices")
-    cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh))
+    cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
 
     report = {
         "command": shlex.join(["python", "-m", "bench.step", *argv]),

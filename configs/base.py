@@ -80,6 +80,11 @@ class ParallelConfig:
 
     The default (no --mesh) is pure data parallelism over every visible device: one device on
     a laptop, dp=8 on an 8-GPU node.
+
+    Tensor parallelism (sharding/tensor_parallel.py): `tp_impl` shard_map writes the Megatron
+    collectives by hand, gspmd leaves them to XLA; `sequence_parallel` splits the activations
+    between blocks along L over `tensor`; `tp_overlap` turns SP's all-gather/reduce-scatter into
+    rings of collective-permutes overlapped with the matmul chunks.
     """
 
     stage: int = 1
@@ -87,6 +92,9 @@ class ParallelConfig:
     fsdp: int = 1
     sequence: int = 1
     tensor: int = 1
+    tp_impl: str = "shard_map"  # shard_map | gspmd
+    sequence_parallel: bool = False
+    tp_overlap: bool = False
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,11 @@ Layout (dimension letters of DESIGN.md):
   wk [D, K, H] ('embed', 'kv_heads', 'head_dim')  k, v         [B, L, K, H]
   wv [D, K, H]
   wo [N, H, D] ('heads', 'head_dim', 'embed')     out          [B, L, D]
-QKV are column-parallel over heads, wo is row-parallel: under tensor parallelism each device
-computes its heads locally and the output projection ends in one all-reduce (inserted by XLA
-from the sharding rules). K and V are constrained to the full length L, so under `sequence`
-sharding each layer all-gathers them (context parallelism by all-gather).
+QKV are column-parallel over heads, wo is row-parallel: the projections and the core run as
+one tensor-parallel region (sharding/tensor_parallel.py), each device on its own heads, and the
+region ends in one all-reduce (or reduce-scatter under sequence parallelism). K and V span the
+full length L, so under `sequence` sharding each layer all-gathers them (context parallelism by
+all-gather).
 
 Cores (`model.attention`):
   xla    plain einsum + fp32 softmax, the reference. It repeats K/V heads to N (G = N/K times)
@@ -27,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from configs.base import ConfigError, ModelConfig
 from model.layers import apply_rotary, param
 from sharding.rules import constrain
+from sharding.tensor_parallel import Local, Sharded, TensorParallel
 
 CORES = ("xla", "cudnn")
 
@@ -63,24 +65,43 @@ def attention_core(name: str):
     raise ConfigError(f"--set model.attention={name}: unknown core; choose one of {', '.join(CORES)}")
 
 
+NAMES = {
+    "wq": ("embed", "heads", "head_dim"),
+    "wk": ("embed", "kv_heads", "head_dim"),
+    "wv": ("embed", "kv_heads", "head_dim"),
+    "wo": ("heads", "head_dim", "embed"),
+}
+
+
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, *, rngs: nnx.Rngs):
         d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         dtype = jnp.dtype(cfg.param_dtype)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5  # residual-branch scaling
-        self.wq = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), cfg.init_std, dtype)
-        self.wk = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg.init_std, dtype)
-        self.wv = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg.init_std, dtype)
-        self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std, dtype)
+        self.wq = param(rngs, (d, n, h), NAMES["wq"], cfg.init_std, dtype)
+        self.wk = param(rngs, (d, k, h), NAMES["wk"], cfg.init_std, dtype)
+        self.wv = param(rngs, (d, k, h), NAMES["wv"], cfg.init_std, dtype)
+        self.wo = param(rngs, (n, h, d), NAMES["wo"], out_std, dtype)
         self.core = attention_core(cfg.attention)
+        self.n_kv_heads = k
+        self.tp = tp
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        q = jnp.einsum("bld,dnh->blnh", x, self.wq[...])
-        k = jnp.einsum("bld,dkh->blkh", x, self.wk[...])
-        v = jnp.einsum("bld,dkh->blkh", x, self.wv[...])
+        weights = {name: (getattr(self, name)[...], names) for name, names in NAMES.items()}
+        return self.tp.region(self._local, x, weights, cos, sin)
+
+    def _local(self, ops: Local | Sharded, x: jax.Array, w: dict, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """One device's heads: x [B, L, D] (or its L/T rows under SP) -> [B, L, D] (or L/T)."""
+        wk, wv = ops.kv(w["wk"], self.n_kv_heads), ops.kv(w["wv"], self.n_kv_heads)
+
+        def project(x):  # [B, l, D] -> q [B, l, N', H], k and v [B, l, K', H]
+            return (jnp.einsum("bld,dnh->blnh", x, w["wq"]), jnp.einsum("bld,dkh->blkh", x, wk),
+                    jnp.einsum("bld,dkh->blkh", x, wv))
+
+        q, k, v = ops.column(x, project)
         q = constrain(apply_rotary(q, cos, sin), ("batch", "length", "heads", None))
         k = constrain(apply_rotary(k, cos, sin), ("batch", None, "kv_heads", None))
         v = constrain(v, ("batch", None, "kv_heads", None))
         q, k, v = (checkpoint_name(t, name) for t, name in ((q, "query"), (k, "key"), (v, "value")))
         out = checkpoint_name(self.core(q, k, v), "attn_core")
-        return jnp.einsum("blnh,nhd->bld", out, self.wo[...])
+        return ops.row(out, lambda o: jnp.einsum("blnh,nhd->bld", o, w["wo"]))

@@ -7,8 +7,10 @@ is one `jax.lax.scan` over it, so compile time does not grow with depth. The rem
   tokens [B, L] -> embed [B, L, D] -> X x (x + attn(norm(x)); x + mlp(norm(x))) -> norm
   -> head [D, V] ('embed', 'vocab') -> logits [B, L, V] (fp32)
 
-Activations are pinned at block boundaries to ('batch', 'length', 'act_embed'), logits to
-('batch', 'length', 'vocab'); the mesh placement comes from sharding/rules.py.
+Activations are pinned at block boundaries to ('batch', 'length', 'act_embed') (L as
+'sp_length' under sequence parallelism), logits to ('batch', 'length', 'vocab'); the mesh
+placement comes from sharding/rules.py. How the tensor-parallel regions run (shard_map or
+GSPMD, SP, overlap) is the `TensorParallel` passed in (sharding/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -23,24 +25,24 @@ from model.layers import Embed, RMSNorm, param, rotary
 from model.mlp import MLP
 from model.remat import remat
 from sharding.rules import constrain
-
-ACT = ("batch", "length", "act_embed")
+from sharding.tensor_parallel import TensorParallel
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = Attention(cfg, tp, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, tp, rngs=rngs)
+        self.act_names = tp.activation_names
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         with jax.named_scope("attention"):
             x = x + self.attn(self.attn_norm(x), cos, sin)
         with jax.named_scope("mlp"):
             x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, ACT)
+        return constrain(x, self.act_names)
 
 
 def check_model(cfg: ModelConfig) -> None:
@@ -54,21 +56,22 @@ def check_model(cfg: ModelConfig) -> None:
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel(), *, rngs: nnx.Rngs):
         check_model(cfg)
         dtype = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
+        self.act_names = tp.activation_names
         self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg.init_std, dtype, rngs=rngs)
-        self.blocks = self._stacked_blocks(cfg, rngs)
+        self.blocks = self._stacked_blocks(cfg, tp, rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs=rngs)
         self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, dtype)
 
     @staticmethod
-    def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+    def _stacked_blocks(cfg: ModelConfig, tp: TensorParallel, rngs: nnx.Rngs) -> Block:
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs=rngs)
+            return Block(cfg, tp, rngs=rngs)
 
         return make(rngs)
 
@@ -76,7 +79,7 @@ class Transformer(nnx.Module):
         """tokens [B, L] int -> logits [B, L, V] fp32."""
         cfg = self.cfg
         with jax.named_scope("embedding"):
-            x = constrain(self.embed(tokens), ACT)
+            x = constrain(self.embed(tokens), self.act_names)
         cos, sin = rotary(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
         graphdef, layers = nnx.split(self.blocks)
 

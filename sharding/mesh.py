@@ -22,8 +22,8 @@ ALIASES = {"pp": "stage", "dp": "data", "sp": "sequence", "tp": "tensor"}
 SHORT = {v: k for k, v in ALIASES.items()} | {"fsdp": "fsdp"}
 
 
-def parse_mesh(spec: str) -> ParallelConfig:
-    """'dp=8,tp=8' -> ParallelConfig(data=8, tensor=8); missing axes are 1."""
+def parse_mesh(spec: str, base: ParallelConfig = ParallelConfig()) -> ParallelConfig:
+    """'dp=8,tp=8' -> `base` with data=8, tensor=8 and the other axes 1 (its flags kept)."""
     sizes: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, sep, value = part.partition("=")
@@ -43,7 +43,7 @@ def parse_mesh(spec: str) -> ParallelConfig:
             raise ConfigError(f"--mesh {spec!r}: size of {name} must be positive or -1 (fill)")
     if list(sizes.values()).count(-1) > 1:
         raise ConfigError(f"--mesh {spec!r}: only one axis may be -1 (fill with the remaining devices)")
-    return ParallelConfig(**({a: 1 for a in AXES} | sizes))
+    return dataclasses.replace(base, **({a: 1 for a in AXES} | sizes))
 
 
 def format_mesh(shape: dict[str, int]) -> str:
@@ -120,6 +120,6 @@ def build_mesh(parallel: ParallelConfig, devices=None):
     return jax.sharding.Mesh(grid, AXES, axis_types=auto)
 
 
-def mesh_config(mesh) -> ParallelConfig:
-    """The resolved sizes of a built mesh, as a ParallelConfig (for the saved config)."""
-    return dataclasses.replace(ParallelConfig(), **dict(mesh.shape))
+def mesh_config(mesh, base: ParallelConfig) -> ParallelConfig:
+    """`base` with the resolved axis sizes of a built mesh (for the saved config)."""
+    return dataclasses.replace(base, **dict(mesh.shape))

@@ -11,6 +11,8 @@ each lands on the mesh. A parallelism strategy is a change of this table, not of
                           Megatron-style TP through GSPMD: column/row-parallel matmuls, XLA
                           inserts the all-reduces (2 forward + 2 backward per layer).
   length -> sequence      activations split along L; attention gathers K and V over `sequence`.
+  sp_length -> tensor     L of the activations between blocks under sequence parallelism
+                          (sharding/tensor_parallel.py): norms and residuals hold L/tp rows.
 
 Mesh axes of size 1 drop out of every spec. A dimension that the mesh does not divide is an
 error naming the dimension, except kv_heads: with fewer KV heads than the tensor axis they are
@@ -20,7 +22,7 @@ replicated (each device keeps all K heads; their weights are small under GQA).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Collection, Sequence
 
 import jax
 from flax import nnx
@@ -31,6 +33,7 @@ from configs.base import ConfigError
 RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp"),
     "length": ("sequence",),
+    "sp_length": ("tensor",),
     "embed": ("fsdp",),
     "act_embed": (),
     "heads": ("tensor",),
@@ -47,14 +50,19 @@ REPLICATE_IF_INDIVISIBLE = {"kv_heads"}
 
 # The config field behind each logical dimension, named in divisibility errors.
 FIELD = {
-    "batch": "train.global_batch_size", "length": "train.seq_len", "embed": "model.d_model",
+    "batch": "train.global_batch_size", "length": "train.seq_len", "sp_length": "train.seq_len",
+    "embed": "model.d_model",
     "heads": "model.n_heads", "mlp": "model.d_ff", "vocab": "model.vocab_size",
 }
 
 
-def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh) -> P:
-    """PartitionSpec for an array of `shape` whose dimensions carry logical `names`."""
-    sizes = dict(mesh.shape)
+def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh,
+                    within: Collection[str] | None = None) -> P:
+    """PartitionSpec for an array of `shape` whose dimensions carry logical `names`.
+
+    `within`: use only these mesh axes (e.g. the manual axes of a shard_map); default all.
+    """
+    sizes = {a: n for a, n in dict(mesh.shape).items() if within is None or a in within}
     spec = []
     for name, dim in zip(names, shape):
         axes = tuple(a for a in RULES[name] if sizes.get(a, 1) > 1) if name else ()
@@ -88,8 +96,13 @@ def data_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Pin an activation's sharding by logical names (no-op outside a mesh context)."""
+    """Pin an activation's sharding by logical names (no-op outside a mesh context).
+
+    Inside a shard_map the manual axes are already fixed by its specs: only the others are
+    constrained (e.g. batch over data inside the tensor-parallel regions).
+    """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh))
+    auto = [a for a in mesh.axis_names if a not in mesh.manual_axes]
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh, auto))

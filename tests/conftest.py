@@ -8,10 +8,10 @@ handed to CLI subprocesses through JAX_COMPILATION_CACHE_DIR, so identical progr
 import os
 import tempfile
 
+from sharding.xla_flags import with_flags
+
 DEVICES = 8
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
-).strip()
+os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), DEVICES)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="meshtrain-jax-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
@@ -40,7 +40,7 @@ def small_config(mesh: str = "", *overrides: str):
     from sharding.mesh import parse_mesh
 
     cfg = apply_overrides(get_preset("tiny"), SMALL + list(overrides))
-    return dataclasses.replace(cfg, parallel=parse_mesh(mesh))
+    return dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +49,51 @@ def corpus():
     from training.data import load_tokens
 
     return load_tokens(small_config().data, 256)[:200_000]
+
+
+STEPS = 5
+
+
+def run_steps(cfg, corpus, devices=None):
+    """(loss, grads) of step 0 and the losses of STEPS steps, all on host."""
+    import functools
+
+    import numpy as np
+
+    from sharding.mesh import build_mesh
+    from training.build import build
+    from training.step import loss_and_grads
+
+    mesh = build_mesh(cfg.parallel, devices)
+    job = build(cfg, mesh, tokens=corpus)
+    grad_fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg))
+    with jax.set_mesh(mesh):
+        loss, grads = jax.device_get(grad_fn(job.state.params, batch=job.batches(0)))
+        state, losses = job.state, []
+        for step in range(STEPS):
+            state, metrics = job.step_fn(state, job.batches(step))
+            losses.append(float(metrics["loss"]))
+    return float(loss), grads, np.array(losses)
+
+
+@pytest.fixture(scope="session")
+def reference(corpus):
+    """run_steps of the small config on one device: what every mesh must reproduce."""
+    return run_steps(small_config(), corpus, devices=jax.devices()[:1])
+
+
+def assert_same_run(got, want):
+    """A sharded run equals the single-device one. Compute is fp32 in these tests, so the only
+    differences are the order of the reductions that sharding splits: rtol 2e-5 on the losses,
+    atol 1e-6 + rtol 1e-4 on gradients (their entries are O(1e-3))."""
+    import numpy as np
+
+    (loss, grads, losses), (ref_loss, ref_grads, ref_losses) = got, want
+    np.testing.assert_allclose(loss, ref_loss, rtol=2e-5)
+    flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
+    flat = jax.tree.leaves(grads)
+    assert len(flat) == len(flat_ref) > 0
+    for (path, expected), actual in zip(flat_ref, flat):
+        np.testing.assert_allclose(actual, expected, atol=1e-6, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    assert losses[-1] < losses[0]  # it trains

@@ -50,6 +50,11 @@ def test_parse_mesh_missing_axes_are_one():
     assert (cfg.stage, cfg.data, cfg.fsdp, cfg.sequence) == (1, 1, 1, 1)
 
 
+def test_parse_mesh_keeps_the_tensor_parallel_flags():
+    base = ParallelConfig(fsdp=4, sequence_parallel=True, tp_overlap=True)
+    assert parse_mesh("tp=8", base) == ParallelConfig(data=1, tensor=8, sequence_parallel=True, tp_overlap=True)
+
+
 def test_default_mesh_is_data_parallel_over_every_device():
     assert resolve_shape(ParallelConfig(), 8) == {"stage": 1, "data": 8, "fsdp": 1, "sequence": 1, "tensor": 1}
     assert resolve_shape(ParallelConfig(), 1)["data"] == 1
@@ -240,7 +245,10 @@ def test_build_mesh_dp_fsdp_tp():
     assert mesh.devices.shape == (1, 2, 2, 1, 2)
     assert mesh.devices.size == 8 and len(set(mesh.devices.flat)) == 8
     assert tuple(mesh.axis_types) == (jax.sharding.AxisType.Auto,) * 5
-    assert mesh_config(mesh) == ParallelConfig(data=2, fsdp=2, tensor=2)
+    flags = ParallelConfig(data=-1, sequence_parallel=True, tp_impl="gspmd")
+    assert mesh_config(mesh, flags) == ParallelConfig(
+        data=2, fsdp=2, tensor=2, sequence_parallel=True, tp_impl="gspmd"
+    )
 
 
 def test_build_mesh_fill():

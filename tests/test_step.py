@@ -1,10 +1,5 @@
-"""Every mesh computes the same training step as one device.
-
-For each mesh the loss and every gradient of one step (jitted `loss_and_grads`) must equal the
-single-device run, and the losses of 5 optimizer steps must match. Compute is fp32 here, so the
-only differences are the order of the reductions that sharding splits: we allow rtol 2e-5 on
-the loss and, on gradients, atol 1e-6 + rtol 1e-4 (gradient entries are O(1e-3)).
-"""
+"""Every mesh computes the same training step as one device (conftest.assert_same_run: loss
+and every gradient of step 0, and the losses of 5 steps, against the single-device run)."""
 
 import functools
 
@@ -12,46 +7,19 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import small_config
+from conftest import assert_same_run, run_steps, small_config
 from sharding.mesh import build_mesh
 from training.build import build
 from training.step import loss_and_grads
 
+# tensor parallelism runs here with the default tp_impl=shard_map; tests/test_tensor_parallel.py
+# covers its other settings.
 MESHES = ["dp=8", "fsdp=8", "tp=8", "dp=2,fsdp=2,tp=2", "fsdp=4,sp=2", "dp=2,tp=2,sp=2"]
-STEPS = 5
-
-
-def run(cfg, corpus, devices=None):
-    """(loss, grads) of step 0 and the losses of STEPS steps, all on host."""
-    mesh = build_mesh(cfg.parallel, devices)
-    job = build(cfg, mesh, tokens=corpus)
-    grad_fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg))
-    with jax.set_mesh(mesh):
-        loss, grads = jax.device_get(grad_fn(job.state.params, batch=job.batches(0)))
-        state, losses = job.state, []
-        for step in range(STEPS):
-            state, metrics = job.step_fn(state, job.batches(step))
-            losses.append(float(metrics["loss"]))
-    return float(loss), grads, np.array(losses)
-
-
-@pytest.fixture(scope="module")
-def reference(corpus):
-    return run(small_config(), corpus, devices=jax.devices()[:1])
 
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_mesh_equals_single_device(mesh, reference, corpus):
-    ref_loss, ref_grads, ref_losses = reference
-    loss, grads, losses = run(small_config(mesh), corpus)
-    np.testing.assert_allclose(loss, ref_loss, rtol=2e-5)
-    flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
-    flat = jax.tree.leaves(grads)
-    assert len(flat) == len(flat_ref) > 0
-    for (path, want), got in zip(flat_ref, flat):
-        np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
-    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
-    assert losses[-1] < losses[0]  # it trains
+    assert_same_run(run_steps(small_config(mesh), corpus), reference)
 
 
 def test_gradient_accumulation_equals_one_big_batch(corpus):

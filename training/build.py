@@ -18,7 +18,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from configs.base import ConfigError, RunConfig
 from model.transformer import Transformer, count_params
+from sharding import tensor_parallel
 from sharding.rules import data_sharding, param_shardings
+from sharding.tensor_parallel import TensorParallel
 from training.data import Batches, load_tokens
 from training.optimizer import lr_schedule, make_optimizer
 from training.step import TrainState, make_train_step
@@ -94,10 +96,12 @@ def abstract(cfg: RunConfig, mesh: Mesh) -> Abstract:
     mesh axes.
     """
     k, b = batch_layout(cfg, mesh)
+    tensor_parallel.check(cfg, dict(mesh.shape))
     tx, schedule = make_optimizer(cfg.train), lr_schedule(cfg.train)
 
     def init() -> tuple[nnx.GraphDef, TrainState]:
-        graphdef, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
+        model = Transformer(cfg.model, TensorParallel.from_config(cfg.parallel), rngs=nnx.Rngs(cfg.train.seed))
+        graphdef, params = nnx.split(model)
         return graphdef, TrainState(jax.numpy.zeros((), jax.numpy.int32), params, tx.init(params))
 
     graphdef, state = nnx.eval_shape(init)

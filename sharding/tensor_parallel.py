@@ -1,0 +1,213 @@
+"""Megatron tensor parallelism written out with `jax.shard_map` over the `tensor` axis.
+
+Each block has two tensor-parallel regions, each a column-parallel matmul then a row-parallel
+one (T = size of the tensor axis, t = this device's index on it):
+
+  attention  x [B, L, D] @ wq [D, N/T, H], wk/wv [D, K/T, H] -> q, k, v   column (heads split)
+             attention core on the device's own N/T heads                no communication
+             o [B, L, N/T, H] @ wo [N/T, H, D] -> partial [B, L, D]      row: sum over tensor
+  mlp        x [B, L, D] @ w_gate, w_up [D, F/T] -> gate, up [B, L, F/T]  column (F split)
+             silu(gate) * up @ w_down [F/T, D] -> partial [B, L, D]       row: sum over tensor
+
+Collectives per layer, S = B·L·D elements of the compute dtype (B the local batch):
+
+  setting                   forward                         backward
+  plain                     2 all-reduce(S)                 2 all-reduce(S) (dx of each region)
+  sequence_parallel         2 all-gather + 2 reduce-scatter the mirror image
+  sequence_parallel+overlap 4 rings of T-1 collective-permutes of S/T, the same in backward
+
+Bytes per device: all-reduce 2S(T-1)/T; all-gather and reduce-scatter S(T-1)/T each, so SP
+moves the same volume as plain TP; a ring moves (T-1)·S/T, the same again.
+
+Column: the matmul needs the whole x on every device. Plain TP has it (x replicated over
+tensor; `pcast` to varying is Megatron's "f": identity forward, all-reduce of dx backward).
+SP holds x as [B, L/T, D] and all-gathers L first (backward: reduce-scatter of dx). Row: the
+partial sums are all-reduced (plain; backward: nothing) or reduce-scattered over L (SP;
+backward: all-gather), which leaves [B, L/T, D] for the norms and residual adds: their
+activation memory is divided by T.
+
+Overlap (collective matmul, SP only): the all-gather+matmul becomes T steps. At step s device t
+multiplies the chunk of L it holds, (t+s) mod T, while it passes that chunk on to device t-1
+with a collective-permute, so the next chunk's transfer hides behind this chunk's matmul.
+Matmul+reduce-scatter is the mirror: at step s device t computes its partial of chunk
+(t-1-s) mod T, adds the running sum received from t-1 and sends it to t+1; after T steps it
+holds the full sum of chunk t. Autodiff turns each ring into the opposite ring.
+
+GQA: the kv heads are split over tensor when T divides K. When K < T (K must divide T) the
+kv weights are replicated and device t uses kv head t // (T/K) for its N/T query heads (all in
+one group); their weight gradients are then summed over tensor, one all-reduce of D·K·H per
+kv weight per layer.
+
+The shard_map is manual over `tensor` only: data and fsdp stay automatic, so XLA still splits
+the batch and gathers FSDP weights at the region's edge. Under SP it is manual over data and
+fsdp too (XLA cannot partition an all-gather over `tensor` of a batch split on an automatic
+axis: it would gather the batch); the weights' gradients are then summed over data and fsdp
+inside the region (an all-reduce, where GSPMD reduce-scatters FSDP gradients on GPUs).
+
+tp_impl=gspmd runs the same per-device code without shard_map: the logical rules shard the
+weights and XLA chooses and places the collectives.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from configs.base import ConfigError, ParallelConfig, RunConfig
+from sharding.rules import logical_to_spec
+
+IMPLS = ("shard_map", "gspmd")
+AXIS = "tensor"
+# Under SP the batch axes are manual too: XLA cannot partition an all-gather or reduce-scatter
+# over `tensor` whose operand is split on an automatic axis (it all-gathers the batch first).
+SP_MANUAL = ("data", "fsdp", AXIS)
+Weights = dict[str, tuple[jax.Array, Sequence[str | None]]]
+
+
+def check(cfg: RunConfig, sizes: dict[str, int]) -> None:
+    """The tensor-parallel settings against the mesh `sizes`, as ConfigErrors naming the fix."""
+    p, tp = cfg.parallel, sizes[AXIS]
+    if p.tp_impl not in IMPLS:
+        raise ConfigError(f"--set parallel.tp_impl={p.tp_impl}: choose one of {', '.join(IMPLS)}")
+    flag = "tp_overlap" if p.tp_overlap else "sequence_parallel"
+    if p.sequence_parallel or p.tp_overlap:
+        if tp == 1:
+            raise ConfigError(f"parallel.{flag}=true needs a tensor axis: add tp=2 or more to --mesh")
+        if cfg.train.seq_len % tp:
+            raise ConfigError(
+                f"train.seq_len={cfg.train.seq_len} is not divisible by tp={tp}: parallel.{flag} "
+                f"splits L over the tensor axis; use a multiple of {tp}"
+            )
+    if p.sequence_parallel and sizes["sequence"] > 1:
+        raise ConfigError(
+            f"parallel.sequence_parallel=true with sp={sizes['sequence']}: L cannot be split over "
+            "both sequence (context parallelism) and tensor here; drop sp from --mesh or the flag"
+        )
+    if p.tp_overlap and p.tp_impl != "shard_map":
+        raise ConfigError("parallel.tp_overlap=true is written with shard_map: set parallel.tp_impl=shard_map")
+    if p.tp_overlap and not p.sequence_parallel:
+        raise ConfigError(
+            "parallel.tp_overlap=true overlaps sequence parallelism's all-gather and reduce-scatter "
+            "with the matmuls: add --set parallel.sequence_parallel=true"
+        )
+    k = cfg.model.n_kv_heads
+    if p.tp_impl == "shard_map" and k % tp and tp % k:
+        raise ConfigError(
+            f"model.n_kv_heads={k} and tp={tp}: one must divide the other (kv heads are split over "
+            "tensor, or replicated when fewer than tp)"
+        )
+
+
+class Local:
+    """A region with no tensor axis to handle: one device, or GSPMD placing the collectives."""
+
+    def column(self, x: jax.Array, fn: Callable) -> tuple:
+        return fn(x)
+
+    def row(self, h: jax.Array, fn: Callable) -> jax.Array:
+        return fn(h)
+
+    def kv(self, w: jax.Array, n_kv_heads: int) -> jax.Array:
+        return w
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """The collectives of one device's tensor shard (called inside the shard_map)."""
+
+    size: int  # T
+    sequence_parallel: bool
+    overlap: bool
+
+    def column(self, x: jax.Array, fn: Callable) -> tuple:
+        """fn (L-local: [B, l, D] -> arrays [B, l, ...]) on the whole sequence."""
+        if self.overlap:
+            return self._gather_ring(x, fn)
+        if self.sequence_parallel:
+            return fn(lax.all_gather(x, AXIS, axis=1, tiled=True))  # [B, L/T, D] -> [B, L, D]
+        return fn(lax.pcast(x, AXIS, to="varying"))
+
+    def row(self, h: jax.Array, fn: Callable) -> jax.Array:
+        """fn(h) ([B, L, F/T] -> partial [B, L, D]) summed over tensor."""
+        if self.overlap:
+            return self._scatter_ring(h, fn)
+        if self.sequence_parallel:
+            return lax.psum_scatter(fn(h), AXIS, scatter_dimension=1, tiled=True)  # -> [B, L/T, D]
+        return lax.psum(fn(h), AXIS)
+
+    def kv(self, w: jax.Array, n_kv_heads: int) -> jax.Array:
+        """This device's kv heads of w [D, K', H]: split already, or picked from all K."""
+        if n_kv_heads % self.size == 0:
+            return w
+        head = lax.axis_index(AXIS) // (self.size // n_kv_heads)
+        return lax.dynamic_slice_in_dim(w, head, 1, axis=1)  # [D, K, H] -> [D, 1, H]
+
+    def _gather_ring(self, x: jax.Array, fn: Callable) -> tuple:
+        t, n, chunk = lax.axis_index(AXIS), self.size, x.shape[1]
+        to_left = [(i, (i - 1) % n) for i in range(n)]
+        outs = None
+        for s in range(n):
+            incoming = lax.ppermute(x, AXIS, to_left) if s < n - 1 else None  # chunk (t+s+1) mod n
+            parts = fn(x)
+            if outs is None:  # [B, l, ...] -> zeros [B, L, ...]
+                outs = jax.tree.map(lambda a: jnp.zeros((a.shape[0], n * chunk, *a.shape[2:]), a.dtype), parts)
+            start = (t + s) % n * chunk
+            outs = jax.tree.map(lambda o, a: lax.dynamic_update_slice_in_dim(o, a, start, axis=1), outs, parts)
+            x = incoming
+        return outs
+
+    def _scatter_ring(self, h: jax.Array, fn: Callable) -> jax.Array:
+        t, n = lax.axis_index(AXIS), self.size
+        chunk = h.shape[1] // n
+        to_right = [(i, (i + 1) % n) for i in range(n)]
+        acc = None
+        for s in range(n):
+            part = fn(lax.dynamic_slice_in_dim(h, (t - 1 - s) % n * chunk, chunk, axis=1))
+            acc = part if acc is None else acc + part
+            if s < n - 1:
+                acc = lax.ppermute(acc, AXIS, to_right)
+        return acc  # [B, L/T, D]: the sum of chunk t
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """How the model's tensor-parallel regions run (from ParallelConfig)."""
+
+    impl: str = "shard_map"
+    sequence_parallel: bool = False
+    overlap: bool = False
+
+    @classmethod
+    def from_config(cls, p: ParallelConfig) -> TensorParallel:
+        return cls(p.tp_impl, p.sequence_parallel, p.tp_overlap)
+
+    @property
+    def activation_names(self) -> tuple[str, str, str]:
+        """Logical names of [B, L, D] between the regions (L over tensor under SP)."""
+        return ("batch", "sp_length" if self.sequence_parallel else "length", "act_embed")
+
+    def region(self, fn: Callable, x: jax.Array, weights: Weights, *consts: jax.Array) -> jax.Array:
+        """fn(ops, x, {name: weight}, *consts) -> [B, L, D], on each device's tensor shard.
+
+        weights: {name: (array, logical names)}; consts (e.g. rotary tables) are replicated.
+        """
+        mesh = jax.sharding.get_abstract_mesh()
+        size = 1 if mesh.empty else dict(mesh.shape).get(AXIS, 1)
+        arrays = {name: a for name, (a, _) in weights.items()}
+        if self.impl == "gspmd" or size == 1:
+            return fn(Local(), x, arrays, *consts)
+        specs = {name: logical_to_spec(names, a.shape, mesh, within=(AXIS,)) for name, (a, names) in weights.items()}
+        manual = SP_MANUAL if self.sequence_parallel else (AXIS,)
+        x_spec = logical_to_spec(self.activation_names, x.shape, mesh, within=manual)
+        ops = Sharded(size, self.sequence_parallel, self.overlap)
+        body = jax.shard_map(
+            functools.partial(fn, ops), in_specs=(x_spec, specs, *(P(),) * len(consts)),
+            out_specs=x_spec, axis_names=set(manual),
+        )
+        return body(x, arrays, *consts)

@@ -1,0 +1,257 @@
+"""The collective census of a compiled program: per kind and mesh axis, how many run per step and
+how many bytes each device moves.
+
+  python -m tools.hlo --config tiny --mesh dp=2,tp=4
+  python -m tools.hlo --config 125m --mesh fsdp=8 --set train.global_batch_size=8 --json
+  python -m tools.hlo --config tiny --mesh tp=4 --set parallel.sequence_parallel=true --ops
+
+It reads the text of the compiled (partitioned, optimised) HLO, what runs on each device:
+
+- Collectives: all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute, with
+  their async `-start` forms (GPU) and those wrapped in `async-start` computations.
+- Mesh axes: device ids in replica groups and source-target pairs are positions in the mesh's
+  flat device order (the compiled program's device assignment), so a group's coordinates on
+  the mesh show which axes it spans (e.g. `data+fsdp`).
+- Loops: a collective inside a while body runs `known_trip_count` times per step (nested loops
+  multiply), so a layer scan's body counts once per layer. `ops` counts instructions in the
+  text, `count` counts executions per step.
+- Bytes per device, with S the full buffer and N the group size: all-reduce 2S(N-1)/N (ring);
+  all-gather S(N-1)/N (S = its result); reduce-scatter S(N-1)/N (S = its operand, N times the
+  result); all-to-all S(N-1)/N; collective-permute S (each device sends its buffer once).
+
+The HLO text prints operands without shapes, so sizes come from each instruction's own result
+type. Written by hand because no library reports collectives per mesh axis (XLA's
+cost_analysis gives only a total of bytes accessed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+               "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
+_ARRAY = re.compile(r"([a-z]\w*)\[([\d,]*)\]")
+_CALLS = re.compile(r"(condition|body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_GROUPS = re.compile(r"replica_groups=(\{(?:\{[\d,]*\},?)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective instruction of the compiled program."""
+
+    kind: str  # one of KINDS
+    axes: tuple[str, ...]  # mesh axes its groups span
+    group: int  # N, devices per group
+    dtype: str
+    elements: int  # S: the full buffer (see the module docstring)
+    trips: int  # executions per step
+    name: str
+    op_name: str  # jax's metadata: where in the program it comes from
+
+    @property
+    def bytes_per_run(self) -> float:
+        """Bytes each device moves in one execution."""
+        s, n = self.elements * DTYPE_BYTES.get(self.dtype, 4), self.group
+        if self.kind == "collective-permute":
+            return float(s)
+        return (2 if self.kind == "all-reduce" else 1) * s * (n - 1) / n
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.bytes_per_run * self.trips
+
+
+def _top_level(type_text: str) -> list[str]:
+    """The top-level elements of a (possibly tuple) HLO type."""
+    t = type_text.strip()
+    if not t.startswith("("):
+        return [t]
+    parts, depth, start = [], 0, 1
+    for i, c in enumerate(t):
+        depth += c in "({[" and 1 or (c in ")}]" and -1 or 0)
+        if (c == "," and depth == 1) or (c == ")" and depth == 0):
+            parts.append(re.sub(r"/\*.*?\*/", "", t[start:i]).strip())
+            start = i + 1
+    return [p for p in parts if p]
+
+
+def _arrays(type_text: str) -> list[tuple[str, int]]:
+    return [(d, math.prod(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(type_text)]
+
+
+def _buffer(kind: str, started: bool, type_text: str) -> tuple[str, int]:
+    """(dtype, elements) of the buffer S that the byte formula of `kind` takes."""
+    parts = _top_level(type_text)
+    if started and kind in ("all-gather", "collective-permute"):
+        parts = [parts[1]]  # (operand, result[, sync flags]): the result
+    arrays = [a for p in parts for a in _arrays(p)]
+    return arrays[0][0], sum(n for _, n in arrays)
+
+
+def _groups(rest: str) -> list[list[int]] | None:
+    m = _GROUPS.search(rest)
+    if m is None:
+        return None
+    text = m.group(1)
+    if text.startswith("{"):
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", text[1:-1])]
+    shape, dims, perm = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text).groups()
+    ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape([int(d) for d in dims.split(",")])
+    if perm:
+        ids = ids.transpose([int(p) for p in perm.split(",")])
+    return ids.reshape([int(s) for s in shape.split(",")]).tolist()
+
+
+def _axes(device_sets: list[list[int]], axis_sizes: dict[str, int]) -> tuple[str, ...]:
+    """Mesh axes along which the devices of any one set differ."""
+    names, shape = list(axis_sizes), tuple(axis_sizes.values())
+    varying = set()
+    for devices in device_sets:
+        coords = np.array(np.unravel_index(devices, shape)).T
+        varying |= {names[i] for i in range(len(names)) if len(set(coords[:, i])) > 1}
+    return tuple(a for a in names if a in varying)
+
+
+def _multipliers(text: str) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """Instruction lines of each computation, and how often each computation runs per step."""
+    body: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m and "(" in line:
+                current = m.group(1)
+                body[current] = []
+                entry = current if line.startswith("ENTRY") else entry
+        elif line.startswith("}"):
+            current = None
+        else:
+            body[current].append(line)
+    edges = defaultdict(list)  # caller -> [(callee, times)]
+    for comp, lines in body.items():
+        for line in lines:
+            trips = int(t.group(1)) if (t := _TRIPS.search(line)) else 1
+            for role, callee in _CALLS.findall(line):
+                edges[comp].append((callee, trips if role == "body" else 1))
+            for group in _BRANCHES.findall(line):
+                edges[comp] += [(c.strip().lstrip("%"), 1) for c in group.split(",") if c.strip()]
+    runs: dict[str, int] = defaultdict(int)
+
+    def visit(comp: str, times: int) -> None:
+        runs[comp] += times
+        for callee, n in edges.get(comp, []):
+            visit(callee, times * n)
+
+    visit(entry, 1)
+    return body, runs
+
+
+def census(hlo_text: str, axis_sizes: dict[str, int]) -> list[Collective]:
+    """Every collective instruction of a compiled HLO module over a mesh of `axis_sizes`."""
+    body, runs = _multipliers(hlo_text)
+    found = []
+    for comp, lines in body.items():
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m or runs.get(comp, 0) == 0:
+                continue
+            name, type_text, opcode, rest = m.groups()
+            kind = opcode.removesuffix("-start")
+            if kind not in KINDS:
+                continue
+            if kind == "collective-permute":
+                pairs = [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", _PAIRS.search(rest).group(1))]
+                sets, group = pairs, 2
+            else:
+                sets = _groups(rest) or [list(range(math.prod(axis_sizes.values())))]  # {}: all devices
+                group = len(sets[0])
+            dtype, elements = _buffer(kind, opcode.endswith("-start"), type_text)
+            if kind == "reduce-scatter":
+                elements *= group  # the result is 1/N of the reduced buffer
+            op_name = (o.group(1) if (o := _OP_NAME.search(rest)) else "")
+            found.append(Collective(kind, _axes(sets, axis_sizes), group, dtype, elements, runs[comp], name, op_name))
+    return found
+
+
+def summary(collectives: list[Collective]) -> list[dict]:
+    """Rows per (kind, axes): ops in the text, executions per step, bytes per device per step."""
+    rows: dict[tuple, dict] = {}
+    for c in collectives:
+        row = rows.setdefault((c.kind, c.axes), {"kind": c.kind, "axes": "+".join(c.axes) or "-",
+                                                "ops": 0, "count": 0, "bytes_per_device": 0.0})
+        row["ops"] += 1
+        row["count"] += c.trips
+        row["bytes_per_device"] += c.bytes_per_step
+    return sorted(rows.values(), key=lambda r: (r["axes"], r["kind"]))
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'collective':<20} {'mesh axes':<16} {'ops':>5} {'per step':>9} {'MiB/device':>11}"]
+    for r in rows:
+        lines.append(f"{r['kind']:<20} {r['axes']:<16} {r['ops']:>5} {r['count']:>9} "
+                     f"{r['bytes_per_device'] / 2**20:>11.3f}")
+    total = sum(r["bytes_per_device"] for r in rows)
+    lines.append(f"{'total':<20} {'':<16} {'':>5} {sum(r['count'] for r in rows):>9} {total / 2**20:>11.3f}")
+    return "\n".join(lines)
+
+
+def step_census(cfg, mesh) -> list[Collective]:
+    """The census of cfg's compiled train step on `mesh` (abstract inputs: nothing allocated)."""
+    import jax
+
+    from training.build import abstract
+
+    program = abstract(cfg, mesh)
+    with jax.set_mesh(mesh):
+        compiled = program.step_fn.lower(program.state, program.abstract_batch()).compile()
+    return census(compiled.as_text(), dict(mesh.shape))
+
+
+def main(argv: list[str]) -> int:
+    from train import add_run_args, request_fake_devices, run_config
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON (rows and every op) instead of a table")
+    p.add_argument("--ops", action="store_true", help="also list every collective instruction")
+    args = p.parse_args(argv)
+    cfg = run_config(args)
+    request_fake_devices(cfg)
+
+    from sharding.mesh import build_mesh, format_mesh
+
+    mesh = build_mesh(cfg.parallel)
+    found = step_census(cfg, mesh)
+    rows = summary(found)
+    if args.json:
+        print(json.dumps({"config": args.config, "mesh": format_mesh(dict(mesh.shape)), "rows": rows,
+                          "ops": [asdict(c) | {"bytes_per_run": c.bytes_per_run} for c in found]}, indent=1))
+        return 0
+    print(f"train step of {args.config} on mesh {format_mesh(dict(mesh.shape))}: collectives per step, per device")
+    print(format_table(rows))
+    if args.ops:
+        for c in sorted(found, key=lambda c: (c.axes, c.kind, c.name)):
+            print(f"  {c.kind:<19} {'+'.join(c.axes) or '-':<12} {c.dtype}[{c.elements}] x{c.trips} "
+                  f"{c.bytes_per_run / 2**10:9.1f} KiB  {c.op_name}")
+    return 0
+
+
+if __name__ == "__main__":
+    from train import run_cli
+
+    run_cli(main)
