@@ -6,7 +6,10 @@ handed to CLI subprocesses through JAX_COMPILATION_CACHE_DIR, so identical progr
 """
 
 import os
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 from sharding.xla_flags import with_flags
 
@@ -23,6 +26,17 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session", autouse=True)
 def _enough_devices():
     assert jax.device_count() >= DEVICES, "tests need the fake CPU devices set in conftest"
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_module(*args: str, fake_devices: bool = True) -> subprocess.CompletedProcess:
+    """`python -m args...` from the repository root, as a user runs it. fake_devices: drop this
+    session's XLA_FLAGS so that the entry point must ask for its fake devices itself."""
+    env = {k: v for k, v in os.environ.items() if not (fake_devices and k == "XLA_FLAGS")}
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
 
 
 SMALL = [

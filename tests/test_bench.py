@@ -1,25 +1,16 @@
-"""bench/step.py runs end to end and writes a complete record (figures are not asserted: timing)."""
+"""The benchmarks run end to end and write complete records (figures are not asserted: timing)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-from conftest import SMALL
+from conftest import SMALL, run_module
 
-ROOT = Path(__file__).resolve().parents[1]
+SETS = [a for s in SMALL for a in ("--set", s)]
 
 
 def test_step_benchmark_writes_json(tmp_path):
     out_file = tmp_path / "step.json"
-    sets = [a for s in SMALL for a in ("--set", s)]
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.step", *sets, "--mesh", "dp=2,tp=2", "--steps", "2",
-         "--compile-layers", "1,2", "--out", str(out_file)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},  # bench sets 4 fake devices
-    )
+    out = run_module("bench.step", *SETS, "--mesh", "dp=2,tp=2", "--steps", "2",
+                     "--compile-layers", "1,2", "--out", str(out_file))
     assert out.returncode == 0, out.stderr
     record = json.loads(out_file.read_text())
     assert record["config"]["parallel"]["data"] == 2 and record["config"]["parallel"]["tensor"] == 2
@@ -27,3 +18,14 @@ def test_step_benchmark_writes_json(tmp_path):
     assert record["throughput"]["tokens_per_step"] == 16 * 32
     assert [r["n_layers"] for r in record["compile_scaling"]["rows"]] == [1, 2]
     assert record["throughput"]["loss_last"] < record["throughput"]["loss_first"]
+
+
+def test_tp_benchmark_compares_four_variants(tmp_path):
+    out_file = tmp_path / "tp.json"
+    out = run_module("bench.tp", *SETS, "--tp", "2", "--rounds", "1", "--out", str(out_file))
+    assert out.returncode == 0, out.stderr
+    results = json.loads(out_file.read_text())["results"]["2"]
+    assert set(results) == {"gspmd", "shard_map", "shard_map+sp", "shard_map+sp+overlap"}
+    assert results["gspmd"]["ratio_to_gspmd"] == 1.0
+    overlap = {c["kind"] for c in results["shard_map+sp+overlap"]["census"] if c["axes"] == "tensor"}
+    assert "collective-permute" in overlap

@@ -1,0 +1,196 @@
+"""tools/hlo.py: the census parser, and the communication contract of DESIGN.md held against
+the compiled train step of the tiny preset (bf16 compute) on 8 fake CPU devices.
+
+How counts are read: a collective inside a while body runs once per iteration, so `trips` of
+an op in the layer scan is n_layers (4) and "per layer" means ops with trips == n_layers. The
+forward and backward scans are separate loops; backward ops carry `transpose(` in their
+jax op_name. XLA on CPU computes bf16 matmuls in fp32, so the compiled buffers are f32: the
+byte checks compare like with like, and the bf16 of the program is checked in its jaxpr.
+Each contract test prints its census table; pytest shows it when the test fails.
+"""
+
+import dataclasses
+import functools
+import json
+import re
+
+import jax
+import pytest
+
+from configs import apply_overrides, get_preset
+from model.transformer import count_params
+from sharding.mesh import build_mesh, parse_mesh
+from conftest import SMALL, run_module
+from tools.hlo import census, format_table, step_census, summary
+from training.build import abstract
+
+TRIPS_MODULE = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ar = f32[1000]{0} all-reduce(%x), channel_id=1, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
+  %ag = (bf16[4,16]{1,0}, bf16[16,16]{1,0}) all-gather-start(%y), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}
+  %cp = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%z), channel_id=3, source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}
+  ROOT %t = (s32[], f32[8]) tuple(%i, %w)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%wrapped (q: f32[16]) -> f32[4] {
+  ROOT %rs = f32[4]{0} reduce-scatter(%q), channel_id=4, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %rs-start = ((f32[16]{0}), f32[4]{0}) async-start(%v), calls=%wrapped
+  ROOT %a2a = f32[8]{0} all-to-all(%u), channel_id=5, replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}
+}
+"""
+
+
+def test_census_reads_kinds_axes_loops_and_async_forms():
+    found = {c.name: c for c in census(TRIPS_MODULE, {"data": 2, "tensor": 4})}
+    assert set(found) == {"ar", "ag", "cp", "rs", "a2a"}
+    ar, ag, cp, rs, a2a = (found[n] for n in ("ar", "ag", "cp", "rs", "a2a"))
+    assert (ar.kind, ar.axes, ar.group, ar.trips, ar.elements) == ("all-reduce", ("tensor",), 4, 3, 1000)
+    assert ar.bytes_per_run == 2 * 4000 * 3 / 4 and ar.bytes_per_step == 3 * ar.bytes_per_run
+    assert (ag.kind, ag.axes, ag.dtype, ag.elements) == ("all-gather", ("data",), "bf16", 256)  # the result
+    assert ag.bytes_per_run == 512 * 1 / 2
+    assert (cp.kind, cp.axes, cp.elements, cp.bytes_per_run) == ("collective-permute", ("tensor",), 8, 32)
+    assert (rs.kind, rs.axes, rs.trips, rs.elements) == ("reduce-scatter", ("tensor",), 1, 16)  # 4 x result
+    assert rs.bytes_per_run == 64 * 3 / 4
+    assert (a2a.kind, a2a.axes, a2a.bytes_per_run) == ("all-to-all", ("data",), 32 * 1 / 2)
+    rows = {(r["kind"], r["axes"]): r for r in summary(list(found.values()))}
+    assert rows[("all-reduce", "tensor")] == {"kind": "all-reduce", "axes": "tensor", "ops": 1, "count": 3,
+                                               "bytes_per_device": 18000.0}
+    assert "collective-permute" in format_table(summary(list(found.values())))
+
+
+def test_cli_prints_the_census_as_json():
+    out = run_module("tools.hlo", *[a for s in SMALL for a in ("--set", s)], "--mesh", "dp=2,tp=2", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["mesh"] == "dp=2,tp=2"
+    kinds = {(r["kind"], r["axes"]) for r in report["rows"]}
+    assert ("all-reduce", "tensor") in kinds and ("all-reduce", "data") in kinds
+    assert all(op["trips"] >= 1 and op["bytes_per_run"] > 0 for op in report["ops"])
+
+
+# --- the communication contract, on the tiny preset -------------------------------------------
+
+
+@functools.cache
+def _compile(mesh: str, *sets: str):
+    cfg = apply_overrides(get_preset("tiny"), list(sets))
+    cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
+    built = build_mesh(cfg.parallel)
+    return step_census(cfg, built), count_params(abstract(cfg, built).state.params), cfg
+
+
+def compiled(mesh: str, *sets: str):
+    """(census, n_params, cfg) of tiny's train step on `mesh` (compiled once per session);
+    prints the census table, which pytest shows when the test fails."""
+    found, n_params, cfg = _compile(mesh, *sets)
+    print(f"census of tiny on {mesh} {' '.join(sets)}:\n{format_table(summary(found))}")
+    return found, n_params, cfg
+
+
+def total(found, kinds, axes, **where) -> float:
+    return sum(c.bytes_per_step for c in found if c.kind in kinds and c.axes == axes
+               and all(getattr(c, k) == v for k, v in where.items()))
+
+
+def test_dp_gradient_all_reduce_is_2P():
+    found, n_params, _ = compiled("dp=8")
+    n, grad_bytes = 8, 4 * n_params  # fp32 gradients as the compiled CPU program holds them
+    moved = total(found, ("all-reduce", "reduce-scatter", "all-gather"), ("data",))
+    assert moved == pytest.approx(2 * grad_bytes * (n - 1) / n, rel=0.02)
+    assert {c.axes for c in found} == {("data",)}  # nothing else communicates
+
+
+def test_fsdp_gathers_weights_twice_and_reduces_gradients():
+    """ZeRO-3 on fsdp=8. XLA keeps nothing gathered between the forward and the backward scan:
+    each block weight is all-gathered in the forward scan and again in the backward (7 weight
+    matrices per block, norms are not sharded), the embedding and head once each way: 2P(N-1)/N.
+    The gradients are reduced with an all-reduce and a slice: XLA's CPU pipeline lacks the pass
+    that turns that pair into a reduce-scatter (GPU's has it), so it moves 2P(N-1)/N instead of
+    P(N-1)/N. Counted at reduce-scatter volume the total is the contract's 3P(N-1)/N."""
+    found, n_params, cfg = compiled("fsdp=8")
+    n, p = 8, 4 * n_params
+    gathers = total(found, ("all-gather",), ("fsdp",))
+    reduces = total(found, ("all-reduce", "reduce-scatter"), ("fsdp",))
+    assert gathers == pytest.approx(2 * p * (n - 1) / n, rel=0.05)
+    assert reduces == pytest.approx(2 * p * (n - 1) / n, rel=0.05)
+    assert gathers + reduces / 2 == pytest.approx(3 * p * (n - 1) / n, rel=0.05)
+    per_layer = [c for c in found if c.kind == "all-gather" and c.trips == cfg.model.n_layers]
+    assert len(per_layer) == 2 * 7
+
+
+def tp_loop_ops(found, cfg, kind):
+    return [c for c in found if c.kind == kind and c.axes == ("tensor",) and c.trips == cfg.model.n_layers]
+
+
+def activation_elements(cfg, dp: int) -> int:
+    """S = B·L·D of one layer's input on one device (B the local batch)."""
+    return cfg.train.global_batch_size // dp * cfg.train.seq_len * cfg.model.d_model
+
+
+def test_tp_two_all_reduces_per_layer_forward_and_two_backward():
+    """dp=2,tp=4 with the shard_map regions: per layer, 2 all-reduces of S in the forward scan
+    and 2 in the backward. tiny has K=2 kv heads < tp=4, so wk and wv are replicated and their
+    gradients (2·D·K·H) are all-reduced too; XLA merges them into one of the backward ones."""
+    found, _, cfg = compiled("dp=2,tp=4")
+    m = cfg.model
+    s, kv_grads = activation_elements(cfg, 2), 2 * m.d_model * m.n_kv_heads * m.head_dim
+    ops = tp_loop_ops(found, cfg, "all-reduce")
+    big = [c for c in ops if c.elements >= s]
+    forward = [c.elements for c in big if "transpose(" not in c.op_name]
+    backward = [c for c in big if "transpose(" in c.op_name]
+    assert forward == [s, s] and len(backward) == 2
+    assert sum(c.elements for c in ops) == 4 * s + kv_grads
+    assert not tp_loop_ops(found, cfg, "all-gather") and not tp_loop_ops(found, cfg, "reduce-scatter")
+
+
+def test_tp_collectives_are_bf16_in_the_program():
+    """The compiled CPU buffers are f32 (see the module docstring); the program all-reduces the
+    bf16 activations [B, L, D]: 2 psums in the forward scan body, 2 in the backward. (Inside the
+    region only `tensor` is manual, so the jaxpr shows the global batch; XLA splits it on data.)"""
+    _, _, cfg = compiled("dp=2,tp=4")
+    program = abstract(cfg, mesh := build_mesh(cfg.parallel))
+    with jax.set_mesh(mesh):
+        text = str(jax.make_jaxpr(program.step_fn)(program.state, program.abstract_batch()))
+    b, length, d = cfg.train.global_batch_size, cfg.train.seq_len, cfg.model.d_model
+    psums = re.findall(rf":bf16\[{b},{length},{d}\]\S* = psum\w*\[axes=\('tensor',\)\]", text)
+    assert len(psums) == 4
+
+
+def test_sequence_parallel_replaces_each_all_reduce_with_all_gather_and_reduce_scatter():
+    plain, _, cfg = compiled("dp=2,tp=4")
+    found, _, _ = compiled("dp=2,tp=4", "parallel.sequence_parallel=true")
+    s = activation_elements(cfg, 2)
+    gathers, scatters = tp_loop_ops(found, cfg, "all-gather"), tp_loop_ops(found, cfg, "reduce-scatter")
+    assert [c.elements for c in gathers] == [s] * 4 and [c.elements for c in scatters] == [s] * 4
+    assert sum("transpose(" in c.op_name for c in gathers + scatters) == 4  # 2 AG + 2 RS each way
+    assert all(c.elements < s for c in tp_loop_ops(found, cfg, "all-reduce"))  # only the kv grads
+    sp_bytes = sum(c.bytes_per_step for c in gathers + scatters)
+    tp_bytes = sum(c.bytes_per_step for c in tp_loop_ops(plain, cfg, "all-reduce") if c.elements >= s)
+    tp_bytes -= sum(c.bytes_per_run * c.trips * (c.elements - s) / c.elements
+                    for c in tp_loop_ops(plain, cfg, "all-reduce") if c.elements > s)  # minus the kv grads
+    assert sp_bytes == pytest.approx(tp_bytes, rel=1e-6)
+
+
+def test_overlap_uses_collective_permutes_instead_of_gathers():
+    sp, _, cfg = compiled("dp=2,tp=4", "parallel.sequence_parallel=true")
+    found, _, _ = compiled("dp=2,tp=4", "parallel.sequence_parallel=true", "parallel.tp_overlap=true")
+    s, t = activation_elements(cfg, 2), 4
+    assert not tp_loop_ops(found, cfg, "all-gather") and not tp_loop_ops(found, cfg, "reduce-scatter")
+    permutes = tp_loop_ops(found, cfg, "collective-permute")
+    # 4 rings (2 column, 2 row) of T-1 steps in each scan, each step moving one chunk S/T
+    assert len(permutes) == 2 * 4 * (t - 1) and {c.elements for c in permutes} == {s // t}
+    sp_bytes = sum(c.bytes_per_step for k in ("all-gather", "reduce-scatter") for c in tp_loop_ops(sp, cfg, k))
+    assert sum(c.bytes_per_step for c in permutes) == pytest.approx(sp_bytes, rel=1e-6)
