@@ -33,8 +33,9 @@ def _devices(cfg) -> int:
         ("fsdp=2,tp=4", []),
         ("fsdp=2,tp=4", [SP]),
         ("dp=2,tp=4", ["parallel.tp_impl=gspmd", SP]),
+        ("dp=2,tp=4", [SP, "model.remat=attn"]),
     ],
-    ids=["tp8", "tp4-sp", "dp2-tp4-overlap", "fsdp2-tp4", "fsdp2-tp4-sp", "dp2-tp4-gspmd-sp"],
+    ids=["tp8", "tp4-sp", "dp2-tp4-overlap", "fsdp2-tp4", "fsdp2-tp4-sp", "dp2-tp4-gspmd-sp", "dp2-tp4-sp-remat"],
 )
 def test_tensor_parallel_equals_single_device(mesh, flags, reference, corpus):
     cfg = small_config(mesh, *flags)

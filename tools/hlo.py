@@ -13,8 +13,8 @@ It reads the text of the compiled (partitioned, optimised) HLO, what runs on eac
   flat device order (the compiled program's device assignment), so a group's coordinates on
   the mesh show which axes it spans (e.g. `data+fsdp`).
 - Loops: a collective inside a while body runs `known_trip_count` times per step (nested loops
-  multiply), so a layer scan's body counts once per layer. `ops` counts instructions in the
-  text, `count` counts executions per step.
+  multiply), so a layer scan's body counts once per layer (a loop XLA gives no trip count
+  counts once). `ops` counts instructions in the text, `count` counts executions per step.
 - Bytes per device, with S the full buffer and N the group size: all-reduce 2S(N-1)/N (ring);
   all-gather S(N-1)/N (S = its result); reduce-scatter S(N-1)/N (S = its operand, N times the
   result); all-to-all S(N-1)/N; collective-permute S (each device sends its buffer once).
