@@ -49,3 +49,19 @@ def corpus():
     from training.data import load_tokens
 
     return load_tokens(small_config().data, 256)[:200_000]
+
+
+def train_argv(*args: str) -> list[str]:
+    """`python -u train.py` with the SMALL settings, then `args` (for subprocess tests)."""
+    import sys
+
+    return [sys.executable, "-u", "train.py", *[a for s in SMALL for a in ("--set", s)], *args]
+
+
+def logged_losses(run_dir) -> dict[int, float]:
+    """{step: loss} from a run's metrics.jsonl (the last record of a step logged twice)."""
+    import json
+    from pathlib import Path
+
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
