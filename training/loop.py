@@ -58,7 +58,7 @@ def train(job: Job, run_dir: Path, checkpoints: Checkpointer | None = None) -> l
     tokens_per_step = k * b * length
     logger = MetricsLogger(run_dir, t.steps, first_step)
     profiler = Profiler(parse_window(t.profile_steps), run_dir)
-    device = job.mesh.devices.flat[0]
+    device = job.mesh.local_devices[0]  # memory stats exist only for this process's devices
     records, state, previous, done = [], job.state, None, first_step
     try:
         with jax.set_mesh(job.mesh), StopSignals() as stop:
