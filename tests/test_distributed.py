@@ -11,7 +11,6 @@ import socket
 import subprocess
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
