@@ -12,7 +12,7 @@ What is measured, on the job train.py builds (`training.build.build`) and its Ch
             for the previous write). Each step is waited for; the ratio of the mean step times
             (with / without) is what the async save costs the training loop. The final wait for
             the last write is reported apart.
-Checkpoints go to a temporary directory (or --dir), removed afterwards. On CPU (fake devices
+Checkpoints go to a temporary directory (TMPDIR chooses the disk), removed afterwards. On CPU (fake devices
 sharing a few cores) the background write competes with the step for the same cores, so the
 ratio is an upper bound of what a GPU host sees; compare only figures within one run.
 """
@@ -20,18 +20,14 @@ ratio is an upper bound of what a GPU host sees; compare only figures within one
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import shlex
 import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from bench.step import environment
+from bench.step import bench_mesh, default_out, report_head, write_report
 from configs import ConfigError, RunConfig
-from sharding.mesh import format_mesh
 from train import add_run_args, request_fake_devices, run_cli, run_config
 
 
@@ -39,7 +35,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p)
     p.add_argument("--steps", type=int, default=4, help="timed steps without and with saves (default 4)")
-    p.add_argument("--dir", type=Path, help="where checkpoints are written (default: a temporary directory)")
     p.add_argument("--out", type=Path, help="JSON report (default bench/results/checkpoint-<config>-<mesh>.json)")
     return p.parse_args(argv)
 
@@ -117,40 +112,20 @@ def main(argv: list[str]) -> int:
     cfg = run_config(args)
     fake = request_fake_devices(cfg)
 
-    import jax  # noqa: E402 -- after XLA_FLAGS is final
-
-    from sharding.mesh import build_mesh, mesh_config
-
-    mesh = build_mesh(cfg.parallel)
-    mesh_text = format_mesh(dict(mesh.shape))
-    if fake and jax.default_backend() == "cpu":
-        print(f"CPU platform: running mesh {mesh_text} on {fake} fake host devices")
-    cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh))
-    directory = args.dir or Path(tempfile.mkdtemp(prefix="meshtrain-bench-ckpt-"))
+    mesh, mesh_text, cfg = bench_mesh(cfg, fake)
+    directory = Path(tempfile.mkdtemp(prefix="meshtrain-bench-ckpt-"))
     try:
         figures = measure(cfg, mesh, args.steps, directory / "checkpoints")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    report = {
-        "command": shlex.join(["python", "-m", "bench.checkpoint", *argv]),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": environment(mesh),
-        "mesh": mesh_text,
-        "config": cfg.to_dict(),
-        "checkpoint": figures,
-    }
+    report = report_head("bench.checkpoint", argv, cfg, mesh, mesh_text) | {"checkpoint": figures}
     f = figures
     print(f"  {f['n_params'] / 1e6:.1f}M parameters, checkpoint {f['checkpoint_bytes'] / 2**20:.0f} MiB")
     print(f"  save: {f['save_blocking_s']:.2f} s blocking, {f['save_total_s']:.2f} s until on disk")
     print(f"  restore: {f['restore_s']:.2f} s (checksums verified)")
     print(f"  step: {f['step_time_no_save_mean_s']:.2f} s without saves, {f['step_time_async_save_mean_s']:.2f} s "
           f"with an async save every step: ratio {f['ratio_async_save_to_no_save']:.2f}")
-    if jax.process_index() == 0:
-        safe = mesh_text.replace("=", "").replace(",", "_").replace(" ", "-")
-        out = args.out or Path("bench/results") / f"checkpoint-{cfg.name}-{safe}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\nwrote {out}")
+    write_report(report, args.out or default_out("checkpoint", cfg, mesh_text))
     return 0
 
 

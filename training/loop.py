@@ -82,7 +82,7 @@ def train(job: Job, run_dir: Path, checkpoints: Checkpointer | None = None) -> l
                 metrics = jax.device_get(metrics)  # waits for the device
                 now = time.perf_counter()
                 if first:
-                    print(f"compiled and ran step {done} in {now - start:.1f} s")
+                    say(f"compiled and ran step {done} in {now - start:.1f} s")
                     first, start = False, now
                     continue
                 steps_timed = done - records[-1]["step"] if records else done - first_step - 1
