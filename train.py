@@ -3,6 +3,7 @@
   python train.py                                  tiny preset, stdlib corpus, CPU, ~2 minutes
   python train.py --mesh dp=8,tp=8                 64 devices (fake CPU devices on a laptop)
   python train.py --config 125m --set train.lr=3e-4 --run-dir runs/a
+  python train.py --run-dir runs/a                 resume runs/a from its latest checkpoint
 
 Arguments are parsed, and the config and mesh shape checked, before jax is imported: on CPU
 this script sets XLA's host device count to what the mesh needs.
@@ -22,19 +23,21 @@ from typing import Callable, NoReturn
 from configs import PRESETS, ConfigError, RunConfig, apply_overrides, get_preset
 from sharding.mesh import format_mesh, parse_mesh, requested_devices
 from sharding.xla_flags import FAKE_DEVICES, with_flags
+from training.distributed import add_process_args, process_count
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """--config, --mesh and --set: what every entry point (train.py, bench/) takes."""
-    p.add_argument("--config", default="tiny", help=f"preset: {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--config", help=f"preset: {', '.join(PRESETS)} (default tiny, or the config "
+                   "saved in --run-dir when it holds one)")
     p.add_argument("--mesh", default="", help="axis sizes, e.g. dp=8,tp=8; axes pp dp fsdp sp tp; one may be -1")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set model.n_layers=8 (repeatable)")
 
 
-def run_config(args: argparse.Namespace, extra_sets: list[str] = ()) -> RunConfig:
-    """The preset of --config with --set (then `extra_sets`) applied and --mesh as the mesh."""
-    cfg = apply_overrides(get_preset(args.config), [*args.set, *extra_sets])
+def run_config(args: argparse.Namespace, extra_sets: list[str] = (), base: RunConfig | None = None) -> RunConfig:
+    """`base` (default: the preset of --config) with --set (then `extra_sets`) applied and --mesh as the mesh."""
+    cfg = apply_overrides(base or get_preset(args.config or "tiny"), [*args.set, *extra_sets])
     return dataclasses.replace(cfg, parallel=parse_mesh(args.mesh, cfg.parallel)) if args.mesh else cfg
 
 
@@ -42,25 +45,42 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p)
     p.add_argument("--steps", type=int, help="shortcut for --set train.steps=N")
-    p.add_argument("--run-dir", type=Path, help="output directory (default runs/<preset>-<time>)")
+    p.add_argument("--run-dir", type=Path,
+                   help="output directory (default runs/<preset>-<time>); resumes from its latest checkpoint")
     p.add_argument("--profile-steps", help="START:END, trace these steps with jax.profiler")
+    add_process_args(p)
     return p.parse_args(argv)
+
+
+def saved_config(run_dir: Path | None) -> RunConfig | None:
+    """The config.json of an existing run directory (the base config of a resume), or None."""
+    path = run_dir / "config.json" if run_dir else None
+    if path is None or not path.exists():
+        return None
+    try:
+        return RunConfig.from_dict(json.loads(path.read_text()))
+    except (TypeError, KeyError, ValueError) as e:
+        raise ConfigError(f"{path} is not a config of this version ({e}): pass --config and --set explicitly") from None
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
     shortcuts = [f"train.steps={args.steps}"] if args.steps is not None else []
     if args.profile_steps:
         shortcuts.append(f"train.profile_steps={args.profile_steps}")
-    return run_config(args, shortcuts)
+    return run_config(args, shortcuts, base=None if args.config else saved_config(args.run_dir))
 
 
-def request_fake_devices(cfg: RunConfig) -> int | None:
+def request_fake_devices(cfg: RunConfig, processes: int = 1) -> int | None:
     """Set XLA_FLAGS before jax is imported: meshtrain's workarounds, and a host platform with
-    as many devices as the mesh needs; returns that number, or None if not requested here."""
+    this process's share of the mesh's devices; returns that number, or None if not requested."""
     current = os.environ.get("XLA_FLAGS", "")
     needed = requested_devices(cfg.parallel)
     if not needed or needed == 1 or FAKE_DEVICES in current:
-        needed = None
+        os.environ["XLA_FLAGS"] = with_flags(current)
+        return None
+    if needed % processes:
+        raise ConfigError(f"--mesh needs {needed} devices, not divisible by {processes} processes")
+    needed //= processes
     os.environ["XLA_FLAGS"] = with_flags(current, needed)
     return needed
 
@@ -68,33 +88,47 @@ def request_fake_devices(cfg: RunConfig) -> int | None:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = resolve_config(args)
-    fake = request_fake_devices(cfg)
+    fake = request_fake_devices(cfg, process_count(args))
 
     import jax  # noqa: E402 -- after XLA_FLAGS is final
 
     from sharding.mesh import build_mesh, mesh_config
-    from training.build import build
-    from training.loop import train
+    from training.build import abstract, build
+    from training.checkpoint import Checkpointer
+    from training.distributed import initialize
+    from training.loop import TrainingStopped, train
 
+    initialize(args)
     mesh = build_mesh(cfg.parallel)
     if fake and jax.default_backend() == "cpu":
-        print(f"CPU platform: running mesh {format_mesh(dict(mesh.shape))} on {fake} fake host devices")
+        print(f"CPU platform: running mesh {format_mesh(dict(mesh.shape))} on {fake} fake host devices "
+              f"per process ({jax.process_count()} process(es))")
     cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
     run_dir = args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
+    # The abstract program checks the config against the mesh before anything is written: a
+    # rejected config never overwrites the run directory's config.json nor opens checkpoints.
+    program = abstract(cfg, mesh)
+    checkpoints = Checkpointer(run_dir / "checkpoints", cfg) if cfg.train.checkpoint_every else None
+    job = build(cfg, mesh, restore=checkpoints.restore_latest if checkpoints else None, program=program)
     text = json.dumps(cfg.to_dict(), indent=2)
     if jax.process_index() == 0:
         (run_dir / "config.json").write_text(text + "\n")
         print(f"config ({run_dir / 'config.json'}):\n{text}")
-
-    job = build(cfg, mesh)
     k, b, length = job.batches.shape
     print(
         f"{cfg.name}: {job.n_params / 1e6:.2f}M parameters | mesh {format_mesh(dict(mesh.shape))} "
         f"on {mesh.size} {jax.devices()[0].platform} device(s) | batch {k}x{b}x{length} tokens"
     )
-    records = train(job, run_dir)
-    if records:
+    try:
+        records = train(job, run_dir, checkpoints)
+    except TrainingStopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if checkpoints:
+            checkpoints.close()
+    if records and int(job.state.step) == cfg.train.steps:
         print(f"done: final loss {records[-1]['loss']:.4f} after {cfg.train.steps} steps; metrics in {run_dir}")
     return 0
 

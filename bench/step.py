@@ -234,10 +234,44 @@ def print_report(report: dict) -> None:
             print(f"  compile({last}) / compile({first}) = {scaling['ratio_largest_to_smallest']:.2f}")
 
 
-def default_out(cfg: RunConfig, mesh_text: str) -> Path:
-    """bench/results/step-<config>-<mesh>.json, e.g. step-tiny-dp2_tp2.json."""
+def default_out(bench: str, cfg: RunConfig, mesh_text: str) -> Path:
+    """bench/results/<bench>-<config>-<mesh>.json, e.g. step-tiny-dp2_tp2.json."""
     safe = mesh_text.replace("=", "").replace(",", "_").replace(" ", "-")
-    return Path("bench/results") / f"step-{cfg.name}-{safe}.json"
+    return Path("bench/results") / f"{bench}-{cfg.name}-{safe}.json"
+
+
+def bench_mesh(cfg: RunConfig, fake: int | None) -> tuple[object, str, RunConfig]:
+    """(mesh, its short text, cfg with the resolved mesh sizes); says when devices are fake."""
+    import jax
+
+    from sharding.mesh import build_mesh, mesh_config
+
+    mesh = build_mesh(cfg.parallel)
+    mesh_text = format_mesh(dict(mesh.shape))
+    if fake and jax.default_backend() == "cpu":
+        print(f"CPU platform: running mesh {mesh_text} on {fake} fake host devices")
+    return mesh, mesh_text, dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
+
+
+def report_head(module: str, argv: list[str], cfg: RunConfig, mesh, mesh_text: str) -> dict:
+    """What every benchmark record starts with: command, time, machine and versions, mesh, config."""
+    return {
+        "command": shlex.join(["python", "-m", module, *argv]),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "environment": environment(mesh),
+        "mesh": mesh_text,
+        "config": cfg.to_dict(),
+    }
+
+
+def write_report(report: dict, out: Path) -> None:
+    """The JSON report, from process 0 only."""
+    import jax
+
+    if jax.process_index() == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {out}")
 
 
 def main(argv: list[str]) -> int:
@@ -248,31 +282,15 @@ def main(argv: list[str]) -> int:
 
     import jax  # noqa: E402 -- after XLA_FLAGS is final
 
-    from sharding.mesh import build_mesh, mesh_config
-
     jax.config.update("jax_enable_compilation_cache", False)
-    mesh = build_mesh(cfg.parallel)
-    mesh_text = format_mesh(dict(mesh.shape))
-    if fake and jax.default_backend() == "cpu":
-        print(f"CPU platform: running mesh {mesh_text} on {fake} fake host devices")
-    cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
+    mesh, mesh_text, cfg = bench_mesh(cfg, fake)
 
-    report = {
-        "command": shlex.join(["python", "-m", "bench.step", *argv]),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": environment(mesh),
-        "mesh": mesh_text,
-        "config": cfg.to_dict(),
-        "throughput": measure_steps(cfg, mesh, args.steps),
-    }
+    report = report_head("bench.step", argv, cfg, mesh, mesh_text)
+    report["throughput"] = measure_steps(cfg, mesh, args.steps)
     if layers:
         report["compile_scaling"] = compile_scaling(cfg, mesh, layers)
     print_report(report)
-    if jax.process_index() == 0:
-        out = args.out or default_out(cfg, mesh_text)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\nwrote {out}")
+    write_report(report, args.out or default_out("step", cfg, mesh_text))
     return 0
 
 

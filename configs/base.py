@@ -39,7 +39,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation, batch and logging."""
+    """Optimisation, batch, logging and checkpoints (training/checkpoint.py)."""
 
     steps: int = 200
     seq_len: int = 128  # L
@@ -57,6 +57,9 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     profile_steps: str = ""  # START:END, a window of steps traced with jax.profiler
+    checkpoint_every: int = 100  # save every N steps and at the last step; 0 = no checkpoints
+    keep_checkpoints: int = 3  # the newest k complete checkpoints are kept
+    max_bad_steps: int = 5  # stop after this many non-finite (skipped) steps in a row
 
 
 @dataclass(frozen=True)

@@ -111,3 +111,19 @@ def assert_same_run(got, want):
         np.testing.assert_allclose(actual, expected, atol=1e-6, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
     assert losses[-1] < losses[0]  # it trains
+
+
+def train_argv(*args: str) -> list[str]:
+    """`python -u train.py` with the SMALL settings, then `args` (for subprocess tests)."""
+    import sys
+
+    return [sys.executable, "-u", "train.py", *[a for s in SMALL for a in ("--set", s)], *args]
+
+
+def logged_losses(run_dir) -> dict[int, float]:
+    """{step: loss} from a run's metrics.jsonl (the last record of a step logged twice)."""
+    import json
+    from pathlib import Path
+
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}

@@ -102,7 +102,8 @@ def abstract(cfg: RunConfig, mesh: Mesh) -> Abstract:
     def init() -> tuple[nnx.GraphDef, TrainState]:
         model = Transformer(cfg.model, TensorParallel.from_config(cfg.parallel), rngs=nnx.Rngs(cfg.train.seed))
         graphdef, params = nnx.split(model)
-        return graphdef, TrainState(jax.numpy.zeros((), jax.numpy.int32), params, tx.init(params))
+        step, bad_steps, skipped = (jax.numpy.zeros((), jax.numpy.int32) for _ in range(3))
+        return graphdef, TrainState(step, params, tx.init(params), bad_steps, skipped)
 
     graphdef, state = nnx.eval_shape(init)
     shardings = state_shardings(state, mesh)
@@ -118,11 +119,20 @@ def abstract(cfg: RunConfig, mesh: Mesh) -> Abstract:
     return Abstract(graphdef, state, shardings, batch_sharding, shape, init_fn, step_fn)
 
 
-def build(cfg: RunConfig, mesh: Mesh, tokens: np.ndarray | None = None) -> Job:
-    """Everything a training loop needs. `tokens` overrides the configured data source."""
-    program = abstract(cfg, mesh)
-    with jax.set_mesh(mesh):
-        state = program.init_fn()
+def build(cfg: RunConfig, mesh: Mesh, tokens: np.ndarray | None = None,
+          restore: Callable[[Abstract], TrainState | None] | None = None,
+          program: Abstract | None = None) -> Job:
+    """Everything a training loop needs. `tokens` overrides the configured data source.
+
+    `restore` (e.g. `Checkpointer.restore_latest`) gets the abstract program and returns the
+    state of a checkpoint, already in this mesh's shardings, or None: then the state is
+    initialised from the seed. `program`: `abstract(cfg, mesh)` if the caller has it already.
+    """
+    program = program or abstract(cfg, mesh)
+    state = restore(program) if restore else None
+    if state is None:
+        with jax.set_mesh(mesh):
+            state = program.init_fn()
     if tokens is None:
         tokens = load_tokens(cfg.data, cfg.model.vocab_size)
     k, b, length = program.batch_shape

@@ -15,6 +15,10 @@ Layout: a batch is {'inputs', 'targets'}, each [k, b, L] int32 (k microbatches o
 targets are inputs shifted by one). It is sharded b over (data, fsdp) and L over sequence; each
 process reads only the rows its devices hold and assembles the global array with
 `jax.make_array_from_process_local_data`.
+
+Test hook: MESHTRAIN_TEST_NAN_STEPS=3,4 puts an out-of-range token id (int32 max) first in the
+inputs of those steps' batches; the embedding lookup (`jnp.take`, fill mode) reads it as NaN, so
+the step's loss and gradients are NaN. Tests use it to exercise the skipping of non-finite steps.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 from configs.base import ConfigError, DataConfig
 
 SYNTHETIC_TOKENS = 1 << 22
+NAN_STEPS_HOOK = "MESHTRAIN_TEST_NAN_STEPS"
 
 
 def stdlib_files() -> list[Path]:
@@ -96,6 +101,7 @@ class Batches:
         # Rows (along b) held by this process's devices; all processes draw the same offsets.
         index = sharding.addressable_devices_indices_map(self.shape).values()
         self.rows = np.unique(np.concatenate([np.arange(b)[ix[1]] for ix in index]))
+        self.nan_steps = {int(s) for s in os.environ.get(NAN_STEPS_HOOK, "").split(",") if s.strip()}
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of step `step`, as numpy [k, rows, L]."""
@@ -103,6 +109,8 @@ class Batches:
         rng = np.random.default_rng([self.seed, step])
         starts = rng.integers(0, self.tokens.size - length, size=(k, b))[:, self.rows]  # windows of L + 1
         windows = self.tokens[starts[..., None] + np.arange(length + 1)].astype(np.int32)
+        if step in self.nan_steps:
+            windows[..., 0] = np.iinfo(np.int32).max  # see the test hook in the module docstring
         return {"inputs": windows[..., :-1], "targets": windows[..., 1:]}
 
     def __call__(self, step: int) -> dict[str, jax.Array]:

@@ -21,8 +21,8 @@ def _duration(seconds: float) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, total_steps: int):
-        self.total = total_steps
+    def __init__(self, run_dir: Path, total_steps: int, first_step: int = 0):
+        self.total, self.first = total_steps, first_step  # a resumed run starts at first_step
         self.started = time.perf_counter()
         self.enabled = jax.process_index() == 0
         if self.enabled:
@@ -45,7 +45,8 @@ class MetricsLogger:
     def line(self, r: dict) -> str:
         step, done = r["step"], r["step"] / self.total
         elapsed = time.perf_counter() - self.started
-        eta = elapsed / done * (1 - done) if done else 0.0
+        remaining = (self.total - step) / (step - self.first) if step > self.first else 0.0
+        eta = elapsed * remaining
         parts = [
             f"step {step:>{len(str(self.total))}}/{self.total} {done:4.0%}",
             f"loss {r['loss']:.4f}",
@@ -54,6 +55,8 @@ class MetricsLogger:
             f"lr {r['lr']:.2e}",
             f"gnorm {r['grad_norm']:.3f}",
         ]
+        if r.get("skipped"):
+            parts.append(f"skipped {r['skipped']} non-finite")
         if r.get("mfu") is not None:
             parts.append(f"{r['tflops_per_device']:.1f} TFLOP/s/dev MFU {r['mfu']:.1%}")
         parts.append(f"eta {_duration(eta)}")

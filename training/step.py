@@ -9,6 +9,13 @@ Accumulation: a batch is [k, b, L]; a `lax.scan` over the k microbatches sums fp
 (held with the parameters' shardings) and divides by k, then one optimizer update is applied.
 Microbatches have equal token counts, so this equals the gradient of one batch of k*b.
 
+Non-finite steps: when the loss or the gradient norm is NaN or inf, the step keeps the old
+parameters and optimizer state (an elementwise select per parameter and moment, which XLA fuses
+into the optimizer's elementwise update) and counts the step in `bad_steps` (in a row) and
+`skipped` (in all); the loop stops after `train.max_bad_steps` in a row. `step` advances anyway,
+so the next step reads the next batch; the optimizer's own step count (and so its learning rate)
+then lags `step` by the number of skipped steps.
+
 Collectives are not written here: XLA derives them from the shardings of the parameters
 (sharding/rules.py) and of the batch, e.g. the gradient all-reduce over (data, fsdp).
 """
@@ -26,9 +33,11 @@ from configs.base import RunConfig
 
 
 class TrainState(NamedTuple):
-    step: jax.Array  # int32 scalar
+    step: jax.Array  # int32 scalar: steps taken, skipped ones included (= the data position)
     params: nnx.State
     opt_state: Any
+    bad_steps: jax.Array  # int32 scalar: non-finite steps in a row (0 after a good step)
+    skipped: jax.Array  # int32 scalar: non-finite steps skipped in all
 
 
 def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig) -> jax.Array:
@@ -61,9 +70,17 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         loss, grads = loss_and_grads(state.params, graphdef, batch, cfg)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
-        return TrainState(state.step + 1, params, opt_state), metrics
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(ok, new, old), (params, opt_state), (state.params, state.opt_state)
+        )
+        bad_steps = jnp.where(ok, 0, state.bad_steps + 1)
+        skipped = state.skipped + (~ok).astype(jnp.int32)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
+                   "bad_steps": bad_steps, "skipped": skipped}
+        return TrainState(state.step + 1, params, opt_state, bad_steps, skipped), metrics
 
     return train_step

@@ -1,0 +1,110 @@
+"""training/checkpoint.py in-process: resharding restores, damaged checkpoints, model mismatch, NaN steps."""
+
+import jax
+import numpy as np
+import pytest
+
+from configs import ConfigError
+from conftest import small_config
+from sharding.mesh import build_mesh
+from training.build import abstract, build
+from training.checkpoint import Checkpointer
+from training.loop import TrainingStopped, train
+
+PAIRS = [("dp=2,fsdp=2,tp=2", "fsdp=8"), ("dp=2,fsdp=2,tp=2", "dp=4,tp=2"), ("fsdp=8", "dp=2,tp=4")]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, corpus):
+    """{source mesh: (checkpoint dir, host state after step 2)}; checkpoints at steps 1 and 2."""
+    out = {}
+    for spec in sorted({src for src, _ in PAIRS}):
+        directory = tmp_path_factory.mktemp("ckpt")
+        cfg = small_config(spec)
+        checkpoints = Checkpointer(directory, cfg)
+        job = build(cfg, build_mesh(cfg.parallel), tokens=corpus)
+        state, hosts = job.state, []
+        with jax.set_mesh(job.mesh):
+            for step in range(2):
+                state, _ = job.step_fn(state, job.batches(step))
+                checkpoints.save(step + 1, state)
+                hosts.append(jax.device_get(state))
+        checkpoints.wait()
+        checkpoints.close()
+        out[spec] = directory, hosts
+    return out
+
+
+def restore(directory, cfg):
+    program = abstract(cfg, build_mesh(cfg.parallel))
+    checkpoints = Checkpointer(directory, cfg)
+    try:
+        return program, checkpoints.restore_latest(program)
+    finally:
+        checkpoints.close()
+
+
+@pytest.mark.parametrize("source, target", PAIRS)
+def test_restore_onto_another_mesh(source, target, saved, tmp_path):
+    directory, hosts = saved[source]
+    program, state = restore(directory, small_config(target))
+    assert int(state.step) == 2
+    leaves, shardings = jax.tree.leaves(state), jax.tree.leaves(program.shardings)
+    assert len(leaves) == len(jax.tree.leaves(hosts[-1])) == len(shardings)
+    for got, want, sharding in zip(leaves, jax.tree.leaves(hosts[-1]), shardings):
+        assert got.sharding == sharding  # arrives in the new mesh's layout, not gathered
+        np.testing.assert_array_equal(np.asarray(got), want)
+    assert any(s.spec != jax.sharding.PartitionSpec() for s in shardings)
+
+
+def test_damaged_checkpoint_falls_back_to_the_previous(saved, tmp_path, capsys):
+    import shutil
+
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(saved["fsdp=8"][0], directory)
+    data = max((p for p in (directory / "2").rglob("*") if p.is_file() and p.parent.name == "d"),
+               key=lambda p: p.stat().st_size)
+    damaged = bytearray(data.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x40  # one flipped bit: orbax alone restores it silently
+    data.write_bytes(bytes(damaged))
+    _, state = restore(directory, small_config("fsdp=8"))
+    out = capsys.readouterr().out
+    assert "checkpoint" in out and "is damaged (DamagedCheckpoint: checksum mismatch" in out
+    assert f"resumed from {directory.resolve() / '1'} (step 1)" in out
+    assert int(state.step) == 1 and (directory / "2.damaged").is_dir() and not (directory / "2").exists()
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(saved["fsdp=8"][1][0])):
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_checkpoint_of_another_model_is_refused(saved):
+    cfg = small_config("fsdp=8", "model.d_model=32", "model.n_layers=3", "model.remat=full")
+    with pytest.raises(ConfigError) as e:
+        restore(saved["fsdp=8"][0], cfg)
+    message = str(e.value)
+    assert "model.d_model=64 in the checkpoint, 32 now" in message
+    assert "model.n_layers=2 in the checkpoint, 3 now" in message
+    assert "remat" not in message  # changes the computation, not the saved state
+
+
+def test_nan_step_is_skipped_and_repeated_nans_stop(corpus, tmp_path, monkeypatch, capsys):
+    cfg = small_config("", "train.log_every=1", "train.max_bad_steps=2", "train.checkpoint_every=1")
+    mesh = build_mesh(cfg.parallel, jax.devices()[:1])
+    monkeypatch.setenv("MESHTRAIN_TEST_NAN_STEPS", "2")  # the batch of step index 2 (logged as step 3)
+    job = build(cfg, mesh, tokens=corpus)
+    (tmp_path / "one").mkdir()
+    records = {r["step"]: r for r in train(job, tmp_path / "one")}
+    assert np.isnan(records[3]["loss"]) and records[3]["skipped"] == 1 and records[3]["bad_steps"] == 1
+    assert np.isfinite(records[4]["loss"]) and records[4]["bad_steps"] == 0 and records[5]["skipped"] == 1
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(job.state.params))
+
+    monkeypatch.setenv("MESHTRAIN_TEST_NAN_STEPS", "2,3")
+    (tmp_path / "two").mkdir()
+    checkpoints = Checkpointer(tmp_path / "two" / "checkpoints", cfg)
+    job = build(cfg, mesh, tokens=corpus)
+    with pytest.raises(TrainingStopped, match="step 4: 2 non-finite steps in a row") as e:
+        train(job, tmp_path / "two", checkpoints)
+    assert checkpoints.latest() == 3 and str(checkpoints.path(3)) in str(e.value)
+    state = checkpoints.restore_latest(abstract(cfg, mesh))
+    checkpoints.close()
+    assert int(state.bad_steps) == 1 and int(state.skipped) == 1  # step 4's failed update never saved
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))

@@ -1,0 +1,79 @@
+"""Two processes x 4 fake CPU devices (gloo, 127.0.0.1) train like one process with 8 devices.
+
+The two-process run (dp=2,fsdp=2,tp=2; each process loads only its rows of the batch) checkpoints
+at steps 5 and 8; its losses must equal the one-process run's. Then the checkpoint of step 5,
+written by two processes, is resumed by one process, which must reach the same losses again.
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import logged_losses, small_config, train_argv
+from sharding.mesh import build_mesh
+from training.build import build
+from training.checkpoint import Checkpointer
+from training.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+MESH = "dp=2,fsdp=2,tp=2"
+SETS = ("train.steps=8", "train.log_every=1", "train.checkpoint_every=5")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("two-processes")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py asks for 4 devices each
+    coordinator = f"127.0.0.1:{free_port()}"
+    sets = [a for s in SETS for a in ("--set", s)]
+    procs = [
+        subprocess.Popen(
+            train_argv("--mesh", MESH, *sets, "--run-dir", str(run_dir), "--coordinator", coordinator,
+                       "--num-processes", "2", "--process-id", str(i)),
+            cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+    assert "on 4 fake host devices per process (2 process(es))" in outs[0]
+    return run_dir
+
+
+def one_process(run_dir: Path, resume: bool) -> dict[int, float]:
+    """Train (or resume) the same config in this process on 8 devices; {step: loss}."""
+    cfg = small_config(MESH, *SETS)
+    checkpoints = Checkpointer(run_dir / "checkpoints", cfg) if resume else None
+    job = build(cfg, build_mesh(cfg.parallel), restore=checkpoints.restore_latest if resume else None)
+    try:
+        return {r["step"]: r["loss"] for r in train(job, run_dir)}
+    finally:
+        if checkpoints:
+            checkpoints.close()
+
+
+def test_two_processes_equal_one_and_resume_across_the_boundary(two_processes, tmp_path, capsys):
+    reference = one_process(tmp_path, resume=False)
+    losses = logged_losses(two_processes)
+    assert sorted(losses) == list(range(2, 9))
+    np.testing.assert_allclose([losses[s] for s in losses], [reference[s] for s in losses], rtol=1e-6)
+    assert all(p.name.isdigit() for p in (two_processes / "checkpoints").iterdir())
+
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(two_processes / "checkpoints", resumed_dir / "checkpoints")
+    shutil.rmtree(resumed_dir / "checkpoints" / "8")
+    resumed = one_process(resumed_dir, resume=True)
+    assert "(step 5)" in capsys.readouterr().out and sorted(resumed) == [7, 8]
+    np.testing.assert_allclose([resumed[s] for s in (7, 8)], [reference[s] for s in (7, 8)], rtol=1e-6)

@@ -1,0 +1,205 @@
+"""Checkpoints: asynchronous sharded saves, resume from the latest complete one, on any mesh.
+
+Where: RUN_DIR/checkpoints/<step>/ (orbax CheckpointManager), one directory per saved step:
+  state/   the TrainState: step, parameters, AdamW moments and count, the bad-step counters
+           (orbax OCDBT + zarr; the processes write their devices' shards collectively)
+  meta/    JSON: step, data position, both seeds, one checksum per array
+  config/  JSON: the resolved RunConfig of the run that wrote it
+Saved every `train.checkpoint_every` steps, at the last step and when a signal stops the run;
+the newest `train.keep_checkpoints` are kept.
+
+RNG state: there is no dropout and no random state after initialisation. The batch of step s
+depends only on (data.seed, s) and the initial parameters only on train.seed, so the data
+position (= the step) and the two seeds are the whole RNG state; resume checks them.
+
+Cost of a save: the caller blocks while the checksums are computed (one read of the state on
+device, a few scalars to the host) and while orbax copies this process's shards to host memory
+(state bytes / processes: 12 bytes per parameter with fp32 AdamW); the disk write runs in
+background threads while training goes on, holding that host copy until it ends. Disk:
+12 bytes per parameter per checkpoint. Restore: the targets are ShapeDtypeStructs carrying the
+*current* mesh's NamedShardings, so each process reads only the chunks of its own shards and
+no array is ever gathered onto one device; any saved mesh restores onto any current mesh.
+
+Guarantees:
+- Complete: orbax writes into `<step>.orbax-checkpoint-tmp` and renames it to `<step>` only
+  after every process finished (atomic rename). A temporary directory left by a killed process
+  is reported, removed and never restored.
+- Damaged: a flipped bit in a data file restores silently in orbax, so every array's checksum
+  (bits times odd position weights, summed mod 2^32: independent of the sharding) is compared
+  with the saved one. A checkpoint that fails to read or to match is moved aside to
+  `<step>.damaged` and the previous one is tried; the messages say which and why.
+- Compatible: a checkpoint written for another model (fields of `model.*` other than
+  COMPUTE_ONLY, or gradient clipping on/off, which changes the optimizer state) or another
+  data.seed is refused with an error naming the fields that differ.
+
+Test hook: MESHTRAIN_TEST_KILL_IN_SAVE=N makes the process SIGKILL itself right after the save of
+step N was started (its temporary directory exists, its write is in flight): a deterministic
+"killed mid-checkpoint-write" for the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from configs.base import ConfigError, RunConfig
+from training.build import Abstract
+from training.step import TrainState
+
+KILL_IN_SAVE_HOOK = "MESHTRAIN_TEST_KILL_IN_SAVE"
+COMPUTE_ONLY = ("attention", "remat", "compute_dtype")  # change the computation, not the state
+TMP_STEP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint that reads but whose contents do not match what was saved."""
+
+
+def say(message: str) -> None:
+    if jax.process_index() == 0:
+        print(message, flush=True)
+
+
+@jax.jit
+def checksums(state: TrainState) -> list[jax.Array]:
+    """One uint32 per array: sum of its bits times (2 * flat index + 1), mod 2^32."""
+
+    def one(x: jax.Array) -> jax.Array:
+        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(jnp.uint32)
+        weights = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape) * 2 + 1
+        return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+    return [one(x) for x in jax.tree.leaves(state)]
+
+
+def named_checksums(state: TrainState) -> dict[str, int]:
+    names = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(state)]
+    return dict(zip(names, map(int, jax.device_get(checksums(state)))))
+
+
+def restore_targets(program: Abstract) -> TrainState:
+    """The abstract state as ShapeDtypeStructs carrying this mesh's NamedShardings."""
+    leaves = [
+        jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+        for s, sharding in zip(jax.tree.leaves(program.state), jax.tree.leaves(program.shardings))
+    ]
+    return jax.tree.unflatten(jax.tree.structure(program.state), leaves)
+
+
+def incompatibilities(saved: dict, cfg: RunConfig) -> list[str]:
+    """'field: saved vs now' for each config field whose difference forbids a restore."""
+    now = cfg.to_dict()
+    diffs = [
+        f"model.{key}={saved['model'].get(key)!r} in the checkpoint, {value!r} now"
+        for key, value in now["model"].items()
+        if key not in COMPUTE_ONLY and saved["model"].get(key) != value
+    ]
+    if bool(saved["train"]["grad_clip"]) != bool(cfg.train.grad_clip):
+        diffs.append(f"train.grad_clip={saved['train']['grad_clip']} in the checkpoint, "
+                     f"{cfg.train.grad_clip} now (clipping on/off changes the optimizer state)")
+    if saved["data"]["seed"] != cfg.data.seed:
+        diffs.append(f"data.seed={saved['data']['seed']} in the checkpoint, {cfg.data.seed} now "
+                     "(the data stream would not continue)")
+    return diffs
+
+
+class Checkpointer:
+    """Saves and restores a run's TrainState under `directory` (RUN_DIR/checkpoints)."""
+
+    def __init__(self, directory: Path, cfg: RunConfig):
+        t = cfg.train
+        if t.checkpoint_every < 1 or t.keep_checkpoints < 1:
+            raise ConfigError(
+                f"train.checkpoint_every={t.checkpoint_every}, train.keep_checkpoints={t.keep_checkpoints}: "
+                "both must be >= 1 (train.checkpoint_every=0 turns checkpoints off)"
+            )
+        self.directory, self.cfg = directory.resolve(), cfg
+        self.cut_off = sorted(p for p in self.directory.glob("*") if TMP_STEP.match(p.name))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=t.keep_checkpoints, enable_async_checkpointing=True, cleanup_tmp_directories=True,
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def due(self, step: int) -> bool:
+        return step % self.cfg.train.checkpoint_every == 0 or step == self.cfg.train.steps
+
+    def path(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def save(self, step: int, state: TrainState) -> None:
+        """Start an asynchronous save of `state` (after `step` steps); returns once it is on host."""
+        meta = {"step": step, "data_position": step, "data_seed": self.cfg.data.seed,
+                "init_seed": self.cfg.train.seed, "checksums": named_checksums(state)}
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            meta=ocp.args.JsonSave(meta),
+            config=ocp.args.JsonSave(self.cfg.to_dict()),
+        ))
+        if os.environ.get(KILL_IN_SAVE_HOOK) == str(step):
+            os.kill(os.getpid(), signal.SIGKILL)  # see the test hook in the module docstring
+
+    def wait(self) -> None:
+        """Block until every started save is complete on disk."""
+        self.manager.wait_until_finished()
+
+    def latest(self) -> int | None:
+        return self.manager.latest_step()
+
+    def restore_latest(self, program: Abstract) -> TrainState | None:
+        """The newest complete, undamaged checkpoint's state in `program`'s shardings, or None."""
+        for tmp in self.cut_off:
+            say(f"checkpoint {tmp.name} was cut off mid-write (never committed): ignored and removed")
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                state = self._restore(step, program)
+            except ConfigError:
+                raise
+            except Exception as e:  # unreadable files fail in many ways (tensorstore, json, orbax)
+                first_line = (str(e).splitlines() or [""])[0][:200]
+                self._set_aside(step, f"{type(e).__name__}: {first_line}")
+                continue
+            say(f"resumed from {self.path(step)} (step {step})")
+            return state
+        return None
+
+    def _restore(self, step: int, program: Abstract) -> TrainState:
+        items = self.manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore(), config=ocp.args.JsonRestore()))
+        diffs = incompatibilities(items.config, self.cfg)
+        if diffs:
+            raise ConfigError(
+                f"checkpoint {self.path(step)} was written by a different run: {'; '.join(diffs)}. "
+                "Use the --config/--set of the run that wrote it, or another --run-dir"
+            )
+        state = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(restore_targets(program)))).state
+        saved, now = items.meta["checksums"], named_checksums(state)
+        wrong = [name for name in saved if now.get(name) != saved[name]]
+        if wrong or saved.keys() != now.keys():
+            raise DamagedCheckpoint(f"checksum mismatch in {len(wrong)} array(s), e.g. {(wrong or ['?'])[0]}")
+        if int(state.step) != items.meta["data_position"] or items.meta["step"] != step:
+            raise DamagedCheckpoint(f"state step {int(state.step)} != saved data position {items.meta['data_position']}")
+        return state
+
+    def _set_aside(self, step: int, reason: str) -> None:
+        """Move a damaged checkpoint to `<step>.damaged` (orbax no longer sees it) and say so."""
+        aside = self.directory / f"{step}.damaged"
+        if jax.process_index() == 0:
+            shutil.rmtree(aside, ignore_errors=True)
+            self.path(step).rename(aside)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"meshtrain-set-aside-{step}")
+        self.manager.reload()
+        say(f"checkpoint {self.path(step)} is damaged ({reason}): moved to {aside}, "
+            "falling back to the previous checkpoint")
+
+    def close(self) -> None:
+        self.manager.close()

@@ -1,0 +1,59 @@
+"""Several processes: `jax.distributed.initialize` from explicit flags or SLURM's environment.
+
+Explicit: `--coordinator host:port --num-processes N --process-id I` on every process (process
+0 serves the coordinator at host:port). SLURM: with SLURM_NTASKS > 1, jax's own detection reads
+SLURM_JOB_ID, SLURM_STEP_NODELIST (the coordinator is the first node, the port derived from the
+job id), SLURM_NTASKS, SLURM_PROCID and SLURM_LOCALID; under `sbatch` without `srun` only
+SLURM_JOB_NODELIST exists, and it is used in its place.
+
+After initialize every process sees all devices (`jax.devices()`) and its own
+(`jax.local_devices()`); sharding/mesh.py builds the hybrid mesh, training/data.py has each
+process load only its rows of the global batch, process 0 alone logs and writes config.json,
+and checkpoints are written by all processes together. On CPU, cross-process collectives use
+gloo (the default in jax 0.10, set explicitly here).
+
+`process_count` needs no jax: train.py calls it before importing jax, to give each process its
+share of the fake CPU devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from configs.base import ConfigError
+
+EXPLICIT = ("coordinator", "num_processes", "process_id")
+
+
+def add_process_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (several processes)")
+    p.add_argument("--num-processes", type=int, help="number of processes (with --coordinator)")
+    p.add_argument("--process-id", type=int, help="this process's index, 0..N-1 (with --coordinator)")
+
+
+def process_count(args: argparse.Namespace) -> int:
+    """Processes in this run: --num-processes, else SLURM_NTASKS, else 1 (checks the flags)."""
+    given = [getattr(args, name) is not None for name in EXPLICIT]
+    if any(given) and not all(given):
+        raise ConfigError("--coordinator, --num-processes and --process-id go together: give all three")
+    if all(given):
+        if not 0 <= args.process_id < args.num_processes:
+            raise ConfigError(f"--process-id {args.process_id}: must be in 0..{args.num_processes - 1}")
+        return args.num_processes
+    return int(os.environ.get("SLURM_NTASKS", "1"))
+
+
+def initialize(args: argparse.Namespace) -> None:
+    """Join the other processes (no-op for one process). Call before anything touches devices."""
+    if process_count(args) == 1:
+        return
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.coordinator:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        return
+    if "SLURM_STEP_NODELIST" not in os.environ and "SLURM_JOB_NODELIST" in os.environ:
+        os.environ["SLURM_STEP_NODELIST"] = os.environ["SLURM_JOB_NODELIST"]
+    jax.distributed.initialize()
