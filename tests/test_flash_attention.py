@@ -9,8 +9,8 @@ the defaults (`default_blocks`): 128 x 128 at H = 64, 128 x 64 at H = 128, so L 
 take several q and kv blocks, bq != bk is covered, and L = 1000 ends in a ragged block.
 
 Tolerances, on max |pallas - xla| / max |xla| per output (max |xla| floored at 1e-3):
-  fp32  1e-5   (observed about 1e-6)
-  bf16  2e-2   (inputs, p and the outputs are rounded to bf16 (8 bits) by both cores)
+  fp32  1e-5   (observed up to 2e-6)
+  bf16  2e-2   (observed up to 7e-3: both cores round inputs, p and outputs to bf16's 8 bits)
 """
 
 import jax
@@ -63,8 +63,9 @@ def assert_close(got, want, dtype):
         assert error < TOLERANCE[dtype], f"{name}: relative error {error:.2e}"
 
 
-def grid():
+def grid() -> list:
     """The 48 points, each with its dtype (parity of the coordinates) and a readable id."""
+    points = []
     for causal in (True, False):
         for heads in ((4, 4), (8, 2)):
             for h in (64, 128):
@@ -73,7 +74,8 @@ def grid():
                         odd = (causal + (heads[1] < heads[0]) + (h == 128) + at + (batch == 3)) % 2
                         dtype = "bfloat16" if odd else "float32"
                         name = f"{dtype}-{'causal' if causal else 'full'}-N{heads[0]}K{heads[1]}-H{h}-L{length}-B{batch}"
-                        yield pytest.param(dtype, causal, heads, h, length, batch, id=name)
+                        points.append(pytest.param(dtype, causal, heads, h, length, batch, id=name))
+    return points
 
 
 @pytest.mark.parametrize("dtype, causal, heads, h, length, batch", grid())
