@@ -20,7 +20,6 @@ and its figures mean nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import time
@@ -126,7 +125,7 @@ def main(argv: list[str]) -> int:
     import jax
     import numpy as np
 
-    from bench.step import environment
+    from bench.step import environment, write_report
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("device",))  # one device: no sharding here
     rows = [measure(core, mask == "causal", length, h, args)
@@ -144,10 +143,7 @@ def main(argv: list[str]) -> int:
     if report["interpret_mode"]:
         report["note"] = "pallas ran in interpret mode (no GPU): a smoke run of the script, not a performance figure"
         print(f"\nnote: {report['note']}")
-    out = args.out or default_out(env["backend"], env["device_kind"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    write_report(report, args.out or default_out(env["backend"], env["device_kind"]))
     return 0
 
 

@@ -240,6 +240,13 @@ def default_out(cfg: RunConfig, mesh_text: str) -> Path:
     return Path("bench/results") / f"step-{cfg.name}-{safe}.json"
 
 
+def write_report(report: dict, out: Path) -> None:
+    """The JSON record, at `out` (folders made as needed)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg, layers = resolve(args)
@@ -269,10 +276,7 @@ def main(argv: list[str]) -> int:
         report["compile_scaling"] = compile_scaling(cfg, mesh, layers)
     print_report(report)
     if jax.process_index() == 0:
-        out = args.out or default_out(cfg, mesh_text)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\nwrote {out}")
+        write_report(report, args.out or default_out(cfg, mesh_text))
     return 0
 
 
