@@ -169,8 +169,8 @@ def _backward(plan: Plan, q, k, v, d_out, lse, delta) -> tuple[jax.Array, jax.Ar
                  [tile_q, kv, kv, tile_q, stat, stat], tile_q,
                  jax.ShapeDtypeStruct(q.shape, q.dtype))(q, k, v, d_out, lse, delta)
     heads, stats = _heads_of_kv(padded, h, plan.groups), _stat_heads_of_kv(padded, plan.groups)
+    kv_shapes = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     dk, dv = _launch(dkv_kernel, plan, (b, k.shape[2], padded // plan.block_k),
-                     [heads, tile_k, tile_k, heads, stats, stats], [tile_k, tile_k],
-                     (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+                     [heads, tile_k, tile_k, heads, stats, stats], [tile_k, tile_k], kv_shapes,
                      )(q, k, v, d_out, lse, delta)
     return dq, dk, dv

@@ -63,19 +63,19 @@ def _kv_ranges(plan: Plan, i, n_kv: int):
     starts after row i*bq + bq - 1. Full: only blocks holding padded keys are masked. The first
     block visited always holds key 0, which every row sees, so the running max turns finite.
     """
+    bq, bk = plan.block_q, plan.block_k
     if plan.causal:
-        start = i * plan.block_q
-        return [(0, lax.div(start, plan.block_k), False),
-                (lax.div(start, plan.block_k), lax.div(start + plan.block_q + plan.block_k - 1, plan.block_k), True)]
-    return [(0, plan.length // plan.block_k, False), (plan.length // plan.block_k, n_kv, True)]
+        visible = lax.div(i * bq, bk)  # lax.div truncates: = // for these ints >= 0, one op to lower
+        return [(0, visible, False), (visible, lax.div(i * bq + bq + bk - 1, bk), True)]
+    return [(0, plan.length // bk, False), (plan.length // bk, n_kv, True)]
 
 
 def _q_ranges(plan: Plan, j, n_q: int):
     """q blocks that see kv block j: causal skips those wholly before it and masks the diagonal."""
     if not plan.causal:
         return [(0, n_q, False)]  # padded keys only reach their own dk/dv rows (module docstring)
-    start = j * plan.block_k
-    first, visible = lax.div(start, plan.block_q), lax.div(start + plan.block_k - 1 + plan.block_q - 1, plan.block_q)
+    bq, last_key = plan.block_q, j * plan.block_k + plan.block_k - 1
+    first, visible = lax.div(j * plan.block_k, bq), lax.div(last_key + bq - 1, bq)  # visible: rows >= last_key
     return [(first, visible, True), (visible, n_q, False)]
 
 
