@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import shlex
 import statistics
 import time
 from pathlib import Path
 
-from bench.step import environment, lower_and_compile, memory_analysis
+from bench.step import lower_and_compile, memory_analysis, report_head, write_report
 from configs import ConfigError, RunConfig, apply_overrides
 from train import add_run_args, request_fake_devices, run_cli, run_config
 
@@ -114,18 +112,11 @@ def main(argv: list[str]) -> int:
 
     results = {tp: compare(base, tp, args.rounds) for tp in sizes}
     print_table(results)
-    report = {
-        "command": shlex.join(["python", "-m", "bench.tp", *argv]),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": environment(build_mesh(variant_config(base, sizes[-1], []).parallel, jax.devices()[:sizes[-1]])),
-        "config": base.to_dict(),
-        "results": results,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    largest = variant_config(base, sizes[-1], [])
+    mesh = build_mesh(largest.parallel, jax.devices()[: sizes[-1]])
+    report = report_head("bench.tp", argv, base, mesh, f"tp={','.join(map(str, sizes))}")
+    write_report(report | {"results": results}, args.out)
     return 0
-
 
 if __name__ == "__main__":
     run_cli(main)

@@ -16,6 +16,9 @@ Cores (`model.attention`):
          and materialises the [B, N, L, L] scores: memory O(L^2) per head.
   cudnn  jax.nn.dot_product_attention(implementation='cudnn'): fused, GQA without repeats;
          NVIDIA GPUs only.
+  pallas our flash attention kernel (model/kernels/flash_attention.py): tiled online softmax,
+         memory O(L·H) per head; run per device under shard_map (model/kernels/sharded.py).
+         Interpreted on CPU (slow: for tests), compiled by Triton on NVIDIA GPUs.
 """
 
 from __future__ import annotations
@@ -26,23 +29,25 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from configs.base import ConfigError, ModelConfig
+from model.kernels.sharded import sharded_flash_attention
 from model.layers import apply_rotary, param
 from sharding.rules import constrain
 from sharding.tensor_parallel import Local, Sharded, TensorParallel
 
-CORES = ("xla", "cudnn")
+CORES = ("xla", "cudnn", "pallas")
 
 
-def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal attention. q [B, L, N, H], k/v [B, L, K, H] -> [B, L, N, H]."""
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = True) -> jax.Array:
+    """Causal (or full) attention. q [B, L, N, H], k/v [B, L, K, H] -> [B, L, N, H]."""
     groups = q.shape[2] // k.shape[2]
     k = jnp.repeat(k, groups, axis=2)  # [B, L, K, H] -> [B, L, N, H]; kv head j serves q heads jG..jG+G-1
     v = jnp.repeat(v, groups, axis=2)
     scores = jnp.einsum("blnh,bmnh->bnlm", q, k, preferred_element_type=jnp.float32)
     scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
-    length = q.shape[1]
-    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    if causal:
+        length = q.shape[1]
+        visible = jnp.tril(jnp.ones((length, length), dtype=bool))
+        scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bnlm,bmnh->blnh", probs, v)
 
@@ -62,6 +67,8 @@ def attention_core(name: str):
                 f"{jax.default_backend()}); use model.attention=xla"
             )
         return cudnn_attention
+    if name == "pallas":
+        return sharded_flash_attention
     raise ConfigError(f"--set model.attention={name}: unknown core; choose one of {', '.join(CORES)}")
 
 

@@ -44,6 +44,10 @@ fsdp too (XLA cannot partition an all-gather over `tensor` of a batch split on a
 axis: it would gather the batch); the weights' gradients are then summed over data and fsdp
 inside the region (an all-reduce, where GSPMD reduce-scatters FSDP gradients on GPUs).
 
+The pallas attention core runs with tp_impl=gspmd only: a Pallas kernel needs check_vma=False
+(interpret mode cannot type its loops' manual axes), and these regions rely on the manual-axis
+types to place Megatron's backward all-reduce.
+
 tp_impl=gspmd runs the same per-device code without shard_map: the logical rules shard the
 weights and XLA chooses and places the collectives.
 """
@@ -59,7 +63,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from configs.base import ConfigError, ParallelConfig, RunConfig
+from configs.base import ConfigError, RunConfig
 from sharding.rules import logical_to_spec
 
 IMPLS = ("shard_map", "gspmd")
@@ -95,6 +99,11 @@ def check(cfg: RunConfig, sizes: dict[str, int]) -> None:
         raise ConfigError(
             "parallel.tp_overlap=true overlaps sequence parallelism's all-gather and reduce-scatter "
             "with the matmuls: add --set parallel.sequence_parallel=true"
+        )
+    if p.tp_impl == "shard_map" and tp > 1 and cfg.model.attention == "pallas":
+        raise ConfigError(
+            "model.attention=pallas with tp>1 runs with GSPMD tensor parallelism: add "
+            "--set parallel.tp_impl=gspmd (the shard_map regions cannot hold a Pallas kernel yet)"
         )
     k = cfg.model.n_kv_heads
     if p.tp_impl == "shard_map" and k % tp and tp % k:
@@ -184,7 +193,8 @@ class TensorParallel:
     overlap: bool = False
 
     @classmethod
-    def from_config(cls, p: ParallelConfig) -> TensorParallel:
+    def from_config(cls, cfg: RunConfig) -> TensorParallel:
+        p = cfg.parallel
         return cls(p.tp_impl, p.sequence_parallel, p.tp_overlap)
 
     @property

@@ -100,7 +100,7 @@ def abstract(cfg: RunConfig, mesh: Mesh) -> Abstract:
     tx, schedule = make_optimizer(cfg.train), lr_schedule(cfg.train)
 
     def init() -> tuple[nnx.GraphDef, TrainState]:
-        model = Transformer(cfg.model, TensorParallel.from_config(cfg.parallel), rngs=nnx.Rngs(cfg.train.seed))
+        model = Transformer(cfg.model, TensorParallel.from_config(cfg), rngs=nnx.Rngs(cfg.train.seed))
         graphdef, params = nnx.split(model)
         step, bad_steps, skipped = (jax.numpy.zeros((), jax.numpy.int32) for _ in range(3))
         return graphdef, TrainState(step, params, tx.init(params), bad_steps, skipped)

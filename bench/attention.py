@@ -1,0 +1,151 @@
+"""Benchmark the attention cores alone: TFLOP/s of the forward and of forward + backward.
+
+  python -m bench.attention                 # GPU: pallas, cudnn, xla; L 1k-16k; H 64, 128; bf16
+  python -m bench.attention --lengths 128,256 --head-dims 64 --heads 2 --tokens 256 --steps 2
+                                            # CPU: pallas interpreted; proves the script only
+
+Shapes: q [B, L, N, H], k/v [B, L, K, H], B = max(1, --tokens // L) so that every length holds
+about the same number of tokens. FLOPs are counted as in the FlashAttention papers, from the
+two matmuls of each head: forward 4·B·N·L²·H, halved for the causal mask; backward 2.5 x the
+forward, so forward + backward is 3.5 x. The forward is `core(q, k, v)`, forward + backward the
+gradient of `sum(core(q, k, v))` for q, k and v; each is compiled, run once, then timed over
+--steps calls (median, each waited for with `jax.block_until_ready`).
+
+A core that cannot run (cudnn off an NVIDIA GPU, xla's [B, N, L, L] scores out of memory) gets
+its error in its row and the run goes on. On CPU pallas runs in interpret mode: a loop of HLO
+slices, orders of magnitude slower than a compiled kernel; such a run proves the script works
+and its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import time
+from pathlib import Path
+
+from configs import ConfigError
+from train import run_cli
+
+CORES = ("pallas", "cudnn", "xla")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
+    p.add_argument("--cores", default=",".join(CORES), help="comma-separated, of pallas,cudnn,xla")
+    p.add_argument("--lengths", type=ints, default=[1024, 4096, 8192, 16384], help="L values")
+    p.add_argument("--head-dims", type=ints, default=[64, 128], help="H values")
+    p.add_argument("--heads", type=int, default=16, help="N query heads (default 16)")
+    p.add_argument("--kv-heads", type=int, default=0, help="K kv heads (default: N, no grouping)")
+    p.add_argument("--tokens", type=int, default=16384, help="B·L per call (default 16384)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--masks", default="causal,full", help="causal, full or both")
+    p.add_argument("--steps", type=int, default=10, help="timed calls per measurement (default 10)")
+    p.add_argument("--out", type=Path, help="JSON report (default bench/results/attention-<device>.json)")
+    args = p.parse_args(argv)
+    args.cores = [c for c in args.cores.split(",") if c]
+    args.masks = [m for m in args.masks.split(",") if m]
+    if set(args.cores) - set(CORES) or set(args.masks) - {"causal", "full"} or args.steps < 1:
+        raise ConfigError(f"--cores from {','.join(CORES)}, --masks from causal,full, --steps >= 1")
+    return args
+
+
+def core_fn(name: str, causal: bool):
+    """core(q, k, v) -> out for one of CORES and one mask."""
+    import jax
+
+    from model.attention import xla_attention
+    from model.kernels.flash_attention import flash_attention
+
+    if name == "pallas":
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal)
+    if name == "cudnn":
+        if jax.default_backend() != "gpu":
+            raise ConfigError(f"cudnn needs an NVIDIA GPU (this backend is {jax.default_backend()})")
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    return lambda q, k, v: xla_attention(q, k, v, causal)
+
+
+def median_seconds(fn, args, steps: int) -> float:
+    """Compile and run once, then the median of `steps` timed calls."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(core: str, causal: bool, length: int, head_dim: int, args: argparse.Namespace) -> dict:
+    """One row: shapes, forward and forward+backward time and TFLOP/s (or the error)."""
+    import jax
+    import jax.numpy as jnp
+
+    batch, kv_heads = max(1, args.tokens // length), args.kv_heads or args.heads
+    row = {"core": core, "causal": causal, "length": length, "head_dim": head_dim, "batch": batch,
+           "heads": args.heads, "kv_heads": kv_heads, "dtype": args.dtype}
+    forward_flops = 4 * batch * args.heads * length**2 * head_dim / (2 if causal else 1)
+    keys = jax.random.split(jax.random.key(0), 3)
+    shapes = [(batch, length, n, head_dim) for n in (args.heads, kv_heads, kv_heads)]
+    q, k, v = (jax.random.normal(key, s, jnp.float32).astype(args.dtype) for key, s in zip(keys, shapes))
+    try:
+        fn = core_fn(core, causal)
+        grad = jax.grad(lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+        for name, program, flops in (("forward", fn, forward_flops), ("forward_backward", grad, 3.5 * forward_flops)):
+            seconds = median_seconds(jax.jit(program), (q, k, v), args.steps)
+            row |= {f"{name}_ms": seconds * 1e3, f"{name}_tflops": flops / seconds / 1e12}
+    except Exception as err:  # noqa: BLE001 -- a core that cannot run here is a result, not a crash
+        row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+    return row
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"  {'core':<7}{'mask':<7}{'L':>6}{'H':>5}{'B':>5}  {'fwd ms':>10}{'TFLOP/s':>9}  {'fwd+bwd ms':>11}{'TFLOP/s':>9}")
+    for r in rows:
+        head = f"  {r['core']:<7}{'causal' if r['causal'] else 'full':<7}{r['length']:>6}{r['head_dim']:>5}{r['batch']:>5}  "
+        if "error" in r:
+            print(head + r["error"])
+        else:
+            print(head + f"{r['forward_ms']:>10.3f}{r['forward_tflops']:>9.3g}  "
+                         f"{r['forward_backward_ms']:>11.3f}{r['forward_backward_tflops']:>9.3g}")
+
+
+def default_out(backend: str, device_kind: str) -> Path:
+    name = "cpu-interpret-smoke" if backend == "cpu" else device_kind.lower().replace(" ", "-")
+    return Path("bench/results") / f"attention-{name}.json"
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    import jax
+    import numpy as np
+
+    from bench.step import environment, write_report
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("device",))  # one device: no sharding here
+    rows = [measure(core, mask == "causal", length, h, args)
+            for length in args.lengths for h in args.head_dims for mask in args.masks for core in args.cores]
+    print_rows(rows)
+    env = environment(mesh)
+    report = {
+        "command": shlex.join(["python", "-m", "bench.attention", *argv]),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "environment": env,
+        "flops": "forward 4*B*N*L^2*H (halved if causal); forward+backward 3.5x forward",
+        "interpret_mode": env["backend"] != "gpu",
+        "rows": rows,
+    }
+    if report["interpret_mode"]:
+        report["note"] = "pallas ran in interpret mode (no GPU): a smoke run of the script, not a performance figure"
+        print(f"\nnote: {report['note']}")
+    write_report(report, args.out or default_out(env["backend"], env["device_kind"]))
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,135 @@
+"""The three flash attention kernel bodies and their static plan (math in flash_attention.py).
+
+Each kernel sees its refs as the blocks that flash_attention.py's BlockSpecs cut, with the
+squeezed dimensions dropped: q, dO, out tiles [bq, H]; k, v rows [L, H] (forward, dq) or tiles
+[bk, H] (dk/dv); the G q heads of one kv head [L, G, H] (dk/dv); lse, delta [bq] or [G, L].
+Scores, softmax statistics and every accumulator are fp32; matmul inputs keep the input dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Static shape of one call: mask, real length, blocks, grouping (hashable for custom_vjp)."""
+
+    causal: bool
+    length: int  # real L; arrays are padded to a multiple of both blocks
+    block_q: int
+    block_k: int
+    groups: int  # G = N / K
+
+
+NT = ((1,), (1,))  # a @ b.T
+NN = ((1,), (0,))  # a @ b
+TN = ((0,), (0,))  # a.T @ b
+
+
+def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
+    return lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
+
+
+def _scores(plan: Plan, q, k, q_start, k_start, masked: bool) -> jax.Array:
+    """s = q k^T / sqrt(H), fp32 [bq, bk]; -inf where a key is hidden (causal, or padding)."""
+    s = _dot(q, k, NT) * (1.0 / math.sqrt(q.shape[-1]))
+    if not masked:
+        return s
+    rows = q_start + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+    cols = k_start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    visible = cols <= rows if plan.causal else cols < plan.length
+    return jnp.where(visible, s, -jnp.inf)
+
+
+def _sweep(step, ranges, carry):
+    """Run step(index, carry, masked=...) over each (start, stop, masked) range in turn."""
+    for start, stop, masked in ranges:
+        carry = lax.fori_loop(start, stop, functools.partial(step, masked=masked), carry)
+    return carry
+
+
+def _kv_ranges(plan: Plan, i, n_kv: int):
+    """kv blocks that q block i visits: unmasked ones first, then those needing the mask.
+
+    Causal: block j is wholly visible when its last key precedes row i*bq, and skipped when it
+    starts after row i*bq + bq - 1. Full: only blocks holding padded keys are masked. The first
+    block visited always holds key 0, which every row sees, so the running max turns finite.
+    """
+    bq, bk = plan.block_q, plan.block_k
+    if plan.causal:
+        visible = lax.div(i * bq, bk)  # lax.div truncates: = // for these ints >= 0, one op to lower
+        return [(0, visible, False), (visible, lax.div(i * bq + bq + bk - 1, bk), True)]
+    return [(0, plan.length // bk, False), (plan.length // bk, n_kv, True)]
+
+
+def _q_ranges(plan: Plan, j, n_q: int):
+    """q blocks that see kv block j: causal skips those wholly before it and masks the diagonal."""
+    if not plan.causal:
+        return [(0, n_q, False)]  # padded keys only reach their own dk/dv rows (module docstring)
+    bq, last_key = plan.block_q, j * plan.block_k + plan.block_k - 1
+    first, visible = lax.div(j * plan.block_k, bq), lax.div(last_key + bq - 1, bq)  # visible: rows >= last_key
+    return [(first, visible, True), (visible, n_q, False)]
+
+
+def forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan: Plan):
+    i, bq, bk = pl.program_id(2), plan.block_q, plan.block_k
+    q = q_ref[...]
+
+    def step(j, carry, masked):
+        m, l, acc = carry
+        k, v = k_ref[pl.ds(j * bk, bk), :], v_ref[pl.ds(j * bk, bk), :]
+        s = _scores(plan, q, k, i * bq, j * bk, masked)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        p = jnp.exp(s - m_new[:, None])
+        rescale = jnp.exp(m - m_new)  # 0 on the first block (m = -inf), where acc and l are 0
+        return m_new, rescale * l + p.sum(axis=1), rescale[:, None] * acc + _dot(p.astype(v.dtype), v, NN)
+
+    init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
+            jnp.zeros(q.shape, jnp.float32))
+    m, l, acc = _sweep(step, _kv_ranges(plan, i, k_ref.shape[0] // bk), init)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l)
+
+
+def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, plan: Plan):
+    i, bq, bk = pl.program_id(2), plan.block_q, plan.block_k
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
+
+    def step(j, dq, masked):
+        k, v = k_ref[pl.ds(j * bk, bk), :], v_ref[pl.ds(j * bk, bk), :]
+        p = jnp.exp(_scores(plan, q, k, i * bq, j * bk, masked) - lse)
+        ds = p * (_dot(do, v, NT) - delta)
+        return dq + _dot(ds.astype(k.dtype), k, NN)
+
+    dq = _sweep(step, _kv_ranges(plan, i, k_ref.shape[0] // bk), jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * (1.0 / math.sqrt(q.shape[-1]))).astype(dq_ref.dtype)
+
+
+def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, plan: Plan):
+    j, bq, bk = pl.program_id(2), plan.block_q, plan.block_k
+    k, v = k_ref[...], v_ref[...]
+
+    def step(i, carry, masked, g):
+        dk, dv = carry
+        rows = pl.ds(i * bq, bq)
+        q, do = q_ref[rows, g, :], do_ref[rows, g, :]
+        p = jnp.exp(_scores(plan, q, k, i * bq, j * bk, masked) - lse_ref[g, rows][:, None])
+        ds = p * (_dot(do, v, NT) - delta_ref[g, rows][:, None])
+        return dk + _dot(ds.astype(q.dtype), q, TN), dv + _dot(p.astype(do.dtype), do, TN)
+
+    def head(g, carry):  # the G q heads of this kv head add into the same dk, dv
+        return _sweep(functools.partial(step, g=g), _q_ranges(plan, j, q_ref.shape[0] // bq), carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, plan.groups, head, (zeros, zeros))
+    dk_ref[...] = (dk * (1.0 / math.sqrt(k.shape[-1]))).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)

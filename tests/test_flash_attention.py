@@ -1,0 +1,180 @@
+"""The Pallas flash attention kernel (interpret mode on CPU) against the xla reference core.
+
+Grid (`test_matches_reference`): out, dq, dk, dv at every point of causal/full x (N, K) = (4, 4)
+and GQA (8, 2) x H = 64, 128 x L = 128, 384, 1000 x B = 1, 3 (48 points; L = 1000 is no
+multiple of the blocks: padded and masked). Each point runs in one dtype, fp32 or bf16 by the
+parity of its coordinates, so that each dtype meets every value of every axis 12 times (running
+all 48 in both dtypes would take twice the time budget of this file on a 2-core CPU). Blocks are
+the defaults (`default_blocks`): 128 x 128 at H = 64, 128 x 64 at H = 128, so L = 384 and 1000
+take several q and kv blocks, bq != bk is covered, and L = 1000 ends in a ragged block.
+
+Tolerances, on max |pallas - xla| / max |xla| per output (max |xla| floored at 1e-3):
+  fp32  1e-5   (observed up to 2e-6)
+  bf16  2e-2   (observed up to 7e-3: both cores round inputs, p and outputs to bf16's 8 bits)
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import Phase, given, settings, strategies as st
+
+from configs import ConfigError
+from model.attention import xla_attention
+from model.kernels.flash_attention import flash_attention
+from model.kernels.sharded import sharded_flash_attention
+from sharding.mesh import build_mesh, parse_mesh
+
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+def inputs(shape_q, kv_heads, dtype, seed=0):
+    """q, k, v and a cotangent dO, normal(0, 1)."""
+    b, length, n, h = shape_q
+    keys = jax.random.split(jax.random.key(seed), 4)
+    shapes = (shape_q, (b, length, kv_heads, h), (b, length, kv_heads, h), shape_q)
+    return [jax.random.normal(key, s, jnp.float32).astype(dtype) for key, s in zip(keys, shapes)]
+
+
+def out_and_grads(core, q, k, v, d_out):
+    out, vjp = jax.vjp(core, q, k, v)
+    return (out, *vjp(d_out))
+
+
+def both(causal, blocks, q, k, v, d_out):
+    """(pallas, xla) out, dq, dk, dv, in one jitted program (one compile per case)."""
+    bq, bk = blocks
+
+    @jax.jit
+    def run(q, k, v, d_out):
+        pallas = lambda q, k, v: flash_attention(q, k, v, causal=causal, block_q=bq, block_k=bk)  # noqa: E731
+        return (out_and_grads(pallas, q, k, v, d_out),
+                out_and_grads(lambda q, k, v: xla_attention(q, k, v, causal), q, k, v, d_out))
+
+    return run(q, k, v, d_out)
+
+
+def assert_close(got, want, dtype):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.isfinite(a).all(), name
+        error = np.abs(a - b).max() / max(np.abs(b).max(), 1e-3)  # L = 1: dq, dk are exactly 0
+        assert error < TOLERANCE[dtype], f"{name}: relative error {error:.2e}"
+
+
+def grid() -> list:
+    """The 48 points, each with its dtype (parity of the coordinates) and a readable id."""
+    points = []
+    for causal in (True, False):
+        for heads in ((4, 4), (8, 2)):
+            for h in (64, 128):
+                for at, length in enumerate((128, 384, 1000)):
+                    for batch in (1, 3):
+                        odd = (causal + (heads[1] < heads[0]) + (h == 128) + at + (batch == 3)) % 2
+                        dtype = "bfloat16" if odd else "float32"
+                        name = f"{dtype}-{'causal' if causal else 'full'}-N{heads[0]}K{heads[1]}-H{h}-L{length}-B{batch}"
+                        points.append(pytest.param(dtype, causal, heads, h, length, batch, id=name))
+    return points
+
+
+@pytest.mark.parametrize("dtype, causal, heads, h, length, batch", grid())
+def test_matches_reference(dtype, causal, heads, h, length, batch):
+    (n, kv_heads), dt = heads, jnp.dtype(dtype)
+    q, k, v, d_out = inputs((batch, length, n, h), kv_heads, dt)
+    pallas, xla = both(causal, (None, None), q, k, v, d_out)
+    assert_close(pallas, xla, dtype)
+
+
+@settings(max_examples=5, deadline=None, derandomize=True, phases=(Phase.generate,))  # each example compiles: no shrinking
+@given(
+    batch=st.integers(1, 2), length=st.integers(1, 80), kv_heads=st.integers(1, 2),
+    groups=st.integers(1, 3), h=st.sampled_from([8, 16, 32]), causal=st.booleans(),
+    blocks=st.sampled_from([(16, 16), (16, 32), (32, 16), (64, 64)]),
+)
+def test_random_small_shapes(batch, length, kv_heads, groups, h, causal, blocks):
+    q, k, v, d_out = inputs((batch, length, kv_heads * groups, h), kv_heads, jnp.float32, seed=length)
+    pallas, xla = both(causal, blocks, q, k, v, d_out)
+    assert_close(pallas, xla, "float32")
+
+
+def mesh_of(spec: str):
+    """The mesh `spec` on the first devices it needs (conftest gives 8)."""
+    parallel = parse_mesh(spec)
+    size = parallel.stage * parallel.data * parallel.fsdp * parallel.sequence * parallel.tensor
+    return build_mesh(parallel, jax.devices()[:size])
+
+
+def array_shapes(hlo: str) -> list[tuple[int, ...]]:
+    """Every tensor<AxBx..xT> type in StableHLO text, as a shape."""
+    import re
+
+    return [tuple(int(d) for d in m.split("x")[:-1]) for m in re.findall(r"tensor<([0-9x]+x?[a-z0-9]+)>", hlo)]
+
+
+def test_no_length_squared_intermediate():
+    """Lowered HLO (the interpreted kernels are inlined as loops) of the forward and of the
+    gradient at L = 1000: no array has L*L elements or more, nor two dimensions >= L; the
+    xla core's does (the detector works), and the kernel's [bq, bk] score tile is there."""
+    length, (bq, bk) = 1000, (128, 64)
+    q, k, v, _ = inputs((1, length, 2, 64), 2, jnp.float32)
+    pallas = lambda q, k, v: flash_attention(q, k, v, block_q=bq, block_k=bk)  # noqa: E731
+
+    def grad(core):
+        return jax.grad(lambda q, k, v: core(q, k, v).sum(), argnums=(0, 1, 2))
+
+    for fn in (pallas, grad(pallas)):
+        shapes = array_shapes(jax.jit(fn).lower(q, k, v).as_text())
+        assert (bq, bk) in shapes
+        assert max(np.prod(s) for s in shapes) < length * length
+        assert not [s for s in shapes if sum(d >= length for d in s) >= 2]
+    reference = array_shapes(jax.jit(xla_attention).lower(q, k, v).as_text())
+    assert max(np.prod(s) for s in reference) >= length * length
+
+
+def test_bad_block_size_says_power_of_two():
+    q, k, v, _ = inputs((1, 64, 2, 16), 2, jnp.float32)
+    with pytest.raises(ConfigError, match="power of two"):
+        flash_attention(q, k, v, block_q=48)
+
+
+@pytest.mark.parametrize("mesh", ["dp=2,tp=2", "fsdp=2,tp=4", "tp=8"])
+def test_sharded_core_matches_reference(mesh):
+    """Per-device kernels under shard_map: kv heads split (tp=2), replicated and sliced (tp 4, 8)."""
+    mesh = mesh_of(mesh)
+    q, k, v, d_out = inputs((2, 64, 8, 16), 2, jnp.float32)
+    with jax.set_mesh(mesh):
+        got = jax.jit(out_and_grads, static_argnums=0)(sharded_flash_attention, q, k, v, d_out)
+    want = jax.jit(out_and_grads, static_argnums=0)(xla_attention, q, k, v, d_out)
+    assert_close(got, want, "float32")
+
+
+def test_sharded_core_refuses_kv_heads_it_cannot_slice():
+    mesh = mesh_of("dp=4,tp=2")
+    q, k, v, _ = inputs((4, 16, 12, 16), 3, jnp.float32)  # 6 q heads per device span 2 of 3 kv heads
+    with jax.set_mesh(mesh), pytest.raises(ConfigError, match="n_kv_heads=3"):
+        jax.jit(sharded_flash_attention)(q, k, v)
+
+
+def test_model_step_with_pallas_equals_xla(corpus):
+    """One training step's loss and gradients on dp=2,tp=2 (GSPMD tensor parallelism, which the
+    pallas core needs when tp>1): attention=pallas vs attention=xla."""
+    import functools
+
+    from conftest import small_config
+    from training.build import build
+    from training.step import loss_and_grads
+
+    results = []
+    for core in ("xla", "pallas"):
+        cfg = small_config("dp=2,tp=2", f"model.attention={core}", "parallel.tp_impl=gspmd")
+        mesh = mesh_of("dp=2,tp=2")
+        job = build(cfg, mesh, tokens=corpus)
+        with jax.set_mesh(mesh):
+            grad_fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg))
+            results.append(jax.device_get(grad_fn(job.state.params, batch=job.batches(0))))
+    (loss_xla, grads_xla), (loss_pallas, grads_pallas) = results
+    np.testing.assert_allclose(loss_pallas, loss_xla, rtol=1e-6)
+    flat = jax.tree_util.tree_leaves_with_path(grads_xla)
+    for (path, want), got in zip(flat, jax.tree.leaves(grads_pallas)):
+        np.testing.assert_allclose(got, want, atol=1e-7, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
