@@ -44,9 +44,12 @@ fsdp too (XLA cannot partition an all-gather over `tensor` of a batch split on a
 axis: it would gather the batch); the weights' gradients are then summed over data and fsdp
 inside the region (an all-reduce, where GSPMD reduce-scatters FSDP gradients on GPUs).
 
-The pallas attention core runs with tp_impl=gspmd only: a Pallas kernel needs check_vma=False
-(interpret mode cannot type its loops' manual axes), and these regions rely on the manual-axis
-types to place Megatron's backward all-reduce.
+Backward collectives come from the manual-axis types (check_vma): `pcast` to varying
+transposes to the all-reduce of dx, and a weight replicated over a manual axis gets its
+gradient summed over it. A Pallas kernel cannot run under that typing (interpret mode cannot
+type its loops), so with the pallas core the regions run with check_vma=False, where
+shard_map's transpose does the same at the region's edge: an input not split over a manual
+axis has its cotangent summed over that axis (x's dx: the same one all-reduce per region).
 
 tp_impl=gspmd runs the same per-device code without shard_map: the logical rules shard the
 weights and XLA chooses and places the collectives.
@@ -100,11 +103,6 @@ def check(cfg: RunConfig, sizes: dict[str, int]) -> None:
             "parallel.tp_overlap=true overlaps sequence parallelism's all-gather and reduce-scatter "
             "with the matmuls: add --set parallel.sequence_parallel=true"
         )
-    if p.tp_impl == "shard_map" and tp > 1 and cfg.model.attention == "pallas":
-        raise ConfigError(
-            "model.attention=pallas with tp>1 runs with GSPMD tensor parallelism: add "
-            "--set parallel.tp_impl=gspmd (the shard_map regions cannot hold a Pallas kernel yet)"
-        )
     k = cfg.model.n_kv_heads
     if p.tp_impl == "shard_map" and k % tp and tp % k:
         raise ConfigError(
@@ -133,6 +131,7 @@ class Sharded:
     size: int  # T
     sequence_parallel: bool
     overlap: bool
+    check_vma: bool = True
 
     def column(self, x: jax.Array, fn: Callable) -> tuple:
         """fn (L-local: [B, l, D] -> arrays [B, l, ...]) on the whole sequence."""
@@ -140,7 +139,7 @@ class Sharded:
             return self._gather_ring(x, fn)
         if self.sequence_parallel:
             return fn(lax.all_gather(x, AXIS, axis=1, tiled=True))  # [B, L/T, D] -> [B, L, D]
-        return fn(lax.pcast(x, AXIS, to="varying"))
+        return fn(lax.pcast(x, AXIS, to="varying") if self.check_vma else x)
 
     def row(self, h: jax.Array, fn: Callable) -> jax.Array:
         """fn(h) ([B, L, F/T] -> partial [B, L, D]) summed over tensor."""
@@ -191,11 +190,12 @@ class TensorParallel:
     impl: str = "shard_map"
     sequence_parallel: bool = False
     overlap: bool = False
+    check_vma: bool = True  # False around Pallas kernels (see the module docstring)
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> TensorParallel:
         p = cfg.parallel
-        return cls(p.tp_impl, p.sequence_parallel, p.tp_overlap)
+        return cls(p.tp_impl, p.sequence_parallel, p.tp_overlap, check_vma=cfg.model.attention != "pallas")
 
     @property
     def activation_names(self) -> tuple[str, str, str]:
@@ -215,9 +215,9 @@ class TensorParallel:
         specs = {name: logical_to_spec(names, a.shape, mesh, within=(AXIS,)) for name, (a, names) in weights.items()}
         manual = SP_MANUAL if self.sequence_parallel else (AXIS,)
         x_spec = logical_to_spec(self.activation_names, x.shape, mesh, within=manual)
-        ops = Sharded(size, self.sequence_parallel, self.overlap)
+        ops = Sharded(size, self.sequence_parallel, self.overlap, self.check_vma)
         body = jax.shard_map(
             functools.partial(fn, ops), in_specs=(x_spec, specs, *(P(),) * len(consts)),
-            out_specs=x_spec, axis_names=set(manual),
+            out_specs=x_spec, axis_names=set(manual), check_vma=self.check_vma,
         )
         return body(x, arrays, *consts)

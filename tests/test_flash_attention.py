@@ -156,9 +156,11 @@ def test_sharded_core_refuses_kv_heads_it_cannot_slice():
         jax.jit(sharded_flash_attention)(q, k, v)
 
 
-def test_model_step_with_pallas_equals_xla(corpus):
-    """One training step's loss and gradients on dp=2,tp=2 (GSPMD tensor parallelism, which the
-    pallas core needs when tp>1): attention=pallas vs attention=xla."""
+@pytest.mark.parametrize("tp_flags", [[], ["parallel.sequence_parallel=true"], ["parallel.tp_impl=gspmd"]],
+                         ids=["shard_map", "shard_map-sp", "gspmd"])
+def test_model_step_with_pallas_equals_xla(tp_flags, corpus):
+    """One training step's loss and gradients on dp=2,tp=2: attention=pallas vs attention=xla,
+    for each way of running the tensor-parallel regions."""
     import functools
 
     from conftest import small_config
@@ -167,7 +169,7 @@ def test_model_step_with_pallas_equals_xla(corpus):
 
     results = []
     for core in ("xla", "pallas"):
-        cfg = small_config("dp=2,tp=2", f"model.attention={core}", "parallel.tp_impl=gspmd")
+        cfg = small_config("dp=2,tp=2", f"model.attention={core}", *tp_flags)
         mesh = mesh_of("dp=2,tp=2")
         job = build(cfg, mesh, tokens=corpus)
         with jax.set_mesh(mesh):

@@ -78,7 +78,6 @@ def test_column_then_row_equals_the_dense_matmuls(tp, sequence_parallel):
         ("tp=4", ["model.n_heads=6", "model.n_kv_heads=2"], "model.n_heads: dimension 'heads' of size 6"),
         ("tp=2", ["model.n_heads=9", "model.n_kv_heads=3", "model.d_ff=128"], "model.n_kv_heads=3 and tp=2"),
         ("tp=2", ["parallel.tp_impl=megatron"], "choose one of shard_map, gspmd"),
-        ("dp=2,tp=2", ["model.attention=pallas"], "add --set parallel.tp_impl=gspmd"),
     ],
 )
 def test_bad_tensor_parallel_settings_are_clear_errors(mesh, overrides, message):
