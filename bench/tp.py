@@ -41,7 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_run_args(p)
     p.add_argument("--tp", default="2,4,8", help="tensor axis sizes to compare (default 2,4,8)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (one step of each variant per round)")
-    p.add_argument("--out", type=Path, default=Path("bench/results/tp-tiny.json"), help="JSON report")
+    p.add_argument("--out", type=Path, help="JSON report (default bench/results/tp-<config>.json)")
     return p.parse_args(argv)
 
 
@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
     largest = variant_config(base, sizes[-1], [])
     mesh = build_mesh(largest.parallel, jax.devices()[: sizes[-1]])
     report = report_head("bench.tp", argv, base, mesh, f"tp={','.join(map(str, sizes))}")
-    write_report(report | {"results": results}, args.out)
+    write_report(report | {"results": results}, args.out or Path(f"bench/results/tp-{base.name}.json"))
     return 0
 
 if __name__ == "__main__":

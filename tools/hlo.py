@@ -239,10 +239,10 @@ def main(argv: list[str]) -> int:
     found = step_census(cfg, mesh)
     rows = summary(found)
     if args.json:
-        print(json.dumps({"config": args.config, "mesh": format_mesh(dict(mesh.shape)), "rows": rows,
+        print(json.dumps({"config": cfg.name, "mesh": format_mesh(dict(mesh.shape)), "rows": rows,
                           "ops": [asdict(c) | {"bytes_per_run": c.bytes_per_run} for c in found]}, indent=1))
         return 0
-    print(f"train step of {args.config} on mesh {format_mesh(dict(mesh.shape))}: collectives per step, per device")
+    print(f"train step of {cfg.name} on mesh {format_mesh(dict(mesh.shape))}: collectives per step, per device")
     print(format_table(rows))
     if args.ops:
         for c in sorted(found, key=lambda c: (c.axes, c.kind, c.name)):
