@@ -40,6 +40,8 @@ Communication (bytes per device per step), the contract of DESIGN.md:
   tensor  (4 + 2·[remat full]) · 2S(t-1)/t per layer per microbatch, S = b·L·D·c: 2 all-reduces
           forward, 2 backward, the forward's 2 again when the layer is recomputed
   sequence 2 all-gathers of K and V per layer forward, 2 reduce-scatters backward
+  (data and fsdp times k: the compiled step gathers the weights and reduces the gradients in
+  each microbatch of the accumulation scan, as the census of a k > 1 step shows)
   stage   a permute of b·L·D·c per microbatch per stage boundary, forward and backward;
           bubble (p-1)/(m+p-1) of the step
 Time (roofline): compute = hardware FLOPs (model FLOPs, + one more forward under full remat) /
@@ -152,8 +154,8 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     kv = s.tokens * 2 * m.n_kv_heads * m.head_dim * c
     volume = {
         "stage": 2 * s.k * act / sizes["sequence"] / sizes["tensor"] * (sizes["stage"] > 1),
-        "data": 2 * shard / sizes["fsdp"] * 4 * frac["data"],
-        "fsdp": (2 * param_b + 4) * shard * frac["fsdp"],
+        "data": s.k * 2 * shard / sizes["fsdp"] * 4 * frac["data"],
+        "fsdp": s.k * (2 * param_b + 4) * shard * frac["fsdp"],
         "sequence": 2 * s.k * s.layers * kv * (sizes["sequence"] - 1),
         "tensor": s.k * s.layers * per_layer_tp * frac["tensor"],
     }
