@@ -4,6 +4,7 @@
   python train.py --mesh dp=8,tp=8                 64 devices (fake CPU devices on a laptop)
   python train.py --config 125m --set train.lr=3e-4 --run-dir runs/a
   python train.py --run-dir runs/a                 resume runs/a from its latest checkpoint
+  python train.py --config llama3-8b --mesh dp=8,tp=8 --dry-run   plan only (tools/plan.py)
 
 Arguments are parsed, and the config and mesh shape checked, before jax is imported: on CPU
 this script sets XLA's host device count to what the mesh needs.
@@ -48,6 +49,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--run-dir", type=Path,
                    help="output directory (default runs/<preset>-<time>); resumes from its latest checkpoint")
     p.add_argument("--profile-steps", help="START:END, trace these steps with jax.profiler")
+    p.add_argument("--dry-run", action="store_true",
+                   help="compile the step abstractly and print the plan (memory, collectives, time); train nothing")
+    p.add_argument("--gpu", default="h100", help="with --dry-run: GPU to estimate for, h100|h200|a100")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     add_process_args(p)
     return p.parse_args(argv)
 
@@ -89,6 +94,10 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = resolve_config(args)
     fake = request_fake_devices(cfg, process_count(args))
+    if args.dry_run:
+        from tools.plan import dry_run
+
+        return dry_run(cfg, args.gpu, args.json)
 
     import jax  # noqa: E402 -- after XLA_FLAGS is final
 

@@ -65,8 +65,9 @@ def train(job: Job, run_dir: Path, checkpoints: Checkpointer | None = None) -> l
             start = time.perf_counter()
             first = True
             for step in range(first_step, t.steps):
-                profiler.before_step(step)
-                state, metrics = job.step_fn(state, job.batches(step))
+                batch = job.batches(step)
+                profiler.before_step(step, lambda: job.step_fn.lower(state, batch).compile().as_text())
+                state, metrics = job.step_fn(state, batch)
                 profiler.after_step(step, metrics["loss"])
                 check_finite(previous, step, t.max_bad_steps, checkpoints)  # waits for the previous step
                 previous, done = metrics, step + 1

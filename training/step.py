@@ -70,13 +70,14 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         loss, grads = loss_and_grads(state.params, graphdef, batch, cfg)
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        params, opt_state = jax.tree.map(
-            lambda new, old: jnp.where(ok, new, old), (params, opt_state), (state.params, state.opt_state)
-        )
+        with jax.named_scope("optimizer"):
+            grad_norm = optax.tree.norm(grads)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            params, opt_state = jax.tree.map(
+                lambda new, old: jnp.where(ok, new, old), (params, opt_state), (state.params, state.opt_state)
+            )
         bad_steps = jnp.where(ok, 0, state.bad_steps + 1)
         skipped = state.skipped + (~ok).astype(jnp.int32)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),

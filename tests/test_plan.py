@@ -1,0 +1,148 @@
+"""tools/estimate, tools/search, tools/plan and tools/trace_summary.
+
+Memory: the analytic peak against XLA's static peak of the compiled CPU step, arguments +
+outputs - aliased + temp (XLA CPU's own peak_memory_in_bytes counts about the arguments only,
+far below the temporaries). Compute is fp32 here: XLA CPU keeps bf16 matmuls in fp32 buffers,
+so a bf16 run's CPU temp is not what a GPU holds, while in fp32 CPU and the model agree on the
+bytes of every activation.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from configs import apply_overrides, get_preset
+from conftest import ROOT, SMALL, run_module, small_config
+from sharding.mesh import AXES, build_mesh, parse_mesh
+from tools import estimate
+from tools.plan import plan, xla_figures
+from tools.search import meshes, search
+
+MEMORY_CASES = {"tiny": ["train.global_batch_size=8"],
+                "125m": ["train.global_batch_size=8", "train.seq_len=256"]}
+
+
+def sizes_of(cfg) -> dict[str, int]:
+    return {a: getattr(cfg.parallel, a) for a in AXES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.parametrize("mesh", ["dp=8", "fsdp=8", "dp=2,fsdp=2,tp=2"])
+@pytest.mark.parametrize("preset", ["tiny", "125m"])
+def test_memory_estimate_within_15_percent_of_xla(preset, mesh, remat):
+    cfg = apply_overrides(get_preset(preset), MEMORY_CASES[preset] + [f"model.remat={remat}",
+                                                                      "model.compute_dtype=float32"])
+    cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
+    xla = xla_figures(cfg, build_mesh(cfg.parallel))
+    est = estimate.memory(cfg, sizes_of(cfg))
+    print(f"{preset} {mesh} remat={remat}: estimate {est['peak'] / 2**20:.1f} MiB, "
+          f"XLA {xla['memory']['peak'] / 2**20:.1f} MiB")
+    assert est["peak"] == pytest.approx(xla["memory"]["peak"], rel=0.15)
+
+
+def test_census_beside_the_contract_formulas():
+    """The plan's contract column is the formula the census tests (tests/test_hlo.py) hold:
+    dp=4,tp=2 on the small config, data 2G(N-1)/N of fp32 gradients, tensor
+    4 · 2S(t-1)/t per layer (on CPU the buffers are f32, so S counts 4 bytes per element)."""
+    cfg = small_config("dp=4,tp=2")
+    report = plan(cfg, sizes_of(cfg), estimate.GPUS["h100"], xla_figures(cfg, build_mesh(cfg.parallel)))
+    rows = {}
+    for r in report["xla"]["census"]:
+        rows[r["axes"]] = rows.get(r["axes"], 0) + r["bytes_per_device"]
+    contract = report["communication"]
+    # gradients of weights replicated over tensor (norms) are reduced over data+tensor at once, a
+    # group of 8 (7/8 instead of 3/4 of their bytes), with the loss and norm scalars: 5%
+    assert rows["data"] + rows["data+tensor"] == pytest.approx(contract["data"], rel=0.05)
+    s = cfg.train.global_batch_size // 4 * cfg.train.seq_len * cfg.model.d_model * 4
+    assert contract["tensor"] == 4 * 2 * s * (2 - 1) / 2 * cfg.model.n_layers
+    big = sum(r["bytes_per_device"] for r in report["xla"]["census"] if r["axes"] == "tensor")
+    assert big >= contract["tensor"]  # plus the replicated kv weights' gradients (K=2 = t)
+    assert report["fits"] and "fits" in report["verdict"]
+
+
+def test_estimate_terms_follow_the_mesh():
+    cfg = get_preset("llama3-8b")
+    one = dict(zip(AXES, (1, 1, 1, 1, 1)))
+    p = estimate.local_params(cfg, one)
+    assert p == pytest.approx(8.03e9, rel=0.01)
+    assert estimate.local_params(cfg, one | {"fsdp": 8}) == pytest.approx(p / 8, rel=0.01)
+    dp8 = estimate.communication(cfg, one | {"data": 8})
+    assert dp8 == {"data": pytest.approx(2 * 4 * p * 7 / 8)}
+    fsdp8 = estimate.communication(cfg, one | {"fsdp": 8})
+    assert fsdp8 == {"fsdp": pytest.approx((2 * 4 + 4) * p * 7 / 8, rel=1e-3)}  # 3P(N-1)/N, fp32 (norms unsplit)
+    assert estimate.link_bandwidth(one | {"data": 8, "tensor": 8}, "tensor") == estimate.NVLINK
+    assert estimate.link_bandwidth(one | {"data": 8, "tensor": 8}, "data") == estimate.INFINIBAND
+    cfg = apply_overrides(cfg, ["train.micro_batch_size=1"])  # k = 128 microbatches of one sequence
+    t = estimate.step_time(cfg, one | {"stage": 4, "data": 2}, estimate.GPUS["h100"])
+    k = cfg.train.global_batch_size // 2
+    assert t["bubble"] == pytest.approx(3 / (k + 3))
+    assert t["overlap_s"] <= t["no_overlap_s"]
+
+
+def test_search_ranks_only_meshes_that_fit_and_tp_stays_in_a_node():
+    cfg = apply_overrides(get_preset("llama3-70b"), ["train.global_batch_size=512"])
+    gpu = estimate.GPUS["h100"]
+    ranked, rejected = search(cfg, 512, gpu)
+    assert ranked and rejected  # dp=512 cannot hold 70B x 16 bytes per parameter
+    assert len(ranked) + rejected == len(meshes(cfg, 512))
+    for c in ranked:
+        assert math.prod(c["sizes"].values()) == 512
+        assert c["sizes"]["tensor"] * c["sizes"]["sequence"] <= estimate.GPUS_PER_NODE
+        assert c["memory"]["peak"] <= gpu.memory
+        assert estimate.memory(c["cfg"], c["sizes"])["peak"] <= gpu.memory
+    pure_dp = dict(zip(AXES, (1, 512, 1, 1, 1)))
+    assert pure_dp not in [c["sizes"] for c in ranked]
+    times = [c["time"]["overlap_s"] for c in ranked]
+    assert times == sorted(times)
+
+
+def test_plan_cli_search_prints_the_top_five():
+    out = run_module("tools.plan", "--config", "llama3-70b", "--gpus", "512", "--global-batch-tokens", "4M",
+                     "--search", "--confirm", "0", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert len(report["top"]) == 5 and report["rejected"] > 0
+    assert all(r["memory_gb"] <= 80 for r in report["top"])
+
+
+@pytest.mark.slow
+def test_dry_run_llama3_8b_on_64_devices_allocates_no_parameters(tmp_path):
+    """train.py --dry-run of llama3-8b (8.03B parameters, 32 GB in fp32) on dp=8,tp=8: the real
+    step, default batch (256 x 8192), compiled for 64 fake devices; the process's peak RSS stays
+    far below the model's size."""
+    script = ("import resource, runpy, sys; sys.argv = ['train.py', '--config', 'llama3-8b', '--mesh', "
+              "'dp=8,tp=8', '--dry-run', '--json']\ntry:\n    runpy.run_path('train.py', run_name='__main__')\n"
+              "except SystemExit as e:\n    code = e.code\n"
+              "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, code, file=sys.stderr)")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py asks for its 64 devices
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    rss, code = out.stderr.strip().splitlines()[-1].split()[1:]
+    assert code in ("0", "None"), out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["devices"] == 64 and report["mesh"] == "dp=8,tp=8"
+    assert report["xla"]["memory"]["argument"] == pytest.approx(8.03e9 * 12 / 8, rel=0.01)
+    assert int(rss) < 0.1 * 8.03e9 * 4, f"peak RSS {int(rss) / 2**30:.2f} GiB"
+    assert "fit" in report["verdict"]
+
+
+def test_trace_summary_finds_every_scope(tmp_path):
+    """A 3-step CPU run traced over steps 1..2, then trace_summary on its trace."""
+    run = run_module("train", *[a for s in SMALL for a in ("--set", s)], "--mesh", "dp=2,tp=2", "--steps", "3",
+                     "--profile-steps", "1:3", "--run-dir", str(tmp_path), "--set", "train.checkpoint_every=0")
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run_module("tools.trace_summary", str(tmp_path), "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = json.loads(out.stdout)
+    assert set(s["scopes_ms"]) >= {"embedding", "attention", "mlp", "head", "optimizer"}
+    assert s["steps"] == 2 and s["devices"] == 4
+    assert s["collective_ms"] > 0 and 0 <= s["exposed_fraction"] <= 1
+    assert Path(s["png"]).stat().st_size > 1000
+

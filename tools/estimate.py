@@ -1,0 +1,204 @@
+"""The analytic model of a run: memory per device, communication per mesh axis, FLOPs, step time.
+
+Pure arithmetic on the config (no jax), so `tools.search` can rank hundreds of meshes in a
+second. Letters as in DESIGN.md; per device: b sequences per microbatch, k microbatches,
+T = b·L/sp tokens, t = tp, X/pp layers; c = bytes of the compute dtype, p4 = 4 (fp32).
+
+Memory (bytes per device), the terms `memory()` returns:
+  params      P_local · bytes(param_dtype)            P_local = P / (fsdp·tp·pp), norms whole
+  optimizer   2 · P_local · bytes(param_dtype)         AdamW mu and nu
+  gradients   P_local · 4                              fp32 (they arrive through the bf16 cast)
+  update      P_local · 4 when replicated over fsdp    optax's clipped update, held beside the
+              gradients (measured on XLA CPU: the optimizer phase holds about 2 gradient copies)
+  gathered    FSDP only: the embedding and head gathered whole (V·D/t each, param dtype) and
+              their full-size gradients before the reduce: 4 · V·D/t · 4
+  saved       activations kept for backward, X/pp layers (times min(m, pp) microbatches in flight
+              under a pipeline). Per layer and token, in elements:
+                remat none  4·D (block inputs, norm outputs) + (N+2K)·H/t (q, k, v)
+                            + 2·N·H/t (K, V repeated to N heads by the xla core) + N·H/t (output)
+                            + 4·F/t (gate, up, silu, hidden)
+                            + 3·N/t·L (scores, masked scores, probs: fp32, xla core only)
+                remat full  D (the layer input)
+                remat dots/attn: between the two (modelled as none; an upper bound)
+  working     the larger of: one layer's backward working set, and the logits [T, V/t] fp32 of
+              the head and loss. The working set is the gradients of one layer's 'none' terms
+              (one more layer's worth); under remat it is twice that, the layer's forward being
+              recomputed first.
+
+Peak = params + optimizer + gradients + gathered + max(update, saved + working): the optimizer
+phase and the backward phase do not overlap in time.
+
+CPU vs GPU: XLA on CPU computes bf16 matmuls in fp32 and keeps f32 buffers, so compare with a
+CPU compile only under model.compute_dtype=float32 (tests/test_plan.py does); on a GPU c = 2.
+XLA CPU reduces FSDP gradients with an all-reduce + slice (full-size gradient buffers, the
+'gathered' term); GPU's reduce-scatter needs less. The estimate leaves out XLA's fragmentation,
+the CUDA context and NCCL buffers (about 1-2 GiB per GPU): keep a margin.
+
+Communication (bytes per device per step), the contract of DESIGN.md:
+  data    2 · G(N-1)/N              G = fp32 gradient bytes of this device's shard
+  fsdp    3 · P(N-1)/N              2 all-gathers of the weights (param dtype), 1 reduce-scatter
+  tensor  (4 + 2·[remat full]) · 2S(t-1)/t per layer per microbatch, S = b·L·D·c: 2 all-reduces
+          forward, 2 backward, the forward's 2 again when the layer is recomputed
+  sequence 2 all-gathers of K and V per layer forward, 2 reduce-scatters backward
+  (data and fsdp times k: the compiled step gathers the weights and reduces the gradients in
+  each microbatch of the accumulation scan, as the census of a k > 1 step shows)
+  stage   a permute of b·L·D·c per microbatch per stage boundary, forward and backward;
+          bubble (p-1)/(m+p-1) of the step
+Time (roofline): compute = hardware FLOPs (model FLOPs, + one more forward under full remat) /
+dense bf16 peak, or HBM traffic / bandwidth when larger; each axis's bytes / its link: NVLink
+450 GB/s per GPU when the axis and the axes inside it fit in one node of 8 GPUs, InfiniBand
+50 GB/s per GPU (400 Gb/s NIC per GPU) otherwise. Two figures: communication not overlapped
+(compute + comm) and fully overlapped (max). Then / (1 - bubble).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from configs.base import RunConfig
+from training.metrics import PEAK_FLOPS, flops_per_token
+
+AXES = ("stage", "data", "fsdp", "sequence", "tensor")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator: dense bf16 peak, HBM bytes and bandwidth (NVIDIA SXM datasheets)."""
+
+    name: str
+    peak_flops: float
+    memory: float
+    hbm_bandwidth: float
+
+
+GPUS = {
+    "h100": GPU("H100 SXM 80GB", PEAK_FLOPS["H100"], 80e9, 3.35e12),
+    "h200": GPU("H200 SXM 141GB", PEAK_FLOPS["H200"], 141e9, 4.8e12),
+    "a100": GPU("A100 SXM 80GB", PEAK_FLOPS["A100"], 80e9, 2.0e12),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The per-device quantities every term uses."""
+
+    k: int  # microbatches per step
+    b: int  # sequences per microbatch per device
+    tokens: int  # T = b·L/sp, tokens per microbatch on this device
+    layers: int  # X/pp, layers on this device
+
+
+def shape(cfg: RunConfig, sizes: dict[str, int]) -> Shape:
+    t = cfg.train
+    ranks = sizes["data"] * sizes["fsdp"]
+    per_rank = t.global_batch_size // ranks
+    b = t.micro_batch_size or per_rank
+    return Shape(per_rank // b, b, b * t.seq_len // sizes["sequence"], cfg.model.n_layers // sizes["stage"])
+
+
+def local_params(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """Parameters held by one device: weights split by fsdp (D) and tensor (heads, F, V); kv
+    weights replicated over tensor when t does not divide K; norms replicated; layers by stage."""
+    m, fsdp, tp = cfg.model, sizes["fsdp"], sizes["tensor"]
+    d, h = m.d_model, m.head_dim
+    kv_split = tp if m.n_kv_heads % tp == 0 else 1
+    layer = (2 * d * m.n_heads * h + 3 * d * m.d_ff) / (fsdp * tp) + 2 * d * m.n_kv_heads * h / (fsdp * kv_split)
+    layers = m.n_layers // sizes["stage"] * (layer + 2 * d)
+    return layers + 2 * m.vocab_size * d / (fsdp * tp) + d
+
+
+def layer_activations(cfg: RunConfig, sizes: dict[str, int], remat: str) -> float:
+    """Bytes one layer keeps for backward for one microbatch (module docstring)."""
+    m, tp, s = cfg.model, sizes["tensor"], shape(cfg, sizes)
+    c = DTYPE_BYTES[m.compute_dtype]
+    if remat == "full":
+        return s.tokens * m.d_model * c
+    heads = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim + 3 * m.n_heads * m.head_dim
+    per_token = 4 * m.d_model + heads / tp + 4 * m.d_ff / tp
+    scores = 3 * m.n_heads / tp * cfg.train.seq_len * 4 if m.attention == "xla" else 0
+    return s.tokens * (per_token * c + scores)
+
+
+def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
+    """The memory terms per device, in bytes, and their peak (module docstring)."""
+    m, s = cfg.model, shape(cfg, sizes)
+    p_local, param_b = local_params(cfg, sizes), DTYPE_BYTES[m.param_dtype]
+    in_flight = min(s.k, sizes["stage"]) if sizes["stage"] > 1 else 1
+    saved = s.layers * in_flight * layer_activations(cfg, sizes, m.remat)
+    logits = s.tokens * m.vocab_size / sizes["tensor"] * 4
+    terms = {
+        "params": p_local * param_b,
+        "optimizer": 2 * p_local * param_b,
+        "gradients": p_local * 4,
+        "gathered": 4 * m.vocab_size * m.d_model / sizes["tensor"] * 4 if sizes["fsdp"] > 1 else 0.0,
+        "update": p_local * 4 if sizes["fsdp"] == 1 else 0.0,
+        "saved activations": saved,
+        "working": max((1 if m.remat == "none" else 1.5) * layer_activations(cfg, sizes, "none"), logits),
+    }
+    fixed = sum(terms[n] for n in ("params", "optimizer", "gradients", "gathered"))
+    terms["peak"] = fixed + max(terms["update"], saved + terms["working"])
+    return terms
+
+
+def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
+    """Bytes per device per step on each mesh axis of size > 1 (the contract formulas)."""
+    m, s = cfg.model, shape(cfg, sizes)
+    c, param_b = DTYPE_BYTES[m.compute_dtype], DTYPE_BYTES[m.param_dtype]
+    shard = local_params(cfg, sizes) * sizes["fsdp"]  # this device's parameters before fsdp splits them
+    frac = {a: (n - 1) / n for a, n in sizes.items()}
+    act = s.b * cfg.train.seq_len * m.d_model * c  # S: one layer's input for one microbatch
+    per_layer_tp = (4 + 2 * (m.remat == "full")) * 2 * act
+    kv = s.tokens * 2 * m.n_kv_heads * m.head_dim * c
+    volume = {
+        "stage": 2 * s.k * act / sizes["sequence"] / sizes["tensor"] * (sizes["stage"] > 1),
+        "data": s.k * 2 * shard / sizes["fsdp"] * 4 * frac["data"],
+        "fsdp": s.k * (2 * param_b + 4) * shard * frac["fsdp"],
+        "sequence": 2 * s.k * s.layers * kv * (sizes["sequence"] - 1),
+        "tensor": s.k * s.layers * per_layer_tp * frac["tensor"],
+    }
+    return {a: v for a, v in volume.items() if sizes[a] > 1}
+
+
+def link_bandwidth(sizes: dict[str, int], axis: str) -> float:
+    """NVLink when `axis` and every axis inside it fit in one node, else InfiniBand."""
+    inner = math.prod(sizes[a] for a in AXES[AXES.index(axis):])
+    return NVLINK if inner <= GPUS_PER_NODE else INFINIBAND
+
+
+def flops(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
+    """Model FLOPs per step (6·N·tokens + attention) and per device, and the hardware FLOPs per
+    device (remat full recomputes the forward: x 4/3)."""
+    t = cfg.train
+    model = flops_per_token(cfg.model, t.seq_len) * t.global_batch_size * t.seq_len
+    per_device = model / math.prod(sizes.values())
+    return {"model": model, "model_per_device": per_device,
+            "hardware_per_device": per_device * (4 / 3 if cfg.model.remat == "full" else 1)}
+
+
+def hbm_bytes(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """HBM traffic per device per step, a floor: weights read 3 times per microbatch (forward,
+    2 in backward; 4 under full remat) in the compute dtype, the optimizer reading and writing
+    params, moments and gradients (7 x 4 bytes per parameter), activations written and read."""
+    m, s = cfg.model, shape(cfg, sizes)
+    p = local_params(cfg, sizes) * sizes["fsdp"]  # weights are gathered before use
+    reads = (4 if m.remat == "full" else 3) * s.k * p * DTYPE_BYTES[m.compute_dtype]
+    acts = 2 * s.k * s.layers * layer_activations(cfg, sizes, "none")
+    return reads + 7 * 4 * local_params(cfg, sizes) + acts
+
+
+def step_time(cfg: RunConfig, sizes: dict[str, int], gpu: GPU) -> dict[str, float]:
+    """Roofline step time (seconds): compute, each axis's communication, bubble, two totals, MFU."""
+    f = flops(cfg, sizes)
+    compute = max(f["hardware_per_device"] / gpu.peak_flops, hbm_bytes(cfg, sizes) / gpu.hbm_bandwidth)
+    comm = {a: v / link_bandwidth(sizes, a) for a, v in communication(cfg, sizes).items()}
+    p, k = sizes["stage"], shape(cfg, sizes).k
+    bubble = (p - 1) / (k + p - 1)
+    serial = (compute + sum(comm.values())) / (1 - bubble)
+    overlapped = max(compute, *comm.values()) / (1 - bubble) if comm else compute / (1 - bubble)
+    mfu = {name: f["model_per_device"] / (gpu.peak_flops * t) for name, t in
+           (("no_overlap", serial), ("overlap", overlapped))}
+    return {"compute_s": compute, "comm_s": comm, "bubble": bubble, "no_overlap_s": serial,
+            "overlap_s": overlapped, "mfu_no_overlap": mfu["no_overlap"], "mfu_overlap": mfu["overlap"]}

@@ -1,0 +1,204 @@
+"""Plan a run before renting the GPUs: does it fit, what does it communicate, how long a step takes.
+
+  python -m tools.plan --config llama3-8b --mesh dp=8,tp=8 --gpu h100      (= train.py --dry-run)
+  python -m tools.plan --config llama3-8b --mesh dp=8,tp=8 --json
+  python -m tools.plan --config llama3-70b --gpus 512 --gpu h100 --global-batch-tokens 4M --search
+
+Dry run: the model is built abstractly (`training.build.abstract`: no parameter is allocated)
+and the real train step is compiled ahead of time for the mesh's device count (fake CPU
+devices on a laptop). One table puts XLA's figures beside the analytic model's
+(tools/estimate.py): per-device memory (`memory_analysis()`: arguments, outputs, temp, and
+args + outputs - aliased + temp, the static peak; XLA CPU's own peak_memory_in_bytes counts
+about the arguments only), the collective census per mesh axis (tools/hlo.py) beside the
+contract formulas, FLOPs per device (`cost_analysis()`, which on CPU counts the program as
+compiled there) beside 6·N·tokens + attention, the roofline step time and MFU on `--gpu`, and a
+verdict. Memory on CPU is not GPU memory: XLA CPU keeps bf16 matmuls in fp32 buffers, so its
+temp is larger than a GPU's would be (compare under model.compute_dtype=float32).
+
+A mesh with pp > 1 is planned analytically only: the pipelined step (stage axis, issue 4) is
+not built yet, so there is nothing to compile (`xla_figures` is the one place to wire it).
+
+Search (--search): tools/search.py ranks every mesh of --gpus analytically; the top 3 without
+a pipeline are compiled to confirm memory (--confirm N to change; 0 to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+
+from configs import ConfigError, RunConfig, apply_overrides
+from sharding.mesh import AXES, format_mesh
+from tools import estimate
+from tools.search import reason, search
+
+GiB = 2**30
+
+
+def parse_tokens(text: str) -> int:
+    """'4M' -> 4·2^20, '512k' -> 512·2^10, '1000' -> 1000."""
+    scale = {"k": 2**10, "m": 2**20, "g": 2**30}.get(text[-1:].lower(), 1)
+    try:
+        return int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise ConfigError(f"--global-batch-tokens {text!r}: expected a number such as 4M or 512k") from None
+
+
+def with_batch_tokens(cfg: RunConfig, tokens: int | None) -> RunConfig:
+    if not tokens:
+        return cfg
+    if tokens % cfg.train.seq_len:
+        raise ConfigError(f"--global-batch-tokens {tokens} is not a multiple of train.seq_len={cfg.train.seq_len}")
+    return apply_overrides(cfg, [f"train.global_batch_size={tokens // cfg.train.seq_len}"])
+
+
+def gpu_of(name: str) -> estimate.GPU:
+    if name not in estimate.GPUS:
+        raise ConfigError(f"--gpu {name!r}: choose one of {', '.join(estimate.GPUS)}")
+    return estimate.GPUS[name]
+
+
+def xla_figures(cfg: RunConfig, mesh) -> dict | None:
+    """Compile the real step on abstract inputs: memory, FLOPs and census per device. None under
+    a pipeline (pp > 1), whose step is not built yet."""
+    import jax
+
+    from tools.hlo import census, summary
+    from training.build import abstract
+
+    if mesh.shape["stage"] > 1:
+        return None
+    program = abstract(cfg, mesh)  # outside set_mesh (see its docstring)
+    with jax.set_mesh(mesh):
+        compiled = program.step_fn.lower(program.state, program.abstract_batch()).compile()
+    m = compiled.memory_analysis()
+    mem = {k: getattr(m, f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
+    mem["peak"] = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    rows = summary(census(compiled.as_text(), dict(mesh.shape)))
+    return {"memory": mem, "flops_per_device": cost.get("flops"), "census": rows}
+
+
+def plan(cfg: RunConfig, sizes: dict[str, int], gpu: estimate.GPU, xla: dict | None) -> dict:
+    """The whole report: the analytic model, XLA's figures (or None) and the verdict."""
+    mem = estimate.memory(cfg, sizes)
+    time = estimate.step_time(cfg, sizes, gpu)
+    terms = {k: v for k, v in mem.items() if k != "peak"}
+    fits = mem["peak"] <= gpu.memory and (xla is None or xla["memory"]["peak"] <= gpu.memory)
+    costs = {"compute": time["compute_s"], **{f"{a} communication": s for a, s in time["comm_s"].items()}}
+    verdict = (f"{'fits' if fits else 'does NOT fit'} on {gpu.name} ({mem['peak'] / GiB:.1f} GiB estimated"
+               f"{'' if xla is None else ', %.1f GiB XLA' % (xla['memory']['peak'] / GiB)} of "
+               f"{gpu.memory / GiB:.0f} GiB); memory dominated by {max(terms, key=terms.get)}; "
+               f"step time dominated by {max(costs, key=costs.get)}")
+    if not fits:
+        verdict += "; lower --set train.micro_batch_size, use --set model.remat=full, or add fsdp/tp/pp"
+    return {"config": cfg.name, "mesh": format_mesh(sizes), "devices": math.prod(sizes.values()),
+            "gpu": gpu.name, "memory": mem, "communication": estimate.communication(cfg, sizes),
+            "flops": estimate.flops(cfg, sizes), "time": time, "xla": xla, "fits": fits, "verdict": verdict}
+
+
+def format_plan(report: dict) -> str:
+    xla, mem, t = report["xla"], report["memory"], report["time"]
+    lines = [f"plan: {report['config']} on {report['mesh']} ({report['devices']} x {report['gpu']})"]
+    if xla is None:
+        lines.append("  (pp > 1: the pipelined step is not built yet; analytic figures only)")
+    lines.append(f"\n  {'memory per device':<28}{'estimate':>12}{'XLA':>12}")
+    xmem = xla["memory"] if xla else {}
+    for name, value in mem.items():
+        lines.append(f"  {name:<28}{value / GiB:>10.2f} G{'':>12}" if name != "peak" else
+                     f"  {'peak':<28}{value / GiB:>10.2f} G{xmem.get('peak', 0) / GiB:>10.2f} G")
+    for k in ("argument", "output", "alias", "temp"):
+        if k in xmem:
+            lines.append(f"  {'  XLA ' + k:<28}{'':>12}{xmem[k] / GiB:>10.2f} G")
+    lines.append(f"\n  {'communication per step':<28}{'contract':>12}{'XLA census':>12}")
+    census = {}
+    for r in (xla or {}).get("census", []):
+        census[r["axes"]] = census.get(r["axes"], 0) + r["bytes_per_device"]
+    for axis in sorted(set(report["communication"]) | set(census), key=lambda a: a.split("+")[0]):
+        contract = report["communication"].get(axis)
+        lines.append(f"  {axis:<28}{'-' if contract is None else f'{contract / GiB:.3f} G':>12}"
+                     f"{(f'{census[axis] / GiB:.3f} G' if axis in census else '-'):>12}")
+    f = report["flops"]
+    lines.append(f"\n  {'FLOPs per device per step':<28}{f['model_per_device']:>12.3e}"
+                 f"{(xla or {}).get('flops_per_device') or float('nan'):>12.3e}")
+    lines.append(f"  {'  (hardware, with remat)':<28}{f['hardware_per_device']:>12.3e}")
+    comm = ", ".join(f"{a} {s * 1e3:.0f} ms" for a, s in t["comm_s"].items()) or "none"
+    lines += [f"\n  compute {t['compute_s'] * 1e3:.0f} ms; communication {comm}; bubble {100 * t['bubble']:.0f}%",
+              f"  step time {t['no_overlap_s']:.2f} s not overlapped, {t['overlap_s']:.2f} s overlapped; "
+              f"MFU {100 * t['mfu_no_overlap']:.1f}% / {100 * t['mfu_overlap']:.1f}%",
+              f"\nverdict: {report['verdict']}"]
+    return "\n".join(lines)
+
+
+def dry_run(cfg: RunConfig, gpu_name: str, as_json: bool) -> int:
+    """Compile cfg's step on its mesh (fake devices were requested by the caller) and print the plan."""
+    from sharding.mesh import build_mesh, mesh_config
+
+    gpu = gpu_of(gpu_name)
+    mesh = build_mesh(cfg.parallel)
+    cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
+    report = plan(cfg, dict(mesh.shape), gpu, xla_figures(cfg, mesh))
+    print(json.dumps(report, indent=1, default=str) if as_json else format_plan(report))
+    return 0
+
+
+def run_search(cfg: RunConfig, gpus: int, gpu_name: str, confirm: int, as_json: bool) -> int:
+    """Rank the meshes of `gpus` GPUs; compile the top `confirm` (no pipeline) to confirm memory."""
+    from sharding.mesh import build_mesh
+
+    gpu = gpu_of(gpu_name)
+    ranked, rejected = search(cfg, gpus, gpu)
+    if not ranked:
+        raise ConfigError(f"no mesh of {gpus} GPUs fits {cfg.name} on {gpu.name}: add GPUs or use model.remat=full")
+    rows = []
+    for i, c in enumerate(ranked[:5]):
+        rows.append({"mesh": format_mesh(c["sizes"]), "micro_batch_size": c["cfg"].train.micro_batch_size,
+                     "step_s_overlap": c["time"]["overlap_s"], "step_s_no_overlap": c["time"]["no_overlap_s"],
+                     "mfu_overlap": c["time"]["mfu_overlap"], "memory_gb": c["memory"]["peak"] / 1e9,
+                     "reason": reason(c, ranked[0])})
+        if i < confirm and c["sizes"]["stage"] == 1:
+            trial = dataclasses.replace(c["cfg"], parallel=dataclasses.replace(c["cfg"].parallel, **c["sizes"]))
+            rows[-1]["xla_memory_gb"] = xla_figures(trial, build_mesh(trial.parallel))["memory"]["peak"] / 1e9
+    if as_json:
+        print(json.dumps({"config": cfg.name, "gpus": gpus, "gpu": gpu.name, "candidates": len(ranked) + rejected,
+                          "rejected": rejected, "top": rows}, indent=1))
+        return 0
+    print(f"search: {cfg.name}, {gpus} x {gpu.name}, {cfg.train.global_batch_size} x {cfg.train.seq_len} tokens "
+          f"per step; {len(ranked) + rejected} meshes, {rejected} do not fit")
+    for i, r in enumerate(rows, 1):
+        confirmed = f", XLA {r['xla_memory_gb']:.0f} GB" if "xla_memory_gb" in r else ""
+        print(f"{i}. {r['mesh']:<24} {r['step_s_overlap']:.2f} s/step overlapped ({r['step_s_no_overlap']:.2f} s "
+              f"not), MFU {100 * r['mfu_overlap']:.0f}%{confirmed}\n   {r['reason']}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    from train import add_run_args, request_fake_devices, run_config
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(p)
+    p.add_argument("--gpu", default="h100", help=f"GPU to estimate for: {', '.join(estimate.GPUS)} (default h100)")
+    p.add_argument("--gpus", type=int, help="GPU count to search meshes for (--search)")
+    p.add_argument("--global-batch-tokens", help="tokens per step, e.g. 4M (sets train.global_batch_size)")
+    p.add_argument("--search", action="store_true", help="rank the meshes of --gpus instead of planning --mesh")
+    p.add_argument("--confirm", type=int, default=3, help="with --search: compile this many of the top meshes")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    args = p.parse_args(argv)
+    cfg = with_batch_tokens(run_config(args), args.global_batch_tokens and parse_tokens(args.global_batch_tokens))
+    if args.search:
+        if not args.gpus or args.gpus < 1:
+            raise ConfigError("--search needs --gpus N, the GPU count to plan for")
+        request_fake_devices(dataclasses.replace(cfg, parallel=dataclasses.replace(
+            cfg.parallel, **dict(zip(AXES, (1, args.gpus, 1, 1, 1))))))
+        return run_search(cfg, args.gpus, args.gpu, args.confirm, args.json)
+    request_fake_devices(cfg)
+    return dry_run(cfg, args.gpu, args.json)
+
+
+if __name__ == "__main__":
+    from train import run_cli
+
+    run_cli(main)

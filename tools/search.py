@@ -1,0 +1,92 @@
+"""Search the meshes of a GPU count with the analytic model (tools/estimate.py).
+
+Candidates: every (pp, dp, fsdp, sp, tp) whose product is the GPU count, with tp and sp·tp
+inside one node (<= 8), tp dividing the heads (and F, V), sp dividing L, pp dividing the layers,
+and dp·fsdp dividing the global batch. For each, the microbatch is the largest that fits the
+GPU's memory (fewest microbatches: least pipeline bubble and per-microbatch overhead; under a
+pipeline at least pp microbatches); a mesh for which not even one sequence per microbatch fits
+is rejected, never ranked. The rest are ranked by the estimated step time with communication
+overlapped (ties: not overlapped). Nothing is compiled here; `tools.plan --search` compiles
+the top 3 to confirm their memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from configs.base import RunConfig
+from tools.estimate import AXES, GPU, GPUS_PER_NODE, memory, step_time
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def valid(cfg: RunConfig, sizes: dict[str, int]) -> bool:
+    """The shape rules the step enforces (sharding/, training/build.py), checked without jax."""
+    m, t = cfg.model, cfg.train
+    tp, sp = sizes["tensor"], sizes["sequence"]
+    kv_ok = m.n_kv_heads % tp == 0 or tp % m.n_kv_heads == 0
+    return (tp * sp <= GPUS_PER_NODE and m.n_heads % tp == 0 and kv_ok and m.d_ff % tp == 0
+            and m.vocab_size % tp == 0 and t.seq_len % (sp * tp) == 0 and m.n_layers % sizes["stage"] == 0
+            and t.global_batch_size % (sizes["data"] * sizes["fsdp"]) == 0
+            and m.d_model % sizes["fsdp"] == 0)
+
+
+def meshes(cfg: RunConfig, gpus: int) -> list[dict[str, int]]:
+    """Every valid mesh of `gpus` devices, as {axis: size} in AXES order."""
+    found = []
+    for pp, sp, tp in itertools.product(divisors(gpus), repeat=3):
+        if gpus % (pp * sp * tp):
+            continue
+        for fsdp in divisors(gpus // (pp * sp * tp)):
+            dp = gpus // (pp * sp * tp * fsdp)
+            sizes = dict(zip(AXES, (pp, dp, fsdp, sp, tp)))
+            if valid(cfg, sizes):
+                found.append(sizes)
+    return found
+
+
+def fit(cfg: RunConfig, sizes: dict[str, int], gpu: GPU) -> RunConfig | None:
+    """cfg with the largest micro_batch_size that fits `gpu`'s memory on `sizes`, or None."""
+    per_rank = cfg.train.global_batch_size // (sizes["data"] * sizes["fsdp"])
+    for micro in sorted(divisors(per_rank), reverse=True):
+        if sizes["stage"] > 1 and per_rank // micro < sizes["stage"]:
+            continue  # a pipeline needs at least pp microbatches in flight
+        trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=micro))
+        if memory(trial, sizes)["peak"] <= gpu.memory:
+            return trial
+    return None
+
+
+def search(cfg: RunConfig, gpus: int, gpu: GPU) -> tuple[list[dict], int]:
+    """(ranked candidates, number rejected for memory). A candidate: sizes, cfg (with its
+    microbatch), memory terms and step time (tools.estimate.step_time)."""
+    ranked, rejected = [], 0
+    for sizes in meshes(cfg, gpus):
+        trial = fit(cfg, sizes, gpu)
+        if trial is None:
+            rejected += 1
+            continue
+        ranked.append({"sizes": sizes, "cfg": trial, "memory": memory(trial, sizes),
+                       "time": step_time(trial, sizes, gpu)})
+    ranked.sort(key=lambda c: (c["time"]["overlap_s"], c["time"]["no_overlap_s"]))
+    return ranked, rejected
+
+
+def reason(candidate: dict, best: dict) -> str:
+    """Why a candidate wins or loses: its largest cost against the best's."""
+    t, mem = candidate["time"], candidate["memory"]
+    comm = t["comm_s"]
+    worst = max(comm, key=comm.get) if comm else None
+    parts = [f"compute {t['compute_s']:.2f} s"]
+    if worst:
+        parts.append(f"slowest comm {worst} {comm[worst]:.2f} s")
+    if t["bubble"]:
+        parts.append(f"bubble {100 * t['bubble']:.0f}%")
+    parts.append(f"{candidate['cfg'].train.micro_batch_size} seq/microbatch, {mem['peak'] / 1e9:.0f} GB")
+    if candidate is not best:
+        ratio = t["overlap_s"] / best["time"]["overlap_s"]
+        parts.append(f"{ratio:.2f}x the best")
+    return "; ".join(parts)

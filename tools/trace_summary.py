@@ -1,0 +1,171 @@
+"""Where a step's time went, from the `--profile-steps` trace of a run.
+
+  python train.py --steps 3 --profile-steps 1:3 --run-dir runs/p
+  python -m tools.trace_summary runs/p            (--json for machines)
+
+Reads the newest RUN_DIR/plugins/profile/*/perfetto_trace.json.gz (Chrome trace JSON, written
+beside the .xplane.pb by training/profiling.py) and RUN_DIR/plugins/profile/train_step.hlo.txt
+(the compiled step's HLO). Every op event of the train step carries its HLO instruction name and
+device; the HLO gives that instruction's opcode and its op_name metadata, whose path holds the
+named scopes of the model and step (embedding, attention, mlp, head, optimizer; forward and its
+transpose alike). Per step, averaged over the traced steps and the devices:
+
+  scope table   op time per scope, split into compute and collectives; 'other' = no scope
+                (the loss, gradient accumulation, copies between scan iterations)
+  collectives   all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
+  exposed       collective time on a device during which no compute op of that device runs,
+                as a fraction of its collective time (0: all hidden, 1: none hidden)
+
+A PNG (summary.png, next to the trace) draws the scope bars and a timeline of one step on
+device 0. On fake CPU devices all "devices" share the host's cores and collectives are memory
+copies, so read the split, not the absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from configs import ConfigError
+from tools.hlo import KINDS
+
+SCOPES = ("embedding", "attention", "mlp", "head", "optimizer")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*? ([a-z][\w\-]*)\(")
+_SCOPE = re.compile(r"(?:^|[/(])(" + "|".join(SCOPES) + r")(?=[/)]|$)")
+
+
+def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """{instruction name: (kind: a collective kind or 'compute', scope or 'other')}."""
+    ops = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            opcode = m.group(2).removesuffix("-start").removesuffix("-done")
+            name = re.search(r'op_name="([^"]*)"', line)
+            scope = _SCOPE.search(name.group(1)) if name else None
+            ops[m.group(1)] = (opcode if opcode in KINDS else "compute", scope.group(1) if scope else "other")
+    return ops
+
+
+def find_trace(run_dir: Path) -> tuple[Path, Path]:
+    traces = sorted((run_dir / "plugins" / "profile").glob("*/perfetto_trace.json.gz"))
+    hlo = run_dir / "plugins" / "profile" / "train_step.hlo.txt"
+    if not traces or not hlo.exists():
+        raise ConfigError(f"{run_dir}: no profile found; run train.py with --profile-steps A:B --run-dir {run_dir}")
+    return traces[-1], hlo
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _overlap(a: tuple[float, float], covered: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(a[1], b) - max(a[0], s)) for s, b in covered)
+
+
+def summarize(run_dir: Path) -> dict:
+    """Per-step times (ms) per scope and kind, the exposed communication and one step's events."""
+    trace_path, hlo_path = find_trace(run_dir)
+    ops = hlo_ops(hlo_path.read_text())
+    events = json.load(gzip.open(trace_path))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    step_events = [e for e in events if e.get("ph") == "X" and e.get("args", {}).get("hlo_op") in ops
+                   and "train_step" in e["args"].get("hlo_module", "")]
+    runs = defaultdict(int)
+    for e in step_events:
+        runs[e["args"]["run_id"]] += 1
+    steps = [r for r, n in runs.items() if n >= max(runs.values()) / 2]  # whole steps only
+    devices = sorted({e["args"]["device_ordinal"] for e in step_events})
+    per = len(steps) * len(devices) * 1e3  # trace times are in us: ms per step per device
+    scopes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    by_device: dict[tuple, list] = defaultdict(list)
+    for e in step_events:
+        if e["args"]["run_id"] not in steps:
+            continue
+        kind, scope = ops[e["args"]["hlo_op"]]
+        group = "compute" if kind == "compute" else "collective"
+        scopes[scope][group] += e["dur"] / per
+        by_device[(e["args"]["device_ordinal"], group)].append((e["ts"], e["ts"] + e["dur"]))
+    comm = sum(s["collective"] for s in scopes.values())
+    exposed = sum(b - a - _overlap((a, b), _union(by_device[(d, "compute")]))
+                  for d in devices for a, b in _union(by_device[(d, "collective")])) / per
+    first = steps[0] if steps else None
+    timeline = [(e["ts"], e["dur"], *ops[e["args"]["hlo_op"]]) for e in step_events
+                if e["args"]["run_id"] == first and e["args"]["device_ordinal"] == devices[0]]
+    return {"trace": str(trace_path), "steps": len(steps), "devices": len(devices),
+            "scopes_ms": {s: dict(v) for s, v in sorted(scopes.items())},
+            "compute_ms": sum(s["compute"] for s in scopes.values()), "collective_ms": comm,
+            "exposed_collective_ms": exposed, "exposed_fraction": exposed / comm if comm else 0.0,
+            "timeline": timeline}
+
+
+def draw(summary: dict, out: Path) -> None:
+    """Bars per scope (compute, collectives) and device 0's timeline of one step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary["scopes_ms"])
+    colors = dict(zip(names, plt.get_cmap("tab10").colors))
+    fig, (bars, line) = plt.subplots(2, 1, figsize=(10, 6))
+    compute = [summary["scopes_ms"][n].get("compute", 0) for n in names]
+    comm = [summary["scopes_ms"][n].get("collective", 0) for n in names]
+    bars.barh(names, compute, color=[colors[n] for n in names], label="compute")
+    bars.barh(names, comm, left=compute, color="black", label="collectives")
+    bars.set_xlabel("ms per step per device")
+    bars.legend()
+    bars.set_title(f"compute {summary['compute_ms']:.1f} ms, collectives {summary['collective_ms']:.1f} ms, "
+                   f"{100 * summary['exposed_fraction']:.0f}% of it exposed")
+    if summary["timeline"]:
+        t0 = min(t for t, *_ in summary["timeline"])
+        for ts, dur, kind, scope in summary["timeline"]:
+            row = 1 if kind == "compute" else 0
+            line.broken_barh([((ts - t0) / 1e3, dur / 1e3)], (row, 0.8), color=colors.get(scope, "grey"))
+        line.set_yticks([0.4, 1.4], ["collectives", "compute"])
+        line.set_xlabel("ms since the step's first op (device 0; colour = scope as above)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"{s['trace']}: {s['steps']} step(s) x {s['devices']} device(s); ms per step per device",
+             f"{'scope':<12}{'compute':>10}{'collective':>12}"]
+    for name, v in s["scopes_ms"].items():
+        lines.append(f"{name:<12}{v.get('compute', 0):>10.2f}{v.get('collective', 0):>12.2f}")
+    lines.append(f"{'total':<12}{s['compute_ms']:>10.2f}{s['collective_ms']:>12.2f}")
+    lines.append(f"exposed (not overlapped) communication: {s['exposed_collective_ms']:.2f} ms, "
+                 f"{100 * s['exposed_fraction']:.0f}% of the collective time")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", type=Path, help="a run directory written with --profile-steps")
+    p.add_argument("--json", action="store_true", help="print JSON (without the timeline) instead of the table")
+    args = p.parse_args(argv)
+    summary = summarize(args.run_dir)
+    png = Path(summary["trace"]).parent / "summary.png"
+    draw(summary, png)
+    if args.json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "timeline"} | {"png": str(png)}, indent=1))
+    else:
+        print(format_summary(summary) + f"\nchart: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    from train import run_cli
+
+    run_cli(main)
