@@ -1,0 +1,1 @@
+def loss_and_grads(*a): raise NotImplementedError
