@@ -61,6 +61,12 @@ def check(cfg: RunConfig, sizes: dict[str, int]) -> None:
             "inside the pipeline's shard_map over stage (XLA rejects the lowered program); add "
             "--set parallel.tp_impl=gspmd (GSPMD places the tensor collectives inside the stages)"
         )
+    if sizes["tensor"] > 1 and par.schedule == "1f1b":
+        raise ConfigError(
+            f"parallel.schedule=1f1b with tp={sizes['tensor']}: XLA's SPMD partitioner fails on the "
+            "embedding lookup inside the 1f1b stage program when the vocab is split over tensor; "
+            "use dp/fsdp with 1f1b, or --set parallel.schedule=gpipe|interleaved with tp"
+        )
     if cfg.train.micro_batch_size:
         raise ConfigError(
             f"train.micro_batch_size={cfg.train.micro_batch_size} with pp={p}: the pipeline's "
