@@ -88,6 +88,10 @@ class ParallelConfig:
     collectives by hand, gspmd leaves them to XLA; `sequence_parallel` splits the activations
     between blocks along L over `tensor`; `tp_overlap` turns SP's all-gather/reduce-scatter into
     rings of collective-permutes overlapped with the matmul chunks.
+
+    Pipeline parallelism (pipeline/, with stage > 1): `schedule` gpipe | interleaved | 1f1b,
+    `microbatches` M per step (0 = the number of stages), `virtual_stages` V chunks of layers
+    per device for interleaved.
     """
 
     stage: int = 1
@@ -98,6 +102,9 @@ class ParallelConfig:
     tp_impl: str = "shard_map"  # shard_map | gspmd
     sequence_parallel: bool = False
     tp_overlap: bool = False
+    schedule: str = "gpipe"  # gpipe | interleaved | 1f1b
+    microbatches: int = 0  # M; 0 = pp
+    virtual_stages: int = 1  # V, interleaved only
 
 
 @dataclass(frozen=True)

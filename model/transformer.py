@@ -77,16 +77,28 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, L] int -> logits [B, L, V] fp32."""
-        cfg = self.cfg
+        return self.logits(self.run_layers(self.embed_tokens(tokens), nnx.state(self.blocks)))
+
+    # The pieces below let pipeline/ run the layers in stages, embedding and head apart.
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, L] int -> x [B, L, D]."""
         with jax.named_scope("embedding"):
-            x = constrain(self.embed(tokens), self.act_names)
-        cos, sin = rotary(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
-        graphdef, layers = nnx.split(self.blocks)
+            return constrain(self.embed(tokens), self.act_names)
+
+    def run_layers(self, x: jax.Array, layers: nnx.State) -> jax.Array:
+        """x [B, L, D] through the stacked block states `layers` ([n, ...] leaves, any n)."""
+        cos, sin = rotary(x.shape[1], self.cfg.head_dim, self.cfg.rope_theta)
+        graphdef = nnx.graphdef(self.blocks)
 
         def layer(x, layer_state):
             return nnx.merge(graphdef, layer_state)(x, cos, sin), None
 
-        x, _ = jax.lax.scan(remat(layer, cfg.remat), x, layers)  # over X stacked layers
+        x, _ = jax.lax.scan(remat(layer, self.cfg.remat), x, layers)  # over the n stacked layers
+        return x
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """x [B, L, D] -> final norm -> logits [B, L, V] fp32."""
         with jax.named_scope("head"):
             x = self.final_norm(x)
             logits = jnp.einsum("bld,dv->blv", x, self.head[...], preferred_element_type=jnp.float32)

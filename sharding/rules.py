@@ -13,6 +13,8 @@ each lands on the mesh. A parallelism strategy is a change of this table, not of
   length -> sequence      activations split along L; attention gathers K and V over `sequence`.
   sp_length -> tensor     L of the activations between blocks under sequence parallelism
                           (sharding/tensor_parallel.py): norms and residuals hold L/tp rows.
+  layers -> stage         the stacked layers [X, ...] are split in p contiguous blocks of X/p:
+                          stage s holds its own layers and never gathers the others (pipeline/).
 
 Mesh axes of size 1 drop out of every spec. A dimension that the mesh does not divide is an
 error naming the dimension, except kv_heads: with fewer KV heads than the tensor axis they are
@@ -40,7 +42,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
     "vocab": ("tensor",),
-    "layers": (),
+    "layers": ("stage",),
     "head_dim": (),
     "norm": (),
 }

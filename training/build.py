@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import pipeline
 from configs.base import ConfigError, RunConfig
 from model.transformer import Transformer, count_params
 from sharding import tensor_parallel
@@ -27,7 +28,7 @@ from training.step import TrainState, make_train_step
 
 
 def batch_layout(cfg: RunConfig, mesh: Mesh) -> tuple[int, int]:
-    """(k microbatches, b sequences per microbatch) for one optimizer step."""
+    """(k microbatches, b sequences per microbatch) for one optimizer step (k = M with pp > 1)."""
     t, sizes = cfg.train, dict(mesh.shape)
     ranks = sizes["data"] * sizes["fsdp"]
     if t.global_batch_size % ranks:
@@ -36,6 +37,14 @@ def batch_layout(cfg: RunConfig, mesh: Mesh) -> tuple[int, int]:
             "change the batch size or the --mesh"
         )
     per_rank = t.global_batch_size // ranks
+    if sizes["stage"] > 1:  # the pipeline's M microbatches: [M, b, L]
+        m = pipeline.microbatches(cfg, sizes["stage"])
+        if per_rank % m:
+            raise ConfigError(
+                f"parallel.microbatches={m} does not divide the {per_rank} sequences per "
+                f"data-parallel rank (global_batch_size {t.global_batch_size} / dp*fsdp {ranks})"
+            )
+        return m, per_rank // m * ranks
     micro = t.micro_batch_size or per_rank
     if per_rank % micro:
         raise ConfigError(
@@ -95,6 +104,7 @@ def abstract(cfg: RunConfig, mesh: Mesh) -> Abstract:
     Call outside `jax.set_mesh`: nnx.eval_shape would otherwise apply the logical names as
     mesh axes.
     """
+    pipeline.check(cfg, dict(mesh.shape))
     k, b = batch_layout(cfg, mesh)
     tensor_parallel.check(cfg, dict(mesh.shape))
     tx, schedule = make_optimizer(cfg.train), lr_schedule(cfg.train)

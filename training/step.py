@@ -16,6 +16,9 @@ into the optimizer's elementwise update) and counts the step in `bad_steps` (in 
 so the next step reads the next batch; the optimizer's own step count (and so its learning rate)
 then lags `step` by the number of skipped steps.
 
+Pipeline parallelism (pp > 1) replaces the microbatch scan by a schedule over the stage axis
+(pipeline/): the k microbatches of the batch are its M microbatches.
+
 Collectives are not written here: XLA derives them from the shardings of the parameters
 (sharding/rules.py) and of the batch, e.g. the gradient all-reduce over (data, fsdp).
 """
@@ -29,7 +32,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import pipeline
 from configs.base import RunConfig
+from training.loss import cross_entropy
 
 
 class TrainState(NamedTuple):
@@ -44,14 +49,16 @@ def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConf
     """Mean next-token cross-entropy (nats) of one microbatch {'inputs', 'targets'} [b, L]."""
     compute = jax.tree.map(lambda p: p.astype(cfg.model.compute_dtype), params)
     logits = nnx.merge(graphdef, compute)(batch["inputs"])  # [b, L, V] fp32
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-    if cfg.train.z_loss:
-        loss += cfg.train.z_loss * jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
-    return loss
+    return cross_entropy(logits, batch["targets"], cfg.train.z_loss)
 
 
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig):
-    """Mean loss and gradients over the k microbatches of `batch` ([k, b, L] leaves)."""
+    """Mean loss and gradients over the k microbatches of `batch` ([k, b, L] leaves).
+
+    With pipeline stages (pp > 1) the k = M microbatches run through pipeline/'s schedule.
+    """
+    if pipeline.stages() > 1:
+        return pipeline.loss_and_grads(params, graphdef, batch, cfg)
     grad_fn = jax.value_and_grad(loss_fn)
 
     def micro(acc, microbatch):

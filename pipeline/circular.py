@@ -1,0 +1,78 @@
+"""GPipe and interleaved (circular) schedules: a scan over ticks inside a shard_map over `stage`;
+the backward pass is autodiff's transpose of that scan.
+
+Layout (p stages, V chunks per stage, X layers, Lc = X/(p·V) layers per chunk):
+
+  blocks [X, ...] -> [V, p·Lc, ...], p·Lc split over stage: device s holds [V, Lc, ...], its
+  chunk v = layers (v·p + s)·Lc ... + Lc - 1. V = 1 (gpipe) is the stored layout itself: no
+  data moves. V > 1 (interleaved) re-lays the stored contiguous split every step: XLA moves
+  (V-1)/V of each device's layer weights forward (and their gradients backward) over `stage`.
+
+Tick t on device s (pipeline/schedule.py's table): work item w = t - s is microbatch m on chunk
+v; its input is the embedding of m (s = 0, v = 0) or what device s-1 sent last tick; the output
+is sent on to s+1 (p-1 wraps to 0 for the next chunk) with one `ppermute` of [b, L, D] per
+tick: M·V + p - 1 collective-permutes of b·L·D per step forward, the same backward. Idle ticks
+run the layers on zeros (inputs masked with a select), so no bubble value reaches the result.
+
+Embedding and head run outside the shard_map, under GSPMD, for all M microbatches at once: the
+embedded batch [M, b, L, D] enters replicated over stage (only stage 0 reads it; backward, its
+cotangent is summed over stage: an all-reduce of M·b·L·D), the last stage's outputs
+[M, b, L, D] leave through a [p, M, ...] array of which only row p-1 is read, and the head
+(final norm, [D, V] matmul, loss) runs replicated on every stage, p times its work.
+
+Memory: autodiff keeps every tick's layer residuals (per remat policy): activation memory grows
+with M like the unpipelined accumulation scan's would if it kept all microbatches, (M·V+p-1)
+ticks of Lc layers; plus [M, b, L, D] of embeddings, outputs and their cotangents.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from configs.base import RunConfig
+from pipeline.stages import AXIS, buffer, compute_params, stages
+from training.loss import cross_entropy
+
+
+def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig) -> jax.Array:
+    """Mean loss of the [M, b, L] batch, the layers run as a circular pipeline."""
+    p, v_count = stages(), max(cfg.parallel.virtual_stages, 1)
+    m_count = batch["inputs"].shape[0]
+    model = nnx.merge(graphdef, compute_params(params, cfg.model.compute_dtype))
+    x_all = jax.vmap(model.embed_tokens)(batch["inputs"])  # [M, b, L, D]
+    layers = jax.tree.map(lambda a: a.reshape(v_count, -1, *a.shape[1:]), nnx.state(model.blocks))  # [V, p·Lc, ...]
+    ring = [(i, (i + 1) % p) for i in range(p)]
+
+    def body(layers: nnx.State, x_all: jax.Array) -> jax.Array:
+        s = lax.axis_index(AXIS)
+
+        def tick(carry, t):
+            state, outputs = carry  # state [b, L, D]: what arrived this tick
+            w = t - s
+            active = (w >= 0) & (w < v_count * m_count)
+            w = jnp.clip(w, 0, v_count * m_count - 1)
+            group, r = w // (p * v_count), w % (p * v_count)
+            v, m = r // p, group * p + r % p
+            x = jnp.where((s == 0) & (v == 0), x_all[m], state)
+            x = jnp.where(active, x, jnp.zeros_like(x))  # idle ticks never read the buffers
+            y = model.run_layers(x, jax.tree.map(lambda a: a[v], layers))
+            done = active & (s == p - 1) & (v == v_count - 1)
+            outputs = outputs.at[m].set(jnp.where(done, y, outputs[m]))
+            return (lax.ppermute(y, AXIS, ring), outputs), None
+
+        start = (buffer(x_all.shape[1:], x_all.dtype), buffer(x_all.shape, x_all.dtype))
+        (_, outputs), _ = lax.scan(tick, start, jnp.arange(v_count * m_count + p - 1))
+        return outputs[None]  # [1, M, b, L, D]
+
+    specs = jax.tree.map(lambda _: P(None, AXIS), layers)
+    out = jax.shard_map(body, in_specs=(specs, P()), out_specs=P(AXIS), axis_names={AXIS})(layers, x_all)
+    logits = jax.vmap(model.logits)(out[p - 1])  # the last stage's outputs [M, b, L, D]
+    return jax.vmap(cross_entropy, (0, 0, None))(logits, batch["targets"], cfg.train.z_loss).mean()
+
+
+def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig):
+    return jax.value_and_grad(pipelined_loss)(params, graphdef, batch, cfg)

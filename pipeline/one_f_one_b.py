@@ -1,0 +1,162 @@
+"""1F1B in one SPMD program: each stage alternates one forward and one backward, with its own
+per-stage `jax.vjp`; no autodiff through the schedule.
+
+Layout: blocks [X, ...] split over stage as stored (device s holds layers s·X/p ... of X/p); the
+embedding, final norm and head are replicated over stage and used by stage 0 (embedding) and
+stage p-1 (head and loss) inside the schedule. They must be: the backward of microbatch 0
+starts before microbatch M-1 has entered, so the loss of each microbatch is computed where
+its forward ends, on the last stage, and its cotangent starts there. Their gradients are summed
+over stage once per step (an all-reduce of the embedding, norm and head: 2·(V·D+D)(p-1)/p
+bytes-elements per device).
+
+Tick program (one `lax.scan` over the ticks of pipeline/schedule.py's 1f1b table; every device
+runs it and picks its own cell with `lax.axis_index`):
+
+  1. receive: ppermute the forward output sent last tick to s+1, the input gradient to s-1
+     (two collective-permutes of b·L·D per tick, 2·(2(M+p-1)) per step); a value that
+     arrives is put in the stash (forward) or the gradient inbox slot of its microbatch;
+  2. run the cell, a `lax.switch` on (kind, first/last stage):
+     F on stage 0      embed microbatch m, run the stage's layers, send the output
+     F on stage s      run the layers on the stashed input, send the output
+     F on stage p-1    nothing: the input waits in the stash for B
+     B on stage p-1    value_and_grad of layers + head + loss (scaled 1/M) from the stash
+     B on stage s      vjp of the layers from the stashed input, cotangent from the inbox
+     B on stage 0      vjp of embedding + layers from the tokens (embedding recomputed)
+     accumulating the parameter gradients (fp32) in the carry and sending dx to s-1.
+
+Memory: the backward recomputes the stage forward from its stashed input (one extra forward
+per stage per microbatch, the price of keeping no residuals between ticks), so a stage holds
+only K stage inputs [b, L, D] (K = the most microbatches between arrival and backward, at most
+p for stage 1, from the table) plus K' incoming gradients and one microbatch's vjp residuals
+inside the B cell: flat in M. GPipe holds the residuals of all M microbatches instead.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from configs.base import RunConfig
+from pipeline.schedule import Table, one_f_one_b
+from pipeline.stages import AXIS, buffer, compute_params, stages, varying, with_layers
+from training.loss import cross_entropy
+
+IDLE, F_FIRST, F_MID, B_FIRST, B_MID, B_LAST = range(6)
+
+
+def _slots(table: Table, source: str) -> int:
+    """Most microbatches a stage holds at once, from their arrival (an F or B of the neighbour
+    at the tick before) to its own B; checks that slot m mod K never holds two."""
+    p, most = len(table[0]), 1
+    for s in range(p):
+        sender = s - 1 if source == "F" else s + 1
+        if not 0 <= sender < p:
+            continue
+        held: set[int] = set()
+        for t in range(1, len(table)):
+            sent = table[t - 1][sender]
+            if sent is not None and sent.kind == source:
+                held.add(sent.microbatch)
+            most = max(most, len(held))
+            op = table[t][s]
+            if op is not None and op.kind == "B":
+                held.discard(op.microbatch)
+    return most
+
+
+def program(p: int, m_count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """The table as arrays [ticks, p]: branch, microbatch, forward and backward arrivals (-1 none);
+    and the stash and inbox sizes."""
+    table = one_f_one_b(p, m_count)
+    ticks = len(table)
+    branch, micro = np.zeros((ticks, p), np.int32), np.zeros((ticks, p), np.int32)
+    arrive_f, arrive_b = np.full((ticks, p), -1, np.int32), np.full((ticks, p), -1, np.int32)
+    for t, row in enumerate(table):
+        for s, op in enumerate(row):
+            if op is None:
+                continue
+            micro[t, s] = op.microbatch
+            if op.kind == "F":
+                branch[t, s] = F_FIRST if s == 0 else IDLE if s == p - 1 else F_MID
+                if t + 1 < ticks and s + 1 < p:
+                    arrive_f[t + 1, s + 1] = op.microbatch
+            else:
+                branch[t, s] = B_FIRST if s == 0 else B_LAST if s == p - 1 else B_MID
+                if t + 1 < ticks and s > 0:
+                    arrive_b[t + 1, s - 1] = op.microbatch
+    stash, inbox = _slots(table, "F"), _slots(table, "B")
+    for k, arrive in ((stash, arrive_f), (inbox, arrive_b)):
+        for s in range(p):
+            live = arrive[:, s][arrive[:, s] >= 0]
+            assert len(set(live % k)) == min(len(live), k), "slot reuse would overwrite a held value"
+    return branch, micro, arrive_f, arrive_b, stash, inbox
+
+
+def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig):
+    """Mean loss and fp32 gradients of the [M, b, L] batch by the 1F1B schedule."""
+    p, (m_count, b, length) = stages(), batch["inputs"].shape
+    branch, micro, arrive_f, arrive_b, n_stash, n_inbox = program(p, m_count)
+    dtype, d = jnp.dtype(cfg.model.compute_dtype), cfg.model.d_model
+    down, up = [(i, i + 1) for i in range(p - 1)], [(i + 1, i) for i in range(p - 1)]
+
+    def model(local):
+        return nnx.merge(graphdef, compute_params(local, dtype))
+
+    def stage(local, x):  # x [b, L, D] through this stage's X/p layers
+        return model(local).run_layers(x, compute_params(local["blocks"], dtype))
+
+    def first(local, tokens):
+        return stage(local, model(local).embed_tokens(tokens))
+
+    def last(local, x, targets):
+        return cross_entropy(model(local).logits(stage(local, x)), targets, cfg.train.z_loss) / m_count
+
+    def body(local, inputs, targets):
+        # The replicated leaves typed varying, so that their vjps sum nothing over stage.
+        s, local = lax.axis_index(AXIS), with_layers(jax.tree.map(varying, with_layers(local, nnx.State({}))), local["blocks"])
+
+        def cell(carry, m):
+            stash, inbox, send_f, send_b, grads, loss = carry
+            x, g = stash[m % n_stash], inbox[m % n_inbox]
+
+            def acc(dl):
+                return jax.tree.map(lambda a, d: a + d.astype(a.dtype), grads, dl)
+
+            branches = [
+                lambda: carry,
+                lambda: (stash, inbox, first(local, inputs[m]), send_b, grads, loss),
+                lambda: (stash, inbox, stage(local, x), send_b, grads, loss),
+                lambda: (stash, inbox, send_f, send_b,
+                         acc(jax.vjp(lambda w: first(w, inputs[m]), local)[1](g)[0]), loss),
+                lambda: (lambda dl, dx: (stash, inbox, send_f, dx, acc(dl), loss))(
+                    *jax.vjp(stage, local, x)[1](g)),
+                lambda: (lambda lm, dl_dx: (stash, inbox, send_f, dl_dx[1], acc(dl_dx[0]), loss + lm))(
+                    *jax.value_and_grad(last, argnums=(0, 1))(local, x, targets[m])),
+            ]
+            return branches
+
+        def tick(carry, row):
+            kind, m, af, ab = (a[s] for a in row)
+            stash, inbox, send_f, send_b, grads, loss = carry
+            recv_f, recv_b = lax.ppermute(send_f, AXIS, down), lax.ppermute(send_b, AXIS, up)
+            slot_f, slot_b = jnp.maximum(af, 0) % n_stash, jnp.maximum(ab, 0) % n_inbox
+            stash = stash.at[slot_f].set(jnp.where(af >= 0, recv_f, stash[slot_f]))
+            inbox = inbox.at[slot_b].set(jnp.where(ab >= 0, recv_b, inbox[slot_b]))
+            carry = (stash, inbox, send_f, send_b, grads, loss)
+            return lax.switch(kind, cell(carry, m)), None
+
+        act = (b, length, d)
+        start = (buffer((n_stash, *act), dtype), buffer((n_inbox, *act), dtype), buffer(act, dtype),
+                 buffer(act, dtype), jax.tree.map(jnp.zeros_like, local), varying(jnp.zeros((), jnp.float32)))
+        rows = tuple(jnp.asarray(a) for a in (branch, micro, arrive_f, arrive_b))
+        (*_, grads, loss), _ = lax.scan(tick, start, rows)
+        summed = jax.tree.map(lambda a: lax.psum(a, AXIS), grads)  # embedding, norm, head
+        return lax.psum(loss, AXIS), with_layers(summed, grads["blocks"])
+
+    specs = with_layers(jax.tree.map(lambda _: P(), params), jax.tree.map(lambda _: P(AXIS), params["blocks"]))
+    run = jax.shard_map(body, in_specs=(specs, P(), P()), out_specs=(P(), specs), axis_names={AXIS})
+    return run(params, batch["inputs"], batch["targets"])

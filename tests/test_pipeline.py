@@ -1,0 +1,168 @@
+"""Pipeline parallelism (pipeline/): every schedule equals one device, its timetable's bubble,
+its collectives on `stage`, its memory, and bad input.
+
+Equality: loss and every gradient of step 0 against the single-device model of the same depth
+(fp32; tolerances of conftest.assert_same_run). Pipeline buffers start as NaN
+(pipeline.stages.FILL), so a bubble that leaked into the result would fail these tests.
+The matrix covers, for each schedule, p = 2 and p = 4 and M = p and M = 2p in two runs:
+(p=2, M=4 = 2p) and (p=4, M=4 = p); interleaved with V=2; and pp=2,dp=2,tp=2 (GSPMD tensor
+parallelism) for gpipe and interleaved, pp=2,dp=2,fsdp=2 for 1f1b.
+"""
+
+import functools
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from configs.base import ConfigError
+from conftest import run_module, small_config
+from pipeline.schedule import bubble, one_f_one_b, timetable
+from pipeline.stages import FILL
+from sharding.mesh import build_mesh
+from training.build import abstract, build
+from training.step import loss_and_grads
+
+
+def _devices(cfg) -> list:
+    p = cfg.parallel
+    return jax.devices()[: math.prod(max(n, 1) for n in (p.stage, p.data, p.fsdp, p.sequence, p.tensor))]
+
+
+def _loss_and_grads(cfg, corpus):
+    mesh = build_mesh(cfg.parallel, _devices(cfg))
+    job = build(cfg, mesh, tokens=corpus)
+    with jax.set_mesh(mesh):
+        fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg))
+        return jax.device_get(fn(job.state.params, batch=job.batches(0)))
+
+
+_REFERENCES: dict[int, tuple] = {}
+
+
+def _reference(layers: int, corpus):
+    if layers not in _REFERENCES:
+        _REFERENCES[layers] = _loss_and_grads(small_config("", f"model.n_layers={layers}"), corpus)
+    return _REFERENCES[layers]
+
+
+CASES = {  # id: (mesh, overrides)
+    "gpipe-p2-m4": ("pp=2", ["parallel.microbatches=4"]),
+    "gpipe-p4-m4": ("pp=4", ["parallel.microbatches=4"]),
+    "interleaved-p2-m4-v2": ("pp=2", ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.microbatches=4"]),
+    "interleaved-p4-m4-v2": ("pp=4", ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.microbatches=4"]),
+    "1f1b-p2-m4": ("pp=2", ["parallel.schedule=1f1b", "parallel.microbatches=4"]),
+    "1f1b-p4-m4": ("pp=4", ["parallel.schedule=1f1b", "parallel.microbatches=4"]),
+    "gpipe-pp2-dp2-tp2": ("pp=2,dp=2,tp=2", ["parallel.tp_impl=gspmd"]),
+    "interleaved-pp2-dp2-tp2": ("pp=2,dp=2,tp=2", ["parallel.tp_impl=gspmd", "parallel.schedule=interleaved", "parallel.virtual_stages=2"]),
+    "1f1b-pp2-dp2-fsdp2": ("pp=2,dp=2,fsdp=2", ["parallel.schedule=1f1b"]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_schedule_equals_single_device(case, corpus):
+    mesh, overrides = CASES[case]
+    layers = 8 if case == "interleaved-p4-m4-v2" else 4
+    cfg = small_config(mesh, f"model.n_layers={layers}", *overrides)
+    (loss, grads), (ref_loss, ref_grads) = _loss_and_grads(cfg, corpus), _reference(layers, corpus)
+    np.testing.assert_allclose(loss, ref_loss, rtol=2e-5)
+    flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
+    assert len(flat_ref) == len(jax.tree.leaves(grads))
+    for (path, want), got in zip(flat_ref, jax.tree.leaves(grads)):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def test_buffers_start_as_nan():
+    assert np.isnan(FILL)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_bubble_from_the_timetable(p):
+    for m in (p, 2 * p, 4 * p):
+        assert bubble(timetable("gpipe", p, m)) == pytest.approx((p - 1) / (m + p - 1))
+        assert bubble(timetable("interleaved", p, m, 2)) == pytest.approx((p - 1) / (2 * m + p - 1))
+        # 1f1b: F and B one tick each, 2(M+p-1) ticks: the same bubble as GPipe's forward+backward
+        table = one_f_one_b(p, m)
+        assert len(table) == 2 * (m + p - 1)
+        assert bubble(table) == pytest.approx((p - 1) / (m + p - 1))
+        for s in range(p):  # every microbatch forward then backward once per stage, in flight <= p - s
+            ops = [row[s] for row in table if row[s] is not None]
+            assert sorted((o.kind, o.microbatch) for o in ops) == sorted((k, i) for k in "FB" for i in range(m))
+            live = np.cumsum([1 if o.kind == "F" else -1 for o in ops])
+            assert live.max() == min(p - s, m)
+
+
+def test_timetable_cli():
+    out = run_module("pipeline.schedule", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8")
+    assert out.returncode == 0, out.stderr
+    assert "1f1b: 22 ticks, bubble 0.2727" in out.stdout and "   4   .  .  . B0" in out.stdout
+
+
+def _compiled(cfg):
+    mesh = build_mesh(cfg.parallel, _devices(cfg))
+    program = abstract(cfg, mesh)
+    with jax.set_mesh(mesh):
+        return program.step_fn.lower(program.state, program.abstract_batch()).compile(), mesh
+
+
+@pytest.fixture(scope="module")
+def temp_memory():
+    """Temp bytes per device of the compiled step, pp=2, 2 layers, microbatches of 2 sequences."""
+    figures, compiled = {}, {}
+    for schedule in ("gpipe", "1f1b"):
+        for m in (4, 8, 16):
+            cfg = small_config("pp=2", f"parallel.schedule={schedule}", f"parallel.microbatches={m}",
+                               f"train.global_batch_size={2 * m}")
+            compiled[schedule, m] = _compiled(cfg)
+            figures[schedule, m] = compiled[schedule, m][0].memory_analysis().temp_size_in_bytes
+    print("\ntemp bytes per device (pp=2, M = 4, 8, 16):",
+          {s: [figures[s, m] for m in (4, 8, 16)] for s in ("gpipe", "1f1b")})
+    return figures, compiled
+
+
+def test_1f1b_memory_is_flat_in_m_and_gpipe_grows(temp_memory):
+    figures, _ = temp_memory
+    one = [figures["1f1b", m] for m in (4, 8, 16)]
+    assert max(one) <= 1.15 * min(one)
+    gpipe = [figures["gpipe", m] for m in (4, 8, 16)]
+    assert gpipe[0] < gpipe[1] < gpipe[2] and gpipe[2] > 2 * one[2]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_memory):
+    from tools.hlo import census
+
+    (compiled, mesh) = temp_memory[1][schedule, 4]
+    ops = census(compiled.as_text(), dict(mesh.shape))
+    permutes = [c for c in ops if c.kind == "collective-permute" and c.axes == ("stage",)]
+    # [b, L, D] per tick, b = 2 sequences per microbatch
+    assert permutes and all(c.elements == 2 * 32 * 64 for c in permutes if "ppermute" in c.op_name)
+    assert not [c for c in ops if c.kind == "all-gather" and "stage" in c.axes]
+
+
+@pytest.mark.parametrize(
+    "mesh, overrides, message",
+    [
+        ("pp=2", ["model.n_layers=3"], "model.n_layers=3 is not divisible by pp*virtual_stages=2*1=2"),
+        ("pp=2", ["parallel.schedule=interleaved", "parallel.virtual_stages=2"], "model.n_layers=2 is not divisible by pp*virtual_stages=2*2=4"),
+        ("pp=4", ["model.n_layers=4", "parallel.microbatches=2"], "parallel.microbatches=2 is fewer than the pp=4 stages"),
+        ("pp=2", ["parallel.schedule=zigzag"], "choose one of gpipe, interleaved, 1f1b"),
+        ("pp=2", ["parallel.virtual_stages=2"], "with --set parallel.schedule=interleaved"),
+        ("pp=2", ["train.micro_batch_size=4"], "set train.micro_batch_size=0"),
+        ("pp=2,tp=2", [], "add --set parallel.tp_impl=gspmd"),
+        ("pp=2,tp=2", ["parallel.tp_impl=gspmd", "parallel.schedule=1f1b"], "use dp/fsdp with 1f1b"),
+        ("pp=2", ["parallel.microbatches=3"], "parallel.microbatches=3 does not divide the 16 sequences"),
+    ],
+)
+def test_bad_pipeline_settings_are_clear_errors(mesh, overrides, message):
+    cfg = small_config(mesh, *overrides)
+    with pytest.raises(ConfigError) as err:
+        abstract(cfg, build_mesh(cfg.parallel, _devices(cfg)))
+    assert message in str(err.value)
+
+
+def test_pipeline_mesh_needs_enough_devices():
+    cfg = small_config("pp=4,tp=4", "model.n_layers=4")
+    with pytest.raises(ConfigError, match="needs 16 devices but 8 are available"):
+        build_mesh(cfg.parallel, jax.devices()[:8])
