@@ -55,17 +55,12 @@ def check(cfg: RunConfig, sizes: dict[str, int]) -> None:
             f"parallel.microbatches={m} with schedule=interleaved must be a multiple of pp={p} "
             "(p microbatches travel the ring together)"
         )
-    if sizes["tensor"] > 1 and par.tp_impl == "shard_map":
+    if par.schedule == "1f1b" and par.tp_overlap and sizes["tensor"] > 1:
         raise ConfigError(
-            f"pp={p} with tp={sizes['tensor']}: the tensor-parallel shard_map regions cannot yet nest "
-            "inside the pipeline's shard_map over stage (XLA rejects the lowered program); add "
-            "--set parallel.tp_impl=gspmd (GSPMD places the tensor collectives inside the stages)"
-        )
-    if sizes["tensor"] > 1 and par.schedule == "1f1b":
-        raise ConfigError(
-            f"parallel.schedule=1f1b with tp={sizes['tensor']}: XLA's SPMD partitioner fails on the "
-            "embedding lookup inside the 1f1b stage program when the vocab is split over tensor; "
-            "use dp/fsdp with 1f1b, or --set parallel.schedule=gpipe|interleaved with tp"
+            "parallel.tp_overlap=true with parallel.schedule=1f1b: the overlap rings are "
+            "collective-permutes, which XLA runs over all devices at once, while 1f1b's stages run "
+            "different cells each tick, so a ring would wait for stages that never join it; set "
+            "parallel.tp_overlap=false, or use parallel.schedule=gpipe|interleaved"
         )
     if cfg.train.micro_batch_size:
         raise ConfigError(

@@ -34,7 +34,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from configs.base import RunConfig
-from pipeline.stages import AXIS, buffer, compute_params, stages
+from pipeline.stages import AXIS, buffer, compute_params, over_stages, stages
 from training.loss import cross_entropy
 
 
@@ -69,7 +69,7 @@ def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         return outputs[None]  # [1, M, b, L, D]
 
     specs = jax.tree.map(lambda _: P(None, AXIS), layers)
-    out = jax.shard_map(body, in_specs=(specs, P()), out_specs=P(AXIS), axis_names={AXIS})(layers, x_all)
+    out = over_stages(body, (specs, P()), P(AXIS))(layers, x_all)
     logits = jax.vmap(model.logits)(out[p - 1])  # the last stage's outputs [M, b, L, D]
     return jax.vmap(cross_entropy, (0, 0, None))(logits, batch["targets"], cfg.train.z_loss).mean()
 

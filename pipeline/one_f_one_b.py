@@ -15,14 +15,25 @@ runs it and picks its own cell with `lax.axis_index`):
   1. receive: ppermute the forward output sent last tick to s+1, the input gradient to s-1
      (two collective-permutes of b·L·D per tick, 2·(2(M+p-1)) per step); a value that
      arrives is put in the stash (forward) or the gradient inbox slot of its microbatch;
-  2. run the cell, a `lax.switch` on (kind, first/last stage):
-     F on stage 0      embed microbatch m, run the stage's layers, send the output
-     F on stage s      run the layers on the stashed input, send the output
+  2. input: stage 0 embeds microbatch m's tokens, the others read their stash;
+  3. run the cell, a `lax.switch` on the table's op:
+     F                 run the stage's layers on the input, send the output
      F on stage p-1    nothing: the input waits in the stash for B
-     B on stage p-1    value_and_grad of layers + head + loss (scaled 1/M) from the stash
-     B on stage s      vjp of the layers from the stashed input, cotangent from the inbox
-     B on stage 0      vjp of embedding + layers from the tokens (embedding recomputed)
-     accumulating the parameter gradients (fp32) in the carry and sending dx to s-1.
+     B                 vjp of the layers from the input (forward recomputed), cotangent from
+                       the inbox
+     B on stage p-1    value_and_grad of layers + head + loss (scaled 1/M)
+     accumulating the parameter gradients (fp32) in the carry and sending dx to s-1;
+  4. embedding backward: the table's gradient from stage 0's dx (zero on the other stages).
+
+The embedding (2 and 4) runs outside the switch, on every stage every tick: the devices of
+different stages take different branches, so a branch may hold only collectives whose devices
+are all in one stage. GSPMD's partition of the embedding's scatter-add under sequence
+parallelism is a collective-permute over all devices, which would wait forever for the stages
+that took another branch (the tensor-parallel all-reduces, all-gathers and reduce-scatters
+inside the stage's layers stay within a stage). The cost is a [b, L, D] gather and
+scatter-add per tick on the stages that do not need them. The head's collectives (the vocab
+split over tensor) stay within the last stage. tp_overlap's rings are collective-permutes too,
+hence refused with 1f1b (pipeline.check).
 
 Memory: the backward recomputes the stage forward from its stashed input (one extra forward
 per stage per microbatch, the price of keeping no residuals between ticks), so a stage holds
@@ -42,10 +53,10 @@ from jax.sharding import PartitionSpec as P
 
 from configs.base import RunConfig
 from pipeline.schedule import Table, one_f_one_b
-from pipeline.stages import AXIS, buffer, compute_params, stages, varying, with_layers
+from pipeline.stages import AXIS, buffer, compute_params, over_stages, stages, with_part
 from training.loss import cross_entropy
 
-IDLE, F_FIRST, F_MID, B_FIRST, B_MID, B_LAST = range(6)
+IDLE, FORWARD, BACKWARD, BACKWARD_LAST = range(4)
 
 
 def _slots(table: Table, source: str) -> int:
@@ -81,11 +92,11 @@ def program(p: int, m_count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
                 continue
             micro[t, s] = op.microbatch
             if op.kind == "F":
-                branch[t, s] = F_FIRST if s == 0 else IDLE if s == p - 1 else F_MID
+                branch[t, s] = IDLE if s == p - 1 else FORWARD
                 if t + 1 < ticks and s + 1 < p:
                     arrive_f[t + 1, s + 1] = op.microbatch
             else:
-                branch[t, s] = B_FIRST if s == 0 else B_LAST if s == p - 1 else B_MID
+                branch[t, s] = BACKWARD_LAST if s == p - 1 else BACKWARD
                 if t + 1 < ticks and s > 0:
                     arrive_b[t + 1, s - 1] = op.microbatch
     stash, inbox = _slots(table, "F"), _slots(table, "B")
@@ -109,35 +120,33 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     def stage(local, x):  # x [b, L, D] through this stage's X/p layers
         return model(local).run_layers(x, compute_params(local["blocks"], dtype))
 
-    def first(local, tokens):
-        return stage(local, model(local).embed_tokens(tokens))
-
     def last(local, x, targets):
         return cross_entropy(model(local).logits(stage(local, x)), targets, cfg.train.z_loss) / m_count
 
+    def embed(table, local, tokens):
+        return model(with_part(local, "embed", table)).embed_tokens(tokens)
+
     def body(local, inputs, targets):
-        # The replicated leaves typed varying, so that their vjps sum nothing over stage.
-        s, local = lax.axis_index(AXIS), with_layers(jax.tree.map(varying, with_layers(local, nnx.State({}))), local["blocks"])
+        s = lax.axis_index(AXIS)
 
-        def cell(carry, m):
-            stash, inbox, send_f, send_b, grads, loss = carry
-            x, g = stash[m % n_stash], inbox[m % n_inbox]
+        def acc(grads, dl):
+            return jax.tree.map(lambda a, d: a + d.astype(a.dtype), grads, dl)
 
-            def acc(dl):
-                return jax.tree.map(lambda a, d: a + d.astype(a.dtype), grads, dl)
+        def cell(x, g, m, send_f, send_b, grads, loss):
+            def backward():
+                dl, dx = jax.vjp(stage, local, x)[1](g)
+                return send_f, dx, acc(grads, dl), loss
 
-            branches = [
-                lambda: carry,
-                lambda: (stash, inbox, first(local, inputs[m]), send_b, grads, loss),
-                lambda: (stash, inbox, stage(local, x), send_b, grads, loss),
-                lambda: (stash, inbox, send_f, send_b,
-                         acc(jax.vjp(lambda w: first(w, inputs[m]), local)[1](g)[0]), loss),
-                lambda: (lambda dl, dx: (stash, inbox, send_f, dx, acc(dl), loss))(
-                    *jax.vjp(stage, local, x)[1](g)),
-                lambda: (lambda lm, dl_dx: (stash, inbox, send_f, dl_dx[1], acc(dl_dx[0]), loss + lm))(
-                    *jax.value_and_grad(last, argnums=(0, 1))(local, x, targets[m])),
+            def backward_last():
+                lm, (dl, dx) = jax.value_and_grad(last, argnums=(0, 1))(local, x, targets[m])
+                return send_f, dx, acc(grads, dl), loss + lm
+
+            return [
+                lambda: (send_f, send_b, grads, loss),
+                lambda: (stage(local, x), send_b, grads, loss),
+                backward,
+                backward_last,
             ]
-            return branches
 
         def tick(carry, row):
             kind, m, af, ab = (a[s] for a in row)
@@ -146,17 +155,21 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
             slot_f, slot_b = jnp.maximum(af, 0) % n_stash, jnp.maximum(ab, 0) % n_inbox
             stash = stash.at[slot_f].set(jnp.where(af >= 0, recv_f, stash[slot_f]))
             inbox = inbox.at[slot_b].set(jnp.where(ab >= 0, recv_b, inbox[slot_b]))
-            carry = (stash, inbox, send_f, send_b, grads, loss)
-            return lax.switch(kind, cell(carry, m)), None
+            embedded, embed_vjp = jax.vjp(lambda t: embed(t, local, inputs[m]), local["embed"])
+            x = jnp.where(s == 0, embedded, stash[m % n_stash])
+            send_f, send_b, grads, loss = lax.switch(kind, cell(x, inbox[m % n_inbox], m, send_f, send_b, grads, loss))
+            d_embedded = jnp.where((s == 0) & (kind == BACKWARD), send_b, jnp.zeros_like(send_b))
+            grads = with_part(grads, "embed", acc(grads["embed"], embed_vjp(d_embedded)[0]))
+            return (stash, inbox, send_f, send_b, grads, loss), None
 
         act = (b, length, d)
         start = (buffer((n_stash, *act), dtype), buffer((n_inbox, *act), dtype), buffer(act, dtype),
-                 buffer(act, dtype), jax.tree.map(jnp.zeros_like, local), varying(jnp.zeros((), jnp.float32)))
+                 buffer(act, dtype), jax.tree.map(jnp.zeros_like, local), jnp.zeros((), jnp.float32))
         rows = tuple(jnp.asarray(a) for a in (branch, micro, arrive_f, arrive_b))
         (*_, grads, loss), _ = lax.scan(tick, start, rows)
         summed = jax.tree.map(lambda a: lax.psum(a, AXIS), grads)  # embedding, norm, head
-        return lax.psum(loss, AXIS), with_layers(summed, grads["blocks"])
+        return lax.psum(loss, AXIS), with_part(summed, "blocks", grads["blocks"])
 
-    specs = with_layers(jax.tree.map(lambda _: P(), params), jax.tree.map(lambda _: P(AXIS), params["blocks"]))
-    run = jax.shard_map(body, in_specs=(specs, P(), P()), out_specs=(P(), specs), axis_names={AXIS})
+    specs = with_part(jax.tree.map(lambda _: P(), params), "blocks", jax.tree.map(lambda _: P(AXIS), params["blocks"]))
+    run = over_stages(body, (specs, P(), P()), (P(), specs))
     return run(params, batch["inputs"], batch["targets"])

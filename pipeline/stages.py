@@ -6,6 +6,9 @@ The model (model/transformer.py) knows no mesh axis: it exposes `embed_tokens`, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -23,22 +26,32 @@ def stages() -> int:
     return 1 if mesh.empty else dict(mesh.shape).get(AXIS, 1)
 
 
-def varying(x: jax.Array) -> jax.Array:
-    """x typed as varying over `stage` (a scan carry inside the shard_map must be)."""
-    return jax.lax.pcast(x, AXIS, to="varying")
+def over_stages(body: Callable, in_specs: Any, out_specs: Any) -> Callable:
+    """`body` as a shard_map manual over `stage` only (the other axes stay automatic).
+
+    Unchecked (check_vma=False): the tensor-parallel regions inside the stages are shard_maps of
+    their own, and jax 0.10 types the residuals of a nested, checked shard_map with every axis
+    their values vary over, `stage` included, which Shardy rejects ("manual axis after free
+    axis" / "already bound by a parent"). Left unchecked, the outer program's values carry no
+    stage type, the regions' residuals name `tensor` only, and the regions keep their own
+    checked collectives. Nothing inside the schedules relies on the types: every cross-stage
+    sum (1f1b's gradients and loss) is an explicit psum, and gpipe's autodiff transposes only
+    ppermutes and the edges.
+    """
+    return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS}, check_vma=False)
 
 
 def buffer(shape: tuple[int, ...], dtype) -> jax.Array:
-    """A NaN-filled buffer, varying over stage."""
-    return varying(jnp.full(shape, FILL, dtype))
+    """A NaN-filled buffer."""
+    return jnp.full(shape, FILL, dtype)
 
 
 def compute_params(params: nnx.State, dtype: str) -> nnx.State:
     return jax.tree.map(lambda p: p.astype(dtype), params)
 
 
-def with_layers(params: nnx.State, layers: nnx.State) -> nnx.State:
-    """A copy of the parameter tree whose stacked block states are `layers`."""
+def with_part(params: nnx.State, name: str, part: nnx.State) -> nnx.State:
+    """A copy of the parameter tree whose subtree `name` (e.g. "blocks", "embed") is `part`."""
     out = jax.tree.map(lambda a: a, params)
-    out["blocks"] = layers
+    out[name] = part
     return out

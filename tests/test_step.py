@@ -4,6 +4,7 @@ and every gradient of step 0, and the losses of 5 steps, against the single-devi
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -44,3 +45,22 @@ def test_gradient_accumulation_equals_one_big_batch(corpus):
         np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params4), jax.tree.leaves(params1)):
         np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("z_loss", [0.0, 1e-4])
+def test_cross_entropy_equals_optax(z_loss):
+    """The gather-free loss (training/loss.py) equals optax's integer-label cross-entropy."""
+    import optax
+
+    from training.loss import cross_entropy
+
+    keys = jax.random.split(jax.random.key(0))
+    logits = 3 * jax.random.normal(keys[0], (3, 7, 50))
+    targets = jax.random.randint(keys[1], (3, 7), 0, 50)
+
+    def reference(logits):
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        return loss + z_loss * jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+
+    for got, want in zip(jax.value_and_grad(cross_entropy)(logits, targets, z_loss), jax.value_and_grad(reference)(logits)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
