@@ -125,12 +125,13 @@ def test_nonexistent_path(tmp_path, source):
     assert "nope.bin" in str(err.value)
 
 
-def test_empty_text_file(tmp_path):
-    path = tmp_path / "empty.txt"
+@pytest.mark.parametrize("source, name, message", [("text", "empty.txt", "no bytes"), ("tokens", "empty.bin", "empty")])
+def test_empty_file(tmp_path, source, name, message):
+    path = tmp_path / name
     path.write_bytes(b"")
     with pytest.raises(ConfigError) as err:
-        load_tokens(DataConfig(source="text", path=str(path)), 256)
-    assert "no bytes" in str(err.value)
+        load_tokens(DataConfig(source=source, path=str(path)), 256)
+    assert message in str(err.value)
 
 
 def test_empty_text_dir(tmp_path):
@@ -140,14 +141,6 @@ def test_empty_text_dir(tmp_path):
     (tmp_path / "sub" / "e.txt").write_bytes(b"")  # a file, but empty
     with pytest.raises(ConfigError):
         load_tokens(DataConfig(source="text", path=str(tmp_path)), 256)
-
-
-def test_empty_token_file(tmp_path):
-    path = tmp_path / "empty.bin"
-    path.write_bytes(b"")
-    with pytest.raises(ConfigError) as err:
-        load_tokens(DataConfig(source="tokens", path=str(path)), 256)
-    assert "empty" in str(err.value)
 
 
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])
