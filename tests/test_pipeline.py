@@ -7,7 +7,8 @@ Equality: loss and every gradient of step 0 against the single-device model of t
 The matrix covers, for each schedule, p = 2 and p = 4 and M = p and M = 2p in two runs:
 (p=2, M=4 = 2p) and (p=4, M=4 = p); interleaved with V=2; pp=2,dp=2,tp=2 (the explicit
 shard_map TP regions nested in the stage program) for all three; and with sequence parallelism
-on pp=2,fsdp=2,tp=2: gpipe with GSPMD TP, 1f1b, interleaved with the overlap rings.
+on pp=2,fsdp=2,tp=2: gpipe with GSPMD TP, 1f1b, interleaved with the overlap rings. Five
+optimizer steps of gpipe and 1f1b on pp=2,dp=2,tp=2 give the single-device losses.
 """
 
 import functools
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from configs.base import ConfigError
-from conftest import run_module, small_config
+from conftest import assert_same_run, run_module, run_steps, small_config
 from pipeline.schedule import bubble, one_f_one_b, timetable
 from pipeline.stages import FILL
 from sharding.mesh import build_mesh
@@ -75,6 +76,14 @@ def test_schedule_equals_single_device(case, corpus):
     assert len(flat_ref) == len(jax.tree.leaves(grads))
     for (path, want), got in zip(flat_ref, jax.tree.leaves(grads)):
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipelined_training_equals_single_device(schedule, reference, corpus):
+    """Five optimizer steps on pp=2,dp=2,tp=2 (the stage-sharded gradients through the update)
+    give the single-device losses."""
+    cfg = small_config("pp=2,dp=2,tp=2", f"parallel.schedule={schedule}")
+    assert_same_run(run_steps(cfg, corpus, _devices(cfg)), reference)
 
 
 def test_buffers_start_as_nan():
