@@ -1,24 +1,24 @@
 """The token loss: mean next-token cross-entropy (nats), fp32, with the optional z-loss.
 
-The targets enter as one-hot rows (optax's dense-label cross-entropy), not as indices: optax's
-integer-label version takes the target logit with a gather, and a gather from logits whose V is
-split over `tensor` makes XLA's SPMD partitioner abort inside the 1f1b pipeline program
-(partially manual over `stage`, jax 0.10). One-hot against V-split logits is elementwise: each
-device sums its own V/T slice and XLA all-reduces a [b, L] partial, Megatron's vocab-parallel
-cross-entropy.
+Written without a gather (optax's integer-label cross-entropy takes the target logit with
+take_along_axis): the target logit is a masked sum over V. With the vocab split over `tensor`
+each device sums its own V/T slice and XLA all-reduces a [b, L] partial, Megatron's
+vocab-parallel cross-entropy; a gather from V-split logits instead makes XLA's SPMD partitioner
+abort inside the 1f1b pipeline program (partially manual over `stage`, jax 0.10).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, z_loss: float) -> jax.Array:
     """Mean over [b, L] of CE(logits [b, L, V] fp32, targets [b, L]) + z_loss·logsumexp²."""
-    labels = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
-    loss = optax.softmax_cross_entropy(logits, labels).mean()
+    log_z = jax.nn.logsumexp(logits, axis=-1)  # [b, L]
+    vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
+    target = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)  # [b, L]
+    loss = jnp.mean(log_z - target)
     if z_loss:
-        loss += z_loss * jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+        loss += z_loss * jnp.mean(log_z**2)
     return loss
