@@ -124,6 +124,7 @@ def main(argv: list[str]) -> int:
     if jax.process_index() == 0:
         (run_dir / "config.json").write_text(text + "\n")
         print(f"config ({run_dir / 'config.json'}):\n{text}")
+        print(f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')}  (python -m sharding.xla_flags says why)")
     k, b, length = job.batches.shape
     print(
         f"{cfg.name}: {job.n_params / 1e6:.2f}M parameters | mesh {format_mesh(dict(mesh.shape))} "

@@ -14,8 +14,8 @@ from pathlib import Path
 from sharding.xla_flags import with_flags
 
 DEVICES = 8
-os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), DEVICES)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), DEVICES)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="meshtrain-jax-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
