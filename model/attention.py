@@ -56,20 +56,48 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
-def attention_core(name: str):
-    """The core function for `model.attention`, or a ConfigError naming the choices."""
-    if name == "xla":
-        return xla_attention
+def core_problem(name: str, platform: str, capability: tuple[int, int] | None, dtype: str,
+                 head_dim: int) -> str | None:
+    """Why core `name` cannot run on this device (None if it can). platform is jax's backend
+    ('cpu', 'gpu', ...), capability the CUDA compute capability of an NVIDIA GPU.
+
+    cudnn: jax's cuDNN flash attention takes float16/bfloat16 only, head dims that are multiples
+    of 8 up to 128 (256 from Hopper, 9.0), on Ampere (8.0) or later. pallas: interpreted on CPU;
+    on GPUs Triton lowers its bf16 dots from Ampere on."""
+    if name not in CORES:
+        return f"unknown core; choose one of {', '.join(CORES)}"
+    gpu = platform == "gpu" and capability is not None
     if name == "cudnn":
-        if jax.default_backend() != "gpu":
-            raise ConfigError(
-                f"--set model.attention=cudnn needs an NVIDIA GPU (this backend is "
-                f"{jax.default_backend()}); use model.attention=xla"
-            )
-        return cudnn_attention
+        if not gpu:
+            return f"needs an NVIDIA GPU (this backend is {platform}); use model.attention=xla"
+        if capability < (8, 0):
+            return f"needs compute capability 8.0 or later (this GPU has {capability[0]}.{capability[1]}); use xla"
+        if dtype not in ("bfloat16", "float16"):
+            return "cuDNN attention takes bfloat16/float16 only; set model.compute_dtype=bfloat16 or use xla"
+        limit = 256 if capability >= (9, 0) else 128
+        if head_dim % 8 or head_dim > limit:
+            return (f"cuDNN needs model.head_dim a multiple of 8 and at most {limit} (got {head_dim}); "
+                    "use pallas or xla")
     if name == "pallas":
-        return sharded_flash_attention
-    raise ConfigError(f"--set model.attention={name}: unknown core; choose one of {', '.join(CORES)}")
+        if platform not in ("cpu", "gpu") or (platform == "gpu" and not gpu):
+            return f"runs on NVIDIA GPUs (Triton) or interpreted on CPU, not on {platform}; use xla"
+        if gpu and capability < (8, 0):
+            return f"needs compute capability 8.0 or later (this GPU has {capability[0]}.{capability[1]}); use xla"
+    return None
+
+
+def _capability() -> tuple[int, int] | None:
+    """The first device's CUDA compute capability, e.g. (9, 0) on an H100; None off NVIDIA."""
+    text = getattr(jax.devices()[0], "compute_capability", None)
+    return tuple(int(x) for x in text.split(".")[:2]) if text else None
+
+
+def attention_core(cfg: ModelConfig):
+    """The core function for `model.attention`, or a ConfigError saying why it cannot run here."""
+    problem = core_problem(cfg.attention, jax.default_backend(), _capability(), cfg.compute_dtype, cfg.head_dim)
+    if problem:
+        raise ConfigError(f"--set model.attention={cfg.attention}: {problem}")
+    return {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": sharded_flash_attention}[cfg.attention]
 
 
 NAMES = {
@@ -89,7 +117,7 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (d, k, h), NAMES["wk"], cfg.init_std, dtype)
         self.wv = param(rngs, (d, k, h), NAMES["wv"], cfg.init_std, dtype)
         self.wo = param(rngs, (n, h, d), NAMES["wo"], out_std, dtype)
-        self.core = attention_core(cfg.attention)
+        self.core = attention_core(cfg)
         self.n_kv_heads = k
         self.tp = tp
 

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from configs import PRESETS, ConfigError, get_preset
+from model.attention import core_problem
 from model.transformer import Transformer, count_params
 from training.step import loss_fn
 
@@ -99,3 +100,26 @@ def test_bad_model_config_is_a_clear_error(changes, field):
 def test_cudnn_core_off_gpu_says_so():
     with pytest.raises(ConfigError, match="NVIDIA GPU"):
         Transformer(small_model(attention="cudnn"), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize(
+    "core, platform, capability, dtype, head_dim, expected",
+    [
+        ("cudnn", "gpu", (9, 0), "bfloat16", 128, None),
+        ("cudnn", "gpu", (9, 0), "bfloat16", 256, None),
+        ("cudnn", "gpu", (8, 0), "bfloat16", 256, "at most 128"),
+        ("cudnn", "gpu", (9, 0), "float32", 64, "model.compute_dtype=bfloat16"),
+        ("cudnn", "gpu", (9, 0), "bfloat16", 60, "multiple of 8"),
+        ("cudnn", "gpu", (7, 0), "bfloat16", 64, "compute capability 8.0"),
+        ("cudnn", "cpu", None, "bfloat16", 64, "NVIDIA GPU"),
+        ("pallas", "cpu", None, "float32", 64, None),
+        ("pallas", "gpu", (9, 0), "bfloat16", 128, None),
+        ("pallas", "gpu", (7, 5), "bfloat16", 128, "compute capability 8.0"),
+        ("pallas", "tpu", None, "bfloat16", 128, "not on tpu"),
+        ("xla", "tpu", None, "float32", 64, None),
+        ("flash", "gpu", (9, 0), "bfloat16", 64, "choose one of xla, cudnn, pallas"),
+    ],
+)
+def test_core_refused_where_it_cannot_run(core, platform, capability, dtype, head_dim, expected):
+    problem = core_problem(core, platform, capability, dtype, head_dim)
+    assert problem is None if expected is None else expected in problem
