@@ -102,10 +102,11 @@ def main(argv: list[str]) -> int:
     import jax  # noqa: E402 -- after XLA_FLAGS is final
 
     from sharding.mesh import build_mesh, mesh_config
-    from training.build import abstract, build
+    from tools.oom import advice, is_out_of_memory
+    from training.build import abstract
     from training.checkpoint import Checkpointer
     from training.distributed import initialize
-    from training.loop import TrainingStopped, train
+    from training.loop import TrainingStopped
 
     initialize(args)
     mesh = build_mesh(cfg.parallel)
@@ -119,6 +120,32 @@ def main(argv: list[str]) -> int:
     # rejected config never overwrites the run directory's config.json nor opens checkpoints.
     program = abstract(cfg, mesh)
     checkpoints = Checkpointer(run_dir / "checkpoints", cfg) if cfg.train.checkpoint_every else None
+    try:
+        records, job = build_and_train(cfg, mesh, program, run_dir, checkpoints)
+    except TrainingStopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # XLA reports a failed device allocation as an XlaRuntimeError
+        if not is_out_of_memory(e):
+            raise
+        device = jax.devices()[0]
+        limit = (device.memory_stats() or {}).get("bytes_limit", 0)
+        raise ConfigError(advice(cfg, dict(mesh.shape), limit, device.device_kind)) from None
+    finally:
+        if checkpoints:
+            checkpoints.close()
+    if records and int(job.state.step) == cfg.train.steps:
+        print(f"done: final loss {records[-1]['loss']:.4f} after {cfg.train.steps} steps; metrics in {run_dir}")
+    return 0
+
+
+def build_and_train(cfg: RunConfig, mesh, program, run_dir: Path, checkpoints) -> tuple[list[dict], object]:
+    """Build the job (restoring the latest checkpoint), save and print the config, train."""
+    import jax
+
+    from training.build import build
+    from training.loop import train
+
     job = build(cfg, mesh, restore=checkpoints.restore_latest if checkpoints else None, program=program)
     text = json.dumps(cfg.to_dict(), indent=2)
     if jax.process_index() == 0:
@@ -130,17 +157,7 @@ def main(argv: list[str]) -> int:
         f"{cfg.name}: {job.n_params / 1e6:.2f}M parameters | mesh {format_mesh(dict(mesh.shape))} "
         f"on {mesh.size} {jax.devices()[0].platform} device(s) | batch {k}x{b}x{length} tokens"
     )
-    try:
-        records = train(job, run_dir, checkpoints)
-    except TrainingStopped as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        if checkpoints:
-            checkpoints.close()
-    if records and int(job.state.step) == cfg.train.steps:
-        print(f"done: final loss {records[-1]['loss']:.4f} after {cfg.train.steps} steps; metrics in {run_dir}")
-    return 0
+    return train(job, run_dir, checkpoints), job
 
 
 def run_cli(entry: Callable[[list[str]], int]) -> NoReturn:

@@ -1,0 +1,50 @@
+"""tools/oom.py: an out-of-memory step becomes one line naming a change that the estimate fits."""
+
+import re
+
+import pytest
+
+from configs import apply_overrides, get_preset
+from sharding.mesh import parse_mesh
+from tools.estimate import memory
+from tools.oom import advice, is_out_of_memory
+
+H100 = 80e9
+ONE = {"stage": 1, "data": 1, "fsdp": 1, "sequence": 1, "tensor": 1}
+
+
+def test_xla_allocation_failures_are_recognised():
+    assert is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.00GiB."))
+    assert not is_out_of_memory(RuntimeError("INVALID_ARGUMENT: shapes differ"))
+
+
+def _apply(cfg, suggestion: str, sizes: dict):
+    """cfg and sizes with the --set and --mesh of an advice line applied."""
+    sets = re.findall(r"--set (\S+)", suggestion)
+    mesh = re.search(r"--mesh (\S+)", suggestion)
+    if mesh:
+        sizes = {a: getattr(parse_mesh(mesh.group(1)), a) for a in ONE}
+    return apply_overrides(cfg, sets), sizes
+
+
+@pytest.mark.parametrize(
+    "preset, sets, mesh, fix",
+    [
+        ("125m", ["model.remat=none"], ONE, "--set model.remat=full"),
+        ("llama3-8b", ["model.remat=full"], ONE | {"fsdp": 8}, "--set train.micro_batch_size="),
+        ("llama3-8b", ["model.remat=full"], ONE | {"data": 8}, "--mesh "),
+    ],
+)
+def test_advice_names_a_change_that_fits(preset, sets, mesh, fix):
+    cfg = apply_overrides(get_preset(preset), sets)
+    assert memory(cfg, mesh)["peak"] > H100
+    line = advice(cfg, mesh, H100, "NVIDIA H100 80GB HBM3")
+    assert line.startswith("out of device memory on NVIDIA H100") and fix in line
+    assert f"model.remat={cfg.model.remat}" in line and "GiB per device" in line
+    fixed, sizes = _apply(cfg, line.split("; try ")[1], mesh)
+    assert memory(fixed, sizes)["peak"] <= H100
+
+
+def test_advice_when_nothing_fits_says_add_devices():
+    line = advice(get_preset("llama3-8b"), ONE, H100, "NVIDIA H100 80GB HBM3")
+    assert "no mesh of 1 devices fits it: add devices" in line

@@ -1,0 +1,56 @@
+"""Out of device memory: one `error:` line that names what would fit, from the analytic model.
+
+XLA reports a failed device allocation (at compile time for the step's static buffers, or when
+the first step runs) as an XlaRuntimeError whose text starts with RESOURCE_EXHAUSTED. train.py
+turns that into a ConfigError with this module's advice instead of a traceback. The advice
+uses tools/estimate.py and tools/search.py (no jax), in order of least change to the run:
+full remat on the same mesh, a smaller micro_batch_size (more accumulation steps, same global
+batch), then the best-ranked mesh of the same device count. The estimate is a model, not XLA's
+allocator: the advice says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from configs import RunConfig
+from sharding.mesh import format_mesh
+from tools.estimate import GPUS, memory
+from tools.search import fit, search
+
+GiB = 2**30
+MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is a device allocation failure reported by XLA."""
+    text = str(error)
+    return any(m in text for m in MARKERS)
+
+
+def advice(cfg: RunConfig, sizes: dict[str, int], device_bytes: float, device: str) -> str:
+    """What ran out, the estimated peak, and the smallest change that the estimate says fits."""
+    t = cfg.train
+    # Rates (for ranking meshes) from the datasheet entry of this GPU kind, memory as reported.
+    kind = next((g for name, g in GPUS.items() if name in device.lower()), GPUS["h100"])
+    gpu = dataclasses.replace(kind, memory=device_bytes)
+    what = (f"out of device memory on {device} ({device_bytes / GiB:.1f} GiB each): {cfg.name} on mesh "
+            f"{format_mesh(sizes)} with model.remat={cfg.model.remat}, train.micro_batch_size="
+            f"{t.micro_batch_size or 'all'} needs about {memory(cfg, sizes)['peak'] / GiB:.1f} GiB per device "
+            "(tools.estimate)")
+    remat_full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full"))
+    if cfg.model.remat != "full" and memory(remat_full, sizes)["peak"] <= device_bytes:
+        return f"{what}; try --set model.remat=full"
+    for trial, extra in ((cfg, ""), (remat_full, " --set model.remat=full")):
+        smaller = fit(trial, sizes, gpu)
+        if smaller is not None:
+            return f"{what}; try --set train.micro_batch_size={smaller.train.micro_batch_size}{extra}"
+    ranked, _ = search(remat_full, math.prod(sizes.values()), gpu)
+    if ranked:
+        best = ranked[0]
+        return (f"{what}; try --mesh {format_mesh(best['sizes'])} --set model.remat=full "
+                f"--set train.micro_batch_size={best['cfg'].train.micro_batch_size} (the planner's best fit: "
+                f"python train.py --dry-run)")
+    return f"{what}; no mesh of {math.prod(sizes.values())} devices fits it: add devices (python -m tools.plan --search)"
+
