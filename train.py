@@ -172,5 +172,10 @@ def run_cli(entry: Callable[[list[str]], int]) -> NoReturn:
         sys.exit(130)
 
 
-if __name__ == "__main__":
+def cli() -> NoReturn:
+    """The installed `meshtrain` command: train.py's arguments."""
     run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()
