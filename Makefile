@@ -1,12 +1,16 @@
 # make run   install (first time) and train the tiny preset on this machine's CPU
 # make test  install (first time) and run the test suite on 8 fake CPU devices
+# PYTHON picks the interpreter, VENV the folder, PIP_PINS extra requirements (e.g. the jax floor):
+#   make test PYTHON=python3.12 VENV=.venv-newest           newest jax (needs Python >= 3.12)
+#   make test PIP_PINS="jax==0.10.2 jaxlib==0.10.2"         the oldest jax meshtrain supports
 PYTHON ?= python3
 VENV ?= .venv
+PIP_PINS ?=
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e ".[test]"
+	$(VENV)/bin/pip install -q -e ".[test]" $(PIP_PINS)
 	touch $@
 
 install: $(VENV)/.installed
@@ -15,6 +19,7 @@ run: install
 	$(VENV)/bin/python train.py
 
 test: install
+	$(VENV)/bin/python -c "import jax, sys; print(f'python {sys.version.split()[0]}, jax {jax.__version__}')"
 	$(VENV)/bin/python -m pytest -q
 
 .PHONY: install run test
