@@ -79,10 +79,12 @@ def test_estimate_terms_follow_the_mesh():
     assert fsdp8 == {"fsdp": pytest.approx((2 * 4 + 4) * p * 7 / 8, rel=1e-3)}  # 3P(N-1)/N, fp32 (norms unsplit)
     assert estimate.link_bandwidth(one | {"data": 8, "tensor": 8}, "tensor") == estimate.NVLINK
     assert estimate.link_bandwidth(one | {"data": 8, "tensor": 8}, "data") == estimate.INFINIBAND
-    cfg = apply_overrides(cfg, ["train.micro_batch_size=1"])  # k = 128 microbatches of one sequence
-    t = estimate.step_time(cfg, one | {"stage": 4, "data": 2}, estimate.GPUS["h100"])
-    k = cfg.train.global_batch_size // 2
-    assert t["bubble"] == pytest.approx(3 / (k + 3))
+    k = cfg.train.global_batch_size // 2  # 128 microbatches of one sequence per data rank
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+        piped = apply_overrides(cfg, [f"parallel.microbatches={k}", f"parallel.schedule={schedule}",
+                                      f"parallel.virtual_stages={v}"])
+        t = estimate.step_time(piped, one | {"stage": 4, "data": 2}, estimate.GPUS["h100"])
+        assert t["bubble"] == pytest.approx(3 / (v * k + 3))
     assert t["overlap_s"] <= t["no_overlap_s"]
 
 
@@ -146,3 +148,39 @@ def test_trace_summary_finds_every_scope(tmp_path):
     assert s["collective_ms"] > 0 and 0 <= s["exposed_fraction"] <= 1
     assert Path(s["png"]).stat().st_size > 1000
 
+
+
+def test_search_top_meshes_build_with_their_settings():
+    """Every mesh the search ranks first for llama3-70b on 512 GPUs passes the step's own checks
+    (training.build.abstract on 512 fake devices: pipeline, batch layout, tensor parallelism)."""
+    script = (
+        "import dataclasses, json, os\n"
+        "from sharding.xla_flags import with_flags\n"
+        "os.environ['XLA_FLAGS'] = with_flags('', 512)\n"
+        "from configs import apply_overrides, get_preset\n"
+        "from sharding.mesh import build_mesh\n"
+        "from tools.estimate import GPUS\n"
+        "from tools.search import search, settings\n"
+        "from training.build import abstract\n"
+        "cfg = apply_overrides(get_preset('llama3-70b'), ['train.global_batch_size=512'])\n"
+        "for c in search(cfg, 512, GPUS['h100'])[0][:5]:\n"
+        "    run = apply_overrides(cfg, settings(c))\n"
+        "    run = dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, **c['sizes']))\n"
+        "    abstract(run, build_mesh(run.parallel))\n"
+        "    print(json.dumps(c['sizes']))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    built = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(built) == 5 and any(s["stage"] > 1 for s in built)
+
+
+def test_dry_run_compiles_a_pipelined_step():
+    cfg = small_config("pp=2,dp=4", "parallel.schedule=1f1b", "parallel.microbatches=2")
+    xla = xla_figures(cfg, build_mesh(cfg.parallel))
+    report = plan(cfg, sizes_of(cfg), estimate.GPUS["h100"], xla)
+    assert xla["memory"]["peak"] > 0 and xla["flops_per_device"] > 0
+    assert any(r["axes"] == "stage" and r["kind"] == "collective-permute" for r in xla["census"])
+    assert "stage" in report["communication"]

@@ -12,8 +12,11 @@ Memory (bytes per device), the terms `memory()` returns:
               gradients (measured on XLA CPU: the optimizer phase holds about 2 gradient copies)
   gathered    FSDP only: the embedding and head gathered whole (V·D/t each, param dtype) and
               their full-size gradients before the reduce: 4 · V·D/t · 4
-  saved       activations kept for backward, X/pp layers (times min(m, pp) microbatches in flight
-              under a pipeline). Per layer and token, in elements:
+  saved       activations kept for backward: X/pp layers of one microbatch; under gpipe and
+              interleaved every tick's (V·M+p-1 ticks of X/(p·V) layers, autodiff through the
+              tick scan) plus [M, b, L, D] embeddings, outputs and their cotangents; under 1f1b
+              at most pp stage inputs (T·D) plus one microbatch's X/pp layers (its backward
+              cell). Per layer and token, in elements:
                 remat none  4·D (block inputs, norm outputs) + (N+2K)·H/t (q, k, v)
                             + 2·N·H/t (K, V repeated to N heads by the xla core) + N·H/t (output)
                             + 4·F/t (gate, up, silu, hidden)
@@ -21,12 +24,16 @@ Memory (bytes per device), the terms `memory()` returns:
                 remat full  D (the layer input)
                 remat dots/attn: between the two (modelled as none; an upper bound)
   working     the larger of: one layer's backward working set, and the logits [T, V/t] fp32 of
-              the head and loss. The working set is the gradients of one layer's 'none' terms
+              the head and loss (of all M microbatches at once after a gpipe/interleaved pipe). The working set is the gradients of one layer's 'none' terms
               (one more layer's worth); under remat it is twice that, the layer's forward being
               recomputed first.
 
 Peak = params + optimizer + gradients + gathered + max(update, saved + working): the optimizer
-phase and the backward phase do not overlap in time.
+phase and the backward phase do not overlap in time. Against XLA's static peak on CPU (fp32):
+within 15% without a pipeline (tests/test_plan.py); 0.8-1.3x under 1f1b and 0.5-0.9x under
+gpipe (tiny and 125m, pp=2 and 4, M=4 and 8, remat none and full): gpipe keeps more around its
+tick scan and its all-microbatch head than these terms count, so tools.search plans pipelines
+with 1f1b.
 
 CPU vs GPU: XLA on CPU computes bf16 matmuls in fp32 and keeps f32 buffers, so compare with a
 CPU compile only under model.compute_dtype=float32 (tests/test_plan.py does); on a GPU c = 2.
@@ -43,8 +50,9 @@ Communication (bytes per device per step), the contract of DESIGN.md:
   (data and fsdp times k: the compiled step gathers the weights and reduces the gradients in
   each microbatch of the accumulation scan, as the census of a k > 1 step shows)
   stage   a permute of b·L·D·c per microbatch per stage boundary, forward and backward;
-          bubble (p-1)/(m+p-1) of the step
-Time (roofline): compute = hardware FLOPs (model FLOPs, + one more forward under full remat) /
+          bubble (p-1)/(m+p-1) of the step, (p-1)/(V·m+p-1) interleaved
+Time (roofline): compute = hardware FLOPs (model FLOPs, + one more forward under full remat and
+one more under 1f1b) /
 dense bf16 peak, or HBM traffic / bandwidth when larger; each axis's bytes / its link: NVLink
 450 GB/s per GPU when the axis and the axes inside it fit in one node of 8 GPUs, InfiniBand
 50 GB/s per GPU (400 Gb/s NIC per GPU) otherwise. Two figures: communication not overlapped
@@ -92,11 +100,22 @@ class Shape:
 
 
 def shape(cfg: RunConfig, sizes: dict[str, int]) -> Shape:
+    """Under a pipeline the microbatches are `parallel.microbatches` (default pp; pipeline.check
+    refuses train.micro_batch_size there); otherwise k = the rank's batch / micro_batch_size."""
     t = cfg.train
     ranks = sizes["data"] * sizes["fsdp"]
     per_rank = t.global_batch_size // ranks
-    b = t.micro_batch_size or per_rank
-    return Shape(per_rank // b, b, b * t.seq_len // sizes["sequence"], cfg.model.n_layers // sizes["stage"])
+    if sizes["stage"] > 1:
+        k = cfg.parallel.microbatches or sizes["stage"]
+    else:
+        k = per_rank // (t.micro_batch_size or per_rank)
+    b = per_rank // k
+    return Shape(k, b, b * t.seq_len // sizes["sequence"], cfg.model.n_layers // sizes["stage"])
+
+
+def one_f_one_b(cfg: RunConfig, sizes: dict[str, int]) -> bool:
+    """Whether the step runs the 1f1b schedule (flat memory, one more forward per microbatch)."""
+    return sizes["stage"] > 1 and cfg.parallel.schedule == "1f1b"
 
 
 def local_params(cfg: RunConfig, sizes: dict[str, int]) -> float:
@@ -126,9 +145,17 @@ def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     """The memory terms per device, in bytes, and their peak (module docstring)."""
     m, s = cfg.model, shape(cfg, sizes)
     p_local, param_b = local_params(cfg, sizes), DTYPE_BYTES[m.param_dtype]
-    in_flight = min(s.k, sizes["stage"]) if sizes["stage"] > 1 else 1
-    saved = s.layers * in_flight * layer_activations(cfg, sizes, m.remat)
-    logits = s.tokens * m.vocab_size / sizes["tensor"] * 4
+    if one_f_one_b(cfg, sizes):  # at most pp stage inputs stashed, one microbatch's residuals
+        saved = min(s.k, sizes["stage"]) * s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype]
+        saved += s.layers * layer_activations(cfg, sizes, m.remat)
+    elif sizes["stage"] > 1:  # gpipe, interleaved: autodiff keeps every tick's residuals
+        v = cfg.parallel.virtual_stages
+        saved = s.layers * (v * s.k + sizes["stage"] - 1) / v * layer_activations(cfg, sizes, m.remat)
+        saved += 4 * s.k * s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype]  # [M, b, L, D] in, out, cotangents
+    else:
+        saved = s.layers * layer_activations(cfg, sizes, m.remat)
+    heads_at_once = s.k if sizes["stage"] > 1 and not one_f_one_b(cfg, sizes) else 1
+    logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * 4
     terms = {
         "params": p_local * param_b,
         "optimizer": 2 * p_local * param_b,
@@ -170,12 +197,14 @@ def link_bandwidth(sizes: dict[str, int], axis: str) -> float:
 
 def flops(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     """Model FLOPs per step (6·N·tokens + attention) and per device, and the hardware FLOPs per
-    device (remat full recomputes the forward: x 4/3)."""
+    device: each recomputed forward adds 1/3 (remat full; 1f1b, whose backward cell re-runs
+    the stage's forward under jax.vjp)."""
     t = cfg.train
     model = flops_per_token(cfg.model, t.seq_len) * t.global_batch_size * t.seq_len
     per_device = model / math.prod(sizes.values())
+    forwards = 1 + (cfg.model.remat == "full") + one_f_one_b(cfg, sizes)
     return {"model": model, "model_per_device": per_device,
-            "hardware_per_device": per_device * (4 / 3 if cfg.model.remat == "full" else 1)}
+            "hardware_per_device": per_device * (2 + forwards) / 3}
 
 
 def hbm_bytes(cfg: RunConfig, sizes: dict[str, int]) -> float:
@@ -195,7 +224,8 @@ def step_time(cfg: RunConfig, sizes: dict[str, int], gpu: GPU) -> dict[str, floa
     compute = max(f["hardware_per_device"] / gpu.peak_flops, hbm_bytes(cfg, sizes) / gpu.hbm_bandwidth)
     comm = {a: v / link_bandwidth(sizes, a) for a, v in communication(cfg, sizes).items()}
     p, k = sizes["stage"], shape(cfg, sizes).k
-    bubble = (p - 1) / (k + p - 1)
+    v = cfg.parallel.virtual_stages if cfg.parallel.schedule == "interleaved" else 1
+    bubble = (p - 1) / (v * k + p - 1)
     serial = (compute + sum(comm.values())) / (1 - bubble)
     overlapped = max(compute, *comm.values()) / (1 - bubble) if comm else compute / (1 - bubble)
     mfu = {name: f["model_per_device"] / (gpu.peak_flops * t) for name, t in

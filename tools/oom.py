@@ -17,7 +17,7 @@ import math
 from configs import RunConfig
 from sharding.mesh import format_mesh
 from tools.estimate import GPUS, memory
-from tools.search import fit, search
+from tools.search import fit, search, settings
 
 GiB = 2**30
 MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
@@ -49,8 +49,7 @@ def advice(cfg: RunConfig, sizes: dict[str, int], device_bytes: float, device: s
     ranked, _ = search(remat_full, math.prod(sizes.values()), gpu)
     if ranked:
         best = ranked[0]
-        return (f"{what}; try --mesh {format_mesh(best['sizes'])} --set model.remat=full "
-                f"--set train.micro_batch_size={best['cfg'].train.micro_batch_size} (the planner's best fit: "
-                f"python train.py --dry-run)")
+        sets = " ".join(f"--set {s}" for s in ["model.remat=full", *settings(best)])
+        return f"{what}; try --mesh {format_mesh(best['sizes'])} {sets} (the planner's best fit: python train.py --dry-run)"
     return f"{what}; no mesh of {math.prod(sizes.values())} devices fits it: add devices (python -m tools.plan --search)"
 

@@ -15,11 +15,12 @@ compiled there) beside 6·N·tokens + attention, the roofline step time and MFU 
 verdict. Memory on CPU is not GPU memory: XLA CPU keeps bf16 matmuls in fp32 buffers, so its
 temp is larger than a GPU's would be (compare under model.compute_dtype=float32).
 
-A mesh with pp > 1 is planned analytically only: the pipelined step (stage axis, issue 4) is
-not built yet, so there is nothing to compile (`xla_figures` is the one place to wire it).
+A mesh with pp > 1 compiles the pipelined step of its `parallel.schedule`; the estimate models
+that schedule's memory (gpipe holds M microbatches, 1f1b at most pp) and bubble.
 
-Search (--search): tools/search.py ranks every mesh of --gpus analytically; the top 3 without
-a pipeline are compiled to confirm memory (--confirm N to change; 0 to skip).
+Search (--search): tools/search.py ranks every mesh of --gpus analytically, choosing the
+micro batch (or, under a pipeline, the schedule and microbatch count) of each; the top 3 are
+compiled to confirm memory (--confirm N to change; 0 to skip).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import math
 from configs import ConfigError, RunConfig, apply_overrides
 from sharding.mesh import AXES, format_mesh
 from tools import estimate
-from tools.search import reason, search
+from tools.search import reason, search, settings
 
 GiB = 2**30
 
@@ -60,16 +61,13 @@ def gpu_of(name: str) -> estimate.GPU:
     return estimate.GPUS[name]
 
 
-def xla_figures(cfg: RunConfig, mesh) -> dict | None:
-    """Compile the real step on abstract inputs: memory, FLOPs and census per device. None under
-    a pipeline (pp > 1), whose step is not built yet."""
+def xla_figures(cfg: RunConfig, mesh) -> dict:
+    """Compile the real step (pipelined too) on abstract inputs: memory, FLOPs and census per device."""
     import jax
 
     from tools.hlo import census, summary
     from training.build import abstract
 
-    if mesh.shape["stage"] > 1:
-        return None
     program = abstract(cfg, mesh)  # outside set_mesh (see its docstring)
     with jax.set_mesh(mesh):
         compiled = program.step_fn.lower(program.state, program.abstract_batch()).compile()
@@ -103,8 +101,6 @@ def plan(cfg: RunConfig, sizes: dict[str, int], gpu: estimate.GPU, xla: dict | N
 def format_plan(report: dict) -> str:
     xla, mem, t = report["xla"], report["memory"], report["time"]
     lines = [f"plan: {report['config']} on {report['mesh']} ({report['devices']} x {report['gpu']})"]
-    if xla is None:
-        lines.append("  (pp > 1: the pipelined step is not built yet; analytic figures only)")
     lines.append(f"\n  {'memory per device':<28}{'estimate':>12}{'XLA':>12}")
     xmem = xla["memory"] if xla else {}
     for name, value in mem.items():
@@ -155,11 +151,11 @@ def run_search(cfg: RunConfig, gpus: int, gpu_name: str, confirm: int, as_json: 
         raise ConfigError(f"no mesh of {gpus} GPUs fits {cfg.name} on {gpu.name}: add GPUs or use model.remat=full")
     rows = []
     for i, c in enumerate(ranked[:5]):
-        rows.append({"mesh": format_mesh(c["sizes"]), "micro_batch_size": c["cfg"].train.micro_batch_size,
+        rows.append({"mesh": format_mesh(c["sizes"]), "set": settings(c),
                      "step_s_overlap": c["time"]["overlap_s"], "step_s_no_overlap": c["time"]["no_overlap_s"],
                      "mfu_overlap": c["time"]["mfu_overlap"], "memory_gb": c["memory"]["peak"] / 1e9,
                      "reason": reason(c, ranked[0])})
-        if i < confirm and c["sizes"]["stage"] == 1:
+        if i < confirm:
             trial = dataclasses.replace(c["cfg"], parallel=dataclasses.replace(c["cfg"].parallel, **c["sizes"]))
             rows[-1]["xla_memory_gb"] = xla_figures(trial, build_mesh(trial.parallel))["memory"]["peak"] / 1e9
     if as_json:
@@ -171,7 +167,8 @@ def run_search(cfg: RunConfig, gpus: int, gpu_name: str, confirm: int, as_json: 
     for i, r in enumerate(rows, 1):
         confirmed = f", XLA {r['xla_memory_gb']:.0f} GB" if "xla_memory_gb" in r else ""
         print(f"{i}. {r['mesh']:<24} {r['step_s_overlap']:.2f} s/step overlapped ({r['step_s_no_overlap']:.2f} s "
-              f"not), MFU {100 * r['mfu_overlap']:.0f}%{confirmed}\n   {r['reason']}")
+              f"not), MFU {100 * r['mfu_overlap']:.0f}%{confirmed}\n   --set {' --set '.join(r['set'])}\n"
+              f"   {r['reason']}")
     return 0
 
 
