@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, NoReturn
 
 from configs import PRESETS, ConfigError, RunConfig, apply_overrides, get_preset
+from configs.checks import check_values
 from sharding.mesh import format_mesh, parse_mesh, requested_devices
 from sharding.xla_flags import FAKE_DEVICES, with_flags
 from training.distributed import add_process_args, process_count
@@ -37,9 +38,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_config(args: argparse.Namespace, extra_sets: list[str] = (), base: RunConfig | None = None) -> RunConfig:
-    """`base` (default: the preset of --config) with --set (then `extra_sets`) applied and --mesh as the mesh."""
+    """`base` (default: the preset of --config) with --set (then `extra_sets`) applied and --mesh
+    as the mesh, every value checked (configs/checks.py)."""
     cfg = apply_overrides(base or get_preset(args.config or "tiny"), [*args.set, *extra_sets])
-    return dataclasses.replace(cfg, parallel=parse_mesh(args.mesh, cfg.parallel)) if args.mesh else cfg
+    cfg = dataclasses.replace(cfg, parallel=parse_mesh(args.mesh, cfg.parallel)) if args.mesh else cfg
+    check_values(cfg)
+    return cfg
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
