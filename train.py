@@ -79,6 +79,25 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     return run_config(args, shortcuts, base=None if args.config else saved_config(args.run_dir))
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse, before jax is imported, a run directory that cannot be one: a file, a path through
+    a file, or a place this process cannot write."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {run_dir} is a file: name a directory (a new one, or an earlier run's to resume)")
+    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"--run-dir {run_dir}: {existing} is a file, not a directory; choose another --run-dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--run-dir {run_dir}: {existing} is not writable; choose a --run-dir you can write")
+
+
+def make_run_dir(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--run-dir {run_dir}: cannot create it ({e.strerror}); choose another --run-dir") from None
+
+
 def request_fake_devices(cfg: RunConfig, processes: int = 1) -> int | None:
     """Set XLA_FLAGS before jax is imported: meshtrain's workarounds, and a host platform with
     this process's share of the mesh's devices; returns that number, or None if not requested."""
@@ -102,12 +121,15 @@ def main(argv: list[str]) -> int:
         from tools.plan import dry_run
 
         return dry_run(cfg, args.gpu, args.json)
+    run_dir = args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_run_dir(run_dir)
 
     import jax  # noqa: E402 -- after XLA_FLAGS is final
 
     from sharding.mesh import build_mesh, mesh_config
     from training.build import abstract, build
     from training.checkpoint import Checkpointer
+    from training.data import load_tokens
     from training.distributed import initialize
     from training.loop import TrainingStopped, train
 
@@ -117,13 +139,14 @@ def main(argv: list[str]) -> int:
         print(f"CPU platform: running mesh {format_mesh(dict(mesh.shape))} on {fake} fake host devices "
               f"per process ({jax.process_count()} process(es))")
     cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
-    run_dir = args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # The abstract program checks the config against the mesh before anything is written: a
-    # rejected config never overwrites the run directory's config.json nor opens checkpoints.
+    make_run_dir(run_dir)
+    # The abstract program checks the config against the mesh, and the data is read, before
+    # anything is written: a rejected config or a bad data.path never overwrites the run
+    # directory's config.json nor creates its checkpoints/.
     program = abstract(cfg, mesh)
+    tokens = load_tokens(cfg.data, cfg.model.vocab_size)
     checkpoints = Checkpointer(run_dir / "checkpoints", cfg) if cfg.train.checkpoint_every else None
-    job = build(cfg, mesh, restore=checkpoints.restore_latest if checkpoints else None, program=program)
+    job = build(cfg, mesh, tokens, restore=checkpoints.restore_latest if checkpoints else None, program=program)
     text = json.dumps(cfg.to_dict(), indent=2)
     if jax.process_index() == 0:
         (run_dir / "config.json").write_text(text + "\n")
