@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, NoReturn
 
 from configs import PRESETS, ConfigError, RunConfig, apply_overrides, get_preset
+from configs.checks import check_values
 from sharding.mesh import format_mesh, parse_mesh, requested_devices
 from sharding.xla_flags import FAKE_DEVICES, with_flags
 from training.distributed import add_process_args, process_count
@@ -37,9 +38,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_config(args: argparse.Namespace, extra_sets: list[str] = (), base: RunConfig | None = None) -> RunConfig:
-    """`base` (default: the preset of --config) with --set (then `extra_sets`) applied and --mesh as the mesh."""
+    """`base` (default: the preset of --config) with --set (then `extra_sets`) applied and --mesh
+    as the mesh, every value checked (configs/checks.py)."""
     cfg = apply_overrides(base or get_preset(args.config or "tiny"), [*args.set, *extra_sets])
-    return dataclasses.replace(cfg, parallel=parse_mesh(args.mesh, cfg.parallel)) if args.mesh else cfg
+    cfg = dataclasses.replace(cfg, parallel=parse_mesh(args.mesh, cfg.parallel)) if args.mesh else cfg
+    check_values(cfg)
+    return cfg
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -75,6 +79,25 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     return run_config(args, shortcuts, base=None if args.config else saved_config(args.run_dir))
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse, before jax is imported, a run directory that cannot be one: a file, a path through
+    a file, or a place this process cannot write."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {run_dir} is a file: name a directory (a new one, or an earlier run's to resume)")
+    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"--run-dir {run_dir}: {existing} is a file, not a directory; choose another --run-dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--run-dir {run_dir}: {existing} is not writable; choose a --run-dir you can write")
+
+
+def make_run_dir(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--run-dir {run_dir}: cannot create it ({e.strerror}); choose another --run-dir") from None
+
+
 def request_fake_devices(cfg: RunConfig, processes: int = 1) -> int | None:
     """Set XLA_FLAGS before jax is imported: meshtrain's workarounds, and a host platform with
     this process's share of the mesh's devices; returns that number, or None if not requested."""
@@ -98,6 +121,8 @@ def main(argv: list[str]) -> int:
         from tools.plan import dry_run
 
         return dry_run(cfg, args.gpu, args.json)
+    run_dir = args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_run_dir(run_dir)
 
     import jax  # noqa: E402 -- after XLA_FLAGS is final
 
@@ -105,6 +130,7 @@ def main(argv: list[str]) -> int:
     from tools.oom import advice, is_out_of_memory
     from training.build import abstract
     from training.checkpoint import Checkpointer
+    from training.data import load_tokens
     from training.distributed import initialize
     from training.loop import TrainingStopped
 
@@ -114,14 +140,15 @@ def main(argv: list[str]) -> int:
         print(f"CPU platform: running mesh {format_mesh(dict(mesh.shape))} on {fake} fake host devices "
               f"per process ({jax.process_count()} process(es))")
     cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
-    run_dir = args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # The abstract program checks the config against the mesh before anything is written: a
-    # rejected config never overwrites the run directory's config.json nor opens checkpoints.
+    make_run_dir(run_dir)
+    # The abstract program checks the config against the mesh, and the data is read, before
+    # anything is written: a rejected config or a bad data.path never overwrites the run
+    # directory's config.json nor creates its checkpoints/.
     program = abstract(cfg, mesh)
+    tokens = load_tokens(cfg.data, cfg.model.vocab_size)
     checkpoints = Checkpointer(run_dir / "checkpoints", cfg) if cfg.train.checkpoint_every else None
     try:
-        records, job = build_and_train(cfg, mesh, program, run_dir, checkpoints)
+        records, job = build_and_train(cfg, mesh, program, tokens, run_dir, checkpoints)
     except TrainingStopped as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -139,14 +166,14 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def build_and_train(cfg: RunConfig, mesh, program, run_dir: Path, checkpoints) -> tuple[list[dict], object]:
+def build_and_train(cfg: RunConfig, mesh, program, tokens, run_dir: Path, checkpoints) -> tuple[list[dict], object]:
     """Build the job (restoring the latest checkpoint), save and print the config, train."""
     import jax
 
     from training.build import build
     from training.loop import train
 
-    job = build(cfg, mesh, restore=checkpoints.restore_latest if checkpoints else None, program=program)
+    job = build(cfg, mesh, tokens, restore=checkpoints.restore_latest if checkpoints else None, program=program)
     text = json.dumps(cfg.to_dict(), indent=2)
     if jax.process_index() == 0:
         (run_dir / "config.json").write_text(text + "\n")

@@ -59,9 +59,58 @@ def test_log_lines_and_profile_window(tmp_path):
         (["--mesh", "dp=3"], "train.global_batch_size=16 is not divisible by dp*fsdp=3"),
         (["--set", "data.source=text", "--set", "data.path=/no/such/dir"], "data.path"),
         (["--mesh", "dp=2", "--set", "parallel.sequence_parallel=true"], "add tp=2 or more to --mesh"),
+        # Value rules (configs/checks.py), refused before jax is imported.
+        (["--set", "train.log_every=0"], "--set train.log_every=0: must be >= 1"),
+        (["--set", "parallel.data=0"], "--set parallel.data=0: must be >= 1, or -1"),
+        (["--set", "parallel.data=-1", "--set", "parallel.tensor=-1"], "only one mesh axis may fill"),
+        (["--mesh", "dp=0"], "--mesh 'dp=0': size of dp must be positive"),
+        (["--set", "train.global_batch_size=0"], "--set train.global_batch_size=0: must be >= 1"),
+        (["--set", "model.n_layers=0"], "--set model.n_layers=0: must be >= 1"),
+        (["--set", "model.n_kv_heads=0"], "--set model.n_kv_heads=0: must be >= 1"),
+        (["--set", "model.compute_dtype=float8"], "--set model.compute_dtype=float8: choose one of float32"),
+        (["--set", "train.seq_len=0"], "--set train.seq_len=0: must be >= 1"),
+        (["--steps", "-1"], "--steps -1: must be >= 1"),
+        (["--set", "train.lr=-1"], "--set train.lr=-1.0: must be > 0"),
+        (["--set", "train.lr=nan"], "--set train.lr=nan: expected a finite float"),
+        (["--steps", "3", "--profile-steps", "10:13"], "--profile-steps 10:13 does not fit in --steps 3"),
+        (["--profile-steps", "1:100", "--steps", "3"], "--profile-steps 1:100 does not fit in --steps 3"),
+        (["--profile-steps", "3:1"], "--profile-steps '3:1': expected START:END"),
+        # The run directory itself.
+        (["--run-dir", "{file}"], "is a file: name a directory"),
+        (["--run-dir", "{file}/run"], "is a file, not a directory"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, message, tmp_path):
-    out = train(*args, "--run-dir", str(tmp_path), fake_devices=True)
-    assert out.returncode == 2
-    assert message in out.stderr and "Traceback" not in out.stderr
+    """rc 2, one `error:` line naming the flag and the fix, no traceback, nothing written."""
+    run_dir, file = tmp_path / "run", tmp_path / "file"
+    run_dir.mkdir()
+    file.write_text("not a directory\n")
+    args = [a.format(file=file) for a in args]
+    if "--run-dir" not in args:
+        args += ["--run-dir", str(run_dir)]
+    out = train(*args, fake_devices=True)
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], out.stderr
+    assert "Traceback" not in out.stderr
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["file", "run"]
+
+
+def test_unwritable_run_dir_parent_is_refused(tmp_path, monkeypatch):
+    """A place this process cannot write (checked with os.access: as root, chmod would not do)."""
+    import train as entry
+
+    monkeypatch.setattr(entry.os, "access", lambda path, mode: False)
+    with pytest.raises(entry.ConfigError) as err:
+        entry.check_run_dir(tmp_path / "run")
+    assert f"--run-dir {tmp_path / 'run'}: {tmp_path} is not writable" in str(err.value)
+
+
+def test_mesh_larger_than_the_devices_present(tmp_path):
+    """As on a GPU node, the devices are what they are (8 here: XLA_FLAGS fixes the count), so a
+    mesh of 16 is refused with sizes that fit, before anything is written."""
+    out = train("--mesh", "dp=16", "--run-dir", str(tmp_path / "run"))
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "needs 16 devices but 8 are available" in errors[0] and "dp=8" in errors[0]
+    assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()

@@ -10,6 +10,8 @@ import pytest
 
 from configs import PRESETS, RunConfig, apply_overrides, get_preset
 from configs.base import ConfigError
+from configs.checks import CHOICES, FREE, RULES, check_values
+from configs.overrides import all_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -186,12 +188,95 @@ def test_dict_round_trip_after_overrides():
     assert RunConfig.from_dict(cfg.to_dict()).parallel.data == -1
 
 
+# ---------------------------------------------------------------- check_values
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_pass_the_value_checks(name):
+    check_values(get_preset(name))
+
+
+def test_every_field_has_a_value_rule():
+    """A new numeric, dtype or named-choice field needs its rule in configs/checks.py."""
+    cfg = RunConfig()
+    for key in all_keys(cfg):
+        section, field = key.split(".")
+        if key in FREE or isinstance(getattr(getattr(cfg, section), field), bool):
+            continue
+        assert key in RULES or key in CHOICES, f"{key} has no rule in configs/checks.py"
+
+
+def test_choices_agree_with_the_modules_that_use_them():
+    from model.attention import CORES
+    from model.remat import POLICIES
+    from pipeline.schedule import SCHEDULES
+    from sharding.tensor_parallel import IMPLS
+
+    assert CHOICES["model.attention"] == CORES
+    assert CHOICES["model.remat"] == tuple(POLICIES)
+    assert CHOICES["parallel.schedule"] == SCHEDULES
+    assert CHOICES["parallel.tp_impl"] == IMPLS
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.log_every=0"], "--set train.log_every=0: must be >= 1"),
+        (["train.steps=0"], "--steps 0: must be >= 1"),
+        (["train.seq_len=0"], "--set train.seq_len=0: must be >= 1"),
+        (["train.global_batch_size=-4"], "--set train.global_batch_size=-4: must be >= 1"),
+        (["train.micro_batch_size=-1"], "must be >= 0 (0 = no accumulation)"),
+        (["train.lr=0"], "--set train.lr=0.0: must be > 0"),
+        (["train.lr=inf"], "--set train.lr=inf: expected a finite float"),
+        (["train.min_lr_ratio=1.5"], "--set train.min_lr_ratio=1.5: must be in [0, 1]"),
+        (["train.b2=1"], "--set train.b2=1.0: must be in [0, 1)"),
+        (["train.max_bad_steps=0"], "--set train.max_bad_steps=0: must be >= 1"),
+        (["train.keep_checkpoints=0"], "--set train.keep_checkpoints=0: must be >= 1"),
+        (["model.d_ff=0"], "--set model.d_ff=0: must be >= 1"),
+        (["model.norm_eps=0"], "--set model.norm_eps=0.0: must be > 0"),
+        (["model.param_dtype=int8"], "--set model.param_dtype=int8: choose one of float32, bfloat16, float16"),
+        (["model.remat=some"], "--set model.remat=some: choose one of none, full, dots, attn"),
+        (["data.source=web"], "--set data.source=web: choose one of stdlib"),
+        (["data.seed=-1"], "--set data.seed=-1: must be >= 0"),
+        (["parallel.fsdp=0"], "--set parallel.fsdp=0: must be >= 1, or -1 to fill"),
+        (["parallel.tensor=-2"], "--set parallel.tensor=-2: must be >= 1, or -1 to fill"),
+        (["parallel.data=-1", "parallel.stage=-1"], "parallel.stage and parallel.data are all -1"),
+        (["parallel.schedule=zigzag"], "--set parallel.schedule=zigzag: choose one of gpipe"),
+        (["parallel.virtual_stages=0"], "--set parallel.virtual_stages=0: must be >= 1"),
+        (["train.steps=3", "train.profile_steps=3:5"], "--profile-steps 3:5 does not fit in --steps 3"),
+        (["train.steps=3", "train.profile_steps=0:4"], "--profile-steps 0:4 does not fit in --steps 3"),
+        (["train.profile_steps=5"], "--profile-steps '5': expected START:END"),
+    ],
+)
+def test_bad_values_name_the_flag_and_the_fix(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        check_values(apply_overrides(RunConfig(), overrides))
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["train.micro_batch_size=0", "train.grad_clip=0", "train.checkpoint_every=0", "train.warmup_steps=0"],
+    ["parallel.data=-1", "parallel.microbatches=0", "train.z_loss=0", "train.weight_decay=0"],
+    ["train.steps=3", "train.profile_steps=0:3", "train.min_lr_ratio=0", "train.b1=0"],
+])
+def test_documented_zeros_and_edges_are_accepted(overrides):
+    check_values(apply_overrides(RunConfig(), overrides))
+
+
+def test_saved_config_of_the_wrong_type_is_refused():
+    d = RunConfig().to_dict()
+    d["train"]["steps"] = "200"
+    with pytest.raises(ConfigError) as err:
+        check_values(RunConfig.from_dict(d))
+    assert "--steps 200: expected a finite int, got '200'" in str(err.value)
+
+
 # ---------------------------------------------------------------- no jax on import
 
 
 def test_configs_and_mesh_import_without_jax():
     proc = subprocess.run(
-        [sys.executable, "-c", "import configs, sharding.mesh, sys; assert 'jax' not in sys.modules"],
+        [sys.executable, "-c", "import configs, configs.checks, sharding.mesh, sys; assert 'jax' not in sys.modules"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import jax
 
-from configs.base import ConfigError
 from training.build import Job
 from training.checkpoint import Checkpointer, say
 from training.logger import MetricsLogger
@@ -51,8 +50,6 @@ def train(job: Job, run_dir: Path, checkpoints: Checkpointer | None = None) -> l
     SIGINT the current step finishes, a checkpoint is written and the loop returns.
     """
     cfg, t = job.cfg, job.cfg.train
-    if t.max_bad_steps < 1:
-        raise ConfigError(f"train.max_bad_steps={t.max_bad_steps}: must be >= 1")
     first_step = int(job.state.step)
     k, b, length = job.batches.shape
     tokens_per_step = k * b * length
@@ -96,6 +93,7 @@ def train(job: Job, run_dir: Path, checkpoints: Checkpointer | None = None) -> l
                 start = now
         check_finite(previous, done, t.max_bad_steps, checkpoints)
     finally:
+        profiler.close()
         logger.close()
         if checkpoints:
             checkpoints.wait()  # a save in flight completes even when the run stops on NaNs

@@ -13,21 +13,9 @@ from typing import Callable
 
 import jax
 
-from configs.base import ConfigError
+from configs.checks import parse_window  # jax-free: train.py checks the window before importing jax
 
-
-def parse_window(text: str) -> tuple[int, int] | None:
-    """'5:8' -> (5, 8): trace steps 5, 6 and 7. '' -> None."""
-    if not text:
-        return None
-    start, sep, end = text.partition(":")
-    try:
-        window = int(start), int(end)
-    except ValueError:
-        window = None
-    if not sep or window is None or not 0 <= window[0] < window[1]:
-        raise ConfigError(f"--profile-steps {text!r}: expected START:END with 0 <= START < END, e.g. 5:8")
-    return window
+__all__ = ["Profiler", "parse_window"]
 
 
 class Profiler:
@@ -54,3 +42,10 @@ class Profiler:
             jax.profiler.stop_trace()
             self.active = False
             print(f"profile of steps {self.window[0]}..{self.window[1] - 1} written under {self.run_dir}")
+
+    def close(self) -> None:
+        """Stop a trace the loop left inside the window (stopped by a signal or by NaNs), so
+        that what was traced is still written."""
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
