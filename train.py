@@ -19,31 +19,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import NoReturn
 
-from configs import PRESETS, ConfigError, RunConfig, apply_overrides, get_preset
-from configs.checks import check_values
-from sharding.mesh import format_mesh, parse_mesh, requested_devices
-from sharding.xla_flags import FAKE_DEVICES, with_flags
+from cli import add_run_args, check_run_dir, make_run_dir, request_fake_devices, run_cli, run_config, saved_config
+from configs import ConfigError, RunConfig
+from sharding.mesh import format_mesh
 from training.distributed import add_process_args, process_count
-
-
-def add_run_args(p: argparse.ArgumentParser) -> None:
-    """--config, --mesh and --set: what every entry point (train.py, bench/) takes."""
-    p.add_argument("--config", help=f"preset: {', '.join(PRESETS)} (default tiny, or the config "
-                   "saved in --run-dir when it holds one)")
-    p.add_argument("--mesh", default="", help="axis sizes, e.g. dp=8,tp=8; axes pp dp fsdp sp tp; one may be -1")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set model.n_layers=8 (repeatable)")
-
-
-def run_config(args: argparse.Namespace, extra_sets: list[str] = (), base: RunConfig | None = None) -> RunConfig:
-    """`base` (default: the preset of --config) with --set (then `extra_sets`) applied and --mesh
-    as the mesh, every value checked (configs/checks.py)."""
-    cfg = apply_overrides(base or get_preset(args.config or "tiny"), [*args.set, *extra_sets])
-    cfg = dataclasses.replace(cfg, parallel=parse_mesh(args.mesh, cfg.parallel)) if args.mesh else cfg
-    check_values(cfg)
-    return cfg
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -61,56 +42,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def saved_config(run_dir: Path | None) -> RunConfig | None:
-    """The config.json of an existing run directory (the base config of a resume), or None."""
-    path = run_dir / "config.json" if run_dir else None
-    if path is None or not path.exists():
-        return None
-    try:
-        return RunConfig.from_dict(json.loads(path.read_text()))
-    except (TypeError, KeyError, ValueError) as e:
-        raise ConfigError(f"{path} is not a config of this version ({e}): pass --config and --set explicitly") from None
-
-
 def resolve_config(args: argparse.Namespace) -> RunConfig:
     shortcuts = [f"train.steps={args.steps}"] if args.steps is not None else []
     if args.profile_steps:
         shortcuts.append(f"train.profile_steps={args.profile_steps}")
     return run_config(args, shortcuts, base=None if args.config else saved_config(args.run_dir))
-
-
-def check_run_dir(run_dir: Path) -> None:
-    """Refuse, before jax is imported, a run directory that cannot be one: a file, a path through
-    a file, or a place this process cannot write."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"--run-dir {run_dir} is a file: name a directory (a new one, or an earlier run's to resume)")
-    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
-    if not existing.is_dir():
-        raise ConfigError(f"--run-dir {run_dir}: {existing} is a file, not a directory; choose another --run-dir")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"--run-dir {run_dir}: {existing} is not writable; choose a --run-dir you can write")
-
-
-def make_run_dir(run_dir: Path) -> None:
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--run-dir {run_dir}: cannot create it ({e.strerror}); choose another --run-dir") from None
-
-
-def request_fake_devices(cfg: RunConfig, processes: int = 1) -> int | None:
-    """Set XLA_FLAGS before jax is imported: meshtrain's workarounds, and a host platform with
-    this process's share of the mesh's devices; returns that number, or None if not requested."""
-    current = os.environ.get("XLA_FLAGS", "")
-    needed = requested_devices(cfg.parallel)
-    if not needed or needed == 1 or FAKE_DEVICES in current:
-        os.environ["XLA_FLAGS"] = with_flags(current)
-        return None
-    if needed % processes:
-        raise ConfigError(f"--mesh needs {needed} devices, not divisible by {processes} processes")
-    needed //= processes
-    os.environ["XLA_FLAGS"] = with_flags(current, needed)
-    return needed
 
 
 def main(argv: list[str]) -> int:
@@ -185,18 +121,6 @@ def build_and_train(cfg: RunConfig, mesh, program, tokens, run_dir: Path, checkp
         f"on {mesh.size} {jax.devices()[0].platform} device(s) | batch {k}x{b}x{length} tokens"
     )
     return train(job, run_dir, checkpoints), job
-
-
-def run_cli(entry: Callable[[list[str]], int]) -> NoReturn:
-    """Exit with entry's code; a ConfigError is one `error:` line and exit code 2, no traceback."""
-    try:
-        sys.exit(entry(sys.argv[1:]))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
 
 
 def cli() -> NoReturn:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from configs import ConfigError
-from train import run_cli
+from cli import run_cli
 
 CORES = ("pallas", "cudnn", "xla")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from bench.step import bench_mesh, default_out, report_head, write_report
 from configs import ConfigError, RunConfig
-from train import add_run_args, request_fake_devices, run_cli, run_config
+from cli import add_run_args, request_fake_devices, run_cli, run_config
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from configs import ConfigError, RunConfig, apply_overrides
 from sharding.mesh import format_mesh
-from train import add_run_args, request_fake_devices, run_cli, run_config
+from cli import add_run_args, request_fake_devices, run_cli, run_config
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench.step import lower_and_compile, memory_analysis, report_head, write_report
 from configs import ConfigError, RunConfig, apply_overrides
-from train import add_run_args, request_fake_devices, run_cli, run_config
+from cli import add_run_args, request_fake_devices, run_cli, run_config
 
 VARIANTS = {
     "gspmd": ["parallel.tp_impl=gspmd"],

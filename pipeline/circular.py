@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from configs.base import RunConfig
 from pipeline.stages import AXIS, buffer, compute_params, over_stages, stages
-from training.loss import cross_entropy
+from model.loss import cross_entropy
 
 
 def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig) -> jax.Array:

@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec as P
 from configs.base import RunConfig
 from pipeline.schedule import Table, one_f_one_b
 from pipeline.stages import AXIS, buffer, compute_params, over_stages, stages, with_part
-from training.loss import cross_entropy
+from model.loss import cross_entropy
 
 IDLE, FORWARD, BACKWARD, BACKWARD_LAST = range(4)
 

@@ -98,7 +98,7 @@ def test_bad_input_is_one_clear_line(args, message, tmp_path):
 
 def test_unwritable_run_dir_parent_is_refused(tmp_path, monkeypatch):
     """A place this process cannot write (checked with os.access: as root, chmod would not do)."""
-    import train as entry
+    import cli as entry
 
     monkeypatch.setattr(entry.os, "access", lambda path, mode: False)
     with pytest.raises(entry.ConfigError) as err:

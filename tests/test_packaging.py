@@ -35,7 +35,7 @@ def installed(tmp_path_factory) -> tuple[Path, Path]:
 def test_wheel_holds_every_module(installed):
     wheel, _ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {"train.py"} | {
+    expected = {"train.py", "cli.py"} | {
         p.relative_to(ROOT).as_posix() for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
     }
     assert expected <= names, sorted(expected - names)

@@ -49,10 +49,10 @@ def test_gradient_accumulation_equals_one_big_batch(corpus):
 
 @pytest.mark.parametrize("z_loss", [0.0, 1e-4])
 def test_cross_entropy_equals_optax(z_loss):
-    """The gather-free loss (training/loss.py) equals optax's integer-label cross-entropy."""
+    """The gather-free loss (model/loss.py) equals optax's integer-label cross-entropy."""
     import optax
 
-    from training.loss import cross_entropy
+    from model.loss import cross_entropy
 
     keys = jax.random.split(jax.random.key(0))
     logits = 3 * jax.random.normal(keys[0], (3, 7, 50))

@@ -223,7 +223,7 @@ def step_census(cfg, mesh) -> list[Collective]:
 
 
 def main(argv: list[str]) -> int:
-    from train import add_run_args, request_fake_devices, run_config
+    from cli import add_run_args, request_fake_devices, run_config
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p)
@@ -252,6 +252,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from train import run_cli
+    from cli import run_cli
 
     run_cli(main)

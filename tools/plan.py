@@ -173,7 +173,7 @@ def run_search(cfg: RunConfig, gpus: int, gpu_name: str, confirm: int, as_json: 
 
 
 def main(argv: list[str]) -> int:
-    from train import add_run_args, request_fake_devices, run_config
+    from cli import add_run_args, request_fake_devices, run_config
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p)
@@ -196,6 +196,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from train import run_cli
+    from cli import run_cli
 
     run_cli(main)

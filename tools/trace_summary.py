@@ -166,6 +166,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from train import run_cli
+    from cli import run_cli
 
     run_cli(main)

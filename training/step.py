@@ -34,7 +34,7 @@ from flax import nnx
 
 import pipeline
 from configs.base import RunConfig
-from training.loss import cross_entropy
+from model.loss import cross_entropy
 
 
 class TrainState(NamedTuple):
