@@ -34,7 +34,7 @@ class ModelConfig:
     attention: str = "xla"  # xla (reference) | cudnn (GPU) | pallas (model/kernels)
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
-    remat: str = "none"  # see training.remat.POLICIES
+    remat: str = "none"  # none | full | dots | attn (model/remat.py POLICIES)
 
 
 @dataclass(frozen=True)

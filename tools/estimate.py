@@ -65,9 +65,8 @@ import math
 from dataclasses import dataclass
 
 from configs.base import RunConfig
+from sharding.mesh import AXES
 from training.metrics import PEAK_FLOPS, flops_per_token
-
-AXES = ("stage", "data", "fsdp", "sequence", "tensor")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8
 

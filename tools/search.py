@@ -16,7 +16,8 @@ import dataclasses
 import itertools
 
 from configs.base import RunConfig
-from tools.estimate import AXES, GPU, GPUS_PER_NODE, memory, shape, step_time
+from sharding.mesh import AXES
+from tools.estimate import GPU, GPUS_PER_NODE, memory, shape, step_time
 
 
 def divisors(n: int) -> list[int]:

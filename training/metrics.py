@@ -10,9 +10,12 @@ MFU = achieved FLOP/s per device / the device's dense bf16 peak (table below; No
 
 from __future__ import annotations
 
-import jax
+from typing import TYPE_CHECKING
 
 from configs.base import ModelConfig
+
+if TYPE_CHECKING:  # jax-free at import: tools/estimate.py plans without jax
+    import jax
 
 # Dense bf16 peak FLOP/s, matched against jax's device_kind (SXM parts).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
