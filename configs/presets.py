@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from configs.base import ConfigError, DataConfig, ModelConfig, RunConfig, TrainConfig
+from configs.base import ConfigError, DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 
 
 def tiny() -> RunConfig:
@@ -46,7 +46,9 @@ def llama3_8b() -> RunConfig:
             vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
             head_dim=128, d_ff=14336, rope_theta=500_000.0, remat="full",
         ),
-        train=TrainConfig(seq_len=8192, global_batch_size=256, lr=3e-4, warmup_steps=2000, steps=10000),
+        # One 8192-token sequence per microbatch and full remat: fits 80 GB on fsdp=8 and dp=8,tp=8.
+        train=TrainConfig(seq_len=8192, global_batch_size=256, micro_batch_size=1, lr=3e-4, warmup_steps=2000,
+                          steps=10000),
         data=DataConfig(source="synthetic"),
     )
 
@@ -60,6 +62,8 @@ def llama3_70b() -> RunConfig:
         ),
         train=TrainConfig(seq_len=8192, global_batch_size=512, lr=1.5e-4, warmup_steps=2000, steps=10000),
         data=DataConfig(source="synthetic"),
+        # The planner's pick for 512 H100s (README): pp=2,dp=16,fsdp=2,tp=8 with 8 microbatches of 1f1b.
+        parallel=ParallelConfig(schedule="1f1b", microbatches=8),
     )
 
 

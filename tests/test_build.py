@@ -51,4 +51,4 @@ def test_abstract_program_of_llama3_8b_allocates_nothing():
     assert count_params(program.state.params) == 8_030_261_248
     wq = program.shardings.params["blocks"]["attn"]["wq"]
     assert wq.spec == jax.sharding.PartitionSpec(None, "fsdp", None, None)
-    assert program.batch_shape == (1, 256, 8192)
+    assert program.batch_shape == (32, 8, 8192)  # the preset's micro_batch_size=1: one sequence per device per microbatch

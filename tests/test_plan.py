@@ -184,3 +184,14 @@ def test_dry_run_compiles_a_pipelined_step():
     assert xla["memory"]["peak"] > 0 and xla["flops_per_device"] > 0
     assert any(r["axes"] == "stage" and r["kind"] == "collective-permute" for r in xla["census"])
     assert "stage" in report["communication"]
+
+
+@pytest.mark.parametrize("preset, mesh", [("llama3-8b", "fsdp=8"), ("llama3-8b", "dp=8,tp=8"),
+                                          ("llama3-70b", "pp=2,dp=16,fsdp=2,tp=8")])
+def test_presets_fit_their_target_out_of_the_box(preset, mesh):
+    """The large presets' own micro batch, remat and pipeline settings fit 80 GB H100s on the
+    meshes README names, with no --set (the analytic verdict; the XLA column is the slow test)."""
+    cfg = get_preset(preset)
+    cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
+    report = plan(cfg, sizes_of(cfg), estimate.GPUS["h100"], None)
+    assert report["fits"], report["verdict"]
