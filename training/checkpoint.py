@@ -52,6 +52,7 @@ from jax.experimental import multihost_utils
 
 from configs.base import ConfigError, RunConfig
 from training.build import Abstract
+from training.logger import say
 from training.step import TrainState
 
 KILL_IN_SAVE_HOOK = "MESHTRAIN_TEST_KILL_IN_SAVE"
@@ -61,11 +62,6 @@ TMP_STEP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 
 class DamagedCheckpoint(Exception):
     """A checkpoint that reads but whose contents do not match what was saved."""
-
-
-def say(message: str) -> None:
-    if jax.process_index() == 0:
-        print(message, flush=True)
 
 
 @jax.jit

@@ -15,6 +15,12 @@ from pathlib import Path
 import jax
 
 
+def say(message: str) -> None:
+    """One line on the console from process 0 (the others stay quiet)."""
+    if jax.process_index() == 0:
+        print(message, flush=True)
+
+
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

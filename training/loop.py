@@ -19,8 +19,8 @@ from pathlib import Path
 import jax
 
 from training.build import Job
-from training.checkpoint import Checkpointer, say
-from training.logger import MetricsLogger
+from training.checkpoint import Checkpointer
+from training.logger import MetricsLogger, say
 from training.metrics import peak_memory_bytes, step_figures
 from training.profiling import Profiler, parse_window
 from training.signals import StopSignals
