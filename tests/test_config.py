@@ -54,14 +54,14 @@ def test_override_str_fields():
 
 
 def test_bool_conversion():
-    """No bool field exists yet (later issues add some); the converter is tested directly."""
-    from configs.overrides import _convert
-
+    """The bool fields (parallel.sequence_parallel, parallel.tp_overlap) take true/false, 1/0,
+    yes/no, on/off in any case; anything else is an error naming the field and the type."""
     for text, value in [("true", True), ("False", False), ("1", True), ("off", False), ("yes", True)]:
-        assert _convert("parallel.flag", text, bool) is value
+        cfg = apply_overrides(RunConfig(), [f"parallel.sequence_parallel={text}", f"parallel.tp_overlap={text}"])
+        assert cfg.parallel.sequence_parallel is value and cfg.parallel.tp_overlap is value
     with pytest.raises(ConfigError) as err:
-        _convert("parallel.flag", "maybe", bool)
-    assert "parallel.flag" in str(err.value) and "bool" in str(err.value)
+        apply_overrides(RunConfig(), ["parallel.sequence_parallel=maybe"])
+    assert "parallel.sequence_parallel" in str(err.value) and "bool" in str(err.value)
 
 
 def test_overrides_apply_in_order():

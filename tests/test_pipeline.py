@@ -142,6 +142,34 @@ def test_1f1b_memory_is_flat_in_m_and_gpipe_grows(temp_memory):
     assert gpipe[0] < gpipe[1] < gpipe[2] and gpipe[2] > 2 * one[2]
 
 
+def held_activations(hlo: str, act: tuple[int, ...]) -> int:
+    """Most [b, L, D] activations that one array of the compiled HLO text holds: the product of
+    the leading dimensions of every array whose shape ends in `act`."""
+    import re
+
+    tail = ",".join(map(str, act))
+    shapes = re.findall(r"\b[a-z]+[0-9]*\[([0-9,]+)\]", hlo)
+    return max(math.prod(int(d) for d in s.split(",")[:-len(act)]) for s in shapes
+               if s == tail or s.endswith("," + tail))
+
+
+def test_1f1b_stash_holds_at_most_p_inputs(temp_memory):
+    """README: a 1f1b stage holds at most p stage inputs instead of M microbatches' residuals.
+    The stash size from the timetable is p (stage 1) at p = 2..4 and M up to 16, and in the
+    compiled step at pp=2, M = 16 no array holds more than p = 2 activations [b, L, D] = [2, 32,
+    64] (an M-sized stash would hold 16); gpipe's step holds M + 1 (the detector sees them)."""
+    from pipeline.one_f_one_b import program
+
+    for p in (2, 3, 4):
+        for m in (4, 8, 16):
+            stash, inbox = program(p, m)[4:]
+            assert stash == p and inbox == 1, (p, m)
+    compiled = temp_memory[1]
+    act = (2, 32, 64)
+    assert held_activations(compiled["1f1b", 16][0].as_text(), act) == 2
+    assert held_activations(compiled["gpipe", 16][0].as_text(), act) >= 16
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_memory):
     from tools.hlo import census

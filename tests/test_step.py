@@ -64,3 +64,35 @@ def test_cross_entropy_equals_optax(z_loss):
 
     for got, want in zip(jax.value_and_grad(cross_entropy)(logits, targets, z_loss), jax.value_and_grad(reference)(logits)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan], ids=["inf", "nan"])
+def test_finite_loss_with_non_finite_gradient_is_skipped(bad, corpus, monkeypatch):
+    """A step whose loss is finite but one gradient element is inf (or NaN) keeps the old
+    parameters and optimizer state and counts as bad (training/step.py), so the loop's
+    check_finite, which reads bad_steps, sees it. The NaN-token hook of the resume and
+    checkpoint tests makes loss and gradients NaN together; here only the gradient is, so a
+    guard that checked the loss alone would apply the update (Adam turns the inf into NaN)."""
+    import training.step as step_module
+
+    real = step_module.loss_and_grads
+
+    def poisoned(params, graphdef, batch, cfg):  # the real loss and gradients, one element bad
+        loss, grads = real(params, graphdef, batch, cfg)
+        leaves, treedef = jax.tree.flatten(grads)
+        leaves[-1] = leaves[-1].at[(0,) * leaves[-1].ndim].set(bad)
+        return loss, jax.tree.unflatten(treedef, leaves)
+
+    monkeypatch.setattr(step_module, "loss_and_grads", poisoned)
+    cfg = small_config()
+    mesh = build_mesh(cfg.parallel, jax.devices()[:1])
+    job = build(cfg, mesh, tokens=corpus)
+    before = jax.device_get(job.state)  # before the step, which may donate its input buffers
+    with jax.set_mesh(mesh):
+        state, metrics = job.step_fn(job.state, job.batches(0))
+    after, metrics = jax.device_get((state, metrics))
+    assert np.isfinite(metrics["loss"]) and not np.isfinite(metrics["grad_norm"])
+    assert (int(after.step), int(after.bad_steps), int(after.skipped)) == (1, 1, 1)
+    for old, new in zip(jax.tree.leaves((before.params, before.opt_state)),
+                        jax.tree.leaves((after.params, after.opt_state))):
+        np.testing.assert_array_equal(new, old)

@@ -15,8 +15,9 @@ position (= the step) and the two seeds are the whole RNG state; resume checks t
 Cost of a save: the caller blocks while the checksums are computed (one read of the state on
 device, a few scalars to the host) and while orbax copies this process's shards to host memory
 (state bytes / processes: 12 bytes per parameter with fp32 AdamW); the disk write runs in
-background threads while training goes on, holding that host copy until it ends. Disk:
-12 bytes per parameter per checkpoint. Restore: the targets are ShapeDtypeStructs carrying the
+background threads while training goes on, holding that host copy until it ends. Disk: those
+12 bytes per parameter zstd-compressed by orbax (its default), 9.2 measured on 125m after 4 steps
+(bench/results/checkpoint-125m-fsdp2.json); the ratio depends on the values. Restore: the targets are ShapeDtypeStructs carrying the
 *current* mesh's NamedShardings, so each process reads only the chunks of its own shards and
 no array is ever gathered onto one device; any saved mesh restores onto any current mesh.
 
