@@ -37,10 +37,10 @@ def main(argv: list[str]) -> int:
 
     import jax
 
-    from bench.step import default_out, lower_and_compile, memory_analysis, report_head, write_report
+    from bench.step import default_out, report_head, write_report
     from pipeline.schedule import bubble, timetable
     from sharding.mesh import build_mesh
-    from training.build import build
+    from training.build import build, compile_step, xla_memory
 
     rows = []
     for schedule, extra in SCHEDULES.items():
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
             job = build(cfg, mesh)
             with jax.set_mesh(mesh):
                 batch = job.batches(0)
-                compiled, _, compile_s = lower_and_compile(job.step_fn, job.state, batch)
+                compiled, _, compile_s = compile_step(job.step_fn, mesh, job.state, batch)
                 state, times = job.state, []
                 for _ in range(args.steps + 1):
                     start = time.perf_counter()
@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
             row = {"schedule": schedule, "stages": p, "microbatches": m, "virtual_stages": v,
                    "bubble": bubble(timetable(schedule, p, m, v)), "compile_s": compile_s,
                    "step_s_median": statistics.median(times[1:]),
-                   "temp_bytes": memory_analysis(compiled)["temp_size_in_bytes"]}
+                   "temp_bytes": xla_memory(compiled)["temp"]}
             rows.append(row)
             print(f"{schedule:<12} M={m:<3} bubble {row['bubble']:.3f}  step {row['step_s_median'] * 1e3:8.1f} ms"
                   f"  temp {row['temp_bytes'] / 2**20:7.2f} MiB  compile {compile_s:.1f} s", flush=True)

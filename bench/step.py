@@ -34,9 +34,9 @@ import statistics
 import time
 from pathlib import Path
 
+from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides
 from sharding.mesh import format_mesh
-from cli import add_run_args, request_fake_devices, run_cli, run_config
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax")
 
@@ -65,37 +65,18 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, list[int]]:
     return cfg, layers
 
 
-def lower_and_compile(jitted, *args) -> tuple[object, float, float]:
-    """(compiled, lower seconds, compile seconds)."""
-    start = time.perf_counter()
-    lowered = jitted.lower(*args)
-    lowered_at = time.perf_counter()
-    compiled = lowered.compile()
-    return compiled, lowered_at - start, time.perf_counter() - lowered_at
-
-
-def memory_analysis(compiled) -> dict | None:
-    """XLA's static per-device memory figures of a compiled program (None if not reported)."""
-    stats = compiled.memory_analysis()
-    if isinstance(stats, (list, tuple)):
-        stats = stats[0] if stats else None
-    if stats is None:
-        return None
-    return {n: getattr(stats, n) for n in dir(stats) if n.endswith("_in_bytes")}
-
-
 def measure_steps(cfg: RunConfig, mesh, steps: int) -> dict:
     """Compile, first step and `steps` timed steps of the real job."""
     import jax
 
-    from training.build import build
+    from training.build import build, compile_step, xla_memory
     from training.metrics import peak_memory_bytes, step_figures
 
     job = build(cfg, mesh)
     k, b, length = job.batches.shape
     with jax.set_mesh(mesh):
         batch = jax.block_until_ready(job.batches(0))
-        compiled, lower_s, compile_s = lower_and_compile(job.step_fn, job.state, batch)
+        compiled, lower_s, compile_s = compile_step(job.step_fn, mesh, job.state, batch)
         start = time.perf_counter()
         state, metrics = jax.block_until_ready(compiled(job.state, batch))  # donates job.state
         first_run_s = time.perf_counter() - start
@@ -121,7 +102,7 @@ def measure_steps(cfg: RunConfig, mesh, steps: int) -> dict:
         "step_times_s": times,
         **step_figures(cfg.model, length, k * b * length, median, mesh.size, mesh.devices.flat[0]),
         "peak_memory_bytes_per_device": max((p for p in peaks if p is not None), default=None),
-        "memory_analysis": memory_analysis(compiled),
+        "memory_analysis": xla_memory(compiled),
         "loss_first": first_loss,
         "loss_last": float(metrics["loss"]),
     }
@@ -129,15 +110,12 @@ def measure_steps(cfg: RunConfig, mesh, steps: int) -> dict:
 
 def compile_scaling(cfg: RunConfig, mesh, layers: list[int]) -> dict:
     """Lower + compile wall clock of the step for each model.n_layers in `layers` (nothing allocated)."""
-    import jax
-
-    from training.build import abstract
+    from training.build import abstract, compile_step
 
     rows = []
     for n in layers:
         program = abstract(apply_overrides(cfg, [f"model.n_layers={n}"]), mesh)
-        with jax.set_mesh(mesh):
-            _, lower_s, compile_s = lower_and_compile(program.step_fn, program.state, program.abstract_batch())
+        _, lower_s, compile_s = compile_step(program.step_fn, mesh, program.state, program.abstract_batch())
         rows.append({"n_layers": n, "lower_s": lower_s, "compile_s": compile_s, "total_s": lower_s + compile_s})
     ratio = rows[-1]["total_s"] / rows[0]["total_s"] if len(rows) > 1 else None
     return {"rows": rows, "ratio_largest_to_smallest": ratio}
@@ -175,19 +153,6 @@ def _cpu_model() -> str:
     return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
 
 
-def _static_total(mem: dict) -> int | None:
-    """Arguments + outputs - donated (aliased) + temporaries: XLA's static bytes per device.
-
-    (XLA's own peak_memory_in_bytes is kept in the JSON; on CPU it reads about the argument
-    size, far below the temporaries, so the table shows this sum instead.)
-    """
-    keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
-    if any(mem.get(k) is None for k in keys):
-        return None
-    args, out, alias, temp = (mem[k] for k in keys)
-    return args + out - alias + temp
-
-
 def _seconds(s: float | None) -> str:
     return "n/a" if s is None else f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
 
@@ -214,11 +179,11 @@ def print_report(report: dict) -> None:
         ("TFLOP/s per device", f"{t['tflops_per_device']:.4g}"),
         ("MFU", mfu),
         ("peak memory / device", _bytes(t["peak_memory_bytes_per_device"])),
-        ("XLA arguments / device", _bytes(mem.get("argument_size_in_bytes"))),
-        ("XLA outputs / device", _bytes(mem.get("output_size_in_bytes"))),
-        ("XLA aliased / device", _bytes(mem.get("alias_size_in_bytes"))),
-        ("XLA temp / device", _bytes(mem.get("temp_size_in_bytes"))),
-        ("XLA args+out-alias+temp", _bytes(_static_total(mem))),
+        ("XLA arguments / device", _bytes(mem.get("argument"))),
+        ("XLA outputs / device", _bytes(mem.get("output"))),
+        ("XLA aliased / device", _bytes(mem.get("alias"))),
+        ("XLA temp / device", _bytes(mem.get("temp"))),
+        ("XLA args+out-alias+temp", _bytes(mem.get("static_peak"))),
         ("loss first -> last", f"{t['loss_first']:.4f} -> {t['loss_last']:.4f}"),
     ]
     width = max(len(name) for name, _ in rows)

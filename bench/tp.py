@@ -23,9 +23,9 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.step import lower_and_compile, memory_analysis, report_head, write_report
-from configs import ConfigError, RunConfig, apply_overrides
+from bench.step import report_head, write_report
 from cli import add_run_args, request_fake_devices, run_cli, run_config
+from configs import ConfigError, RunConfig, apply_overrides
 
 VARIANTS = {
     "gspmd": ["parallel.tp_impl=gspmd"],
@@ -58,7 +58,7 @@ def compare(base: RunConfig, tp: int, rounds: int) -> dict:
 
     from sharding.mesh import build_mesh
     from tools.hlo import census, summary
-    from training.build import build
+    from training.build import build, compile_step, xla_memory
 
     runs = {}
     for name, sets in VARIANTS.items():
@@ -67,7 +67,7 @@ def compare(base: RunConfig, tp: int, rounds: int) -> dict:
         job = build(cfg, mesh)
         with jax.set_mesh(mesh):
             batch = jax.block_until_ready(job.batches(0))
-            compiled, _, compile_s = lower_and_compile(job.step_fn, job.state, batch)
+            compiled, _, compile_s = compile_step(job.step_fn, mesh, job.state, batch)
             state, _ = jax.block_until_ready(compiled(job.state, batch))
         runs[name] = {"mesh": mesh, "job": job, "compiled": compiled, "state": state, "batch": batch,
                       "compile_s": compile_s, "times": [], "census": summary(census(compiled.as_text(), dict(mesh.shape)))}
@@ -81,7 +81,7 @@ def compare(base: RunConfig, tp: int, rounds: int) -> dict:
     base_time = statistics.median(runs["gspmd"]["times"])
     return {name: {"step_time_median_s": statistics.median(r["times"]), "step_times_s": r["times"],
                    "ratio_to_gspmd": statistics.median(r["times"]) / base_time, "compile_s": r["compile_s"],
-                   "loss_after_rounds": r["loss"], "memory_analysis": memory_analysis(r["compiled"]),
+                   "loss_after_rounds": r["loss"], "memory_analysis": xla_memory(r["compiled"]),
                    "census": r["census"]}
             for name, r in runs.items()}
 

@@ -212,13 +212,10 @@ def format_table(rows: list[dict]) -> str:
 
 def step_census(cfg, mesh) -> list[Collective]:
     """The census of cfg's compiled train step on `mesh` (abstract inputs: nothing allocated)."""
-    import jax
-
-    from training.build import abstract
+    from training.build import abstract, compile_step
 
     program = abstract(cfg, mesh)
-    with jax.set_mesh(mesh):
-        compiled = program.step_fn.lower(program.state, program.abstract_batch()).compile()
+    compiled, _, _ = compile_step(program.step_fn, mesh, program.state, program.abstract_batch())
     return census(compiled.as_text(), dict(mesh.shape))
 
 

@@ -63,17 +63,13 @@ def gpu_of(name: str) -> estimate.GPU:
 
 def xla_figures(cfg: RunConfig, mesh) -> dict:
     """Compile the real step (pipelined too) on abstract inputs: memory, FLOPs and census per device."""
-    import jax
-
     from tools.hlo import census, summary
-    from training.build import abstract
+    from training.build import abstract, compile_step, xla_memory
 
     program = abstract(cfg, mesh)  # outside set_mesh (see its docstring)
-    with jax.set_mesh(mesh):
-        compiled = program.step_fn.lower(program.state, program.abstract_batch()).compile()
-    m = compiled.memory_analysis()
-    mem = {k: getattr(m, f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
-    mem["peak"] = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+    compiled, _, _ = compile_step(program.step_fn, mesh, program.state, program.abstract_batch())
+    m = xla_memory(compiled)
+    mem = {k: m[k] for k in ("argument", "output", "alias", "temp")} | {"peak": m["static_peak"]}
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     rows = summary(census(compiled.as_text(), dict(mesh.shape)))

@@ -8,6 +8,7 @@ whole anywhere). Random initial values depend only on the seed, not on the mesh
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -148,3 +149,31 @@ def build(cfg: RunConfig, mesh: Mesh, tokens: np.ndarray | None = None,
     k, b, length = program.batch_shape
     batches = Batches(tokens, cfg.data.seed, k, b, length, program.batch_sharding)
     return Job(cfg, mesh, program.graphdef, state, program.step_fn, batches)
+
+
+def compile_step(step_fn: Callable, mesh: Mesh, state, batch) -> tuple[jax.stages.Compiled, float, float]:
+    """Lower and compile `step_fn` for (state, batch) on `mesh`: (compiled, lower s, compile s).
+    With a program's abstract state and batch (`Abstract.state`, `abstract_batch()`) nothing is
+    allocated, so any preset compiles for any mesh of fake devices."""
+    with jax.set_mesh(mesh):
+        start = time.perf_counter()
+        lowered = step_fn.lower(state, batch)
+        lowered_at = time.perf_counter()
+        compiled = lowered.compile()
+    return compiled, lowered_at - start, time.perf_counter() - lowered_at
+
+
+def xla_memory(compiled: jax.stages.Compiled) -> dict[str, int] | None:
+    """XLA's memory analysis of a compiled program, bytes per device: argument, output, alias,
+    temp, ... and `static_peak` = argument + output - alias + temp (XLA CPU's own
+    peak_memory reads about the arguments only, far below the temporaries). None where the
+    backend reports nothing."""
+    stats = compiled.memory_analysis()
+    if isinstance(stats, (list, tuple)):
+        stats = stats[0] if stats else None
+    if stats is None:
+        return None
+    mem = {n.removesuffix("_in_bytes").removesuffix("_size"): getattr(stats, n)
+           for n in dir(stats) if n.endswith("_in_bytes")}
+    mem["static_peak"] = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+    return mem

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import jax
 
-from training.build import Job
+from training.build import Job, compile_step
 from training.checkpoint import Checkpointer
 from training.logger import MetricsLogger, say
 from training.metrics import peak_memory_bytes, step_figures
@@ -63,7 +63,7 @@ def train(job: Job, run_dir: Path, checkpoints: Checkpointer | None = None) -> l
             first = True
             for step in range(first_step, t.steps):
                 batch = job.batches(step)
-                profiler.before_step(step, lambda: job.step_fn.lower(state, batch).compile().as_text())
+                profiler.before_step(step, lambda: compile_step(job.step_fn, job.mesh, state, batch)[0].as_text())
                 state, metrics = job.step_fn(state, batch)
                 profiler.after_step(step, metrics["loss"])
                 check_finite(previous, step, t.max_bad_steps, checkpoints)  # waits for the previous step
