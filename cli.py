@@ -19,7 +19,8 @@ from typing import Callable, NoReturn
 
 from configs import PRESETS, ConfigError, RunConfig, apply_overrides, get_preset
 from configs.checks import check_values
-from sharding.mesh import parse_mesh, requested_devices
+from sharding.checks import check_run
+from sharding.mesh import AXES, parse_mesh, requested_devices
 from sharding.xla_flags import FAKE_DEVICES, with_flags
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -33,10 +34,14 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 def run_config(args: argparse.Namespace, extra_sets: list[str] = (), base: RunConfig | None = None) -> RunConfig:
     """`base` (default: the preset of --config) with --set (then `extra_sets`) applied and --mesh
-    as the mesh, every value checked (configs/checks.py)."""
+    as the mesh, every value checked (configs/checks.py) and, when the mesh has no -1 axis, every
+    shape rule on it (sharding/checks.py), all before jax is imported."""
     cfg = apply_overrides(base or get_preset(args.config or "tiny"), [*args.set, *extra_sets])
     cfg = dataclasses.replace(cfg, parallel=parse_mesh(args.mesh, cfg.parallel)) if args.mesh else cfg
     check_values(cfg)
+    sizes = {a: getattr(cfg.parallel, a) for a in AXES}
+    if -1 not in sizes.values():
+        check_run(cfg, sizes)
     return cfg
 
 

@@ -19,11 +19,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from configs.base import ConfigError, ModelConfig
+from configs.base import ModelConfig
 from model.attention import Attention
 from model.layers import Embed, RMSNorm, param, rotary
 from model.mlp import MLP
 from model.remat import remat
+from sharding.checks import check_model
 from sharding.rules import constrain
 from sharding.tensor_parallel import TensorParallel
 
@@ -43,16 +44,6 @@ class Block(nnx.Module):
         with jax.named_scope("mlp"):
             x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, self.act_names)
-
-
-def check_model(cfg: ModelConfig) -> None:
-    """Shape rules the model needs, as ConfigErrors naming the field to change."""
-    if cfg.n_heads % cfg.n_kv_heads:
-        raise ConfigError(
-            f"model.n_heads={cfg.n_heads} is not a multiple of model.n_kv_heads={cfg.n_kv_heads}"
-        )
-    if cfg.head_dim % 2:
-        raise ConfigError(f"model.head_dim={cfg.head_dim} must be even (rotary embedding pairs)")
 
 
 class Transformer(nnx.Module):

@@ -33,7 +33,7 @@ that took another branch (the tensor-parallel all-reduces, all-gathers and reduc
 inside the stage's layers stay within a stage). The cost is a [b, L, D] gather and
 scatter-add per tick on the stages that do not need them. The head's collectives (the vocab
 split over tensor) stay within the last stage. tp_overlap's rings are collective-permutes too,
-hence refused with 1f1b (pipeline.check).
+hence refused with 1f1b (sharding/checks.py).
 
 Memory: the backward recomputes the stage forward from its stashed input (one extra forward
 per stage per microbatch, the price of keeping no residuals between ticks), so a stage holds

@@ -66,7 +66,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from configs.base import ConfigError, RunConfig
+from configs.base import RunConfig
 from sharding.rules import logical_to_spec
 
 IMPLS = ("shard_map", "gspmd")
@@ -75,40 +75,6 @@ AXIS = "tensor"
 # over `tensor` whose operand is split on an automatic axis (it all-gathers the batch first).
 SP_MANUAL = ("data", "fsdp", AXIS)
 Weights = dict[str, tuple[jax.Array, Sequence[str | None]]]
-
-
-def check(cfg: RunConfig, sizes: dict[str, int]) -> None:
-    """The tensor-parallel settings against the mesh `sizes`, as ConfigErrors naming the fix."""
-    p, tp = cfg.parallel, sizes[AXIS]
-    if p.tp_impl not in IMPLS:
-        raise ConfigError(f"--set parallel.tp_impl={p.tp_impl}: choose one of {', '.join(IMPLS)}")
-    flag = "tp_overlap" if p.tp_overlap else "sequence_parallel"
-    if p.sequence_parallel or p.tp_overlap:
-        if tp == 1:
-            raise ConfigError(f"parallel.{flag}=true needs a tensor axis: add tp=2 or more to --mesh")
-        if cfg.train.seq_len % tp:
-            raise ConfigError(
-                f"train.seq_len={cfg.train.seq_len} is not divisible by tp={tp}: parallel.{flag} "
-                f"splits L over the tensor axis; use a multiple of {tp}"
-            )
-    if p.sequence_parallel and sizes["sequence"] > 1:
-        raise ConfigError(
-            f"parallel.sequence_parallel=true with sp={sizes['sequence']}: L cannot be split over "
-            "both sequence (context parallelism) and tensor here; drop sp from --mesh or the flag"
-        )
-    if p.tp_overlap and p.tp_impl != "shard_map":
-        raise ConfigError("parallel.tp_overlap=true is written with shard_map: set parallel.tp_impl=shard_map")
-    if p.tp_overlap and not p.sequence_parallel:
-        raise ConfigError(
-            "parallel.tp_overlap=true overlaps sequence parallelism's all-gather and reduce-scatter "
-            "with the matmuls: add --set parallel.sequence_parallel=true"
-        )
-    k = cfg.model.n_kv_heads
-    if p.tp_impl == "shard_map" and k % tp and tp % k:
-        raise ConfigError(
-            f"model.n_kv_heads={k} and tp={tp}: one must divide the other (kv heads are split over "
-            "tensor, or replicated when fewer than tp)"
-        )
 
 
 class Local:

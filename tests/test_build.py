@@ -36,7 +36,7 @@ def test_batch_layout(mesh, sets, layout):
 def test_batch_layout_errors(mesh, sets, message):
     cfg = small_config(mesh, *sets)
     with pytest.raises(ConfigError) as err:
-        batch_layout(cfg, build_mesh(cfg.parallel))
+        abstract(cfg, build_mesh(cfg.parallel))
     assert message in str(err.value)
 
 

@@ -75,8 +75,8 @@ def test_column_then_row_equals_the_dense_matmuls(tp, sequence_parallel):
         ("tp=4", [OVERLAP], "add --set parallel.sequence_parallel=true"),
         ("tp=4", [OVERLAP, SP, "parallel.tp_impl=gspmd"], "set parallel.tp_impl=shard_map"),
         ("sp=2,tp=4", [SP], "drop sp from --mesh or the flag"),
-        ("tp=4", ["model.n_heads=6", "model.n_kv_heads=2"], "model.n_heads: dimension 'heads' of size 6"),
-        ("tp=2", ["model.n_heads=9", "model.n_kv_heads=3", "model.d_ff=128"], "model.n_kv_heads=3 and tp=2"),
+        ("tp=4", ["model.n_heads=6", "model.n_kv_heads=2"], "model.n_heads=6 is not divisible by tp=4"),
+        ("tp=2", ["model.n_heads=6", "model.n_kv_heads=3", "model.d_ff=128"], "model.n_kv_heads=3 and tp=2"),
         ("tp=2", ["parallel.tp_impl=megatron"], "choose one of shard_map, gspmd"),
     ],
 )

@@ -110,7 +110,7 @@ class Shape:
 
 
 def shape(cfg: RunConfig, sizes: dict[str, int]) -> Shape:
-    """Under a pipeline the microbatches are `parallel.microbatches` (default pp; pipeline.check
+    """Under a pipeline the microbatches are `parallel.microbatches` (default pp; sharding/checks.py
     refuses train.micro_batch_size there); otherwise k = the rank's batch / micro_batch_size."""
     t = cfg.train
     ranks = sizes["data"] * sizes["fsdp"]

@@ -1,12 +1,13 @@
 """Search the meshes of a GPU count with the analytic model (tools/estimate.py).
 
 Candidates: every (pp, dp, fsdp, sp, tp) whose product is the GPU count, with tp and sp·tp
-inside one node (<= 8), tp dividing the heads (and F, V), sp dividing L, pp dividing the layers,
-and dp·fsdp dividing the global batch. For each, the microbatch is the largest that fits the
-GPU's memory (fewest microbatches: least per-microbatch overhead); under a pipeline, 1f1b with
-the microbatch count (at least pp) of the shortest fitting step. A
-mesh for which not even one sequence per microbatch fits is rejected, never ranked. The rest are ranked by the estimated step time with communication
-overlapped (ties: not overlapped). Nothing is compiled here; `tools.plan --search` compiles
+inside one node (<= 8), that the step itself accepts (sharding/checks.py: tp dividing the heads,
+F and V, sp dividing L, pp dividing the layers, dp·fsdp dividing the global batch, ...). For
+each, the microbatch is the largest that fits the GPU's memory (fewest microbatches: least
+per-microbatch overhead); under a pipeline, 1f1b with the microbatch count (at least pp) of the
+shortest fitting step. A mesh for which not even one sequence per microbatch fits is rejected,
+never ranked. The rest are ranked by the estimated step time with communication overlapped
+(ties: not overlapped). Nothing is compiled here; `tools.plan --search` compiles
 the top 3 to confirm their memory.
 """
 
@@ -15,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from configs.base import RunConfig
+from configs.base import ConfigError, RunConfig
+from sharding.checks import check_run
 from sharding.mesh import AXES
 from tools.estimate import GPU, GPUS_PER_NODE, memory, shape, step_time
 
@@ -25,14 +27,20 @@ def divisors(n: int) -> list[int]:
 
 
 def valid(cfg: RunConfig, sizes: dict[str, int]) -> bool:
-    """The shape rules the step enforces (sharding/, training/build.py), checked without jax."""
-    m, t = cfg.model, cfg.train
-    tp, sp = sizes["tensor"], sizes["sequence"]
-    kv_ok = m.n_kv_heads % tp == 0 or tp % m.n_kv_heads == 0
-    return (tp * sp <= GPUS_PER_NODE and m.n_heads % tp == 0 and kv_ok and m.d_ff % tp == 0
-            and m.vocab_size % tp == 0 and t.seq_len % (sp * tp) == 0 and m.n_layers % sizes["stage"] == 0
-            and t.global_batch_size % (sizes["data"] * sizes["fsdp"]) == 0
-            and m.d_model % sizes["fsdp"] == 0)
+    """Whether the step accepts cfg on `sizes` in the form the search runs it (the micro batch,
+    or a pipeline's 1f1b microbatches, chosen later by `fit`), with tp·sp inside one node."""
+    if sizes["stage"] > 1:
+        trial = dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, micro_batch_size=0),
+            parallel=dataclasses.replace(cfg.parallel, schedule="1f1b", microbatches=sizes["stage"],
+                                         virtual_stages=1, tp_overlap=False))
+    else:
+        trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=0))
+    try:
+        check_run(trial, sizes)
+    except ConfigError:
+        return False
+    return sizes["tensor"] * sizes["sequence"] <= GPUS_PER_NODE
 
 
 def meshes(cfg: RunConfig, gpus: int) -> list[dict[str, int]]:
@@ -67,7 +75,7 @@ def fit_pipeline(cfg: RunConfig, sizes: dict[str, int], gpu: GPU, per_rank: int)
     fitting step: more microbatches shrink the bubble and the stash. 1f1b because its memory
     estimate holds against XLA (0.8-1.3x on CPU, tiny and 125m, pp=2 and 4) while gpipe's is
     up to 2x low (tools/estimate.py); 1f1b refuses tp_overlap, so the search turns it off. The
-    microbatches are the accumulation (pipeline.check): train.micro_batch_size is 0."""
+    microbatches are the accumulation (sharding/checks.py): train.micro_batch_size is 0."""
     best: tuple[float, RunConfig] | None = None
     for m in divisors(per_rank):
         if m < sizes["stage"]:

@@ -17,10 +17,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-import pipeline
-from configs.base import ConfigError, RunConfig
+from configs.base import RunConfig
 from model.transformer import Transformer, count_params
-from sharding import tensor_parallel
+from sharding.checks import check_run, microbatches
 from sharding.rules import data_sharding, param_shardings
 from sharding.tensor_parallel import TensorParallel
 from training.data import Batches, load_tokens
@@ -29,32 +28,13 @@ from training.step import TrainState, make_train_step
 
 
 def batch_layout(cfg: RunConfig, mesh: Mesh) -> tuple[int, int]:
-    """(k microbatches, b sequences per microbatch) for one optimizer step (k = M with pp > 1)."""
+    """(k microbatches, b sequences per microbatch) of one optimizer step, global over the
+    batch axes (k = M with pp > 1); sharding/checks.py has already refused what does not divide."""
     t, sizes = cfg.train, dict(mesh.shape)
     ranks = sizes["data"] * sizes["fsdp"]
-    if t.global_batch_size % ranks:
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by dp*fsdp={ranks}: "
-            "change the batch size or the --mesh"
-        )
     per_rank = t.global_batch_size // ranks
-    if sizes["stage"] > 1:  # the pipeline's M microbatches: [M, b, L]
-        m = pipeline.microbatches(cfg, sizes["stage"])
-        if per_rank % m:
-            raise ConfigError(
-                f"parallel.microbatches={m} does not divide the {per_rank} sequences per "
-                f"data-parallel rank (global_batch_size {t.global_batch_size} / dp*fsdp {ranks})"
-            )
-        return m, per_rank // m * ranks
-    micro = t.micro_batch_size or per_rank
-    if per_rank % micro:
-        raise ConfigError(
-            f"train.micro_batch_size={micro} does not divide the {per_rank} sequences per "
-            f"data-parallel rank (global_batch_size {t.global_batch_size} / dp*fsdp {ranks})"
-        )
-    if t.seq_len % sizes["sequence"]:
-        raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by sp={sizes['sequence']}")
-    return per_rank // micro, micro * ranks
+    k = microbatches(cfg, sizes["stage"]) if sizes["stage"] > 1 else per_rank // (t.micro_batch_size or per_rank)
+    return k, per_rank // k * ranks
 
 
 def state_shardings(abstract: TrainState, mesh: Mesh) -> TrainState:
@@ -105,9 +85,8 @@ def abstract(cfg: RunConfig, mesh: Mesh) -> Abstract:
     Call outside `jax.set_mesh`: nnx.eval_shape would otherwise apply the logical names as
     mesh axes.
     """
-    pipeline.check(cfg, dict(mesh.shape))
+    check_run(cfg, dict(mesh.shape))
     k, b = batch_layout(cfg, mesh)
-    tensor_parallel.check(cfg, dict(mesh.shape))
     tx, schedule = make_optimizer(cfg.train), lr_schedule(cfg.train)
 
     def init() -> tuple[nnx.GraphDef, TrainState]:

@@ -1,0 +1,146 @@
+"""Whether a config can run on a mesh: every shape and combination rule, in one place, no jax.
+
+`check_run(cfg, sizes)` is called by `training.build.abstract` (so by every entry point that
+builds a step), by `cli.run_config` as soon as the mesh sizes are known (before jax is
+imported), and by `tools.search` for every candidate mesh, so what the planner ranks is what
+the step accepts. Each rule raises a ConfigError that names the field or flag and the fix.
+Values alone (positive sizes, known dtypes and choices) are `configs.checks.check_values`,
+which check_run runs first.
+
+Rules, by what they protect:
+  model        heads a multiple of kv heads (GQA groups); an even head dim (rotary pairs)
+  batch        dp·fsdp divides the global batch; the micro batch (or, under a pipeline, the
+               microbatch count) divides each rank's share; sp divides L
+  tensor       tp divides the heads, F and V; kv heads divide or are divided by tp (shard_map);
+               sequence parallelism and overlap need tp > 1 and L divisible by tp, no sp, and
+               (overlap) shard_map with sequence parallelism
+  fsdp         fsdp divides D (weights are split on `embed`)
+  pipeline     pp·V divides the layers; at least pp microbatches, a multiple of pp when
+               interleaved; virtual stages only with interleaved; no train.micro_batch_size
+               (the microbatches are the accumulation); no tp_overlap under 1f1b
+"""
+
+from __future__ import annotations
+
+from configs.base import ConfigError, ModelConfig, RunConfig
+from configs.checks import check_values
+
+
+def check_run(cfg: RunConfig, sizes: dict[str, int]) -> None:
+    """Every rule for `cfg` on a mesh of `sizes` ({axis: size}, no -1 left)."""
+    check_values(cfg)
+    check_model(cfg.model)
+    check_batch(cfg, sizes)
+    check_tensor(cfg, sizes)
+    check_pipeline(cfg, sizes)
+
+
+def check_model(m: ModelConfig) -> None:
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}")
+    if m.head_dim % 2:
+        raise ConfigError(f"model.head_dim={m.head_dim} must be even (rotary embedding pairs)")
+
+
+def microbatches(cfg: RunConfig, p: int) -> int:
+    """M under a pipeline of p stages: `parallel.microbatches`, or p when it is 0."""
+    return cfg.parallel.microbatches or p
+
+
+def check_batch(cfg: RunConfig, sizes: dict[str, int]) -> None:
+    t = cfg.train
+    ranks = sizes["data"] * sizes["fsdp"]
+    if t.global_batch_size % ranks:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by dp*fsdp={ranks}: "
+            "change the batch size or the --mesh"
+        )
+    per_rank = t.global_batch_size // ranks
+    if sizes["stage"] > 1:
+        m = microbatches(cfg, sizes["stage"])
+        if per_rank % m:
+            raise ConfigError(
+                f"parallel.microbatches={m} does not divide the {per_rank} sequences per "
+                f"data-parallel rank (global_batch_size {t.global_batch_size} / dp*fsdp {ranks})"
+            )
+    elif per_rank % (t.micro_batch_size or per_rank):
+        raise ConfigError(
+            f"train.micro_batch_size={t.micro_batch_size} does not divide the {per_rank} sequences per "
+            f"data-parallel rank (global_batch_size {t.global_batch_size} / dp*fsdp {ranks})"
+        )
+    if t.seq_len % sizes["sequence"]:
+        raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by sp={sizes['sequence']}")
+
+
+def check_tensor(cfg: RunConfig, sizes: dict[str, int]) -> None:
+    p, m, tp = cfg.parallel, cfg.model, sizes["tensor"]
+    for field, value in (("n_heads", m.n_heads), ("d_ff", m.d_ff), ("vocab_size", m.vocab_size)):
+        if value % tp:
+            raise ConfigError(f"model.{field}={value} is not divisible by tp={tp}: change it or the --mesh")
+    if m.d_model % sizes["fsdp"]:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by fsdp={sizes['fsdp']}: change it or the --mesh")
+    flag = "tp_overlap" if p.tp_overlap else "sequence_parallel"
+    if p.sequence_parallel or p.tp_overlap:
+        if tp == 1:
+            raise ConfigError(f"parallel.{flag}=true needs a tensor axis: add tp=2 or more to --mesh")
+        if cfg.train.seq_len % tp:
+            raise ConfigError(
+                f"train.seq_len={cfg.train.seq_len} is not divisible by tp={tp}: parallel.{flag} "
+                f"splits L over the tensor axis; use a multiple of {tp}"
+            )
+    if p.sequence_parallel and sizes["sequence"] > 1:
+        raise ConfigError(
+            f"parallel.sequence_parallel=true with sp={sizes['sequence']}: L cannot be split over "
+            "both sequence (context parallelism) and tensor here; drop sp from --mesh or the flag"
+        )
+    if p.tp_overlap and p.tp_impl != "shard_map":
+        raise ConfigError("parallel.tp_overlap=true is written with shard_map: set parallel.tp_impl=shard_map")
+    if p.tp_overlap and not p.sequence_parallel:
+        raise ConfigError(
+            "parallel.tp_overlap=true overlaps sequence parallelism's all-gather and reduce-scatter "
+            "with the matmuls: add --set parallel.sequence_parallel=true"
+        )
+    k = m.n_kv_heads
+    if p.tp_impl == "shard_map" and k % tp and tp % k:
+        raise ConfigError(
+            f"model.n_kv_heads={k} and tp={tp}: one must divide the other (kv heads are split over "
+            "tensor, or replicated when fewer than tp)"
+        )
+
+
+def check_pipeline(cfg: RunConfig, sizes: dict[str, int]) -> None:
+    par, p = cfg.parallel, sizes["stage"]
+    v = par.virtual_stages
+    if v > 1 and par.schedule != "interleaved":
+        raise ConfigError(f"parallel.virtual_stages={v}: use 1, or more with --set parallel.schedule=interleaved")
+    if p == 1:
+        return
+    m, layers = microbatches(cfg, p), cfg.model.n_layers
+    if layers % (p * v):
+        raise ConfigError(
+            f"model.n_layers={layers} is not divisible by pp*virtual_stages={p}*{v}={p * v}: "
+            "each stage holds the same number of layers; change model.n_layers, pp or virtual_stages"
+        )
+    if m < p:
+        raise ConfigError(
+            f"parallel.microbatches={m} is fewer than the pp={p} stages: the pipeline would never "
+            f"fill; use at least {p}"
+        )
+    if par.schedule == "interleaved" and m % p:
+        raise ConfigError(
+            f"parallel.microbatches={m} with schedule=interleaved must be a multiple of pp={p} "
+            "(p microbatches travel the ring together)"
+        )
+    if par.schedule == "1f1b" and par.tp_overlap and sizes["tensor"] > 1:
+        raise ConfigError(
+            "parallel.tp_overlap=true with parallel.schedule=1f1b: the overlap rings are "
+            "collective-permutes, which XLA runs over all devices at once, while 1f1b's stages run "
+            "different cells each tick, so a ring would wait for stages that never join it; set "
+            "parallel.tp_overlap=false, or use parallel.schedule=gpipe|interleaved"
+        )
+    if cfg.train.micro_batch_size:
+        raise ConfigError(
+            f"train.micro_batch_size={cfg.train.micro_batch_size} with pp={p}: the pipeline's "
+            "microbatches are the gradient accumulation; set train.micro_batch_size=0 and "
+            "choose parallel.microbatches"
+        )

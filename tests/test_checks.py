@@ -1,0 +1,62 @@
+"""sharding/checks.py: one jax-free home for the shape rules, which the search and the step share."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from configs import ConfigError
+from conftest import ROOT, small_config
+from sharding.checks import check_run
+from sharding.mesh import AXES, build_mesh
+from tools.search import meshes, valid
+from training.build import abstract
+
+
+def test_checks_import_no_jax():
+    code = "import sys, sharding.checks, cli, tools.search; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_search_ranks_exactly_the_meshes_the_step_accepts():
+    """Every mesh of 8 devices: tools.search.valid says yes iff training.build.abstract builds it
+    (with the settings the search would run it with)."""
+    cfg = small_config("", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "train.seq_len=24")
+    accepted = {tuple(s.values()) for s in meshes(cfg, 8)}
+    for sizes in ({a: n for a, n in zip(AXES, combo)} for combo in _all_meshes(8)):
+        run = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **sizes))
+        if sizes["stage"] > 1:
+            run = dataclasses.replace(run, parallel=dataclasses.replace(
+                run.parallel, schedule="1f1b", microbatches=sizes["stage"]))
+        try:
+            abstract(run, build_mesh(run.parallel))
+            builds = True
+        except ConfigError:
+            builds = False
+        assert builds == (tuple(sizes.values()) in accepted) == valid(cfg, sizes), sizes
+
+
+def _all_meshes(n: int):
+    def split(rest: int, axes: int):
+        if axes == 1:
+            yield (rest,)
+            return
+        for d in (d for d in range(1, rest + 1) if rest % d == 0):
+            for tail in split(rest // d, axes - 1):
+                yield (d, *tail)
+    return split(n, len(AXES))
+
+
+@pytest.mark.parametrize("sets, sizes, message", [
+    (["model.n_heads=6", "model.n_kv_heads=4"], {}, "model.n_heads=6 is not a multiple of model.n_kv_heads=4"),
+    (["model.head_dim=7"], {}, "model.head_dim=7 must be even"),
+    (["model.d_model=60"], {"fsdp": 8}, "model.d_model=60 is not divisible by fsdp=8"),
+    (["train.micro_batch_size=2"], {"stage": 2, "data": 4}, "train.micro_batch_size=2 with pp=2"),
+    (["parallel.virtual_stages=2"], {}, "use 1, or more with --set parallel.schedule=interleaved"),
+])
+def test_rules_name_the_field(sets, sizes, message):
+    cfg = small_config("", *sets)
+    with pytest.raises(ConfigError, match=message):
+        check_run(cfg, {a: 1 for a in AXES} | sizes)
