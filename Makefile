@@ -1,7 +1,10 @@
 # make run   install (first time) and train the tiny preset on this machine's CPU
 # make test  install (first time) and run the test suite on 8 fake CPU devices
+# make gpu-check              the GPU check (bench/gpu.py) with the venv's python
+# make gpu-check PY=python    the same with an installed python (GPU machine: pip install -e . --no-deps)
 PYTHON ?= python3
 VENV ?= .venv
+PY ?=
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,4 +20,8 @@ run: install
 test: install
 	$(VENV)/bin/python -m pytest -q
 
-.PHONY: install run test
+# PY given: no venv, that interpreter as it is; otherwise the venv (installed first).
+gpu-check: $(if $(PY),,install)
+	$(if $(PY),$(PY),$(VENV)/bin/python) -m bench.gpu
+
+.PHONY: install run test gpu-check
