@@ -1,6 +1,6 @@
 """`make gpu-check`: one command that says what this NVIDIA GPU machine does with meshtrain.
 
-  python -m bench.gpu                      # GPU: all stages, about 8 minutes on one H100
+  python -m bench.gpu                      # GPU: all stages, budgeted at 8 minutes on one H100
   python -m bench.gpu --stages ceilings,attention --out /tmp/g.json
   python -m bench.gpu --cpu-smoke          # CPU: the same pipeline at tiny shapes (a test)
 
@@ -26,6 +26,8 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
                tools/trace_summary.py (scopes) and here by op kind: top ops, and the
                fractions in attention kernels, matmuls, collectives, elementwise/other (~60 s)
 
+Stage times above are estimates (nothing here has run on a GPU yet). --budget (default 480 s)
+is checked before each stage: a stage that would start after it is recorded as skipped.
 Each stage runs inside try/except: an error is recorded as {"error": ...} under its name and
 the next stage runs; the JSON is rewritten after every stage, so a run cut short keeps what it
 measured. Timing: compile and run once, then the median of several timed runs, each waited
@@ -115,6 +117,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {','.join(STAGES)}")
     p.add_argument("--out", type=Path, help="JSON report (default bench/results/gpu-<device>-<date>.json)")
     p.add_argument("--profile-dir", type=Path, help="where the profile stage's run goes (default runs/<out stem>-profile)")
+    p.add_argument("--budget", type=float, default=480, help="seconds; later stages are skipped (default 480)")
     p.add_argument("--cpu-smoke", action="store_true", help="run every stage on CPU at tiny shapes (proves the script)")
     args = p.parse_args(argv)
     args.stages = [s for s in args.stages.split(",") if s]
@@ -492,8 +495,8 @@ def run_stage(name: str, sizes: Sizes, args: argparse.Namespace) -> dict:
 
 def summary_lines(name: str, r: dict) -> list[str]:
     """The short printed table of one stage."""
-    if "error" in r:
-        return [f"    error: {r['error']}"]
+    if "error" in r or "skipped" in r:
+        return [f"    error: {r['error']}" if "error" in r else f"    skipped: {r['skipped']}"]
     if name == "environment":
         return [f"    {r['device_count']} x {r['device_kind']} ({r['backend']}), jax {r['versions']['jax']}, "
                 f"cuda {r['cuda_versions']}"]
@@ -557,7 +560,11 @@ def main(argv: list[str]) -> int:
         print(f"[{time.perf_counter() - start:6.1f} s] {name} ...", flush=True)
         if name == "profile" and args.profile_dir is None:
             args.profile_dir = Path("runs") / f"{out.stem}-profile"
-        result = run_stage(name, sizes, args)
+        elapsed = time.perf_counter() - start
+        if elapsed > args.budget:
+            result = {"skipped": f"{elapsed:.0f} s elapsed, over the --budget of {args.budget:.0f} s", "elapsed_s": 0.0}
+        else:
+            result = run_stage(name, sizes, args)
         report["stages"][name] = result
         out = out or default_out(result, args.cpu_smoke)
         save(report, out)
