@@ -116,7 +116,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {','.join(STAGES)}")
     p.add_argument("--out", type=Path, help="JSON report (default bench/results/gpu-<device>-<date>.json)")
-    p.add_argument("--profile-dir", type=Path, help="where the profile stage's run goes (default runs/<out stem>-profile)")
+    p.add_argument("--profile-dir", type=Path,
+                   help="where the profile stage's run goes (default runs/<out stem>-profile)")
     p.add_argument("--budget", type=float, default=480, help="seconds; later stages are skipped (default 480)")
     p.add_argument("--cpu-smoke", action="store_true", help="run every stage on CPU at tiny shapes (proves the script)")
     args = p.parse_args(argv)
@@ -328,7 +329,8 @@ def stage_attention(sizes: Sizes) -> dict:
     for length in sizes.bench_lengths:
         for core in CORES:
             if core == "cudnn" and jax.default_backend() != "gpu":
-                rows.append({"core": core, "causal": True, "length": length, "head_dim": h, "status": "unavailable on cpu"})
+                rows.append({"core": core, "causal": True, "length": length, "head_dim": h,
+                             "status": "unavailable on cpu"})
                 continue
             row = measure(core, True, length, h, ns)
             if peak and "forward_tflops" in row:
@@ -519,7 +521,8 @@ def summary_lines(name: str, r: dict) -> list[str]:
         return [f"    {x['preset']:<5}remat={x['remat']:<5}" + (
             f"{x['tokens_per_s']:>12,.0f} tok/s {x['tflops_per_device']:8.4g} TFLOP/s/dev"
             + (f" MFU {100 * x['mfu']:.1f}%" if x["mfu"] else "")
-            + (f" peak {x['peak_memory_bytes_per_device'] / 2**30:.1f} GiB" if x["peak_memory_bytes_per_device"] else "")
+            + (f" peak {x['peak_memory_bytes_per_device'] / 2**30:.1f} GiB"
+               if x["peak_memory_bytes_per_device"] else "")
             if x["status"] == "ok" else f"{x['status']}: {x['error']}") for x in r["rows"]]
     if name == "profile":
         return [f"    {k:<18}{100 * v:5.1f}%" for k, v in sorted(r["ops"]["fractions"].items(), key=lambda kv: -kv[1])]
