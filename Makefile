@@ -1,11 +1,14 @@
 # make run   install (first time) and train the tiny preset on this machine's CPU
 # make test  install (first time) and run the test suite on 8 fake CPU devices
+# make gpu-check              the GPU check (bench/gpu.py) with the venv's python
+# make gpu-check PY=python    the same with an installed python (GPU machine: pip install -e . --no-deps)
 # PYTHON picks the interpreter, VENV the folder, PIP_PINS extra requirements (e.g. the jax floor):
 #   make test PYTHON=python3.12 VENV=.venv-newest           newest jax (needs Python >= 3.12)
 #   make test PIP_PINS="jax==0.10.2 jaxlib==0.10.2"         the oldest jax meshtrain supports
 PYTHON ?= python3
 VENV ?= .venv
 PIP_PINS ?=
+PY ?=
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,4 +25,8 @@ test: install
 	$(VENV)/bin/python -c "import jax, sys; print(f'python {sys.version.split()[0]}, jax {jax.__version__}')"
 	$(VENV)/bin/python -m pytest -q
 
-.PHONY: install run test
+# PY given: no venv, that interpreter as it is; otherwise the venv (installed first).
+gpu-check: $(if $(PY),,install)
+	$(if $(PY),$(PY),$(VENV)/bin/python) -m bench.gpu
+
+.PHONY: install run test gpu-check

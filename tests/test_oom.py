@@ -31,8 +31,8 @@ def _apply(cfg, suggestion: str, sizes: dict):
     "preset, sets, mesh, fix",
     [
         ("125m", ["model.remat=none"], ONE, "--set model.remat=full"),
-        ("llama3-8b", ["model.remat=full"], ONE | {"fsdp": 8}, "--set train.micro_batch_size="),
-        ("llama3-8b", ["model.remat=full"], ONE | {"data": 8}, "--mesh "),
+        ("llama3-8b", ["train.micro_batch_size=0"], ONE | {"fsdp": 8}, "--set train.micro_batch_size="),
+        ("llama3-8b", ["train.micro_batch_size=0"], ONE | {"data": 8}, "--mesh "),
     ],
 )
 def test_advice_names_a_change_that_fits(preset, sets, mesh, fix):

@@ -20,12 +20,12 @@ from tools.estimate import GPUS, memory
 from tools.search import fit, search, settings
 
 GiB = 2**30
-MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
+MARKERS = ("resource_exhausted", "out of memory")
 
 
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether `error` is a device allocation failure reported by XLA."""
-    text = str(error)
+    text = str(error).lower()
     return any(m in text for m in MARKERS)
 
 

@@ -1,0 +1,580 @@
+"""`make gpu-check`: one command that says what this NVIDIA GPU machine does with meshtrain.
+
+  python -m bench.gpu                      # GPU: all stages, budgeted at 8 minutes on one H100
+  python -m bench.gpu --stages ceilings,attention --out /tmp/g.json
+  python -m bench.gpu --cpu-smoke          # CPU: the same pipeline at tiny shapes (a test)
+
+Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
+  environment  device name/count, driver/CUDA/cuDNN as jax reports them, jax/jaxlib/flax
+               versions, XLA/JAX/NCCL/CUDA env vars, jax.print_environment_info()   (~5 s)
+  ceilings     bf16 8192^3 matmul TFLOP/s, and a 1 GiB fp32 `x + 1` pass as the copy
+               bandwidth (GB/s, read + write counted); both as fractions of the datasheet
+               peak (training/metrics.py)                                         (~15 s)
+  correctness  pallas and cudnn cores against the xla core, out and dq/dk/dv, bf16 and fp32,
+               causal GQA (N=8, K=2, H=128), L = 1024, 4096 and a ragged 1500, with the
+               tolerances of tests/test_flash_attention.py; fp32 cases run under
+               jax.default_matmul_precision('highest') so TF32 does not stand in for fp32
+               (cuDNN's fused attention takes fp16/bf16 only: its fp32 cases are 'n/a');
+               then one train step of the tiny preset per core, loss against xla's  (~90 s)
+  attention    bench/attention.py `measure` for pallas, cudnn, xla at H=128, N=32, K=8,
+               L = 2k, 4k, 8k, causal, bf16: forward and forward+backward TFLOP/s (causal
+               FLOPs halved), also as fractions of the matmul ceiling and the peak   (~90 s)
+  training     bench/step.py `measure_steps` for 125m and 1b (attention=cudnn), remat full
+               then none, dp over every GPU: tokens/s, TFLOP/s per device, MFU, peak memory;
+               an out-of-memory case is recorded as "oom" and the run goes on     (~3 min)
+  profile      three steps of 1b with steps 2..3 traced (training/profiling.py), summed by
+               tools/trace_summary.py (scopes) and here by op kind: top ops, and the
+               fractions in attention kernels, matmuls, collectives, elementwise/other (~60 s)
+
+Stage times above are estimates (nothing here has run on a GPU yet). --budget (default 480 s)
+is checked before each stage: a stage that would start after it is recorded as skipped.
+Each stage runs inside try/except: an error is recorded as {"error": ...} under its name and
+the next stage runs; the JSON is rewritten after every stage, so a run cut short keeps what it
+measured. Timing: compile and run once, then the median of several timed runs, each waited
+for with jax.block_until_ready. All stages share one process, so `peak_memory_bytes_per_device`
+(memory_stats) is the process's peak so far: training cases run smallest first, and XLA's
+static memory analysis of each step is recorded beside it.
+
+Without a GPU (and without --cpu-smoke) it prints one line and exits 0. --cpu-smoke runs on
+CPU, pallas interpreted, cudnn recorded as "unavailable on cpu": its figures prove the script,
+not any hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import os
+import re
+import shlex
+import statistics
+import time
+import traceback
+from collections import defaultdict
+from pathlib import Path
+
+from cli import run_cli
+from configs import ConfigError
+from sharding.xla_flags import with_flags
+from tools.oom import is_out_of_memory
+
+STAGES = ("environment", "ceilings", "correctness", "attention", "training", "profile")
+CORES = ("pallas", "cudnn", "xla")
+# The tolerances of tests/test_flash_attention.py: max |core - xla| / max |xla| per output.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+ENV_PREFIXES = ("XLA_", "JAX_", "NCCL_", "CUDA_", "TF_", "NVIDIA_")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Every shape the stages use; GPU and SMOKE below."""
+
+    matmul_n: int
+    copy_bytes: int
+    timed_runs: int
+    check_lengths: tuple[int, ...]
+    check_heads: tuple[int, int, int]  # N, K, H
+    tiny_sets: tuple[str, ...]  # overrides of the tiny preset for the per-core train step
+    bench_lengths: tuple[int, ...]
+    bench_heads: tuple[int, int, int]  # N, K, H
+    bench_tokens: int
+    train_cases: tuple[tuple[str, str, tuple[str, ...]], ...]  # (preset, remat, overrides)
+    train_core: str
+    train_steps: int
+    profile_case: tuple[str, tuple[str, ...]]
+
+
+def _batch(micro: int, accum: int, seq: int) -> tuple[str, ...]:
+    """Overrides for `micro` sequences per device per microbatch, `accum` microbatches, weak
+    scaling over the devices (the global batch is filled in per device count, see `case_config`)."""
+    return (f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * accum}",
+            f"train.seq_len={seq}", "data.source=synthetic")
+
+
+GPU = Sizes(
+    matmul_n=8192, copy_bytes=2**30, timed_runs=10,
+    check_lengths=(1024, 4096, 1500), check_heads=(8, 2, 128), tiny_sets=(),
+    bench_lengths=(2048, 4096, 8192), bench_heads=(32, 8, 128), bench_tokens=16384,
+    train_cases=(("125m", "full", _batch(16, 2, 1024)), ("125m", "none", _batch(16, 2, 1024)),
+                 ("1b", "full", _batch(8, 2, 2048)), ("1b", "none", _batch(8, 2, 2048))),
+    train_core="cudnn", train_steps=5,
+    profile_case=("1b", _batch(8, 2, 2048)),
+)
+_TINY = ("model.n_layers=2", "train.seq_len=64", "train.global_batch_size=8")
+SMOKE = Sizes(
+    matmul_n=256, copy_bytes=2**22, timed_runs=3,
+    check_lengths=(128, 100), check_heads=(4, 2, 32), tiny_sets=_TINY,
+    bench_lengths=(128,), bench_heads=(4, 2, 32), bench_tokens=256,
+    train_cases=(("tiny", "full", _TINY + _batch(4, 2, 64)), ("tiny", "none", _TINY + _batch(4, 2, 64))),
+    train_core="xla", train_steps=2,
+    profile_case=("tiny", _TINY + _batch(4, 2, 64)),
+)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {','.join(STAGES)}")
+    p.add_argument("--out", type=Path, help="JSON report (default bench/results/gpu-<device>-<date>.json)")
+    p.add_argument("--profile-dir", type=Path,
+                   help="where the profile stage's run goes (default runs/<out stem>-profile)")
+    p.add_argument("--budget", type=float, default=480, help="seconds; later stages are skipped (default 480)")
+    p.add_argument("--cpu-smoke", action="store_true", help="run every stage on CPU at tiny shapes (proves the script)")
+    args = p.parse_args(argv)
+    args.stages = [s for s in args.stages.split(",") if s]
+    if not args.stages or set(args.stages) - set(STAGES):
+        raise ConfigError(f"--stages {','.join(args.stages)!r}: choose from {','.join(STAGES)}")
+    return args
+
+
+# --- timing -------------------------------------------------------------------------------------
+
+def median_seconds(fn, args: tuple, runs: int, inner: int = 1) -> float:
+    """Compile and run once; then `runs` times: `inner` calls back to back, waited for; the median
+    per call. (inner > 1 hides the host's wait for short kernels such as one matmul.)"""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / inner)
+    return statistics.median(times)
+
+
+def _error(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:500]
+
+
+# --- stage 1: environment -----------------------------------------------------------------------
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 -- a missing piece is reported, never fatal
+        return f"unavailable: {_error(err)}"
+
+
+def cuda_versions() -> dict:
+    """CUDA runtime/driver and cuDNN versions as jaxlib reports them (None off CUDA builds)."""
+    from jax._src import lib
+
+    cv = getattr(lib, "cuda_versions", None)
+    if cv is None:
+        return {"cuda": "unavailable: jaxlib has no CUDA plugin loaded"}
+    names = ("cuda_runtime_get_version", "cuda_driver_get_version", "cudnn_get_version",
+             "cufft_get_version", "cusolver_get_version", "cublas_get_version", "cusparse_get_version")
+    return {n.removesuffix("_get_version"): _try(getattr(cv, n)) if hasattr(cv, n) else "unavailable"
+            for n in names}
+
+
+def stage_environment(sizes: Sizes) -> dict:
+    import jax
+    import numpy as np
+
+    from bench.step import environment
+    from training.metrics import peak_flops
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("device",))
+    device = jax.devices()[0]
+    peak = peak_flops(device)
+    return environment(mesh) | {
+        "devices": [str(d) for d in jax.devices()],
+        "compute_capability": getattr(device, "compute_capability", None),
+        "datasheet_bf16_tflops": peak / 1e12 if peak else None,
+        "cuda_versions": cuda_versions(),
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
+        "jax_environment_info": _try(lambda: jax.print_environment_info(return_string=True)),
+    }
+
+
+# --- stage 2: ceilings --------------------------------------------------------------------------
+
+def stage_ceilings(sizes: Sizes) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from training.metrics import peak_flops
+
+    n = sizes.matmul_n
+    a, b = (jax.random.normal(k, (n, n), jnp.float32).astype(jnp.bfloat16) for k in jax.random.split(jax.random.key(0)))
+    matmul_s = median_seconds(jax.jit(jnp.matmul), (a, b), sizes.timed_runs, inner=10)
+    x = jnp.zeros(sizes.copy_bytes // 4, jnp.float32)
+    copy_s = median_seconds(jax.jit(lambda x: x + 1), (x,), sizes.timed_runs, inner=10)
+    tflops, peak = 2 * n**3 / matmul_s / 1e12, peak_flops(jax.devices()[0])
+    return {
+        "matmul": f"bf16 [{n},{n}] @ [{n},{n}], 2*n^3 FLOPs, random normal data",
+        "matmul_ms": matmul_s * 1e3, "matmul_tflops": tflops,
+        "matmul_fraction_of_peak": tflops * 1e12 / peak if peak else None,
+        "copy": f"fp32 x + 1 over {sizes.copy_bytes} bytes: read + write counted",
+        "copy_ms": copy_s * 1e3, "copy_gbps": 2 * sizes.copy_bytes / copy_s / 1e9,
+    }
+
+
+# --- stage 3: correctness -----------------------------------------------------------------------
+
+def _out_and_grads(core, q, k, v, d_out):
+    import jax
+
+    out, vjp = jax.vjp(core, q, k, v)
+    return (out, *vjp(d_out))
+
+
+def relative_errors(got, want) -> dict:
+    """max |got - want| / max |want| (floored at 1e-3) for out, dq, dk, dv; inf if non-finite."""
+    import numpy as np
+
+    errors = {}
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        errors[name] = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-3)) if np.isfinite(a).all() else float("inf")
+    return errors
+
+
+def check_core(core: str, dtype: str, length: int, heads: tuple[int, int, int]) -> dict:
+    """One point: `core` against xla on causal GQA attention, value and gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.attention import core_fn
+
+    row = {"core": core, "dtype": dtype, "length": length, "heads": heads[0], "kv_heads": heads[1],
+           "head_dim": heads[2], "causal": True, "tolerance": TOLERANCE[dtype]}
+    if core == "cudnn" and jax.default_backend() != "gpu":
+        return row | {"status": "unavailable on cpu"}
+    if core == "cudnn" and dtype == "float32":
+        return row | {"status": "n/a: cuDNN fused attention takes fp16/bf16 only"}
+    n, kv, h = heads
+    keys = jax.random.split(jax.random.key(length), 4)
+    shapes = [(1, length, n, h), (1, length, kv, h), (1, length, kv, h), (1, length, n, h)]
+    q, k, v, d_out = (jax.random.normal(key, s, jnp.float32).astype(dtype) for key, s in zip(keys, shapes))
+    try:
+        with jax.default_matmul_precision("highest" if dtype == "float32" else "default"):
+            want = jax.jit(lambda *a: _out_and_grads(core_fn("xla", True), *a))(q, k, v, d_out)
+            got = jax.jit(lambda *a: _out_and_grads(core_fn(core, True), *a))(q, k, v, d_out)
+        errors = relative_errors(got, want)
+    except Exception as err:  # noqa: BLE001
+        return row | {"status": "error", "error": _error(err)}
+    return row | {"errors": errors, "status": "pass" if max(errors.values()) < TOLERANCE[dtype] else "fail"}
+
+
+def train_one_step(core: str, sizes: Sizes) -> dict:
+    """One optimizer step of the tiny preset with model.attention=core: loss and grad norm."""
+    import jax
+
+    from configs import apply_overrides, get_preset
+    from sharding.mesh import build_mesh
+    from training.build import build
+
+    cfg = apply_overrides(get_preset("tiny"), [*sizes.tiny_sets, f"model.attention={core}"])
+    mesh = build_mesh(cfg.parallel, jax.devices()[:1])
+    job = build(cfg, mesh)
+    with jax.set_mesh(mesh):
+        _, metrics = job.step_fn(job.state, job.batches(0))
+    return {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+            "compute_dtype": cfg.model.compute_dtype}
+
+
+def train_steps_check(sizes: Sizes) -> list[dict]:
+    """train_one_step for every core; each loss against xla's within the compute dtype's tolerance."""
+    import jax
+
+    rows = []
+    for core in ("xla", "pallas", "cudnn"):
+        if core == "cudnn" and jax.default_backend() != "gpu":
+            rows.append({"core": core, "status": "unavailable on cpu"})
+            continue
+        try:
+            rows.append({"core": core} | train_one_step(core, sizes))
+        except Exception as err:  # noqa: BLE001
+            rows.append({"core": core, "status": "error", "error": _error(err)})
+    ref = rows[0].get("loss")
+    for r in rows:
+        if "loss" in r and ref is not None:
+            r["loss_relative_to_xla"] = abs(r["loss"] - ref) / abs(ref)
+            ok = r["loss_relative_to_xla"] < TOLERANCE[r["compute_dtype"]] and abs(r["grad_norm"]) < float("inf")
+            r["status"] = "pass" if ok else "fail"
+    return rows
+
+
+def stage_correctness(sizes: Sizes) -> dict:
+    cases = [check_core(core, dtype, length, sizes.check_heads)
+             for dtype in ("bfloat16", "float32") for length in sizes.check_lengths for core in ("pallas", "cudnn")]
+    steps = train_steps_check(sizes)
+    judged = [r["status"] for r in cases + steps if r["status"] in ("pass", "fail", "error")]
+    return {"tolerance": TOLERANCE, "cases": cases, "train_step": steps,
+            "verdict": "pass" if judged and all(s == "pass" for s in judged) else "fail"}
+
+
+# --- stage 4: attention speed -------------------------------------------------------------------
+
+def stage_attention(sizes: Sizes) -> dict:
+    import jax
+
+    from bench.attention import measure
+    from training.metrics import peak_flops
+
+    n, kv, h = sizes.bench_heads
+    ns = argparse.Namespace(tokens=sizes.bench_tokens, heads=n, kv_heads=kv, dtype="bfloat16", steps=sizes.timed_runs)
+    peak, rows = peak_flops(jax.devices()[0]), []
+    for length in sizes.bench_lengths:
+        for core in CORES:
+            if core == "cudnn" and jax.default_backend() != "gpu":
+                rows.append({"core": core, "causal": True, "length": length, "head_dim": h,
+                             "status": "unavailable on cpu"})
+                continue
+            row = measure(core, True, length, h, ns)
+            if peak and "forward_tflops" in row:
+                row["forward_fraction_of_peak"] = row["forward_tflops"] * 1e12 / peak
+                row["forward_backward_fraction_of_peak"] = row["forward_backward_tflops"] * 1e12 / peak
+            rows.append(row)
+    return {"flops": "forward 4*B*N*L^2*H halved (causal); forward+backward 3.5x forward", "rows": rows}
+
+
+# --- stage 5: training speed --------------------------------------------------------------------
+
+def case_config(preset: str, overrides: tuple[str, ...], extra: list[str], n_devices: int):
+    """The preset with overrides; the global batch times the device count (weak scaling over dp)."""
+    from configs import apply_overrides, get_preset
+
+    cfg = apply_overrides(get_preset(preset), [*overrides, *extra])
+    return apply_overrides(cfg, [f"train.global_batch_size={cfg.train.global_batch_size * n_devices}"])
+
+
+def training_case(preset: str, remat: str, overrides: tuple[str, ...], sizes: Sizes) -> dict:
+    import jax
+
+    from bench.step import measure_steps
+    from sharding.mesh import build_mesh, mesh_config
+
+    cfg = case_config(preset, overrides, [f"model.remat={remat}", f"model.attention={sizes.train_core}"],
+                      jax.device_count())
+    row = {"preset": preset, "remat": remat, "attention": sizes.train_core, "overrides": list(overrides)}
+    try:
+        mesh = build_mesh(cfg.parallel)
+        cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
+        t = measure_steps(cfg, mesh, sizes.train_steps)
+    except Exception as err:  # noqa: BLE001 -- an OOM is a result; the next case runs
+        return row | {"status": "oom" if is_out_of_memory(err) else "error", "error": _error(err)}
+    keep = ("n_params", "batch_shape", "tokens_per_step", "compile_s", "step_time_median_s", "tokens_per_s",
+            "tflops_per_device", "mfu", "peak_memory_bytes_per_device", "memory_analysis", "loss_first", "loss_last")
+    return row | {"status": "ok", "devices": mesh.size} | {k: t[k] for k in keep}
+
+
+def stage_training(sizes: Sizes) -> dict:
+    rows = [training_case(p, r, o, sizes) for p, r, o in sizes.train_cases]
+    return {"peak_memory_note": "memory_stats peak of the whole process so far (cases run smallest first)",
+            "rows": rows}
+
+
+# --- stage 6: profile ---------------------------------------------------------------------------
+
+_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*? ([a-z][\w\-]*)\((.*)$")
+_HEAD = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{\s*$")
+# The xla core's two einsums (model/attention.py), forward and transposed.
+_XLA_CORE = ("blnh,bmnh->bnlm", "bnlm,bmnh->blnh")
+
+
+def op_kinds(hlo_text: str) -> dict[str, str]:
+    """{instruction: attention kernel | matmul | collective | elementwise/other} of compiled HLO.
+
+    Attention kernel: a cuDNN fmha or Pallas (Triton/Mosaic) custom call, or a dot of the xla
+    core's einsums. Matmul: any other dot, cuBLAS custom call, or fusion around a dot."""
+    from tools.hlo import KINDS
+
+    with_dot, lines, current = set(), [], None
+    for line in hlo_text.splitlines():
+        head, m = _HEAD.match(line), _LINE.match(line)
+        if head and " = " not in line:
+            current = head.group(1)
+        elif m:
+            lines.append((m.group(1), m.group(2), m.group(3)))
+            if m.group(2) in ("dot", "convolution"):
+                with_dot.add(current)
+    kinds = {}
+    for name, opcode, rest in lines:
+        base = re.sub(r"-(start|done|update)$", "", opcode)
+        target = re.search(r'custom_call_target="([^"]+)"', rest)
+        target = target.group(1).lower() if target else ""
+        calls = re.search(r"calls=%?([\w.\-]+)", rest)
+        dot = opcode in ("dot", "convolution") or (opcode == "fusion" and calls and calls.group(1) in with_dot)
+        if opcode in ("while", "conditional", "call"):
+            kinds[name] = "control flow"  # its event spans its body's ops: not counted
+        elif base in KINDS:
+            kinds[name] = "collective"
+        elif any(t in target for t in ("fmha", "triton", "mosaic")) or (dot and any(e in rest for e in _XLA_CORE)):
+            kinds[name] = "attention kernel"
+        elif dot or any(t in target for t in ("gemm", "matmul", "cublas")):
+            kinds[name] = "matmul"
+        else:
+            kinds[name] = "elementwise/other"
+    return kinds
+
+
+def op_breakdown(run_dir: Path, top: int = 10) -> dict:
+    """Per step and device: ms per op kind, their fractions, and the `top` ops by time. Steps are
+    counted as tools/trace_summary.py does (run ids holding at least half the most ops)."""
+    from tools.trace_summary import find_trace, hlo_ops
+
+    trace_path, hlo_path = find_trace(run_dir)
+    hlo = hlo_path.read_text()
+    kinds, scopes = op_kinds(hlo), hlo_ops(hlo)
+    events = json.load(gzip.open(trace_path))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    on_device = {pid for pid, name in names.items() if name.startswith("/device:")}
+    ops = [e for e in events if e.get("ph") == "X" and "train_step" in e.get("args", {}).get("hlo_module", "")
+           and kinds.get(e["args"].get("hlo_op"), "control flow") != "control flow"
+           and (not on_device or e["pid"] in on_device)]
+    runs = defaultdict(int)
+    for e in ops:
+        runs[e["args"].get("run_id")] += 1
+    whole = {r for r, n in runs.items() if n >= max(runs.values()) / 2}
+    ops, steps = [e for e in ops if e["args"].get("run_id") in whole], max(len(whole), 1)
+    devices = len({(e["pid"], e["args"].get("device_ordinal")) for e in ops}) or 1
+    per_op = defaultdict(float)
+    for e in ops:
+        per_op[e["args"]["hlo_op"]] += e["dur"] / 1e3 / steps / devices  # us -> ms per step per device
+    by_kind = defaultdict(float)
+    for name, ms in per_op.items():
+        by_kind[kinds[name]] += ms
+    total = sum(by_kind.values())
+    ranked = sorted(per_op.items(), key=lambda kv: -kv[1])[:top]
+    return {"steps": steps, "devices": devices, "total_ms": total, "kinds_ms": dict(by_kind),
+            "fractions": {k: v / total for k, v in by_kind.items()} if total else {},
+            "top_ops": [{"op": n, "kind": kinds[n], "scope": scopes.get(n, ("", "other"))[1], "ms": ms}
+                        for n, ms in ranked]}
+
+
+def stage_profile(sizes: Sizes, run_dir: Path) -> dict:
+    import jax
+
+    from sharding.mesh import build_mesh, mesh_config
+    from tools.trace_summary import summarize
+    from training.build import build
+    from training.loop import train
+
+    preset, overrides = sizes.profile_case
+    extra = [f"model.attention={sizes.train_core}", "train.steps=4", "train.profile_steps=2:4",
+             "train.checkpoint_every=0", "train.log_every=1000"]
+    cfg = case_config(preset, overrides, extra, jax.device_count())
+    mesh = build_mesh(cfg.parallel)
+    job = build(dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel)), mesh)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    train(job, run_dir)
+    result = {"run_dir": str(run_dir), "preset": preset, "attention": sizes.train_core}
+    try:
+        result["scopes"] = {k: v for k, v in summarize(run_dir).items() if k != "timeline"}
+    except Exception as err:  # noqa: BLE001 -- the op breakdown below may still work
+        result["scopes"] = {"error": _error(err)}
+    result["ops"] = op_breakdown(run_dir)
+    return result
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+def run_stage(name: str, sizes: Sizes, args: argparse.Namespace) -> dict:
+    """One stage's result, or {"error": ...}; never raises (but for KeyboardInterrupt)."""
+    start = time.perf_counter()
+    try:
+        if name == "profile":
+            result = stage_profile(sizes, args.profile_dir)
+        else:
+            result = globals()[f"stage_{name}"](sizes)
+    except Exception as err:  # noqa: BLE001 -- one stage's failure is a result; the next runs
+        result = {"error": _error(err), "traceback": traceback.format_exc()[-3000:]}
+    return result | {"elapsed_s": time.perf_counter() - start}
+
+
+def summary_lines(name: str, r: dict) -> list[str]:
+    """The short printed table of one stage."""
+    if "error" in r or "skipped" in r:
+        return [f"    error: {r['error']}" if "error" in r else f"    skipped: {r['skipped']}"]
+    if name == "environment":
+        return [f"    {r['device_count']} x {r['device_kind']} ({r['backend']}), jax {r['versions']['jax']}, "
+                f"cuda {r['cuda_versions']}"]
+    if name == "ceilings":
+        frac = r["matmul_fraction_of_peak"]
+        return [f"    matmul {r['matmul_tflops']:.4g} TFLOP/s" + (f" ({100 * frac:.0f}% of peak)" if frac else "")
+                + f", copy {r['copy_gbps']:.4g} GB/s"]
+    if name == "correctness":
+        lines = [f"    {c['core']:<7}{c['dtype']:<9}L={c['length']:<6}" + (
+            f"{c['status']:<5} max err {max(c['errors'].values()):.2e} (tol {c['tolerance']:g})"
+            if "errors" in c else c["status"] + (f" {c['error']}" if "error" in c else "")) for c in r["cases"]]
+        lines += [f"    step {s['core']:<7}" + (f"loss {s['loss']:.4f} {s['status']}" if "loss" in s else s["status"])
+                  for s in r["train_step"]]
+        return lines + [f"    verdict: {r['verdict']}"]
+    if name == "attention":
+        return [f"    {x['core']:<7}L={x['length']:<6}" + (
+            f"fwd {x['forward_tflops']:8.4g}  fwd+bwd {x['forward_backward_tflops']:8.4g} TFLOP/s"
+            if "forward_tflops" in x else x.get("status") or x.get("error", "")) for x in r["rows"]]
+    if name == "training":
+        return [f"    {x['preset']:<5}remat={x['remat']:<5}" + (
+            f"{x['tokens_per_s']:>12,.0f} tok/s {x['tflops_per_device']:8.4g} TFLOP/s/dev"
+            + (f" MFU {100 * x['mfu']:.1f}%" if x["mfu"] else "")
+            + (f" peak {x['peak_memory_bytes_per_device'] / 2**30:.1f} GiB"
+               if x["peak_memory_bytes_per_device"] else "")
+            if x["status"] == "ok" else f"{x['status']}: {x['error']}") for x in r["rows"]]
+    if name == "profile":
+        return [f"    {k:<18}{100 * v:5.1f}%" for k, v in sorted(r["ops"]["fractions"].items(), key=lambda kv: -kv[1])]
+    return []
+
+
+def default_out(env: dict, smoke: bool) -> Path:
+    device = "cpu-smoke" if smoke else re.sub(r"[^a-z0-9]+", "-", env.get("device_kind", "unknown").lower()).strip("-")
+    return Path("bench/results") / (f"gpu-{device}.json" if smoke else f"gpu-{device}-{time.strftime('%Y%m%d')}.json")
+
+
+def save(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""))  # meshtrain's, as train.py sets them
+    if args.cpu_smoke:
+        os.environ["JAX_PLATFORMS"] = "cpu"  # before jax is imported
+    import jax
+
+    backend = jax.default_backend()
+    if backend != "gpu" and not args.cpu_smoke:
+        print(f"gpu-check: no GPU found (jax backend is {backend}); nothing to measure (--cpu-smoke runs it on CPU)")
+        return 0
+    sizes, start = (SMOKE if args.cpu_smoke else GPU), time.perf_counter()
+    stages = ["environment"] + [s for s in args.stages if s != "environment"]  # the report's name needs it
+    report = {"command": shlex.join(["python", "-m", "bench.gpu", *argv]), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "smoke": args.cpu_smoke}
+    if args.cpu_smoke:
+        report["note"] = ("CPU smoke run (--cpu-smoke): tiny shapes, pallas interpreted, no cudnn; "
+                          "proves the script works, its figures mean nothing about any GPU")
+    report |= {"sizes": dataclasses.asdict(sizes), "stages": {}}
+    out = args.out
+    for name in stages:
+        print(f"[{time.perf_counter() - start:6.1f} s] {name} ...", flush=True)
+        if name == "profile" and args.profile_dir is None:
+            args.profile_dir = Path("runs") / f"{out.stem}-profile"
+        elapsed = time.perf_counter() - start
+        if elapsed > args.budget:
+            result = {"skipped": f"{elapsed:.0f} s elapsed, over the --budget of {args.budget:.0f} s", "elapsed_s": 0.0}
+        else:
+            result = run_stage(name, sizes, args)
+        report["stages"][name] = result
+        out = out or default_out(result, args.cpu_smoke)
+        save(report, out)
+        print(f"[{time.perf_counter() - start:6.1f} s] {name} done in {result['elapsed_s']:.1f} s", flush=True)
+        try:
+            print("\n".join(summary_lines(name, result)), flush=True)
+        except (KeyError, TypeError, ValueError) as err:  # a table bug must not stop the stages
+            print(f"    (no table: {_error(err)}; see {out})")
+    print(f"wrote {out} ({time.perf_counter() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

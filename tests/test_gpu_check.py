@@ -1,0 +1,53 @@
+"""bench/gpu.py (`make gpu-check`): the --cpu-smoke pipeline end to end, and the no-GPU line."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, run_module
+
+
+def test_cpu_smoke_writes_real_numbers(tmp_path):
+    out = tmp_path / "gpu.json"
+    done = run_module("bench.gpu", "--cpu-smoke", "--out", str(out), "--profile-dir", str(tmp_path / "profile"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["smoke"] and "smoke run" in report["note"].lower()
+    stages = report["stages"]
+    assert not [name for name, r in stages.items() if "error" in r], stages
+    assert stages["environment"]["backend"] == "cpu" and stages["environment"]["versions"]["jax"]
+    assert stages["ceilings"]["matmul_tflops"] > 0 and stages["ceilings"]["copy_gbps"] > 0
+
+    from test_flash_attention import TOLERANCE
+
+    check = stages["correctness"]
+    assert check["verdict"] == "pass"
+    pallas = [c for c in check["cases"] if c["core"] == "pallas"]
+    assert {c["dtype"] for c in pallas} == {"bfloat16", "float32"} and len(pallas) >= 4
+    for c in pallas:
+        assert c["status"] == "pass" and 0 <= max(c["errors"].values()) < TOLERANCE[c["dtype"]], c
+    assert {c["status"] for c in check["cases"] if c["core"] == "cudnn"} == {"unavailable on cpu"}
+    assert [s["status"] for s in check["train_step"]] == ["pass", "pass", "unavailable on cpu"]
+
+    rows = stages["attention"]["rows"]
+    assert all(r["forward_tflops"] > 0 and r["forward_backward_tflops"] > 0 for r in rows if r["core"] != "cudnn")
+    training = stages["training"]["rows"]
+    assert {r["remat"] for r in training} == {"none", "full"}
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in training), training
+
+    profile = stages["profile"]
+    assert {"attention", "mlp"} <= set(profile["scopes"]["scopes_ms"])
+    assert profile["ops"]["total_ms"] > 0 and profile["ops"]["top_ops"]
+    assert abs(sum(profile["ops"]["fractions"].values()) - 1) < 1e-6
+    assert profile["ops"]["fractions"].get("matmul", 0) > 0
+    assert "correctness" in done.stdout and "verdict: pass" in done.stdout
+
+
+def test_without_gpu_says_so_in_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--out", str(tmp_path / "x.json")], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.strip().splitlines()) == 1 and "no GPU" in done.stdout
+    assert not (tmp_path / "x.json").exists()
