@@ -71,6 +71,27 @@ def test_census_reads_kinds_axes_loops_and_async_forms():
     assert "collective-permute" in format_table(summary(list(found.values())))
 
 
+def test_census_reads_the_mesh_form_of_replica_groups():
+    """XLA of jax >= 0.12 prints groups as a mesh and the axes they span (its own mesh: the names
+    need not be ours, so the groups are resolved to device ids), with sub-axes and listed ids."""
+    module = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %t = f32[8]{0} all-reduce(%a), replica_groups=mesh['data'=2,'tensor'=4] {'tensor'}, to_apply=%add
+  %d = f32[8]{0} all-reduce(%t), replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}, to_apply=%add
+  %s = f32[8]{0} all-reduce(%d), replica_groups=mesh['x'=8] {'x':(1)4}, to_apply=%add
+  ROOT %p = f32[8]{0} all-reduce(%s), replica_groups=mesh['x'=4,'y'=2], device_ids=([[0,4],[1,5],[2,6],[3,7]]) {'x'}, to_apply=%add
+}
+"""
+    found = {c.name: c for c in census(module, {"data": 2, "tensor": 4})}
+    assert {n: (c.axes, c.group) for n, c in found.items()} == {
+        "t": (("tensor",), 4), "d": (("tensor",), 2), "s": (("data", "tensor"), 4), "p": (("tensor",), 4)}
+
+
 def test_cli_prints_the_census_as_json():
     out = run_module("tools.hlo", *[a for s in SMALL for a in ("--set", s)], "--mesh", "dp=2,tp=2", "--json")
     assert out.returncode == 0, out.stderr

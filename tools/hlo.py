@@ -46,6 +46,9 @@ _CALLS = re.compile(r"(condition|body|to_apply|calls|true_computation|false_comp
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GROUPS = re.compile(r"replica_groups=(\{(?:\{[\d,]*\},?)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+# XLA of jax >= 0.12 may print groups as a mesh and the axes each group spans, e.g.
+# mesh['data'=2,'tensor'=4] {'tensor'} or mesh['a'=4,'b'=2], device_ids=(...) {'a':(1)2}
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*)\))? \{([^}]*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
@@ -103,7 +106,30 @@ def _buffer(kind: str, started: bool, type_text: str) -> tuple[str, int]:
     return arrays[0][0], sum(n for _, n in arrays)
 
 
+def _mesh_groups(sizes: str, device_ids: str | None, group_axes: str) -> list[list[int]]:
+    """The device groups of XLA's mesh form: the mesh's devices (iota unless listed), grouped along
+    the named axes. A sub-axis 'a':(p)s is the size-s factor of axis a after its major factor p."""
+    axes = [(name.strip("'"), int(n)) for name, n in re.findall(r"([^,=]+)=(\d+)", sizes)]
+    ids = np.array([int(x) for x in re.findall(r"\d+", device_ids)] if device_ids else
+                   np.arange(math.prod(n for _, n in axes)))
+    size = dict(axes)
+    refs = [(name, int(pre or 1), int(n or size[name]))
+            for name, pre, n in re.findall(r"'?([^,:']+)'?(?::\((\d+)\)(\d+))?", group_axes)]
+    dims, spans = [], []  # each axis cut into factors, major first: spans[i] = (axis, pre, pre*size)
+    for name, n in axes:
+        cuts = sorted({1, n} | {c for a, pre, k in refs if a == name for c in (pre, pre * k)})
+        for lo, hi in zip(cuts, cuts[1:]):
+            dims.append(hi // lo)
+            spans.append((name, lo, hi))
+    grouped = [i for a, pre, k in refs for i, (b, lo, hi) in enumerate(spans)
+               if b == a and pre <= lo and hi <= pre * k]
+    rest = [i for i in range(len(dims)) if i not in grouped]
+    return ids.reshape(dims).transpose(rest + grouped).reshape(-1, math.prod(dims[i] for i in grouped)).tolist()
+
+
 def _groups(rest: str) -> list[list[int]] | None:
+    if m := _MESH_GROUPS.search(rest):
+        return _mesh_groups(*m.groups())
     m = _GROUPS.search(rest)
     if m is None:
         return None
