@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sharding.rules import constrain
+from sharding.tensor_parallel import vocab_parallel_take
 
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str | None], std: float,
@@ -54,6 +55,14 @@ class Embed(nnx.Module):
         # on D into activations split on B would otherwise make XLA replicate the whole table.
         table = constrain(self.table[...], ("vocab", None))
         return jnp.take(table, tokens, axis=0)  # [B, L] -> [B, L, D]
+
+    def vocab_parallel(self, tokens: jax.Array) -> jax.Array:
+        """The same lookup written per tensor shard (Megatron's vocab-parallel embedding): each
+        device looks up the tokens in its own V/T rows, zeros the others, and one psum over the
+        tensor axis ([B, L, D]) assembles the rows. XLA's partitioner of a gather from a
+        vocab-sharded table inside the 1f1b pipeline's stage region aborts on jax 0.12."""
+        table = constrain(self.table[...], ("vocab", None))
+        return vocab_parallel_take(table, tokens)
 
 
 def rotary(length: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:

@@ -72,10 +72,12 @@ class Transformer(nnx.Module):
 
     # The pieces below let pipeline/ run the layers in stages, embedding and head apart.
 
-    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        """tokens [B, L] int -> x [B, L, D]."""
+    def embed_tokens(self, tokens: jax.Array, vocab_parallel: bool = False) -> jax.Array:
+        """tokens [B, L] int -> x [B, L, D]; vocab_parallel: the lookup as the tensor axis's
+        explicit region (Embed.vocab_parallel)."""
         with jax.named_scope("embedding"):
-            return constrain(self.embed(tokens), self.act_names)
+            x = self.embed.vocab_parallel(tokens) if vocab_parallel else self.embed(tokens)
+            return constrain(x, self.act_names)
 
     def run_layers(self, x: jax.Array, layers: nnx.State) -> jax.Array:
         """x [B, L, D] through the stacked block states `layers` ([n, ...] leaves, any n)."""

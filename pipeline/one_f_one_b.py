@@ -124,7 +124,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         return cross_entropy(model(local).logits(stage(local, x)), targets, cfg.train.z_loss) / m_count
 
     def embed(table, local, tokens):
-        return model(with_part(local, "embed", table)).embed_tokens(tokens)
+        return model(with_part(local, "embed", table)).embed_tokens(tokens, vocab_parallel=True)
 
     def body(local, inputs, targets):
         s = lax.axis_index(AXIS)

@@ -187,3 +187,23 @@ class TensorParallel:
             out_specs=x_spec, axis_names=set(manual), check_vma=self.check_vma,
         )
         return body(x, arrays, *consts)
+
+
+def vocab_parallel_take(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """table [V, D] (V split over tensor), tokens [B, L] -> [B, L, D], as one region over tensor:
+    each device takes the tokens that fall in its V/T rows (zeros elsewhere), then a psum of
+    [B, L, D] over tensor, 2·B·L·D·(T-1)/T bytes-elements; backward, a local scatter-add.
+    Megatron's vocab-parallel embedding; the 1f1b pipeline uses it (layers.Embed.vocab_parallel)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    size = 1 if mesh.empty else dict(mesh.shape).get(AXIS, 1)
+    if size == 1:
+        return jnp.take(table, tokens, axis=0)
+
+    def local(rows: jax.Array, ids: jax.Array) -> jax.Array:
+        idx = ids - lax.axis_index(AXIS) * rows.shape[0]
+        mine = (idx >= 0) & (idx < rows.shape[0])
+        x = jnp.take(rows, jnp.clip(idx, 0, rows.shape[0] - 1), axis=0)
+        return lax.psum(jnp.where(mine[..., None], x, jnp.zeros_like(x)), AXIS)
+
+    return jax.shard_map(local, in_specs=(P(AXIS, None), P()), out_specs=P(), axis_names={AXIS},
+                         check_vma=False)(table, tokens)
