@@ -58,9 +58,9 @@ def test_census_beside_the_contract_formulas():
     for r in report["xla"]["census"]:
         rows[r["axes"]] = rows.get(r["axes"], 0) + r["bytes_per_device"]
     contract = report["communication"]
-    # gradients of weights replicated over tensor (norms) are reduced over data+tensor at once, a
-    # group of 8 (7/8 instead of 3/4 of their bytes), with the loss and norm scalars: 5%
-    assert rows["data"] + rows["data+tensor"] == pytest.approx(contract["data"], rel=0.05)
+    # jax 0.10 reduces a few scalars (the loss, the gradient norm: about 120 bytes) over
+    # data+tensor at once, a group of 8; jax 0.12 over tensor, then data: 5%
+    assert rows["data"] + rows.get("data+tensor", 0) == pytest.approx(contract["data"], rel=0.05)
     tensor = sum(r["bytes_per_device"] for r in report["xla"]["census"] if r["axes"] == "tensor")
     assert tensor == pytest.approx(contract["tensor"], rel=0.02)
     assert report["fits"] and "fits" in report["verdict"]
