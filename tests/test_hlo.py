@@ -229,20 +229,19 @@ CONTRACT_CASES = [("dp=8",), ("fsdp=8",), ("dp=2,tp=4",), ("dp=2,tp=4", "model.r
                   ("dp=2,tp=4", "parallel.sequence_parallel=true", "model.remat=full")]
 
 
-# jax 0.12 groups the reductions beside tensor parallelism differently: no collective runs over
-# data+tensor at once; what jax 0.10 reduces there (about 64 KiB on dp=2,tp=4; under SP also the
-# 2 MB the contract does not model) is reduced over tensor, so data comes out 7% under the
-# contract and, under SP, tensor 7% over. The gradients are right (the equality tests pass on
-# 0.12); the contract is written against jax 0.10's grouping. Strict: a jax that agrees again
-# turns these into failures, to be removed.
-JAX_0_12_GROUPING = pytest.mark.xfail(
-    tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 12), strict=True,
-    reason="jax 0.12 reduces the data+tensor group over tensor (see above)")
-CONTRACT_PARAMS = [pytest.param(c, marks=JAX_0_12_GROUPING if "tp=4" in c[0] else (), id=" ".join(c))
-                   for c in CONTRACT_CASES]
+# Axes where census and contract disagree today, found once tools/hlo read XLA's mesh form of
+# replica groups (jax 0.10 prints it too; before, those collectives were counted over all
+# devices, data+tensor, which hid both gaps): beside tp=4 the data term of the estimate is 7%
+# above the census (about 16K parameters' gradients it counts and XLA does not reduce over
+# data), and under sequence parallelism the tensor axis carries about 1.9 MB (7%) that the
+# contract does not model. The test asserts exactly these gaps, so closing one (or opening
+# another) fails it.
+KNOWN_GAPS = {"dp=2,tp=4": {"data"}, "dp=2,tp=4 model.remat=full": {"data"},
+              "dp=2,tp=4 parallel.sequence_parallel=true": {"tensor"},
+              "dp=2,tp=4 parallel.sequence_parallel=true model.remat=full": {"tensor"}}
 
 
-@pytest.mark.parametrize("case", CONTRACT_PARAMS)
+@pytest.mark.parametrize("case", CONTRACT_CASES, ids=[" ".join(c) for c in CONTRACT_CASES])
 def test_census_equals_the_contract_of_tools_estimate_on_every_axis(case):
     """Bytes per device per step on each axis, census = tools.estimate.communication, two-sided:
     2% on data (dp=8) and tensor, 5% on fsdp and on data beside tensor (README). Like with like:
@@ -267,5 +266,6 @@ def test_census_equals_the_contract_of_tools_estimate_on_every_axis(case):
     assert set(rows) <= {"data", "fsdp", "tensor", "data+tensor"}
     assert set(contract) == {a for a in ("data", "fsdp", "tensor") if census[a]}
     tolerance = {"data": 0.02 if mesh == "dp=8" else 0.05, "fsdp": 0.05, "tensor": 0.02}
-    for axis in contract.keys() - ({"data"} if sp else set()):
-        assert census[axis] == pytest.approx(contract[axis], rel=tolerance[axis]), axis
+    off = {axis: census[axis] / contract[axis] for axis in contract.keys() - ({"data"} if sp else set())
+           if census[axis] != pytest.approx(contract[axis], rel=tolerance[axis])}
+    assert set(off) == KNOWN_GAPS.get(" ".join(case), set()), off
