@@ -68,16 +68,19 @@ def core_fn(name: str, causal: bool):
     return lambda q, k, v: xla_attention(q, k, v, causal)
 
 
-def median_seconds(fn, args, steps: int) -> float:
-    """Compile and run once, then the median of `steps` timed calls."""
+def median_seconds(fn, args: tuple, steps: int, inner: int = 1) -> float:
+    """Compile and run once; then `steps` times: `inner` calls back to back, waited for; the
+    median per call (inner > 1 hides the host's wait behind short kernels such as one matmul)."""
     import jax
 
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / inner)
     return statistics.median(times)
 
 

@@ -49,12 +49,12 @@ import json
 import os
 import re
 import shlex
-import statistics
 import time
 import traceback
 from collections import defaultdict
 from pathlib import Path
 
+from bench.attention import median_seconds
 from cli import run_cli
 from configs import ConfigError
 from sharding.xla_flags import with_flags
@@ -129,22 +129,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 # --- timing -------------------------------------------------------------------------------------
-
-def median_seconds(fn, args: tuple, runs: int, inner: int = 1) -> float:
-    """Compile and run once; then `runs` times: `inner` calls back to back, waited for; the median
-    per call. (inner > 1 hides the host's wait for short kernels such as one matmul.)"""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / inner)
-    return statistics.median(times)
-
 
 def _error(err: BaseException) -> str:
     text = str(err).strip().splitlines()

@@ -149,6 +149,12 @@ class Sharded:
         return acc  # [B, L/T, D]: the sum of chunk t
 
 
+def tensor_size() -> int:
+    """The size of the tensor axis of the mesh in context (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get(AXIS, 1)
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """How the model's tensor-parallel regions run (from ParallelConfig)."""
@@ -173,8 +179,7 @@ class TensorParallel:
 
         weights: {name: (array, logical names)}; consts (e.g. rotary tables) are replicated.
         """
-        mesh = jax.sharding.get_abstract_mesh()
-        size = 1 if mesh.empty else dict(mesh.shape).get(AXIS, 1)
+        mesh, size = jax.sharding.get_abstract_mesh(), tensor_size()
         arrays = {name: a for name, (a, _) in weights.items()}
         if self.impl == "gspmd" or size == 1:
             return fn(Local(), x, arrays, *consts)
@@ -194,9 +199,7 @@ def vocab_parallel_take(table: jax.Array, tokens: jax.Array) -> jax.Array:
     each device takes the tokens that fall in its V/T rows (zeros elsewhere), then a psum of
     [B, L, D] over tensor, 2·B·L·D·(T-1)/T bytes-elements; backward, a local scatter-add.
     Megatron's vocab-parallel embedding; the 1f1b pipeline uses it (layers.Embed.vocab_parallel)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    size = 1 if mesh.empty else dict(mesh.shape).get(AXIS, 1)
-    if size == 1:
+    if tensor_size() == 1:
         return jnp.take(table, tokens, axis=0)
 
     def local(rows: jax.Array, ids: jax.Array) -> jax.Array:
