@@ -51,6 +51,7 @@ class Transformer(nnx.Module):
         check_model(cfg)
         dtype = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
+        self.tp = tp
         self.act_names = tp.activation_names
         self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg.init_std, dtype, rngs=rngs)
         self.blocks = self._stacked_blocks(cfg, tp, rngs)
@@ -73,10 +74,14 @@ class Transformer(nnx.Module):
     # The pieces below let pipeline/ run the layers in stages, embedding and head apart.
 
     def embed_tokens(self, tokens: jax.Array, vocab_parallel: bool = False) -> jax.Array:
-        """tokens [B, L] int -> x [B, L, D]; vocab_parallel: the lookup as the tensor axis's
-        explicit region (Embed.vocab_parallel)."""
+        """tokens [B, L] int -> x [B, L, D]; the lookup is the tensor axis's explicit region
+        (Embed.vocab_parallel) when the regions are explicit (tp_impl=shard_map) or when
+        `vocab_parallel` asks for it, else XLA's."""
         with jax.named_scope("embedding"):
-            x = self.embed.vocab_parallel(tokens) if vocab_parallel else self.embed(tokens)
+            if vocab_parallel or self.tp.impl == "shard_map":
+                x = self.embed.vocab_parallel(tokens, self.tp.sequence_parallel)
+            else:
+                x = self.embed(tokens)
             return constrain(x, self.act_names)
 
     def run_layers(self, x: jax.Array, layers: nnx.State) -> jax.Array:
@@ -93,8 +98,7 @@ class Transformer(nnx.Module):
     def logits(self, x: jax.Array) -> jax.Array:
         """x [B, L, D] -> final norm -> logits [B, L, V] fp32."""
         with jax.named_scope("head"):
-            x = self.final_norm(x)
-            logits = jnp.einsum("bld,dv->blv", x, self.head[...], preferred_element_type=jnp.float32)
+            logits = self.tp.logits(self.final_norm(x), self.head[...])
         return constrain(logits, ("batch", "length", "vocab"))
 
 

@@ -16,6 +16,10 @@ Collectives per layer, S = B·L·D elements of the compute dtype (B the local ba
   sequence_parallel         2 all-gather + 2 reduce-scatter the mirror image
   sequence_parallel+overlap 4 rings of T-1 collective-permutes of S/T, the same in backward
 
+The embedding and the head are regions too (vocab split over tensor): the lookup ends in an
+all-reduce (SP: reduce-scatter) of S, the head is column-parallel (backward: the all-reduce of
+dx; SP: all-gather forward, reduce-scatter backward); per microbatch, not per layer.
+
 Bytes per device: all-reduce 2S(T-1)/T; all-gather and reduce-scatter S(T-1)/T each, so SP
 moves the same volume as plain TP; a ring moves (T-1)·S/T, the same again.
 
@@ -193,20 +197,50 @@ class TensorParallel:
         )
         return body(x, arrays, *consts)
 
+    def logits(self, x: jax.Array, head: jax.Array) -> jax.Array:
+        """x [B, L, D] ([B, L/T, D] under SP) @ head [D, V] ('embed', 'vocab') -> fp32 logits
+        [B, L, V], V split over tensor: the head as one column-parallel region (plain: dx
+        all-reduced in backward; SP: x all-gathered forward, dx reduce-scattered backward, the
+        gathered x kept for the weight gradient rather than gathered again)."""
+        mesh, size = jax.sharding.get_abstract_mesh(), tensor_size()
 
-def vocab_parallel_take(table: jax.Array, tokens: jax.Array) -> jax.Array:
-    """table [V, D] (V split over tensor), tokens [B, L] -> [B, L, D], as one region over tensor:
-    each device takes the tokens that fall in its V/T rows (zeros elsewhere), then a psum of
-    [B, L, D] over tensor, 2·B·L·D·(T-1)/T bytes-elements; backward, a local scatter-add.
-    Megatron's vocab-parallel embedding; the 1f1b pipeline uses it (layers.Embed.vocab_parallel)."""
+        def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+            return jnp.einsum("bld,dv->blv", x, w, preferred_element_type=jnp.float32)
+
+        if self.impl == "gspmd" or size == 1:
+            return matmul(x, head)
+        manual = SP_MANUAL if self.sequence_parallel else (AXIS,)
+        ops = Sharded(size, self.sequence_parallel, self.overlap)
+        x_spec = logical_to_spec(self.activation_names, x.shape, mesh, within=manual)
+        w_spec = logical_to_spec(("embed", "vocab"), head.shape, mesh, within=(AXIS,))
+        out_spec = logical_to_spec(("batch", "length", "vocab"), (*x.shape[:2], head.shape[1]), mesh, within=manual)
+        body = jax.shard_map(lambda x, w: ops.column(x, lambda x: matmul(x, w)),
+                             in_specs=(x_spec, w_spec), out_specs=out_spec, axis_names=set(manual))
+        return body(x, head)
+
+
+def vocab_parallel_take(table: jax.Array, tokens: jax.Array, sequence_parallel: bool = False) -> jax.Array:
+    """table [V, D] (V split over tensor), tokens [B, L] -> [B, L, D] ([B, L/T, D] under SP), as
+    one region over tensor: each device takes the tokens that fall in its V/T rows (zeros
+    elsewhere), then a psum of [B, L, D] over tensor, 2·B·L·D·(T-1)/T elements (under SP a
+    reduce-scatter over L, half that; backward an all-gather of dx); backward otherwise a local
+    scatter-add. Megatron's vocab-parallel embedding. Under SP, GSPMD's own lookup would
+    all-gather the whole table over data and tensor every step (V·D: 525M for Llama 3). The
+    batch axes are manual too: with them automatic, XLA partitions the backward scatter-add by
+    all-gathering dx and the tokens over data instead of summing the table's gradient there."""
     if tensor_size() == 1:
         return jnp.take(table, tokens, axis=0)
+    mesh, manual = jax.sharding.get_abstract_mesh(), SP_MANUAL  # batch manual: see below
 
     def local(rows: jax.Array, ids: jax.Array) -> jax.Array:
         idx = ids - lax.axis_index(AXIS) * rows.shape[0]
         mine = (idx >= 0) & (idx < rows.shape[0])
         x = jnp.take(rows, jnp.clip(idx, 0, rows.shape[0] - 1), axis=0)
-        return lax.psum(jnp.where(mine[..., None], x, jnp.zeros_like(x)), AXIS)
+        x = jnp.where(mine[..., None], x, jnp.zeros_like(x))
+        return lax.psum_scatter(x, AXIS, scatter_dimension=1, tiled=True) if sequence_parallel else lax.psum(x, AXIS)
 
-    return jax.shard_map(local, in_specs=(P(AXIS, None), P()), out_specs=P(), axis_names={AXIS},
-                         check_vma=False)(table, tokens)
+    ids_spec = logical_to_spec(("batch", "length"), tokens.shape, mesh, within=manual)
+    out_names = ("batch", "sp_length" if sequence_parallel else "length", "act_embed")
+    out_spec = logical_to_spec(out_names, (*tokens.shape, table.shape[1]), mesh, within=manual)
+    return jax.shard_map(local, in_specs=(P(AXIS, None), ids_spec), out_specs=out_spec, axis_names=set(manual),
+                         )(table, tokens)

@@ -42,13 +42,18 @@ XLA CPU reduces FSDP gradients with an all-reduce + slice (full-size gradient bu
 the CUDA context and NCCL buffers (about 1-2 GiB per GPU): keep a margin.
 
 Communication (bytes per device per step), the contract of DESIGN.md:
-  data    2 · G(N-1)/N              G = fp32 gradient bytes of this device's shard
+  data    2 · G(N-1)/N              G = fp32 gradient bytes of this device's shard, where the
+                                    wk, wv that tensor replicates (t does not divide K) count
+                                    one kv head: each device's gradient covers the head it uses,
+                                    and XLA reduces that slice over data before the tensor sum
   fsdp    3 · P(N-1)/N              2 all-gathers of the weights (param dtype), 1 reduce-scatter
   tensor  per microbatch, S = b·L·D·c: (4 + r) · 2S(t-1)/t per layer, 2 all-reduces forward
           and 2 backward (with sequence parallelism an all-gather and a reduce-scatter for each,
-          the same bytes); plus 2 · 2S(t-1)/t per step for the vocab-split embedding (its lookup's
-          all-reduce forward) and head (its input gradient's all-reduce backward), halved under
-          sequence parallelism (a reduce-scatter and an all-gather); plus, when t does not
+          the same bytes); plus 2 · 2S(t-1)/t per microbatch for the vocab-parallel embedding
+          (its lookup's all-reduce forward) and head (its input gradient's all-reduce
+          backward); under sequence parallelism the same bytes, the embedding's reduce-scatter
+          forward and all-gather backward, the head's all-gather forward and reduce-scatter
+          backward (sharding/tensor_parallel.py); plus, when t does not
           divide K, the all-reduce of the replicated wk, wv gradients (2·D·K·H fp32 per layer).
           r: remat=full recomputes the layer's forward in the backward, but only what the
           backward reads: the attention output's all-reduce (its sum feeds the MLP), not the
@@ -189,8 +194,11 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     act = s.b * cfg.train.seq_len * m.d_model * c  # S: one layer's input for one microbatch
     sp = cfg.parallel.sequence_parallel
     recompute = (1.5 if sp else 1.0) * (m.remat == "full")  # r of the module docstring
-    kv_grads = 2 * 4 * m.d_model * m.n_kv_heads * m.head_dim * (m.n_kv_heads % sizes["tensor"] != 0)
-    tensor = s.layers * ((4 + recompute) * 2 * act + 2 * kv_grads) + (1 if sp else 2) * 2 * act
+    kv_replicated = m.n_kv_heads % sizes["tensor"] != 0
+    kv_grads = 2 * 4 * m.d_model * m.n_kv_heads * m.head_dim * kv_replicated
+    tensor = s.layers * ((4 + recompute) * 2 * act + 2 * kv_grads) + 2 * 2 * act
+    # the data axis reduces one kv head of the replicated wk, wv per device, not all K
+    shard -= kv_replicated * s.layers * 2 * m.d_model * (m.n_kv_heads - 1) * m.head_dim
     kv = s.tokens * 2 * m.n_kv_heads * m.head_dim * c
     volume = {
         "stage": 2 * s.k * act / sizes["sequence"] / sizes["tensor"] * (sizes["stage"] > 1),
