@@ -118,7 +118,8 @@ def build_and_train(cfg: RunConfig, mesh, program, tokens, run_dir: Path, checkp
     k, b, length = job.batches.shape
     print(
         f"{cfg.name}: {job.n_params / 1e6:.2f}M parameters | mesh {format_mesh(dict(mesh.shape))} "
-        f"on {mesh.size} {jax.devices()[0].platform} device(s) | batch {k}x{b}x{length} tokens"
+        f"on {mesh.size} {jax.devices()[0].platform} device(s) | batch {k}x{b}x{length} tokens\n"
+        f"strategies: {program.strategies.describe()}"
     )
     return train(job, run_dir, checkpoints), job
 

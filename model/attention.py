@@ -92,12 +92,12 @@ def _capability() -> tuple[int, int] | None:
     return tuple(int(x) for x in text.split(".")[:2]) if text else None
 
 
-def attention_core(cfg: ModelConfig):
-    """The core function for `model.attention`, or a ConfigError saying why it cannot run here."""
-    problem = core_problem(cfg.attention, jax.default_backend(), _capability(), cfg.compute_dtype, cfg.head_dim)
+def attention_core(name: str, cfg: ModelConfig):
+    """The core function `name`, or a ConfigError saying why it cannot run here."""
+    problem = core_problem(name, jax.default_backend(), _capability(), cfg.compute_dtype, cfg.head_dim)
     if problem:
-        raise ConfigError(f"--set model.attention={cfg.attention}: {problem}")
-    return {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": sharded_flash_attention}[cfg.attention]
+        raise ConfigError(f"--set model.attention={name}: {problem}")
+    return {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": sharded_flash_attention}[name]
 
 
 NAMES = {
@@ -109,7 +109,7 @@ NAMES = {
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, core: str, *, rngs: nnx.Rngs):
         d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         dtype = jnp.dtype(cfg.param_dtype)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5  # residual-branch scaling
@@ -117,7 +117,7 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (d, k, h), NAMES["wk"], cfg.init_std, dtype)
         self.wv = param(rngs, (d, k, h), NAMES["wv"], cfg.init_std, dtype)
         self.wo = param(rngs, (n, h, d), NAMES["wo"], out_std, dtype)
-        self.core = attention_core(cfg)
+        self.core = attention_core(core, cfg)
         self.n_kv_heads = k
         self.tp = tp
 

@@ -10,7 +10,8 @@ is one `jax.lax.scan` over it, so compile time does not grow with depth. The rem
 Activations are pinned at block boundaries to ('batch', 'length', 'act_embed') (L as
 'sp_length' under sequence parallelism), logits to ('batch', 'length', 'vocab'); the mesh
 placement comes from sharding/rules.py. How the tensor-parallel regions run (shard_map or
-GSPMD, SP, overlap) is the `TensorParallel` passed in (sharding/tensor_parallel.py).
+GSPMD, SP, overlap), the attention core and the remat policy are the `Strategies` passed in
+(sharding/strategies.py decides them for a run; one device by default).
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ from model.mlp import MLP
 from model.remat import remat
 from sharding.checks import check_model
 from sharding.rules import constrain
+from sharding.strategies import Strategies
 from sharding.tensor_parallel import TensorParallel
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, core: str, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs=rngs)
-        self.attn = Attention(cfg, tp, rngs=rngs)
+        self.attn = Attention(cfg, tp, core, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs=rngs)
         self.mlp = MLP(cfg, tp, rngs=rngs)
         self.act_names = tp.activation_names
@@ -47,23 +49,24 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel(), *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, strategies: Strategies | None = None, *, rngs: nnx.Rngs):
         check_model(cfg)
+        strategies = strategies or Strategies.single_device(cfg)
         dtype = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
-        self.tp = tp
-        self.act_names = tp.activation_names
+        self.tp, self.remat = strategies.tensor, strategies.remat
+        self.act_names = self.tp.activation_names
         self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg.init_std, dtype, rngs=rngs)
-        self.blocks = self._stacked_blocks(cfg, tp, rngs)
+        self.blocks = self._stacked_blocks(cfg, self.tp, strategies.attention, rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs=rngs)
         self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, dtype)
 
     @staticmethod
-    def _stacked_blocks(cfg: ModelConfig, tp: TensorParallel, rngs: nnx.Rngs) -> Block:
+    def _stacked_blocks(cfg: ModelConfig, tp: TensorParallel, core: str, rngs: nnx.Rngs) -> Block:
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, tp, rngs=rngs)
+            return Block(cfg, tp, core, rngs=rngs)
 
         return make(rngs)
 
@@ -92,7 +95,7 @@ class Transformer(nnx.Module):
         def layer(x, layer_state):
             return nnx.merge(graphdef, layer_state)(x, cos, sin), None
 
-        x, _ = jax.lax.scan(remat(layer, self.cfg.remat), x, layers)  # over the n stacked layers
+        x, _ = jax.lax.scan(remat(layer, self.remat), x, layers)  # over the n stacked layers
         return x
 
     def logits(self, x: jax.Array) -> jax.Array:

@@ -70,7 +70,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from configs.base import RunConfig
 from sharding.rules import logical_to_spec
 
 IMPLS = ("shard_map", "gspmd")
@@ -161,17 +160,12 @@ def tensor_size() -> int:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """How the model's tensor-parallel regions run (from ParallelConfig)."""
+    """How the model's tensor-parallel regions run (decided by sharding/strategies.py)."""
 
     impl: str = "shard_map"
     sequence_parallel: bool = False
     overlap: bool = False
     check_vma: bool = True  # False around Pallas kernels (see the module docstring)
-
-    @classmethod
-    def from_config(cls, cfg: RunConfig) -> TensorParallel:
-        p = cfg.parallel
-        return cls(p.tp_impl, p.sequence_parallel, p.tp_overlap, check_vma=cfg.model.attention != "pallas")
 
     @property
     def activation_names(self) -> tuple[str, str, str]:

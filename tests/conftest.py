@@ -80,7 +80,8 @@ def run_steps(cfg, corpus, devices=None):
 
     mesh = build_mesh(cfg.parallel, devices)
     job = build(cfg, mesh, tokens=corpus)
-    grad_fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg))
+    grad_fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
+                                        schedule=job.strategies.schedule))
     with jax.set_mesh(mesh):
         loss, grads = jax.device_get(grad_fn(job.state.params, batch=job.batches(0)))
         state, losses = job.state, []

@@ -239,7 +239,8 @@ def test_model_step_with_pallas_equals_xla(tp_flags, corpus):
         mesh = mesh_of("dp=2,tp=2")
         job = build(cfg, mesh, tokens=corpus)
         with jax.set_mesh(mesh):
-            grad_fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg))
+            grad_fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
+                                                schedule=job.strategies.schedule))
             results.append(jax.device_get(grad_fn(job.state.params, batch=job.batches(0))))
     (loss_xla, grads_xla), (loss_pallas, grads_pallas) = results
     np.testing.assert_allclose(loss_pallas, loss_xla, rtol=1e-6)

@@ -36,7 +36,8 @@ def _loss_and_grads(cfg, corpus):
     mesh = build_mesh(cfg.parallel, _devices(cfg))
     job = build(cfg, mesh, tokens=corpus)
     with jax.set_mesh(mesh):
-        fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg))
+        fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
+                                       schedule=job.strategies.schedule))
         return jax.device_get(fn(job.state.params, batch=job.batches(0)))
 
 

@@ -19,9 +19,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from configs.base import RunConfig
 from model.transformer import Transformer, count_params
-from sharding.checks import check_run, microbatches
+from sharding.checks import microbatches
 from sharding.rules import data_sharding, param_shardings
-from sharding.tensor_parallel import TensorParallel
+from sharding.strategies import Strategies, parallelize
 from training.data import Batches, load_tokens
 from training.optimizer import lr_schedule, make_optimizer
 from training.step import TrainState, make_train_step
@@ -52,6 +52,7 @@ def state_shardings(abstract: TrainState, mesh: Mesh) -> TrainState:
 class Job:
     cfg: RunConfig
     mesh: Mesh
+    strategies: Strategies
     graphdef: nnx.GraphDef
     state: TrainState
     step_fn: Callable  # jitted (state, batch) -> (state, metrics)
@@ -64,8 +65,9 @@ class Job:
 
 @dataclass
 class Abstract:
-    """A run's program without its data: shapes, shardings and the jitted step."""
+    """A run's program without its data: its strategies, shapes, shardings and the jitted step."""
 
+    strategies: Strategies
     graphdef: nnx.GraphDef
     state: TrainState  # ShapeDtypeStructs: nothing allocated
     shardings: TrainState
@@ -85,12 +87,12 @@ def abstract(cfg: RunConfig, mesh: Mesh) -> Abstract:
     Call outside `jax.set_mesh`: nnx.eval_shape would otherwise apply the logical names as
     mesh axes.
     """
-    check_run(cfg, dict(mesh.shape))
+    strategies = parallelize(cfg, dict(mesh.shape))
     k, b = batch_layout(cfg, mesh)
-    tx, schedule = make_optimizer(cfg.train), lr_schedule(cfg.train)
+    tx = make_optimizer(cfg.train)
 
     def init() -> tuple[nnx.GraphDef, TrainState]:
-        model = Transformer(cfg.model, TensorParallel.from_config(cfg), rngs=nnx.Rngs(cfg.train.seed))
+        model = Transformer(cfg.model, strategies, rngs=nnx.Rngs(cfg.train.seed))
         graphdef, params = nnx.split(model)
         step, bad_steps, skipped = (jax.numpy.zeros((), jax.numpy.int32) for _ in range(3))
         return graphdef, TrainState(step, params, tx.init(params), bad_steps, skipped)
@@ -100,13 +102,13 @@ def abstract(cfg: RunConfig, mesh: Mesh) -> Abstract:
     shape = (k, b, cfg.train.seq_len)
     batch_sharding = data_sharding(mesh, shape)
     step_fn = jax.jit(
-        make_train_step(graphdef, tx, schedule, cfg),
+        make_train_step(graphdef, tx, lr_schedule(cfg.train), cfg, strategies),
         in_shardings=(shardings, {"inputs": batch_sharding, "targets": batch_sharding}),
         out_shardings=(shardings, NamedSharding(mesh, P())),
         donate_argnums=0,
     )
     init_fn = jax.jit(lambda: init()[1], out_shardings=shardings)
-    return Abstract(graphdef, state, shardings, batch_sharding, shape, init_fn, step_fn)
+    return Abstract(strategies, graphdef, state, shardings, batch_sharding, shape, init_fn, step_fn)
 
 
 def build(cfg: RunConfig, mesh: Mesh, tokens: np.ndarray | None = None,
@@ -127,7 +129,7 @@ def build(cfg: RunConfig, mesh: Mesh, tokens: np.ndarray | None = None,
         tokens = load_tokens(cfg.data, cfg.model.vocab_size)
     k, b, length = program.batch_shape
     batches = Batches(tokens, cfg.data.seed, k, b, length, program.batch_sharding)
-    return Job(cfg, mesh, program.graphdef, state, program.step_fn, batches)
+    return Job(cfg, mesh, program.strategies, program.graphdef, state, program.step_fn, batches)
 
 
 def compile_step(step_fn: Callable, mesh: Mesh, state, batch) -> tuple[jax.stages.Compiled, float, float]:

@@ -17,7 +17,8 @@ so the next step reads the next batch; the optimizer's own step count (and so it
 then lags `step` by the number of skipped steps.
 
 Pipeline parallelism (pp > 1) replaces the microbatch scan by a schedule over the stage axis
-(pipeline/): the k microbatches of the batch are its M microbatches.
+(pipeline/): the k microbatches of the batch are its M microbatches. Which schedule (if any)
+is `Strategies.schedule` (sharding/strategies.py).
 
 Collectives are not written here: XLA derives them from the shardings of the parameters
 (sharding/rules.py) and of the batch, e.g. the gradient all-reduce over (data, fsdp).
@@ -35,6 +36,7 @@ from flax import nnx
 import pipeline
 from configs.base import RunConfig
 from model.loss import cross_entropy
+from sharding.strategies import Strategies
 
 
 class TrainState(NamedTuple):
@@ -52,12 +54,13 @@ def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConf
     return cross_entropy(logits, batch["targets"], cfg.train.z_loss)
 
 
-def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig):
+def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig,
+                   schedule: str | None):
     """Mean loss and gradients over the k microbatches of `batch` ([k, b, L] leaves).
 
-    With pipeline stages (pp > 1) the k = M microbatches run through pipeline/'s schedule.
+    With a pipeline `schedule` (pp > 1) the k = M microbatches run through pipeline/.
     """
-    if pipeline.stages() > 1:
+    if schedule:
         return pipeline.loss_and_grads(params, graphdef, batch, cfg)
     grad_fn = jax.value_and_grad(loss_fn)
 
@@ -71,12 +74,12 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     return loss / k, jax.tree.map(lambda g: g / k, grads)
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, cfg: RunConfig) -> Callable:
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr: optax.Schedule,
+                    cfg: RunConfig, strategies: Strategies) -> Callable:
     """(state, batch) -> (state, metrics); jit it with the state's shardings."""
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        loss, grads = loss_and_grads(state.params, graphdef, batch, cfg)
+        loss, grads = loss_and_grads(state.params, graphdef, batch, cfg, strategies.schedule)
         with jax.named_scope("optimizer"):
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -87,7 +90,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
             )
         bad_steps = jnp.where(ok, 0, state.bad_steps + 1)
         skipped = state.skipped + (~ok).astype(jnp.int32)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr(state.step),
                    "bad_steps": bad_steps, "skipped": skipped}
         return TrainState(state.step + 1, params, opt_state, bad_steps, skipped), metrics
 

@@ -1,0 +1,66 @@
+"""Which strategies a run applies on its mesh: one function, read top to bottom.
+
+`parallelize(cfg, sizes)` is the one place that turns a config and a mesh shape into the
+strategies of the step, as torchtitan's `parallelize_llama` applies TP, CP, activation
+checkpointing and FSDP in turn. The model takes the result (`Transformer(cfg.model,
+strategies)`), the step takes its schedule. Placement is not decided here: the logical rules
+(sharding/rules.py) put the batch on (data, fsdp), the weights' D on fsdp and the layers on
+stage for every run alike, and XLA derives the data and FSDP collectives from them.
+
+  tensor     tp > 1: the Megatron regions (attention, MLP, embedding, head) written with
+             shard_map (sharding/tensor_parallel.py), with sequence parallelism and overlap as
+             configured, or left to GSPMD (tp_impl=gspmd); their manual-axis typing is off
+             around the Pallas core, whose interpreter cannot type its loops. tp = 1: plain
+             per-device code.
+  attention  the per-device core: xla | cudnn | pallas (model/attention.py says where each
+             runs and refuses the others)
+  remat      the policy around each scanned layer (model/remat.py)
+  schedule   pp > 1: the pipeline schedule over `stage` (pipeline/); None: the step's k
+             microbatches run as a scan (training/step.py)
+
+The next strategies (context parallelism over `sequence`, experts) become fields here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from configs.base import ModelConfig, RunConfig
+from sharding.checks import check_run
+from sharding.tensor_parallel import TensorParallel
+
+
+@dataclass(frozen=True)
+class Strategies:
+    """What one run applies; every field is decided by `parallelize`."""
+
+    tensor: TensorParallel = field(default_factory=TensorParallel)
+    attention: str = "xla"
+    remat: str = "none"
+    schedule: str | None = None
+
+    @classmethod
+    def single_device(cls, m: ModelConfig) -> Strategies:
+        """A model on one device (tests, tools): its own core and remat, nothing to split."""
+        return cls(attention=m.attention, remat=m.remat)
+
+    def describe(self) -> str:
+        """One line for the log, e.g. 'tensor shard_map+sp, attention xla, remat full, pipeline 1f1b'."""
+        t = self.tensor
+        tensor = "+".join([t.impl] + ["sp"] * t.sequence_parallel + ["overlap"] * t.overlap)
+        return (f"tensor {tensor}, attention {self.attention}, remat {self.remat}, "
+                f"pipeline {self.schedule or 'none'}")
+
+
+def parallelize(cfg: RunConfig, sizes: dict[str, int]) -> Strategies:
+    """The strategies of `cfg` on a mesh of `sizes` ({axis: size}); refuses (ConfigError) what
+    cannot run, through sharding/checks.py."""
+    check_run(cfg, sizes)
+    p, m = cfg.parallel, cfg.model
+    return Strategies(
+        tensor=TensorParallel(p.tp_impl, p.sequence_parallel, p.tp_overlap, check_vma=m.attention != "pallas")
+        if sizes["tensor"] > 1 else TensorParallel(),
+        attention=m.attention,
+        remat=m.remat,
+        schedule=p.schedule if sizes["stage"] > 1 else None,
+    )
