@@ -347,8 +347,6 @@ def stage_training(sizes: Sizes) -> dict:
 
 # --- stage 6: profile ---------------------------------------------------------------------------
 
-_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*? ([a-z][\w\-]*)\((.*)$")
-_HEAD = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{\s*$")
 # The xla core's two einsums (model/attention.py), forward and transposed.
 _XLA_CORE = ("blnh,bmnh->bnlm", "bnlm,bmnh->blnh")
 
@@ -358,16 +356,17 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
 
     Attention kernel: a cuDNN fmha or Pallas (Triton/Mosaic) custom call, or a dot of the xla
     core's einsums. Matmul: any other dot, cuBLAS custom call, or fusion around a dot."""
-    from tools.hlo import KINDS
+    from tools.hlo import HEADER, INSTRUCTION, KINDS
 
     with_dot, lines, current = set(), [], None
     for line in hlo_text.splitlines():
-        head, m = _HEAD.match(line), _LINE.match(line)
-        if head and " = " not in line:
+        head, m = HEADER.match(line), INSTRUCTION.match(line)
+        if head and "(" in line:
             current = head.group(1)
         elif m:
-            lines.append((m.group(1), m.group(2), m.group(3)))
-            if m.group(2) in ("dot", "convolution"):
+            name, _, opcode, rest = m.groups()
+            lines.append((name, opcode, rest))
+            if opcode in ("dot", "convolution"):
                 with_dot.add(current)
     kinds = {}
     for name, opcode, rest in lines:
