@@ -20,13 +20,11 @@ and its figures mean nothing.
 from __future__ import annotations
 
 import argparse
-import shlex
-import statistics
-import time
 from pathlib import Path
 
-from configs import ConfigError
+from bench.common import RESULTS, environment, error_text, median_seconds, run_record, write_report
 from cli import run_cli
+from configs import ConfigError
 
 CORES = ("pallas", "cudnn", "xla")
 
@@ -68,22 +66,6 @@ def core_fn(name: str, causal: bool):
     return lambda q, k, v: xla_attention(q, k, v, causal)
 
 
-def median_seconds(fn, args: tuple, steps: int, inner: int = 1) -> float:
-    """Compile and run once; then `steps` times: `inner` calls back to back, waited for; the
-    median per call (inner > 1 hides the host's wait behind short kernels such as one matmul)."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / inner)
-    return statistics.median(times)
-
-
 def measure(core: str, causal: bool, length: int, head_dim: int, args: argparse.Namespace) -> dict:
     """One row: shapes, forward and forward+backward time and TFLOP/s (or the error)."""
     import jax
@@ -103,7 +85,7 @@ def measure(core: str, causal: bool, length: int, head_dim: int, args: argparse.
             seconds = median_seconds(jax.jit(program), (q, k, v), args.steps)
             row |= {f"{name}_ms": seconds * 1e3, f"{name}_tflops": flops / seconds / 1e12}
     except Exception as err:  # noqa: BLE001 -- a core that cannot run here is a result, not a crash
-        row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+        row["error"] = error_text(err)
     return row
 
 
@@ -120,24 +102,18 @@ def print_rows(rows: list[dict]) -> None:
 
 def default_out(backend: str, device_kind: str) -> Path:
     name = "cpu-interpret-smoke" if backend == "cpu" else device_kind.lower().replace(" ", "-")
-    return Path("bench/results") / f"attention-{name}.json"
+    return RESULTS / f"attention-{name}.json"
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     import jax
-    import numpy as np
 
-    from bench.step import environment, write_report
-
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("device",))  # one device: no sharding here
     rows = [measure(core, mask == "causal", length, h, args)
             for length in args.lengths for h in args.head_dims for mask in args.masks for core in args.cores]
     print_rows(rows)
-    env = environment(mesh)
-    report = {
-        "command": shlex.join(["python", "-m", "bench.attention", *argv]),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    env = environment(jax.devices()[:1])  # one device: no sharding here
+    report = run_record("bench.attention", argv) | {
         "environment": env,
         "flops": "forward 4*B*N*L^2*H (halved if causal); forward+backward 3.5x forward",
         "interpret_mode": env["backend"] != "gpu",

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.step import bench_mesh, default_out, report_head, write_report
+from bench.common import bench_mesh, default_out, report_head, timed, write_report
 from configs import ConfigError, RunConfig
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 
@@ -76,10 +76,7 @@ def measure(cfg: RunConfig, mesh, steps: int, directory: Path) -> dict:
         checkpoints.wait()
         save_total = time.perf_counter() - start
         size = directory_bytes(checkpoints.path(1))
-        start = time.perf_counter()
-        restored = checkpoints.restore_latest(program)
-        jax.block_until_ready(restored)
-        restore_s = time.perf_counter() - start
+        restored, restore_s = timed(checkpoints.restore_latest, program)
         del restored
         state, plain = timed_steps(job, state, 1, steps)
         state, saving = timed_steps(job, state, 1 + steps, steps, checkpoints)

@@ -48,13 +48,12 @@ import gzip
 import json
 import os
 import re
-import shlex
 import time
 import traceback
 from collections import defaultdict
 from pathlib import Path
 
-from bench.attention import median_seconds
+from bench.common import RESULTS, environment, error_text, median_seconds, run_record, write_report
 from cli import run_cli
 from configs import ConfigError
 from sharding.xla_flags import with_flags
@@ -128,20 +127,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-# --- timing -------------------------------------------------------------------------------------
-
-def _error(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"[:500]
-
-
 # --- stage 1: environment -----------------------------------------------------------------------
 
 def _try(fn):
     try:
         return fn()
     except Exception as err:  # noqa: BLE001 -- a missing piece is reported, never fatal
-        return f"unavailable: {_error(err)}"
+        return f"unavailable: {error_text(err)}"
 
 
 def cuda_versions() -> dict:
@@ -159,15 +151,12 @@ def cuda_versions() -> dict:
 
 def stage_environment(sizes: Sizes) -> dict:
     import jax
-    import numpy as np
 
-    from bench.step import environment
     from training.metrics import peak_flops
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("device",))
     device = jax.devices()[0]
     peak = peak_flops(device)
-    return environment(mesh) | {
+    return environment(jax.devices()) | {
         "devices": [str(d) for d in jax.devices()],
         "compute_capability": getattr(device, "compute_capability", None),
         "datasheet_bf16_tflops": peak / 1e12 if peak else None,
@@ -243,7 +232,7 @@ def check_core(core: str, dtype: str, length: int, heads: tuple[int, int, int]) 
             got = jax.jit(lambda *a: _out_and_grads(core_fn(core, True), *a))(q, k, v, d_out)
         errors = relative_errors(got, want)
     except Exception as err:  # noqa: BLE001
-        return row | {"status": "error", "error": _error(err)}
+        return row | {"status": "error", "error": error_text(err)}
     return row | {"errors": errors, "status": "pass" if max(errors.values()) < TOLERANCE[dtype] else "fail"}
 
 
@@ -276,7 +265,7 @@ def train_steps_check(sizes: Sizes) -> list[dict]:
         try:
             rows.append({"core": core} | train_one_step(core, sizes))
         except Exception as err:  # noqa: BLE001
-            rows.append({"core": core, "status": "error", "error": _error(err)})
+            rows.append({"core": core, "status": "error", "error": error_text(err)})
     ref = rows[0].get("loss")
     for r in rows:
         if "loss" in r and ref is not None:
@@ -344,7 +333,7 @@ def training_case(preset: str, remat: str, overrides: tuple[str, ...], sizes: Si
         cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
         t = measure_steps(cfg, mesh, sizes.train_steps)
     except Exception as err:  # noqa: BLE001 -- an OOM is a result; the next case runs
-        return row | {"status": "oom" if is_out_of_memory(err) else "error", "error": _error(err)}
+        return row | {"status": "oom" if is_out_of_memory(err) else "error", "error": error_text(err)}
     keep = ("n_params", "batch_shape", "tokens_per_step", "compile_s", "step_time_median_s", "tokens_per_s",
             "tflops_per_device", "mfu", "peak_memory_bytes_per_device", "memory_analysis", "loss_first", "loss_last")
     return row | {"status": "ok", "devices": mesh.size} | {k: t[k] for k in keep}
@@ -358,8 +347,6 @@ def stage_training(sizes: Sizes) -> dict:
 
 # --- stage 6: profile ---------------------------------------------------------------------------
 
-_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*? ([a-z][\w\-]*)\((.*)$")
-_HEAD = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{\s*$")
 # The xla core's two einsums (model/attention.py), forward and transposed.
 _XLA_CORE = ("blnh,bmnh->bnlm", "bnlm,bmnh->blnh")
 
@@ -369,16 +356,17 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
 
     Attention kernel: a cuDNN fmha or Pallas (Triton/Mosaic) custom call, or a dot of the xla
     core's einsums. Matmul: any other dot, cuBLAS custom call, or fusion around a dot."""
-    from tools.hlo import KINDS
+    from tools.hlo import HEADER, INSTRUCTION, KINDS
 
     with_dot, lines, current = set(), [], None
     for line in hlo_text.splitlines():
-        head, m = _HEAD.match(line), _LINE.match(line)
-        if head and " = " not in line:
+        head, m = HEADER.match(line), INSTRUCTION.match(line)
+        if head and "(" in line:
             current = head.group(1)
         elif m:
-            lines.append((m.group(1), m.group(2), m.group(3)))
-            if m.group(2) in ("dot", "convolution"):
+            name, _, opcode, rest = m.groups()
+            lines.append((name, opcode, rest))
+            if opcode in ("dot", "convolution"):
                 with_dot.add(current)
     kinds = {}
     for name, opcode, rest in lines:
@@ -455,7 +443,7 @@ def stage_profile(sizes: Sizes, run_dir: Path) -> dict:
     try:
         result["scopes"] = {k: v for k, v in summarize(run_dir).items() if k != "timeline"}
     except Exception as err:  # noqa: BLE001 -- the op breakdown below may still work
-        result["scopes"] = {"error": _error(err)}
+        result["scopes"] = {"error": error_text(err)}
     result["ops"] = op_breakdown(run_dir)
     return result
 
@@ -471,7 +459,7 @@ def run_stage(name: str, sizes: Sizes, args: argparse.Namespace) -> dict:
         else:
             result = globals()[f"stage_{name}"](sizes)
     except Exception as err:  # noqa: BLE001 -- one stage's failure is a result; the next runs
-        result = {"error": _error(err), "traceback": traceback.format_exc()[-3000:]}
+        result = {"error": error_text(err), "traceback": traceback.format_exc()[-3000:]}
     return result | {"elapsed_s": time.perf_counter() - start}
 
 
@@ -511,12 +499,7 @@ def summary_lines(name: str, r: dict) -> list[str]:
 
 def default_out(env: dict, smoke: bool) -> Path:
     device = "cpu-smoke" if smoke else re.sub(r"[^a-z0-9]+", "-", env.get("device_kind", "unknown").lower()).strip("-")
-    return Path("bench/results") / (f"gpu-{device}.json" if smoke else f"gpu-{device}-{time.strftime('%Y%m%d')}.json")
-
-
-def save(report: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    return RESULTS / (f"gpu-{device}.json" if smoke else f"gpu-{device}-{time.strftime('%Y%m%d')}.json")
 
 
 def main(argv: list[str]) -> int:
@@ -532,8 +515,7 @@ def main(argv: list[str]) -> int:
         return 0
     sizes, start = (SMOKE if args.cpu_smoke else GPU), time.perf_counter()
     stages = ["environment"] + [s for s in args.stages if s != "environment"]  # the report's name needs it
-    report = {"command": shlex.join(["python", "-m", "bench.gpu", *argv]), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "smoke": args.cpu_smoke}
+    report = run_record("bench.gpu", argv) | {"smoke": args.cpu_smoke}
     if args.cpu_smoke:
         report["note"] = ("CPU smoke run (--cpu-smoke): tiny shapes, pallas interpreted, no cudnn; "
                           "proves the script works, its figures mean nothing about any GPU")
@@ -550,12 +532,12 @@ def main(argv: list[str]) -> int:
             result = run_stage(name, sizes, args)
         report["stages"][name] = result
         out = out or default_out(result, args.cpu_smoke)
-        save(report, out)
+        write_report(report, out, announce=False)
         print(f"[{time.perf_counter() - start:6.1f} s] {name} done in {result['elapsed_s']:.1f} s", flush=True)
         try:
             print("\n".join(summary_lines(name, result)), flush=True)
         except (KeyError, TypeError, ValueError) as err:  # a table bug must not stop the stages
-            print(f"    (no table: {_error(err)}; see {out})")
+            print(f"    (no table: {error_text(err)}; see {out})")
     print(f"wrote {out} ({time.perf_counter() - start:.0f} s)")
     return 0
 

@@ -24,21 +24,17 @@ only ratios within one run.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib.metadata
-import json
 import os
-import platform
-import shlex
 import statistics
-import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from bench.common import bench_mesh, default_out, report_head, timed, write_report
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides
-from sharding.mesh import format_mesh
 
-PACKAGES = ("jax", "jaxlib", "flax", "optax")
+if TYPE_CHECKING:
+    import jax
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -65,7 +61,7 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, list[int]]:
     return cfg, layers
 
 
-def measure_steps(cfg: RunConfig, mesh, steps: int) -> dict:
+def measure_steps(cfg: RunConfig, mesh: jax.sharding.Mesh, steps: int) -> dict:
     """Compile, first step and `steps` timed steps of the real job."""
     import jax
 
@@ -77,15 +73,12 @@ def measure_steps(cfg: RunConfig, mesh, steps: int) -> dict:
     with jax.set_mesh(mesh):
         batch = jax.block_until_ready(job.batches(0))
         compiled, lower_s, compile_s = compile_step(job.step_fn, mesh, job.state, batch)
-        start = time.perf_counter()
-        state, metrics = jax.block_until_ready(compiled(job.state, batch))  # donates job.state
-        first_run_s = time.perf_counter() - start
+        (state, metrics), first_run_s = timed(compiled, job.state, batch)  # donates job.state
         first_loss, times = float(metrics["loss"]), []
         for step in range(1, steps + 1):
             batch = jax.block_until_ready(job.batches(step))
-            start = time.perf_counter()
-            state, metrics = jax.block_until_ready(compiled(state, batch))
-            times.append(time.perf_counter() - start)
+            (state, metrics), seconds = timed(compiled, state, batch)
+            times.append(seconds)
     median = statistics.median(times)
     peaks = [peak_memory_bytes(d) for d in mesh.devices.flat if d.process_index == jax.process_index()]
     return {
@@ -108,7 +101,7 @@ def measure_steps(cfg: RunConfig, mesh, steps: int) -> dict:
     }
 
 
-def compile_scaling(cfg: RunConfig, mesh, layers: list[int]) -> dict:
+def compile_scaling(cfg: RunConfig, mesh: jax.sharding.Mesh, layers: list[int]) -> dict:
     """Lower + compile wall clock of the step for each model.n_layers in `layers` (nothing allocated)."""
     from training.build import abstract, compile_step
 
@@ -119,38 +112,6 @@ def compile_scaling(cfg: RunConfig, mesh, layers: list[int]) -> dict:
         rows.append({"n_layers": n, "lower_s": lower_s, "compile_s": compile_s, "total_s": lower_s + compile_s})
     ratio = rows[-1]["total_s"] / rows[0]["total_s"] if len(rows) > 1 else None
     return {"rows": rows, "ratio_largest_to_smallest": ratio}
-
-
-def environment(mesh) -> dict:
-    import jax
-
-    def version(pkg: str) -> str | None:
-        try:
-            return importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    device = mesh.devices.flat[0]
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "versions": {p: version(p) for p in PACKAGES},
-        "backend": jax.default_backend(),
-        "device_kind": device.device_kind,
-        "device_count": jax.device_count(),
-        "mesh_devices": mesh.size,
-    }
-
-
-def _cpu_model() -> str:
-    """The CPU model name from /proc/cpuinfo (platform.processor() is empty on Linux)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
 
 
 def _seconds(s: float | None) -> str:
@@ -197,46 +158,6 @@ def print_report(report: dict) -> None:
         if scaling["ratio_largest_to_smallest"] is not None:
             first, last = scaling["rows"][0]["n_layers"], scaling["rows"][-1]["n_layers"]
             print(f"  compile({last}) / compile({first}) = {scaling['ratio_largest_to_smallest']:.2f}")
-
-
-def default_out(bench: str, cfg: RunConfig, mesh_text: str) -> Path:
-    """bench/results/<bench>-<config>-<mesh>.json, e.g. step-tiny-dp2_tp2.json."""
-    safe = mesh_text.replace("=", "").replace(",", "_").replace(" ", "-")
-    return Path("bench/results") / f"{bench}-{cfg.name}-{safe}.json"
-
-
-def bench_mesh(cfg: RunConfig, fake: int | None) -> tuple[object, str, RunConfig]:
-    """(mesh, its short text, cfg with the resolved mesh sizes); says when devices are fake."""
-    import jax
-
-    from sharding.mesh import build_mesh, mesh_config
-
-    mesh = build_mesh(cfg.parallel)
-    mesh_text = format_mesh(dict(mesh.shape))
-    if fake and jax.default_backend() == "cpu":
-        print(f"CPU platform: running mesh {mesh_text} on {fake} fake host devices")
-    return mesh, mesh_text, dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
-
-
-def report_head(module: str, argv: list[str], cfg: RunConfig, mesh, mesh_text: str) -> dict:
-    """What every benchmark record starts with: command, time, machine and versions, mesh, config."""
-    return {
-        "command": shlex.join(["python", "-m", module, *argv]),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": environment(mesh),
-        "mesh": mesh_text,
-        "config": cfg.to_dict(),
-    }
-
-
-def write_report(report: dict, out: Path) -> None:
-    """The JSON report, from process 0 only."""
-    import jax
-
-    if jax.process_index() == 0:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\nwrote {out}")
 
 
 def main(argv: list[str]) -> int:

@@ -20,10 +20,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import time
 from pathlib import Path
 
-from bench.step import report_head, write_report
+from bench.common import RESULTS, report_head, timed, write_report
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides
 
@@ -74,9 +73,8 @@ def compare(base: RunConfig, tp: int, rounds: int) -> dict:
     for _ in range(rounds):
         for run in runs.values():
             with jax.set_mesh(run["mesh"]):
-                start = time.perf_counter()
-                run["state"], metrics = jax.block_until_ready(run["compiled"](run["state"], run["batch"]))
-                run["times"].append(time.perf_counter() - start)
+                (run["state"], metrics), seconds = timed(run["compiled"], run["state"], run["batch"])
+                run["times"].append(seconds)
                 run["loss"] = float(metrics["loss"])
     base_time = statistics.median(runs["gspmd"]["times"])
     return {name: {"step_time_median_s": statistics.median(r["times"]), "step_times_s": r["times"],
@@ -115,7 +113,7 @@ def main(argv: list[str]) -> int:
     largest = variant_config(base, sizes[-1], [])
     mesh = build_mesh(largest.parallel, jax.devices()[: sizes[-1]])
     report = report_head("bench.tp", argv, base, mesh, f"tp={','.join(map(str, sizes))}")
-    write_report(report | {"results": results}, args.out or Path(f"bench/results/tp-{base.name}.json"))
+    write_report(report | {"results": results}, args.out or RESULTS / f"tp-{base.name}.json")
     return 0
 
 if __name__ == "__main__":

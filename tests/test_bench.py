@@ -29,3 +29,25 @@ def test_tp_benchmark_compares_four_variants(tmp_path):
     assert results["gspmd"]["ratio_to_gspmd"] == 1.0
     overlap = {c["kind"] for c in results["shard_map+sp+overlap"]["census"] if c["axes"] == "tensor"}
     assert "collective-permute" in overlap
+
+
+def test_pipeline_benchmark_compares_three_schedules(tmp_path):
+    out_file = tmp_path / "pipeline.json"
+    sets = [a for s in SMALL if not s.startswith(("model.n_layers", "train.global_batch_size")) for a in ("--set", s)]
+    out = run_module("bench.pipeline", *sets, "--mesh", "pp=2", "--microbatches", "2", "--steps", "1",
+                     "--out", str(out_file))
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out_file.read_text())
+    assert record["mesh"] == "pp=2" and record["command"].startswith("python -m bench.pipeline")
+    assert record["config"]["model"]["n_layers"] == 4  # p·2 layers
+    rows = {r["schedule"]: r for r in record["schedules"]}
+    assert set(rows) == {"gpipe", "interleaved", "1f1b"}
+    assert rows["interleaved"]["bubble"] < rows["gpipe"]["bubble"] == rows["1f1b"]["bubble"]
+    assert all(r["temp_bytes"] > 0 and r["step_s_median"] > 0 for r in rows.values())
+
+
+def test_pipeline_benchmark_refuses_bad_input_in_one_line():
+    for args in (["--mesh", "dp=2"], ["--microbatches", "x"], ["--mesh", "pp=4", "--microbatches", "2"]):
+        out = run_module("bench.pipeline", *args)
+        assert out.returncode == 2 and out.stderr.startswith("error: "), out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr

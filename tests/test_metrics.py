@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from configs import get_preset
-from training.metrics import flops_per_token, matmul_params, peak_flops, step_figures
+from training.metrics import IntervalTimer, flops_per_token, matmul_params, peak_flops, step_figures
 
 
 def test_matmul_params_are_all_but_the_embedding_table_and_norms():
@@ -36,3 +36,11 @@ def test_mfu_uses_the_peak_table():
     assert fig["tflops_per_device"] == pytest.approx(0.4 * 989)
     assert fig["tokens_per_s"] == pytest.approx(tokens / step_time)
     assert step_figures(m, 128, tokens, step_time, devices, cpu)["mfu"] is None
+
+
+def test_interval_timer_means_over_the_steps_since_the_last_lap(monkeypatch):
+    clock = iter([10.0, 13.0, 19.0])
+    monkeypatch.setattr("training.metrics.time.perf_counter", lambda: next(clock))
+    timer = IntervalTimer(5)
+    assert timer.lap(6) == 3.0  # the first step alone (it holds the compile)
+    assert timer.lap(9) == 2.0  # 6 s over steps 7, 8 and 9

@@ -71,7 +71,7 @@ def test_cross_entropy_equals_optax(z_loss):
 def test_finite_loss_with_non_finite_gradient_is_skipped(bad, corpus, monkeypatch):
     """A step whose loss is finite but one gradient element is inf (or NaN) keeps the old
     parameters and optimizer state and counts as bad (training/step.py), so the loop's
-    check_finite, which reads bad_steps, sees it. The NaN-token hook of the resume and
+    NonFiniteGuard, which reads bad_steps, sees it. The NaN-token hook of the resume and
     checkpoint tests makes loss and gradients NaN together; here only the gradient is, so a
     guard that checked the loss alone would apply the update (Adam turns the inf into NaN)."""
     import training.step as step_module

@@ -39,8 +39,11 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
                "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
+# A computation's first line (its name; with "(" in the line), and an instruction: name, result
+# type, opcode, the rest (operands, attributes, metadata). Also read by tools/trace_summary.py
+# and bench/gpu.py: one reading of HLO text.
+HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
 _ARRAY = re.compile(r"([a-z]\w*)\[([\d,]*)\]")
 _CALLS = re.compile(r"(condition|body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -50,7 +53,7 @@ _GROUPS = re.compile(r"replica_groups=(\{(?:\{[\d,]*\},?)*\}|\[[\d,]+\]<=\[[\d,]
 # mesh['data'=2,'tensor'=4] {'tensor'} or mesh['a'=4,'b'=2], device_ids=(...) {'a':(1)2}
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*)\))? \{([^}]*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
+OP_NAME = re.compile(r'op_name="([^"]*)"')  # jax's metadata: the op's path of named scopes
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,7 @@ def _multipliers(text: str) -> tuple[dict[str, list[str]], dict[str, int]]:
     entry, current = None, None
     for line in text.splitlines():
         if current is None:
-            m = _HEADER.match(line)
+            m = HEADER.match(line)
             if m and "(" in line:
                 current = m.group(1)
                 body[current] = []
@@ -193,7 +196,7 @@ def census(hlo_text: str, axis_sizes: dict[str, int]) -> list[Collective]:
     found = []
     for comp, lines in body.items():
         for line in lines:
-            m = _INSTR.match(line)
+            m = INSTRUCTION.match(line)
             if not m or runs.get(comp, 0) == 0:
                 continue
             name, type_text, opcode, rest = m.groups()
@@ -209,7 +212,7 @@ def census(hlo_text: str, axis_sizes: dict[str, int]) -> list[Collective]:
             dtype, elements = _buffer(kind, opcode.endswith("-start"), type_text)
             if kind == "reduce-scatter":
                 elements *= group  # the result is 1/N of the reduced buffer
-            op_name = (o.group(1) if (o := _OP_NAME.search(rest)) else "")
+            op_name = (o.group(1) if (o := OP_NAME.search(rest)) else "")
             found.append(Collective(kind, _axes(sets, axis_sizes), group, dtype, elements, runs[comp], name, op_name))
     return found
 

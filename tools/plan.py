@@ -138,7 +138,7 @@ def dry_run(cfg: RunConfig, gpu_name: str, as_json: bool) -> int:
 
 
 def run_search(cfg: RunConfig, gpus: int, gpu_name: str, confirm: int, as_json: bool) -> int:
-    """Rank the meshes of `gpus` GPUs; compile the top `confirm` (no pipeline) to confirm memory."""
+    """Rank the meshes of `gpus` GPUs; compile the top `confirm`, pipelined ones too, to confirm memory."""
     from sharding.mesh import build_mesh
 
     gpu = gpu_of(gpu_name)

@@ -31,10 +31,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from configs import ConfigError
-from tools.hlo import KINDS
+from tools.hlo import INSTRUCTION, KINDS, OP_NAME
 
 SCOPES = ("embedding", "attention", "mlp", "head", "optimizer")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*? ([a-z][\w\-]*)\(")
 _SCOPE = re.compile(r"(?:^|[/(])(" + "|".join(SCOPES) + r")(?=[/)]|$)")
 
 
@@ -42,12 +41,13 @@ def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
     """{instruction name: (kind: a collective kind or 'compute', scope or 'other')}."""
     ops = {}
     for line in hlo_text.splitlines():
-        m = _INSTR.match(line)
+        m = INSTRUCTION.match(line)
         if m:
-            opcode = m.group(2).removesuffix("-start").removesuffix("-done")
-            name = re.search(r'op_name="([^"]*)"', line)
-            scope = _SCOPE.search(name.group(1)) if name else None
-            ops[m.group(1)] = (opcode if opcode in KINDS else "compute", scope.group(1) if scope else "other")
+            name, _, opcode, rest = m.groups()
+            opcode = opcode.removesuffix("-start").removesuffix("-done")
+            path = OP_NAME.search(rest)
+            scope = _SCOPE.search(path.group(1)) if path else None
+            ops[name] = (opcode if opcode in KINDS else "compute", scope.group(1) if scope else "other")
     return ops
 
 

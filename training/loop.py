@@ -13,7 +13,6 @@ metrics.jsonl (steps since the checkpoint are logged again).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import jax
@@ -21,7 +20,7 @@ import jax
 from training.build import Job, compile_step
 from training.checkpoint import Checkpointer
 from training.logger import MetricsLogger, say
-from training.metrics import peak_memory_bytes, step_figures
+from training.metrics import IntervalTimer, peak_memory_bytes, step_figures
 from training.profiling import Profiler, parse_window
 from training.signals import StopSignals
 
@@ -30,17 +29,48 @@ class TrainingStopped(RuntimeError):
     """Too many non-finite steps in a row; the message says where the last good state is."""
 
 
-def check_finite(metrics: dict | None, step: int, limit: int, checkpoints: Checkpointer | None) -> None:
-    """Raise TrainingStopped when `metrics` (of step `step`) ends `limit` non-finite steps in a row."""
-    if metrics is None or int(metrics["bad_steps"]) < limit:
-        return
-    latest = checkpoints.latest() if checkpoints else None
-    where = f"the last checkpoint, {checkpoints.path(latest)}," if latest is not None else "no checkpoint"
-    raise TrainingStopped(
-        f"step {step}: {limit} non-finite steps in a row (loss {float(metrics['loss'])}, grad norm "
-        f"{float(metrics['grad_norm'])}); their updates were skipped and {where} holds the last good "
-        "state. Check the data and train.lr, or raise --set train.max_bad_steps"
-    )
+class NonFiniteGuard:
+    """Raises TrainingStopped when a step ends `limit` non-finite steps in a row, reading each
+    step's count one step late.
+
+    `push(metrics, step)` checks the step pushed before it (a host wait for that step, while the
+    step just dispatched keeps the device busy) and holds this one; `flush()` checks the one held
+    now: before a checkpoint, so that none is written past the stop, and at the end of the run.
+    """
+
+    def __init__(self, limit: int, checkpoints: Checkpointer | None) -> None:
+        self.limit, self.checkpoints = limit, checkpoints
+        self.held: tuple[dict, int] | None = None
+
+    def push(self, metrics: dict, step: int) -> None:
+        self.flush()
+        self.held = (metrics, step)
+
+    def flush(self) -> None:
+        if self.held is None:
+            return
+        (metrics, step), self.held = self.held, None
+        if int(metrics["bad_steps"]) < self.limit:
+            return
+        latest = self.checkpoints.latest() if self.checkpoints else None
+        where = f"the last checkpoint, {self.checkpoints.path(latest)}," if latest is not None else "no checkpoint"
+        raise TrainingStopped(
+            f"step {step}: {self.limit} non-finite steps in a row (loss {float(metrics['loss'])}, grad norm "
+            f"{float(metrics['grad_norm'])}); their updates were skipped and {where} holds the last good "
+            "state. Check the data and train.lr, or raise --set train.max_bad_steps"
+        )
+
+
+def log_step(logger: MetricsLogger, job: Job, step: int, metrics: dict, step_time: float) -> dict:
+    """The record of a log step (the step's metrics on the host, the interval's mean step time and
+    the figures from it, peak memory), written by `logger`; returns it."""
+    k, b, length = job.batches.shape
+    device = job.mesh.local_devices[0]  # memory stats exist only for this process's devices
+    record = {"step": step, **{n: v.item() for n, v in metrics.items()}, "step_time_s": step_time}
+    record |= step_figures(job.cfg.model, length, k * b * length, step_time, job.mesh.size, device)
+    record["peak_memory_bytes"] = peak_memory_bytes(device)
+    logger.log(record)
+    return record
 
 
 def train(job: Job, run_dir: Path, checkpoints: Checkpointer | None = None) -> list[dict]:
@@ -49,49 +79,35 @@ def train(job: Job, run_dir: Path, checkpoints: Checkpointer | None = None) -> l
     Raises TrainingStopped after train.max_bad_steps non-finite steps in a row. On SIGTERM or
     SIGINT the current step finishes, a checkpoint is written and the loop returns.
     """
-    cfg, t = job.cfg, job.cfg.train
+    t = job.cfg.train
     first_step = int(job.state.step)
-    k, b, length = job.batches.shape
-    tokens_per_step = k * b * length
     logger = MetricsLogger(run_dir, t.steps, first_step)
     profiler = Profiler(parse_window(t.profile_steps), run_dir)
-    device = job.mesh.local_devices[0]  # memory stats exist only for this process's devices
-    records, state, previous, done = [], job.state, None, first_step
+    guard = NonFiniteGuard(t.max_bad_steps, checkpoints)
+    records, state, done = [], job.state, first_step
     try:
         with jax.set_mesh(job.mesh), StopSignals() as stop:
-            start = time.perf_counter()
-            first = True
+            timer = IntervalTimer(first_step)
             for step in range(first_step, t.steps):
                 batch = job.batches(step)
                 profiler.before_step(step, lambda: compile_step(job.step_fn, job.mesh, state, batch)[0].as_text())
                 state, metrics = job.step_fn(state, batch)
                 profiler.after_step(step, metrics["loss"])
-                check_finite(previous, step, t.max_bad_steps, checkpoints)  # waits for the previous step
-                previous, done = metrics, step + 1
+                done = step + 1
+                guard.push(metrics, done)  # waits for the previous step
                 stopping = stop.requested()
                 if checkpoints and (checkpoints.due(done) or stopping):
-                    check_finite(metrics, done, t.max_bad_steps, checkpoints)
-                    previous = None
+                    guard.flush()
                     checkpoints.save(done, state)
                 if stopping:
                     break
-                if done % t.log_every and done != t.steps and not first:
-                    continue
-                metrics = jax.device_get(metrics)  # waits for the device
-                now = time.perf_counter()
-                if first:
-                    say(f"compiled and ran step {done} in {now - start:.1f} s")
-                    first, start = False, now
-                    continue
-                steps_timed = done - records[-1]["step"] if records else done - first_step - 1
-                step_time = (now - start) / steps_timed
-                record = {"step": done, **{n: v.item() for n, v in metrics.items()}, "step_time_s": step_time}
-                record |= step_figures(cfg.model, length, tokens_per_step, step_time, job.mesh.size, device)
-                record["peak_memory_bytes"] = peak_memory_bytes(device)
-                logger.log(record)
-                records.append(record)
-                start = now
-        check_finite(previous, done, t.max_bad_steps, checkpoints)
+                if done == first_step + 1 or done % t.log_every == 0 or done == t.steps:
+                    metrics = jax.device_get(metrics)  # waits for the device
+                    if done == first_step + 1:
+                        say(f"compiled and ran step {done} in {timer.lap(done):.1f} s")
+                    else:
+                        records.append(log_step(logger, job, done, metrics, timer.lap(done)))
+        guard.flush()
     finally:
         profiler.close()
         logger.close()

@@ -1,4 +1,4 @@
-"""FLOPs, TFLOP/s per device, MFU and device memory.
+"""FLOPs, TFLOP/s per device, MFU, device memory, and the step time over a log interval.
 
 FLOPs are counted explicitly (model FLOPs, the MFU convention: remat recompute not counted):
   matmul   6 * P_matmul per token (forward 2, backward 4), P_matmul = every weight that is
@@ -6,10 +6,13 @@ FLOPs are counted explicitly (model FLOPs, the MFU convention: remat recompute n
   attention per layer and token: scores q.k and probs.v, 2 * 2 * L * N * H forward, halved for
            the causal mask (only the useful lower triangle), times 3 for forward + backward
 MFU = achieved FLOP/s per device / the device's dense bf16 peak (table below; None elsewhere).
+The step time is the mean over a log interval (`IntervalTimer`): the host waits for the device
+only at log steps, so single steps are not timed.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from configs.base import ModelConfig
@@ -54,3 +57,18 @@ def peak_memory_bytes(device: jax.Device) -> int | None:
     """Peak bytes in use on `device` so far (None where the backend does not report it)."""
     stats = device.memory_stats() or {}
     return stats.get("peak_bytes_in_use")
+
+
+class IntervalTimer:
+    """Mean seconds per step between laps: call `lap(step)` once the device has finished `step`
+    (the loop waits for it at log steps); the first lap, from the start, holds the compile."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.start = step, time.perf_counter()
+
+    def lap(self, step: int) -> float:
+        """Seconds per step since the previous lap (or the start), which was at `self.step`."""
+        now = time.perf_counter()
+        seconds = (now - self.start) / (step - self.step)
+        self.step, self.start = step, now
+        return seconds

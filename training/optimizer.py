@@ -2,13 +2,16 @@
 
 Memory: AdamW keeps two moments (mu, nu) in the parameter dtype (fp32 by default), so with fp32
 parameters the state is 8 bytes per parameter on top of the 4 of the parameters; it inherits
-the parameters' shardings (1/N per device under FSDP). Weight decay skips the norm scales.
+the parameters' shardings (1/N per device under FSDP). Weight decay skips the norm scales,
+known by their logical axis names (model/layers.py `param`: RMSNorm's scale is ('norm',), or
+('layers', 'norm') in the stacked blocks), not by their place in the tree.
 """
 
 from __future__ import annotations
 
 import jax
 import optax
+from flax import nnx
 
 from configs.base import TrainConfig
 
@@ -24,11 +27,10 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
     )
 
 
-def _decay_mask(params):
-    """True for weights that get weight decay: everything but RMSNorm scales."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: "scale" not in jax.tree_util.keystr(path), params
-    )
+def _decay_mask(params: nnx.State) -> nnx.State:
+    """True for the parameters that get weight decay: all but those named 'norm' on an axis."""
+    return jax.tree.map(lambda var: "norm" not in (var.get_metadata().get("out_sharding") or ()), params,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
