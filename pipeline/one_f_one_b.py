@@ -44,6 +44,8 @@ inside the B cell: flat in M. GPipe holds the residuals of all M microbatches in
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,9 +81,20 @@ def _slots(table: Table, source: str) -> int:
     return most
 
 
-def program(p: int, m_count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int]:
-    """The table as arrays [ticks, p]: branch, microbatch, forward and backward arrivals (-1 none);
-    and the stash and inbox sizes."""
+class Program(NamedTuple):
+    """The 1f1b table as int32 arrays [ticks, p] that the tick program indexes with (tick, stage),
+    and the sizes of the buffers that hold what arrives until its B."""
+
+    branch: np.ndarray  # the cell: IDLE, FORWARD, BACKWARD, BACKWARD_LAST
+    microbatch: np.ndarray  # the cell's microbatch (0 when idle)
+    arrive_f: np.ndarray  # microbatch whose stage input arrives from s-1 at this tick, -1 none
+    arrive_b: np.ndarray  # microbatch whose output gradient arrives from s+1, -1 none
+    stash: int  # slots for stage inputs (slot m mod stash)
+    inbox: int  # slots for output gradients (slot m mod inbox)
+
+
+def program(p: int, m_count: int) -> Program:
+    """The 1f1b tick program of p stages and M microbatches."""
     table = one_f_one_b(p, m_count)
     ticks = len(table)
     branch, micro = np.zeros((ticks, p), np.int32), np.zeros((ticks, p), np.int32)
@@ -104,13 +117,13 @@ def program(p: int, m_count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
         for s in range(p):
             live = arrive[:, s][arrive[:, s] >= 0]
             assert len(set(live % k)) == min(len(live), k), "slot reuse would overwrite a held value"
-    return branch, micro, arrive_f, arrive_b, stash, inbox
+    return Program(branch, micro, arrive_f, arrive_b, stash, inbox)
 
 
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig):
     """Mean loss and fp32 gradients of the [M, b, L] batch by the 1F1B schedule."""
     p, (m_count, b, length) = stages(), batch["inputs"].shape
-    branch, micro, arrive_f, arrive_b, n_stash, n_inbox = program(p, m_count)
+    prog = program(p, m_count)
     dtype, d = jnp.dtype(cfg.model.compute_dtype), cfg.model.d_model
     down, up = [(i, i + 1) for i in range(p - 1)], [(i + 1, i) for i in range(p - 1)]
 
@@ -152,20 +165,21 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
             kind, m, af, ab = (a[s] for a in row)
             stash, inbox, send_f, send_b, grads, loss = carry
             recv_f, recv_b = lax.ppermute(send_f, AXIS, down), lax.ppermute(send_b, AXIS, up)
-            slot_f, slot_b = jnp.maximum(af, 0) % n_stash, jnp.maximum(ab, 0) % n_inbox
+            slot_f, slot_b = jnp.maximum(af, 0) % prog.stash, jnp.maximum(ab, 0) % prog.inbox
             stash = stash.at[slot_f].set(jnp.where(af >= 0, recv_f, stash[slot_f]))
             inbox = inbox.at[slot_b].set(jnp.where(ab >= 0, recv_b, inbox[slot_b]))
             embedded, embed_vjp = jax.vjp(lambda t: embed(t, local, inputs[m]), local["embed"])
-            x = jnp.where(s == 0, embedded, stash[m % n_stash])
-            send_f, send_b, grads, loss = lax.switch(kind, cell(x, inbox[m % n_inbox], m, send_f, send_b, grads, loss))
+            x = jnp.where(s == 0, embedded, stash[m % prog.stash])
+            g = inbox[m % prog.inbox]
+            send_f, send_b, grads, loss = lax.switch(kind, cell(x, g, m, send_f, send_b, grads, loss))
             d_embedded = jnp.where((s == 0) & (kind == BACKWARD), send_b, jnp.zeros_like(send_b))
             grads = with_part(grads, "embed", acc(grads["embed"], embed_vjp(d_embedded)[0]))
             return (stash, inbox, send_f, send_b, grads, loss), None
 
         act = (b, length, d)
-        start = (buffer((n_stash, *act), dtype), buffer((n_inbox, *act), dtype), buffer(act, dtype),
+        start = (buffer((prog.stash, *act), dtype), buffer((prog.inbox, *act), dtype), buffer(act, dtype),
                  buffer(act, dtype), jax.tree.map(jnp.zeros_like, local), jnp.zeros((), jnp.float32))
-        rows = tuple(jnp.asarray(a) for a in (branch, micro, arrive_f, arrive_b))
+        rows = tuple(jnp.asarray(a) for a in (prog.branch, prog.microbatch, prog.arrive_f, prog.arrive_b))
         (*_, grads, loss), _ = lax.scan(tick, start, rows)
         summed = jax.tree.map(lambda a: lax.psum(a, AXIS), grads)  # embedding, norm, head
         return lax.psum(loss, AXIS), with_part(summed, "blocks", grads["blocks"])
