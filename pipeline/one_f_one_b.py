@@ -54,30 +54,28 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from configs.base import RunConfig
-from pipeline.schedule import Table, one_f_one_b
+from pipeline.schedule import BACKWARD, FORWARD, IDLE, cells, one_f_one_b
 from pipeline.stages import AXIS, buffer, compute_params, over_stages, stages, with_part
 from model.loss import cross_entropy
 
-IDLE, FORWARD, BACKWARD, BACKWARD_LAST = range(4)
+BACKWARD_LAST = BACKWARD + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, and B on stage p-1
 
 
-def _slots(table: Table, source: str) -> int:
-    """Most microbatches a stage holds at once, from their arrival (an F or B of the neighbour
-    at the tick before) to its own B; checks that slot m mod K never holds two."""
-    p, most = len(table[0]), 1
-    for s in range(p):
-        sender = s - 1 if source == "F" else s + 1
-        if not 0 <= sender < p:
-            continue
+def _slots(arrive: np.ndarray, kind: np.ndarray, microbatch: np.ndarray) -> int:
+    """Most microbatches a stage holds at once, from their arrival to its own B; checks that
+    slot m mod K never holds two."""
+    most = 1
+    for s in range(arrive.shape[1]):
         held: set[int] = set()
-        for t in range(1, len(table)):
-            sent = table[t - 1][sender]
-            if sent is not None and sent.kind == source:
-                held.add(sent.microbatch)
+        for t in range(len(arrive)):
+            if arrive[t, s] >= 0:
+                held.add(int(arrive[t, s]))
             most = max(most, len(held))
-            op = table[t][s]
-            if op is not None and op.kind == "B":
-                held.discard(op.microbatch)
+            if kind[t, s] == BACKWARD:
+                held.discard(int(microbatch[t, s]))
+    for s in range(arrive.shape[1]):
+        live = arrive[:, s][arrive[:, s] >= 0]
+        assert len(set(live % most)) == min(len(live), most), "slot reuse would overwrite a held value"
     return most
 
 
@@ -95,29 +93,14 @@ class Program(NamedTuple):
 
 def program(p: int, m_count: int) -> Program:
     """The 1f1b tick program of p stages and M microbatches."""
-    table = one_f_one_b(p, m_count)
-    ticks = len(table)
-    branch, micro = np.zeros((ticks, p), np.int32), np.zeros((ticks, p), np.int32)
-    arrive_f, arrive_b = np.full((ticks, p), -1, np.int32), np.full((ticks, p), -1, np.int32)
-    for t, row in enumerate(table):
-        for s, op in enumerate(row):
-            if op is None:
-                continue
-            micro[t, s] = op.microbatch
-            if op.kind == "F":
-                branch[t, s] = IDLE if s == p - 1 else FORWARD
-                if t + 1 < ticks and s + 1 < p:
-                    arrive_f[t + 1, s + 1] = op.microbatch
-            else:
-                branch[t, s] = BACKWARD_LAST if s == p - 1 else BACKWARD
-                if t + 1 < ticks and s > 0:
-                    arrive_b[t + 1, s - 1] = op.microbatch
-    stash, inbox = _slots(table, "F"), _slots(table, "B")
-    for k, arrive in ((stash, arrive_f), (inbox, arrive_b)):
-        for s in range(p):
-            live = arrive[:, s][arrive[:, s] >= 0]
-            assert len(set(live % k)) == min(len(live), k), "slot reuse would overwrite a held value"
-    return Program(branch, micro, arrive_f, arrive_b, stash, inbox)
+    kind, microbatch, _ = cells(one_f_one_b(p, m_count))
+    last = np.arange(p) == p - 1
+    branch = np.where(last & (kind == FORWARD), IDLE, np.where(last & (kind == BACKWARD), BACKWARD_LAST, kind))
+    arrive_f, arrive_b = np.full_like(kind, -1), np.full_like(kind, -1)
+    arrive_f[1:, 1:] = np.where(kind[:-1, :-1] == FORWARD, microbatch[:-1, :-1], -1)  # s-1's F last tick
+    arrive_b[1:, :-1] = np.where(kind[:-1, 1:] == BACKWARD, microbatch[:-1, 1:], -1)  # s+1's B last tick
+    stash, inbox = _slots(arrive_f, kind, microbatch), _slots(arrive_b, kind, microbatch)
+    return Program(branch, microbatch, arrive_f, arrive_b, stash, inbox)
 
 
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig):
