@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from configs.base import ModelConfig
 from model.attention import Attention
@@ -96,6 +97,13 @@ class Transformer(nnx.Module):
             x = self.final_norm(x)
             logits = jnp.einsum("bld,dv->blv", x, self.head[...], preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "length", "vocab"))
+
+
+def compute_params(params: nnx.State, dtype: DTypeLike) -> nnx.State:
+    """The parameter tree cast to the compute dtype (bf16 by default; parameters stay fp32): XLA
+    moves and multiplies the cast copy, and gradients come back through the cast in the
+    parameters' own dtype."""
+    return jax.tree.map(lambda p: p.astype(dtype), params)
 
 
 def count_params(params: nnx.State) -> int:

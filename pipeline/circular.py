@@ -36,8 +36,9 @@ from jax.sharding import PartitionSpec as P
 
 from configs.base import RunConfig
 from pipeline.schedule import IDLE, cells, timetable
-from pipeline.stages import AXIS, buffer, compute_params, over_stages, stages
+from pipeline.stages import AXIS, buffer, over_stages, stages
 from model.loss import cross_entropy
+from model.transformer import compute_params
 
 
 def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig) -> jax.Array:

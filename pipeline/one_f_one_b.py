@@ -55,8 +55,9 @@ from jax.sharding import PartitionSpec as P
 
 from configs.base import RunConfig
 from pipeline.schedule import BACKWARD, FORWARD, IDLE, cells, one_f_one_b
-from pipeline.stages import AXIS, buffer, compute_params, over_stages, stages, with_part
+from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
 from model.loss import cross_entropy
+from model.transformer import compute_params
 
 BACKWARD_LAST = BACKWARD + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, and B on stage p-1
 
@@ -110,14 +111,18 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     dtype, d = jnp.dtype(cfg.model.compute_dtype), cfg.model.d_model
     down, up = [(i, i + 1) for i in range(p - 1)], [(i + 1, i) for i in range(p - 1)]
 
-    def model(local):
+    def model(local):  # the parameters cast to the compute dtype once, the blocks with them
         return nnx.merge(graphdef, compute_params(local, dtype))
 
-    def stage(local, x):  # x [b, L, D] through this stage's X/p layers
-        return model(local).run_layers(x, compute_params(local["blocks"], dtype))
+    def layers(net, x):  # x [b, L, D] through this stage's X/p layers
+        return net.run_layers(x, nnx.state(net.blocks))
+
+    def stage(local, x):
+        return layers(model(local), x)
 
     def last(local, x, targets):
-        return cross_entropy(model(local).logits(stage(local, x)), targets, cfg.train.z_loss) / m_count
+        net = model(local)
+        return cross_entropy(net.logits(layers(net, x)), targets, cfg.train.z_loss) / m_count
 
     def embed(table, local, tokens):
         return model(with_part(local, "embed", table)).embed_tokens(tokens, vocab_parallel=True)

@@ -46,10 +46,6 @@ def buffer(shape: tuple[int, ...], dtype) -> jax.Array:
     return jnp.full(shape, FILL, dtype)
 
 
-def compute_params(params: nnx.State, dtype: str) -> nnx.State:
-    return jax.tree.map(lambda p: p.astype(dtype), params)
-
-
 def with_part(params: nnx.State, name: str, part: nnx.State) -> nnx.State:
     """A copy of the parameter tree whose subtree `name` (e.g. "blocks", "embed") is `part`."""
     out = jax.tree.map(lambda a: a, params)
