@@ -75,5 +75,7 @@ def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     return jax.vmap(cross_entropy, (0, 0, None))(logits, batch["targets"], cfg.train.z_loss).mean()
 
 
-def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig):
+def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
+                   cfg: RunConfig) -> tuple[jax.Array, nnx.State]:
+    """Mean loss and gradients of the [M, b, L] batch, autodiff through the circular pipeline."""
     return jax.value_and_grad(pipelined_loss)(params, graphdef, batch, cfg)
