@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from configs.base import ModelConfig
 from model.attention import Attention
@@ -103,6 +104,13 @@ class Transformer(nnx.Module):
         with jax.named_scope("head"):
             logits = self.tp.logits(self.final_norm(x), self.head[...])
         return constrain(logits, ("batch", "length", "vocab"))
+
+
+def compute_params(params: nnx.State, dtype: DTypeLike) -> nnx.State:
+    """The parameter tree cast to the compute dtype (bf16 by default; parameters stay fp32): XLA
+    moves and multiplies the cast copy, and gradients come back through the cast in the
+    parameters' own dtype."""
+    return jax.tree.map(lambda p: p.astype(dtype), params)
 
 
 def count_params(params: nnx.State) -> int:

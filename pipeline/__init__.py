@@ -15,6 +15,9 @@ the whole batch, as without a pipeline.
 
 from __future__ import annotations
 
+import jax
+from flax import nnx
+
 from configs.base import RunConfig
 from pipeline import circular, one_f_one_b
 from pipeline.stages import stages
@@ -22,7 +25,8 @@ from pipeline.stages import stages
 __all__ = ["loss_and_grads", "stages"]
 
 
-def loss_and_grads(params, graphdef, batch: dict, cfg: RunConfig):
+def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
+                   cfg: RunConfig) -> tuple[jax.Array, nnx.State]:
     """Mean loss and gradients of the [M, b, L] batch, pipelined by `parallel.schedule`."""
     if cfg.parallel.schedule == "1f1b":
         return one_f_one_b.loss_and_grads(params, graphdef, batch, cfg)

@@ -8,11 +8,12 @@ Layout (p stages, V chunks per stage, X layers, Lc = X/(p·V) layers per chunk):
   data moves. V > 1 (interleaved) re-lays the stored contiguous split every step: XLA moves
   (V-1)/V of each device's layer weights forward (and their gradients backward) over `stage`.
 
-Tick t on device s (pipeline/schedule.py's table): work item w = t - s is microbatch m on chunk
-v; its input is the embedding of m (s = 0, v = 0) or what device s-1 sent last tick; the output
-is sent on to s+1 (p-1 wraps to 0 for the next chunk) with one `ppermute` of [b, L, D] per
-tick: M·V + p - 1 collective-permutes of b·L·D per step forward, the same backward. Idle ticks
-run the layers on zeros (inputs masked with a select), so no bubble value reaches the result.
+Tick t on device s runs its cell of pipeline/schedule.py's table (the arrays of `cells`, in the
+scan's rows): microbatch m on chunk v; its input is the embedding of m (s = 0, v = 0) or what
+device s-1 sent last tick; the output is sent on to s+1 (p-1 wraps to 0 for the next chunk)
+with one `ppermute` of [b, L, D] per tick: M·V + p - 1 collective-permutes of b·L·D per step
+forward, the same backward. Idle cells run the layers on zeros (inputs masked with a select),
+so no bubble value reaches the result.
 
 Embedding and head run outside the shard_map, under GSPMD, for all M microbatches at once: the
 embedded batch [M, b, L, D] enters replicated over stage (only stage 0 reads it; backward, its
@@ -34,8 +35,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from configs.base import RunConfig
-from pipeline.stages import AXIS, buffer, compute_params, over_stages, stages
+from pipeline.schedule import IDLE, cells, timetable
+from pipeline.stages import AXIS, buffer, over_stages, stages
 from model.loss import cross_entropy
+from model.transformer import compute_params
 
 
 def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig) -> jax.Array:
@@ -46,17 +49,15 @@ def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     x_all = jax.vmap(model.embed_tokens)(batch["inputs"])  # [M, b, L, D]
     layers = jax.tree.map(lambda a: a.reshape(v_count, -1, *a.shape[1:]), nnx.state(model.blocks))  # [V, p·Lc, ...]
     ring = [(i, (i + 1) % p) for i in range(p)]
+    rows = tuple(jnp.asarray(a) for a in cells(timetable(cfg.parallel.schedule, p, m_count, v_count)))
 
     def body(layers: nnx.State, x_all: jax.Array) -> jax.Array:
         s = lax.axis_index(AXIS)
 
-        def tick(carry, t):
+        def tick(carry, row):
             state, outputs = carry  # state [b, L, D]: what arrived this tick
-            w = t - s
-            active = (w >= 0) & (w < v_count * m_count)
-            w = jnp.clip(w, 0, v_count * m_count - 1)
-            group, r = w // (p * v_count), w % (p * v_count)
-            v, m = r // p, group * p + r % p
+            kind, m, v = (a[s] for a in row)
+            active = kind != IDLE
             x = jnp.where((s == 0) & (v == 0), x_all[m], state)
             x = jnp.where(active, x, jnp.zeros_like(x))  # idle ticks never read the buffers
             y = model.run_layers(x, jax.tree.map(lambda a: a[v], layers))
@@ -65,7 +66,7 @@ def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
             return (lax.ppermute(y, AXIS, ring), outputs), None
 
         start = (buffer(x_all.shape[1:], x_all.dtype), buffer(x_all.shape, x_all.dtype))
-        (_, outputs), _ = lax.scan(tick, start, jnp.arange(v_count * m_count + p - 1))
+        (_, outputs), _ = lax.scan(tick, start, rows)
         return outputs[None]  # [1, M, b, L, D]
 
     specs = jax.tree.map(lambda _: P(None, AXIS), layers)
@@ -74,5 +75,7 @@ def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     return jax.vmap(cross_entropy, (0, 0, None))(logits, batch["targets"], cfg.train.z_loss).mean()
 
 
-def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig):
+def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
+                   cfg: RunConfig) -> tuple[jax.Array, nnx.State]:
+    """Mean loss and gradients of the [M, b, L] batch, autodiff through the circular pipeline."""
     return jax.value_and_grad(pipelined_loss)(params, graphdef, batch, cfg)

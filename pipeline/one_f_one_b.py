@@ -16,11 +16,12 @@ runs it and picks its own cell with `lax.axis_index`):
      (two collective-permutes of b·L·D per tick, 2·(2(M+p-1)) per step); a value that
      arrives is put in the stash (forward) or the gradient inbox slot of its microbatch;
   2. input: stage 0 embeds microbatch m's tokens, the others read their stash;
-  3. run the cell, a `lax.switch` on the table's op:
+  3. run the cell, a `lax.switch` on the program's branch over `CELLS`, functions of the stage's
+     parameters, the input x, the gradient g from the inbox, the microbatch's targets and the
+     carry's `Sent` (the two sends, gradients and loss), returning the next `Sent`:
      F                 run the stage's layers on the input, send the output
      F on stage p-1    nothing: the input waits in the stash for B
-     B                 vjp of the layers from the input (forward recomputed), cotangent from
-                       the inbox
+     B                 vjp of the layers from the input (forward recomputed), cotangent g
      B on stage p-1    value_and_grad of layers + head + loss (scaled 1/M)
      accumulating the parameter gradients (fp32) in the carry and sending dx to s-1;
   4. embedding backward: the table's gradient from stage 0's dx (zero on the other stages).
@@ -44,131 +45,179 @@ inside the B cell: flat in M. GPipe holds the residuals of all M microbatches in
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
 
 from configs.base import RunConfig
-from pipeline.schedule import Table, one_f_one_b
-from pipeline.stages import AXIS, buffer, compute_params, over_stages, stages, with_part
+from pipeline.schedule import BACKWARD, FORWARD, IDLE, cells, one_f_one_b
+from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
 from model.loss import cross_entropy
+from model.transformer import Transformer, compute_params
 
-IDLE, FORWARD, BACKWARD, BACKWARD_LAST = range(4)
+BACKWARD_LAST = BACKWARD + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, and B on stage p-1
 
 
-def _slots(table: Table, source: str) -> int:
-    """Most microbatches a stage holds at once, from their arrival (an F or B of the neighbour
-    at the tick before) to its own B; checks that slot m mod K never holds two."""
-    p, most = len(table[0]), 1
-    for s in range(p):
-        sender = s - 1 if source == "F" else s + 1
-        if not 0 <= sender < p:
-            continue
+def _slots(arrive: np.ndarray, kind: np.ndarray, microbatch: np.ndarray) -> int:
+    """Most microbatches a stage holds at once, from their arrival to its own B; checks that
+    slot m mod K never holds two."""
+    most = 1
+    for s in range(arrive.shape[1]):
         held: set[int] = set()
-        for t in range(1, len(table)):
-            sent = table[t - 1][sender]
-            if sent is not None and sent.kind == source:
-                held.add(sent.microbatch)
+        for t in range(len(arrive)):
+            if arrive[t, s] >= 0:
+                held.add(int(arrive[t, s]))
             most = max(most, len(held))
-            op = table[t][s]
-            if op is not None and op.kind == "B":
-                held.discard(op.microbatch)
+            if kind[t, s] == BACKWARD:
+                held.discard(int(microbatch[t, s]))
+    for s in range(arrive.shape[1]):
+        live = arrive[:, s][arrive[:, s] >= 0]
+        assert len(set(live % most)) == min(len(live), most), "slot reuse would overwrite a held value"
     return most
 
 
-def program(p: int, m_count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int]:
-    """The table as arrays [ticks, p]: branch, microbatch, forward and backward arrivals (-1 none);
-    and the stash and inbox sizes."""
-    table = one_f_one_b(p, m_count)
-    ticks = len(table)
-    branch, micro = np.zeros((ticks, p), np.int32), np.zeros((ticks, p), np.int32)
-    arrive_f, arrive_b = np.full((ticks, p), -1, np.int32), np.full((ticks, p), -1, np.int32)
-    for t, row in enumerate(table):
-        for s, op in enumerate(row):
-            if op is None:
-                continue
-            micro[t, s] = op.microbatch
-            if op.kind == "F":
-                branch[t, s] = IDLE if s == p - 1 else FORWARD
-                if t + 1 < ticks and s + 1 < p:
-                    arrive_f[t + 1, s + 1] = op.microbatch
-            else:
-                branch[t, s] = BACKWARD_LAST if s == p - 1 else BACKWARD
-                if t + 1 < ticks and s > 0:
-                    arrive_b[t + 1, s - 1] = op.microbatch
-    stash, inbox = _slots(table, "F"), _slots(table, "B")
-    for k, arrive in ((stash, arrive_f), (inbox, arrive_b)):
-        for s in range(p):
-            live = arrive[:, s][arrive[:, s] >= 0]
-            assert len(set(live % k)) == min(len(live), k), "slot reuse would overwrite a held value"
-    return branch, micro, arrive_f, arrive_b, stash, inbox
+class Program(NamedTuple):
+    """The 1f1b table as int32 arrays [ticks, p] that the tick program indexes with (tick, stage),
+    and the sizes of the buffers that hold what arrives until its B."""
+
+    branch: np.ndarray  # the cell, an index into CELLS: IDLE, FORWARD, BACKWARD, BACKWARD_LAST
+    microbatch: np.ndarray  # the cell's microbatch (0 when idle)
+    arrive_f: np.ndarray  # microbatch whose stage input arrives from s-1 at this tick, -1 none
+    arrive_b: np.ndarray  # microbatch whose output gradient arrives from s+1, -1 none
+    stash: int  # slots for stage inputs (slot m mod stash)
+    inbox: int  # slots for output gradients (slot m mod inbox)
 
 
-def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig):
+def program(p: int, m_count: int) -> Program:
+    """The 1f1b tick program of p stages and M microbatches."""
+    kind, microbatch, _ = cells(one_f_one_b(p, m_count))
+    last = np.arange(p) == p - 1
+    branch = np.where(last & (kind == FORWARD), IDLE, np.where(last & (kind == BACKWARD), BACKWARD_LAST, kind))
+    arrive_f, arrive_b = np.full_like(kind, -1), np.full_like(kind, -1)
+    arrive_f[1:, 1:] = np.where(kind[:-1, :-1] == FORWARD, microbatch[:-1, :-1], -1)  # s-1's F last tick
+    arrive_b[1:, :-1] = np.where(kind[:-1, 1:] == BACKWARD, microbatch[:-1, 1:], -1)  # s+1's B last tick
+    stash, inbox = _slots(arrive_f, kind, microbatch), _slots(arrive_b, kind, microbatch)
+    return Program(branch, microbatch, arrive_f, arrive_b, stash, inbox)
+
+
+@dataclass(frozen=True)
+class Static:
+    """What the cells take besides arrays: the model's structure, the compute dtype, the loss's
+    z-loss weight and M (each microbatch's loss counts 1/M)."""
+
+    graphdef: nnx.GraphDef
+    dtype: DTypeLike
+    z_loss: float
+    m_count: int
+
+
+class Sent(NamedTuple):
+    """What a cell leaves in the carry."""
+
+    send_f: jax.Array  # [b, L, D] the stage's output, for s+1 at the next tick
+    send_b: jax.Array  # [b, L, D] the gradient of the stage's input, for s-1 at the next tick
+    grads: nnx.State  # fp32 gradients of the stage's parameters, summed over the ticks so far
+    loss: jax.Array  # the loss summed so far (stage p-1)
+
+
+def _model(st: Static, local: nnx.State) -> Transformer:
+    """The model on the stage's parameters, cast to the compute dtype once (the blocks with them)."""
+    return nnx.merge(st.graphdef, compute_params(local, st.dtype))
+
+
+def _layers(model: Transformer, x: jax.Array) -> jax.Array:
+    """x [b, L, D] through the stage's X/p layers."""
+    return model.run_layers(x, nnx.state(model.blocks))
+
+
+def _stage(st: Static, local: nnx.State, x: jax.Array) -> jax.Array:
+    return _layers(_model(st, local), x)
+
+
+def _last(st: Static, local: nnx.State, x: jax.Array, target: jax.Array) -> jax.Array:
+    """Stage p-1's layers, head and loss of one microbatch (target [b, L]), scaled 1/M."""
+    model = _model(st, local)
+    return cross_entropy(model.logits(_layers(model, x)), target, st.z_loss) / st.m_count
+
+
+def _embed(st: Static, local: nnx.State, tokens: jax.Array, table: jax.Array) -> jax.Array:
+    """Stage 0's input: tokens [b, L] looked up in `table` (the embedding, vocab-parallel)."""
+    return _model(st, with_part(local, "embed", table)).embed_tokens(tokens, vocab_parallel=True)
+
+
+def _acc(grads: nnx.State, d: nnx.State) -> nnx.State:
+    return jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, d)
+
+
+# The cells, one per Program.branch: (static, the stage's parameters, its input x [b, L, D], the
+# gradient g of its output from the inbox, the microbatch's target tokens [b, L], what the
+# carry holds) -> what the carry holds next.
+
+
+def _idle(st: Static, local: nnx.State, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
+    return out
+
+
+def _forward(st: Static, local: nnx.State, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
+    return out._replace(send_f=_stage(st, local, x))
+
+
+def _backward(st: Static, local: nnx.State, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
+    dl, dx = jax.vjp(partial(_stage, st), local, x)[1](g)
+    return out._replace(send_b=dx, grads=_acc(out.grads, dl))
+
+
+def _backward_last(st: Static, local: nnx.State, x: jax.Array, g: jax.Array, target: jax.Array,
+                   out: Sent) -> Sent:
+    lm, (dl, dx) = jax.value_and_grad(partial(_last, st), argnums=(0, 1))(local, x, target)
+    return out._replace(send_b=dx, grads=_acc(out.grads, dl), loss=out.loss + lm)
+
+
+CELLS = (_idle, _forward, _backward, _backward_last)  # IDLE, FORWARD, BACKWARD, BACKWARD_LAST
+
+
+def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
+                   cfg: RunConfig) -> tuple[jax.Array, nnx.State]:
     """Mean loss and fp32 gradients of the [M, b, L] batch by the 1F1B schedule."""
     p, (m_count, b, length) = stages(), batch["inputs"].shape
-    branch, micro, arrive_f, arrive_b, n_stash, n_inbox = program(p, m_count)
-    dtype, d = jnp.dtype(cfg.model.compute_dtype), cfg.model.d_model
+    prog = program(p, m_count)
+    st = Static(graphdef, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, m_count)
+    branches = [partial(cell, st) for cell in CELLS]
     down, up = [(i, i + 1) for i in range(p - 1)], [(i + 1, i) for i in range(p - 1)]
-
-    def model(local):
-        return nnx.merge(graphdef, compute_params(local, dtype))
-
-    def stage(local, x):  # x [b, L, D] through this stage's X/p layers
-        return model(local).run_layers(x, compute_params(local["blocks"], dtype))
-
-    def last(local, x, targets):
-        return cross_entropy(model(local).logits(stage(local, x)), targets, cfg.train.z_loss) / m_count
-
-    def embed(table, local, tokens):
-        return model(with_part(local, "embed", table)).embed_tokens(tokens, vocab_parallel=True)
 
     def body(local, inputs, targets):
         s = lax.axis_index(AXIS)
 
-        def acc(grads, dl):
-            return jax.tree.map(lambda a, d: a + d.astype(a.dtype), grads, dl)
-
-        def cell(x, g, m, send_f, send_b, grads, loss):
-            def backward():
-                dl, dx = jax.vjp(stage, local, x)[1](g)
-                return send_f, dx, acc(grads, dl), loss
-
-            def backward_last():
-                lm, (dl, dx) = jax.value_and_grad(last, argnums=(0, 1))(local, x, targets[m])
-                return send_f, dx, acc(grads, dl), loss + lm
-
-            return [
-                lambda: (send_f, send_b, grads, loss),
-                lambda: (stage(local, x), send_b, grads, loss),
-                backward,
-                backward_last,
-            ]
-
         def tick(carry, row):
             kind, m, af, ab = (a[s] for a in row)
-            stash, inbox, send_f, send_b, grads, loss = carry
-            recv_f, recv_b = lax.ppermute(send_f, AXIS, down), lax.ppermute(send_b, AXIS, up)
-            slot_f, slot_b = jnp.maximum(af, 0) % n_stash, jnp.maximum(ab, 0) % n_inbox
+            stash, inbox, out = carry
+            recv_f, recv_b = lax.ppermute(out.send_f, AXIS, down), lax.ppermute(out.send_b, AXIS, up)
+            slot_f, slot_b = jnp.maximum(af, 0) % prog.stash, jnp.maximum(ab, 0) % prog.inbox
             stash = stash.at[slot_f].set(jnp.where(af >= 0, recv_f, stash[slot_f]))
             inbox = inbox.at[slot_b].set(jnp.where(ab >= 0, recv_b, inbox[slot_b]))
-            embedded, embed_vjp = jax.vjp(lambda t: embed(t, local, inputs[m]), local["embed"])
-            x = jnp.where(s == 0, embedded, stash[m % n_stash])
-            send_f, send_b, grads, loss = lax.switch(kind, cell(x, inbox[m % n_inbox], m, send_f, send_b, grads, loss))
-            d_embedded = jnp.where((s == 0) & (kind == BACKWARD), send_b, jnp.zeros_like(send_b))
-            grads = with_part(grads, "embed", acc(grads["embed"], embed_vjp(d_embedded)[0]))
-            return (stash, inbox, send_f, send_b, grads, loss), None
+            embedded, embed_vjp = jax.vjp(partial(_embed, st, local, inputs[m]), local["embed"])
+            x = jnp.where(s == 0, embedded, stash[m % prog.stash])
+            out = lax.switch(kind, branches, local, x, inbox[m % prog.inbox], targets[m], out)
+            d_embedded = jnp.where((s == 0) & (kind == BACKWARD), out.send_b, jnp.zeros_like(out.send_b))
+            grads = with_part(out.grads, "embed", _acc(out.grads["embed"], embed_vjp(d_embedded)[0]))
+            return (stash, inbox, out._replace(grads=grads)), None
 
-        act = (b, length, d)
-        start = (buffer((n_stash, *act), dtype), buffer((n_inbox, *act), dtype), buffer(act, dtype),
-                 buffer(act, dtype), jax.tree.map(jnp.zeros_like, local), jnp.zeros((), jnp.float32))
-        rows = tuple(jnp.asarray(a) for a in (branch, micro, arrive_f, arrive_b))
-        (*_, grads, loss), _ = lax.scan(tick, start, rows)
-        summed = jax.tree.map(lambda a: lax.psum(a, AXIS), grads)  # embedding, norm, head
-        return lax.psum(loss, AXIS), with_part(summed, "blocks", grads["blocks"])
+        act = (b, length, cfg.model.d_model)
+        start = (buffer((prog.stash, *act), st.dtype), buffer((prog.inbox, *act), st.dtype),
+                 Sent(buffer(act, st.dtype), buffer(act, st.dtype), jax.tree.map(jnp.zeros_like, local),
+                      jnp.zeros((), jnp.float32)))
+        rows = tuple(jnp.asarray(a) for a in (prog.branch, prog.microbatch, prog.arrive_f, prog.arrive_b))
+        (_, _, out), _ = lax.scan(tick, start, rows)
+        summed = jax.tree.map(lambda a: lax.psum(a, AXIS), out.grads)  # embedding, norm, head
+        return lax.psum(out.loss, AXIS), with_part(summed, "blocks", out.grads["blocks"])
 
     specs = with_part(jax.tree.map(lambda _: P(), params), "blocks", jax.tree.map(lambda _: P(AXIS), params["blocks"]))
     run = over_stages(body, (specs, P(), P()), (P(), specs))

@@ -5,7 +5,8 @@
 A timetable is a list of ticks, each a list of one cell per stage: an `Op` (F forward or B
 backward of microbatch m, on chunk v of the stage's layers) or None (idle, printed `.`). Every
 stage runs one cell per tick, and all stages run the same tick program (one SPMD program); the
-bubble is the fraction of idle cells, computed from the table.
+bubble is the fraction of idle cells, computed from the table. The schedules' tick programs read
+their cells from the table too, as arrays [ticks, p] (`cells`): the order is computed here only.
 
   gpipe        F(m) on stage s at tick m + s; M + p - 1 ticks of forwards (the backward is
                autodiff's mirror image of the same table). Bubble (p-1)/(M+p-1).
@@ -29,8 +30,12 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
 
 SCHEDULES = ("gpipe", "interleaved", "1f1b")
+IDLE, FORWARD, BACKWARD = range(3)  # Cells.kind
 
 
 @dataclass(frozen=True)
@@ -98,10 +103,29 @@ def timetable(schedule: str, stages: int, microbatches: int, virtual: int = 1) -
     return circular(stages, microbatches, virtual if schedule == "interleaved" else 1)
 
 
+class Cells(NamedTuple):
+    """A timetable as int32 arrays [ticks, p] that a tick program indexes with (tick, stage)."""
+
+    kind: np.ndarray  # IDLE, FORWARD or BACKWARD
+    microbatch: np.ndarray  # m (0 when idle)
+    chunk: np.ndarray  # v (0 when idle)
+
+
+def cells(table: Table) -> Cells:
+    """The table's cells as arrays."""
+    kind, microbatch, chunk = (np.zeros((len(table), len(table[0])), np.int32) for _ in range(3))
+    for t, row in enumerate(table):
+        for s, op in enumerate(row):
+            if op is not None:
+                kind[t, s] = FORWARD if op.kind == "F" else BACKWARD
+                microbatch[t, s], chunk[t, s] = op.microbatch, op.chunk
+    return Cells(kind, microbatch, chunk)
+
+
 def bubble(table: Table) -> float:
     """Idle cells / all cells."""
-    cells = [c for row in table for c in row]
-    return sum(c is None for c in cells) / len(cells)
+    every = [c for row in table for c in row]
+    return sum(c is None for c in every) / len(every)
 
 
 def format_table(table: Table) -> str:

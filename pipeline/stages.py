@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 AXIS = "stage"
 # Pipeline buffers (activations in flight, stashes, outputs) start as NaN: every schedule
@@ -41,13 +42,9 @@ def over_stages(body: Callable, in_specs: Any, out_specs: Any) -> Callable:
     return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS}, check_vma=False)
 
 
-def buffer(shape: tuple[int, ...], dtype) -> jax.Array:
+def buffer(shape: tuple[int, ...], dtype: DTypeLike) -> jax.Array:
     """A NaN-filled buffer."""
     return jnp.full(shape, FILL, dtype)
-
-
-def compute_params(params: nnx.State, dtype: str) -> nnx.State:
-    return jax.tree.map(lambda p: p.astype(dtype), params)
 
 
 def with_part(params: nnx.State, name: str, part: nnx.State) -> nnx.State:

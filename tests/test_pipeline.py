@@ -163,8 +163,8 @@ def test_1f1b_stash_holds_at_most_p_inputs(temp_memory):
 
     for p in (2, 3, 4):
         for m in (4, 8, 16):
-            stash, inbox = program(p, m)[4:]
-            assert stash == p and inbox == 1, (p, m)
+            prog = program(p, m)
+            assert prog.stash == p and prog.inbox == 1, (p, m)
     compiled = temp_memory[1]
     act = (2, 32, 64)
     assert held_activations(compiled["1f1b", 16][0].as_text(), act) == 2

@@ -36,6 +36,7 @@ from flax import nnx
 import pipeline
 from configs.base import RunConfig
 from model.loss import cross_entropy
+from model.transformer import compute_params
 from sharding.strategies import Strategies
 
 
@@ -49,7 +50,7 @@ class TrainState(NamedTuple):
 
 def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig) -> jax.Array:
     """Mean next-token cross-entropy (nats) of one microbatch {'inputs', 'targets'} [b, L]."""
-    compute = jax.tree.map(lambda p: p.astype(cfg.model.compute_dtype), params)
+    compute = compute_params(params, cfg.model.compute_dtype)
     logits = nnx.merge(graphdef, compute)(batch["inputs"])  # [b, L, V] fp32
     return cross_entropy(logits, batch["targets"], cfg.train.z_loss)
 
