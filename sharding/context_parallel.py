@@ -8,39 +8,40 @@ l = L/sp the local rows. Each device holds its rows of q [B, l, N, H] and k, v [
 holds positions [d·l, (d+1)·l). Zigzag (the default for causal attention): L is cut into 2·sp
 chunks of c = L/(2sp) and device d holds chunks d and 2sp-1-d, one early and one late, so every
 device sees the same number of visible (query, key) pairs: `causal_block_work` counts them
-(contiguous: device sp-1 does about 2sp-1 times the work of device 0). The caller lays the sequence
-out once, at the input: `tokens[:, perm]` with `perm, inverse = zigzag_permutation(L, sp)`,
-then a contiguous split over `sequence` gives the zigzag; rotary tables are indexed by the same
-perm (`positions(L, sp, zigzag)[d]` are device d's rows). The loss is a mean over tokens, so it
-needs no un-permuting.
+(contiguous: device sp-1 does about 2sp-1 times the work of device 0). The caller lays the
+sequence out once, at the input: `tokens[:, perm]` with `perm, inverse = zigzag_permutation(L,
+sp)`, then a contiguous split over `sequence` gives the zigzag; rotary tables are indexed by the
+same perm (`positions(L, sp, zigzag)[d]` are device d's rows). The loss is a mean over tokens,
+so it needs no un-permuting.
 
-Schedule. At step s = 0..sp-1 device d holds the K/V block of device j = (d - s) mod sp, and
-this device's queries meet it chunk against chunk (c×c pieces under zigzag, l×l otherwise).
-Which chunk pairs are visible, diagonal (the same positions on both sides: the causal mask of
-the local rows is the global one) or fully masked depends only on whether j = d, j < d or
-j > d, and j < d exactly when s <= d:
-  zigzag      s = 0: (early, early) diagonal, (late, early) visible, (late, late) diagonal
-              j < d: both q chunks against the early kv chunk (both late chunks are masked)
-              j > d: the late q chunk against both kv chunks (the early q chunk sees nothing)
-  contiguous  s = 0: diagonal; j < d: visible; j > d: fully masked, nothing to do
-Every step after the first costs the same 2c² pairs under zigzag, on every device. s is a
-Python int (the ring is unrolled, sp is small) but d is traced (one SPMD program for all
-devices), so the choice is a `lax.cond` on s <= d: XLA runs only the taken branch, and the
-pieces have static shapes in each. Arithmetic masking instead would compute the masked pairs.
-The cond takes the held block and the local accumulators only; what is in flight (the next
-block, the dK/dV arriving, which are added after the branch) is no operand of it, so the
-transfer can run during the branch. Full attention (causal=False) needs no cond and no
-chunks: the whole block at every step.
+Schedule. At step s = 0..sp-1 device d holds the K/V block of device j = (d - s) mod sp. Under
+the causal mask the part of that block its queries see is a corner, query rows [first:] against
+key rows [:end] (later positions see more keys), and which corner depends only on whether
+j = d, j < d or j > d; j < d exactly when s <= d:
+  zigzag      j = d: the whole block, causal (the diagonal piece)
+              j < d: both q chunks against the early kv chunk, [2c × c], unmasked
+              j > d: the late q chunk against both kv chunks, [c × 2c], unmasked
+  contiguous  j = d: the whole block, causal; j < d: the whole block, unmasked; j > d: nothing
+Every step after the first costs 2c² pairs under zigzag, on every device. The diagonal piece
+keeps the device's rows on both sides, in increasing position order: its mask is built from
+the global positions (the xla core computes the fully masked (early q, late kv) quarter and
+masks it; a flash kernel skips the tiles wholly above the diagonal). s is a Python int (the ring is unrolled, sp is
+small) but d is traced (one SPMD program for all devices), so the choice is a `lax.cond` on
+s <= d: XLA runs only the taken branch, and the piece has static shapes in each. Masking
+arithmetically instead would compute the masked half. The cond takes the held block and the
+local accumulators only; what is in flight (the next block, the dK/dV arriving, which are added
+after the branch) is no operand of it, so the transfer can run during the branch. Full
+attention (causal=False) needs no cond: the whole block at every step.
 
-Cores (`core=`), per piece: "xla", einsums with an fp32 softmax and, on diagonal pieces, a
+Cores (`core=`), per piece: "xla", einsums with an fp32 softmax and, on the diagonal piece, a
 mask built from the global positions (the reference); or a `BlockCore`, e.g. our Pallas flash
 kernels from model/kernels/flash_attention.py (its forward returns the log-sum-exp, its
 backward takes the row's lse and delta from outside; sharding/ cannot import model/, so the
-model passes it in). Each piece returns its output and lse; pieces of one query chunk merge by
-log-sum-exp, the flash recurrence across devices, in fp32:
+model passes it in). Each piece returns its output and lse; pieces over the same query rows
+merge by log-sum-exp, the flash recurrence across devices, in fp32:
     lse = logaddexp(lse1, lse2),  out = exp(lse1 - lse)·out1 + exp(lse2 - lse)·out2
-Every computed row sees at least one key (its own, on a diagonal piece at s = 0), so lse stays
-finite. The backward recomputes p = exp(s - lse) per piece from the saved global lse and
+Every computed row sees at least one key (its own, on the diagonal piece at s = 0), so lse
+stays finite. The backward recomputes p = exp(s - lse) per piece from the saved global lse and
 delta = rowsum(dO·out) (fp32 [B, N, l]): dq stays local, dk/dv belong to the block.
 
 Collectives per layer, E = b·l·K·H elements (one local K or V block, b the local batch):
@@ -60,10 +61,10 @@ all-gather 2E(sp-1) + 2E(sp-1) fp32. Gradient partial sums stay fp32 until they 
 Memory per device. Saved for the backward (`jax.custom_vjp`): q, k, v, out and lse of the local
 rows, O(l): no [L, L] scores and no full-length K/V outlive a layer. Ring: while running, two
 K/V blocks (the one held, the one in flight), in the backward also two dK/dV blocks in fp32;
-the xla core adds [b, N, c, c] fp32 scores per piece, a flash core only tiles. All-gather: the
-gathered K and V [b, L, K, H] while the layer's forward or backward runs (the backward gathers
-again rather than keeping them), plus full-length fp32 dK/dV accumulators in the backward:
-O(L·K·H), small under GQA, for one collective instead of sp-1 latencies. The ring is for
+the xla core adds the fp32 scores of one piece ([b, N, 2c, 2c] at most), a flash core only
+tiles. All-gather: the gathered K and V [b, L, K, H] while the layer's forward or backward runs
+(the backward gathers again rather than keeping them), plus full-length fp32 dK/dV accumulators
+in the backward: O(L·K·H), small under GQA, for one collective instead of sp-1 latencies. The ring is for
 lengths where that L term does not fit, or where each step's transfer must hide behind a
 block's compute. One caveat: when the forward and the backward are one program with no loop
 between them, XLA merges the backward's K/V sends with the forward's identical ones (CSE; XLA
@@ -93,7 +94,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
-
 
 IMPLS = ("ring", "allgather")
 AXIS = "sequence"
@@ -134,35 +134,39 @@ _Positions = tuple[jax.Array, jax.Array] | None  # (query, key) global positions
 
 def _xla_forward(q: jax.Array, k: jax.Array, v: jax.Array, pos: _Positions) -> tuple[jax.Array, jax.Array]:
     """q [B, m, N, H], k/v [B, n, K, H] -> out fp32 [B, m, N, H], lse fp32 [B, N, m]."""
-    b, m, n, h = q.shape
     s = _scores(q, k, pos)  # [B, K, G, m, n]
     top = s.max(axis=-1)
     p = jnp.exp(s - top[..., None])
     total = p.sum(axis=-1)
     out = jnp.einsum("bkgmn,bnkh->bmkgh", p.astype(v.dtype), v, preferred_element_type=F32)
     out = out / jnp.moveaxis(total, -1, 1)[..., None]
-    return out.reshape(b, m, n, h), (top + jnp.log(total)).reshape(b, n, m)
+    return out.reshape(q.shape), (top + jnp.log(total)).reshape(q.shape[0], q.shape[2], q.shape[1])
 
 
 def _xla_backward(q, k, v, d_out, lse, delta, pos: _Positions) -> tuple[jax.Array, jax.Array, jax.Array]:
     """dq [B, m, N, H], dk/dv [B, n, K, H] (fp32) of one piece; lse, delta fp32 [B, N, m]."""
-    b, m, n, h = q.shape
-    kv, groups = k.shape[2], n // k.shape[2]
-    qg, dog = q.reshape(b, m, kv, groups, h), d_out.reshape(b, m, kv, groups, h)
-    p = jnp.exp(_scores(q, k, pos) - lse.reshape(b, kv, groups, m)[..., None])
+    b, m, heads, h = q.shape
+    kv = k.shape[2]
+    grouped = (b, m, kv, heads // kv, h)  # query head j·G + g reads kv head j
+    qg, dog = q.reshape(grouped), d_out.reshape(grouped)
+
+    def row(x: jax.Array) -> jax.Array:  # a statistic per query row, [B, N, m] -> [B, K, G, m, 1]
+        return x.reshape(b, kv, heads // kv, m)[..., None]
+
+    p = jnp.exp(_scores(q, k, pos) - row(lse))
     dv = jnp.einsum("bkgmn,bmkgh->bnkh", p.astype(d_out.dtype), dog, preferred_element_type=F32)
     dp = jnp.einsum("bmkgh,bnkh->bkgmn", dog, v, preferred_element_type=F32)
-    ds = p * (dp - delta.reshape(b, kv, groups, m)[..., None]) / math.sqrt(h)
+    ds = p * (dp - row(delta)) / math.sqrt(h)
     dq = jnp.einsum("bkgmn,bnkh->bmkgh", ds.astype(k.dtype), k, preferred_element_type=F32)
     dk = jnp.einsum("bkgmn,bmkgh->bnkh", ds.astype(q.dtype), qg, preferred_element_type=F32)
-    return dq.reshape(b, m, n, h), dk, dv
+    return dq.reshape(q.shape), dk, dv
 
 
 def _scores(q: jax.Array, k: jax.Array, pos: _Positions) -> jax.Array:
     """q k^T / sqrt(H), fp32 [B, K, G, m, n]; -inf where the key's position follows the query's."""
-    b, m, n, h = q.shape
+    b, m, heads, h = q.shape
     kv = k.shape[2]
-    s = jnp.einsum("bmkgh,bnkh->bkgmn", q.reshape(b, m, kv, n // kv, h), k, preferred_element_type=F32)
+    s = jnp.einsum("bmkgh,bnkh->bkgmn", q.reshape(b, m, kv, heads // kv, h), k, preferred_element_type=F32)
     s = s / math.sqrt(h)
     if pos is None:
         return s
@@ -176,9 +180,9 @@ class BlockCore(NamedTuple):
 
     forward(q, k, v, *, causal) -> out [B, m, N, H], lse fp32 [B, N, m]
     backward(q, k, v, d_out, lse, delta, *, causal) -> dq, dk, dv
-    q and k have equal lengths (pieces are c×c). causal=True only on diagonal pieces, whose
-    positions are the same on both sides and increasing, so a causal mask on local indices is
-    the mask of the global positions.
+    Called with q and k of equal length (`_square` cuts the pieces); causal=True only on the
+    diagonal piece, whose rows are the same on both sides in increasing position order, so a
+    causal mask on local indices is the mask of the global positions.
     """
 
     forward: Callable
@@ -186,16 +190,35 @@ class BlockCore(NamedTuple):
 
 
 def _core(core: str | BlockCore) -> tuple[Callable, Callable]:
-    """(forward, backward) taking a piece's global positions (None: unmasked), fp32 results."""
-    if core == "xla":
-        return _xla_forward, _xla_backward
+    """(forward, backward) of one piece given its global positions (None: unmasked), fp32."""
+    return (_xla_forward, _xla_backward) if core == "xla" else _square(core)
+
+
+def _square(core: BlockCore) -> tuple[Callable, Callable]:
+    """`core` on pieces whose longer side is a multiple of the shorter, cut into square parts.
+    More query rows: the parts are separate rows, side by side (dk, dv summed). More keys: the
+    parts are partial attentions of the same rows, merged by lse (dq summed)."""
+
+    def cut(x: jax.Array, parts: int, axis: int = 1) -> list[jax.Array]:
+        return jnp.split(x, parts, axis=axis)
 
     def forward(q, k, v, pos: _Positions):
-        out, lse = core.forward(q, k, v, causal=pos is not None)
-        return out.astype(F32), lse
+        causal, m, n = pos is not None, q.shape[1], k.shape[1]
+        if m > n:
+            outs, lses = zip(*(core.forward(part, k, v, causal=causal) for part in cut(q, m // n)))
+            return jnp.concatenate(outs, axis=1).astype(F32), jnp.concatenate(lses, axis=-1)
+        parts = [core.forward(q, kp, vp, causal=causal) for kp, vp in zip(cut(k, n // m), cut(v, n // m))]
+        return functools.reduce(_merge, [(out.astype(F32), lse) for out, lse in parts])
 
     def backward(q, k, v, d_out, lse, delta, pos: _Positions):
-        return tuple(g.astype(F32) for g in core.backward(q, k, v, d_out, lse, delta, causal=pos is not None))
+        causal, m, n = pos is not None, q.shape[1], k.shape[1]
+        if m > n:
+            rows = zip(cut(q, m // n), cut(d_out, m // n), cut(lse, m // n, -1), cut(delta, m // n, -1))
+            dq, dk, dv = zip(*(core.backward(qp, k, v, dp, lp, ep, causal=causal) for qp, dp, lp, ep in rows))
+            return jnp.concatenate(dq, axis=1).astype(F32), sum(g.astype(F32) for g in dk), sum(g.astype(F32) for g in dv)
+        keys = zip(cut(k, n // m), cut(v, n // m))
+        dq, dk, dv = zip(*(core.backward(q, kp, vp, d_out, lse, delta, causal=causal) for kp, vp in keys))
+        return sum(g.astype(F32) for g in dq), jnp.concatenate(dk, axis=1).astype(F32), jnp.concatenate(dv, axis=1).astype(F32)
 
     return forward, backward
 
@@ -212,45 +235,40 @@ class _Setup:
     zigzag: bool
     core: str | BlockCore
 
-    @property
-    def chunks(self) -> int:
-        """Pieces per block: the two zigzag chunks; one under full attention (no mask to skip)."""
-        return 2 if self.zigzag and self.causal else 1
+
+Piece = tuple[int, int, bool] | None  # (first query row, end of the key rows, diagonal); None: nothing
 
 
-Pair = tuple[int, int, bool]  # (local q chunk, kv chunk of the held block, diagonal)
-
-
-def _pairs(setup: _Setup, case: str) -> tuple[Pair, ...]:
-    """The chunk pairs to compute against the block of device j: case own (j = d), earlier
-    (j < d) or later (j > d). Pairs left out are fully masked (module docstring's table)."""
+def _piece(setup: _Setup, case: str, rows: int) -> Piece:
+    """What the local queries compute against the block of device j, case own (j = d), earlier
+    (j < d) or later (j > d): rows [first:] of the queries against rows [:end] of the keys.
+    Under the causal mask the visible part of a block is always such a corner: later positions
+    see more keys (module docstring's table)."""
     if not setup.causal:
-        return ((0, 0, False),)
+        return 0, rows, False
+    if case == "own":
+        return 0, rows, True
     if setup.zigzag:
-        return {"own": ((0, 0, True), (1, 0, False), (1, 1, True)),
-                "earlier": ((0, 0, False), (1, 0, False)),
-                "later": ((1, 0, False), (1, 1, False))}[case]
-    return {"own": ((0, 0, True),), "earlier": ((0, 0, False),), "later": ()}[case]
+        return (0, rows // 2, False) if case == "earlier" else (rows // 2, rows, False)
+    return (0, rows, False) if case == "earlier" else None
 
 
-def _visit(setup: _Setup, s: int, device: jax.Array, fn: Callable, *operands):
-    """fn(pairs, *operands) with the pairs of step s (block of device j = (d - s) mod sp)."""
+def _visit(setup: _Setup, s: int, device: jax.Array, rows: int, fn: Callable, *operands):
+    """fn(piece, *operands) with the piece of step s (block of device j = (d - s) mod sp)."""
     if s == 0:
-        return fn(_pairs(setup, "own"), *operands)
-    earlier, later = _pairs(setup, "earlier"), _pairs(setup, "later")
+        return fn(_piece(setup, "own", rows), *operands)
+    earlier, later = _piece(setup, "earlier", rows), _piece(setup, "later", rows)
     if earlier == later:  # full attention: the whole block, every step
         return fn(earlier, *operands)
     return lax.cond(s <= device, functools.partial(fn, earlier), functools.partial(fn, later), *operands)
 
 
-def _chunk_positions(setup: _Setup, device: jax.Array, sp: int, rows: int) -> list[jax.Array]:
-    """Global positions of each local chunk of `device` (rows per chunk), traced."""
-    starts = (device, 2 * sp - 1 - device) if setup.zigzag else (device,)
-    return [start * rows + jnp.arange(rows) for start in starts]
-
-
-def _split(x: jax.Array, n: int, axis: int = 1) -> list[jax.Array]:
-    return jnp.split(x, n, axis=axis) if n > 1 else [x]
+def _device_positions(setup: _Setup, device: jax.Array, sp: int, rows: int) -> jax.Array:
+    """[rows]: global positions of `device`'s rows, traced."""
+    if not setup.zigzag:
+        return device * rows + jnp.arange(rows)
+    c = rows // 2
+    return jnp.concatenate([device * c + jnp.arange(c), (2 * sp - 1 - device) * c + jnp.arange(c)])
 
 
 def _to_right(sp: int) -> list[tuple[int, int]]:
@@ -277,10 +295,8 @@ def _blocks(setup: _Setup, k: jax.Array, v: jax.Array):
 
 # --- forward and backward ----------------------------------------------------------------------
 
-def _merge(a: tuple[jax.Array, jax.Array] | None, b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+def _merge(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Two partial attentions of the same rows, (out [B, m, N, H], lse [B, N, m]) fp32, as one."""
-    if a is None:
-        return b
     (out_a, lse_a), (out_b, lse_b) = a, b
     lse = jnp.logaddexp(lse_a, lse_b)
 
@@ -292,60 +308,62 @@ def _merge(a: tuple[jax.Array, jax.Array] | None, b: tuple[jax.Array, jax.Array]
 
 def _forward(setup: _Setup, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     """out [B, l, N, H] (q's dtype) and lse fp32 [B, N, l] of the local queries over all keys."""
-    forward, n = _core(setup.core)[0], setup.chunks
-    sp, d = lax.axis_size(setup.axis), lax.axis_index(setup.axis)
-    qs = _split(q, n)
-    pos = _chunk_positions(setup, d, sp, qs[0].shape[1])
+    forward = _core(setup.core)[0]
+    sp, d, rows = lax.axis_size(setup.axis), lax.axis_index(setup.axis), q.shape[1]
+    pos = _device_positions(setup, d, sp, rows)
 
-    def attend(pairs, kb, vb, acc):
-        acc, ks, vs = list(acc), _split(kb, n), _split(vb, n)
-        for i, j, diagonal in pairs:
-            acc[i] = _merge(acc[i], forward(qs[i], ks[j], vs[j], (pos[i], pos[i]) if diagonal else None))
-        return acc
+    def attend(piece: Piece, kb, vb, acc):
+        if piece is None:
+            return acc
+        first, end, diagonal = piece
+        part = forward(q[:, first:], kb[:, :end], vb[:, :end], (pos[first:], pos[:end]) if diagonal else None)
+        if acc is None:  # step 0: the own block covers every row
+            return part
+        out, lse = _merge((acc[0][:, first:], acc[1][..., first:]), part)
+        return (lax.dynamic_update_slice_in_dim(acc[0], out, first, axis=1),
+                lax.dynamic_update_slice_in_dim(acc[1], lse, first, axis=2))
 
-    acc = [None] * n
+    acc = None
     for s, kb, vb in _blocks(setup, k, v):
-        acc = _visit(setup, s, d, attend, kb, vb, acc)
-    out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
-    return out, jnp.concatenate([lse for _, lse in acc], axis=-1)
+        acc = _visit(setup, s, d, rows, attend, kb, vb, acc)
+    return acc[0].astype(q.dtype), acc[1]
 
 
 def _backward(setup: _Setup, residuals, d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     q, k, v, out, lse = residuals
-    backward, n = _core(setup.core)[1], setup.chunks
-    sp, d = lax.axis_size(setup.axis), lax.axis_index(setup.axis)
+    backward = _core(setup.core)[1]
+    sp, d, rows = lax.axis_size(setup.axis), lax.axis_index(setup.axis), q.shape[1]
+    pos = _device_positions(setup, d, sp, rows)
     delta = jnp.einsum("blnh,blnh->bnl", d_out.astype(F32), out.astype(F32))  # rowsum(dO·out)
-    qs, dos, lses, deltas = _split(q, n), _split(d_out, n), _split(lse, n, -1), _split(delta, n, -1)
-    pos = _chunk_positions(setup, d, sp, qs[0].shape[1])
 
-    def grads(pairs, kb, vb, dq):
+    def grads(piece: Piece, kb, vb, dq):
         """dq += this block's share; dk, dv of the block from this device's queries (fp32)."""
-        dq, ks, vs = list(dq), _split(kb, n), _split(vb, n)
-        dk, dv = [jnp.zeros_like(x, F32) for x in ks], [jnp.zeros_like(x, F32) for x in vs]
-        for i, j, diagonal in pairs:
-            gq, gk, gv = backward(qs[i], ks[j], vs[j], dos[i], lses[i], deltas[i],
-                                  (pos[i], pos[i]) if diagonal else None)
-            dq[i], dk[j], dv[j] = dq[i] + gq, dk[j] + gk, dv[j] + gv
-        return dq, jnp.concatenate(dk, axis=1), jnp.concatenate(dv, axis=1)
+        dk, dv = jnp.zeros_like(kb, F32), jnp.zeros_like(vb, F32)
+        if piece is None:
+            return dq, dk, dv
+        first, end, diagonal = piece
+        gq, gk, gv = backward(q[:, first:], kb[:, :end], vb[:, :end], d_out[:, first:], lse[..., first:],
+                              delta[..., first:], (pos[first:], pos[:end]) if diagonal else None)
+        dq = lax.dynamic_update_slice_in_dim(dq, dq[:, first:] + gq, first, axis=1)
+        return dq, lax.dynamic_update_slice_in_dim(dk, gk, 0, axis=1), lax.dynamic_update_slice_in_dim(dv, gv, 0, axis=1)
 
-    dq = [jnp.zeros_like(x, F32) for x in qs]
+    dq = jnp.zeros_like(q, F32)
     if setup.impl == "ring":
         held = None  # dK, dV of the block this device holds, summed over the devices it visited
         for s, kb, vb in _blocks(setup, k, v):
-            dq, gk, gv = _visit(setup, s, d, grads, kb, vb, dq)
+            dq, gk, gv = _visit(setup, s, d, rows, grads, kb, vb, dq)
             held = (gk, gv) if held is None else (held[0] + gk, held[1] + gv)  # added after the compute
             held = lax.ppermute(held, setup.axis, _to_right(sp))  # the last send brings them home
         dk, dv = held
     else:
-        rows = k.shape[1]
         full = [jnp.zeros((k.shape[0], sp * rows, *k.shape[2:]), F32) for _ in range(2)]  # dK, dV [B, L, K, H]
         for s, kb, vb in _blocks(setup, k, v):
-            dq, gk, gv = _visit(setup, s, d, grads, kb, vb, dq)
+            dq, gk, gv = _visit(setup, s, d, rows, grads, kb, vb, dq)
             start = (d - s) % sp * rows
             full = [lax.dynamic_update_slice_in_dim(x, lax.dynamic_slice_in_dim(x, start, rows, axis=1) + g,
                                                     start, axis=1) for x, g in zip(full, (gk, gv))]
         dk, dv = (lax.psum_scatter(x, setup.axis, scatter_dimension=1, tiled=True) for x in full)
-    return jnp.concatenate(dq, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
