@@ -61,7 +61,34 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     Blocks default per head dim (`default_blocks`), are clamped to the length and must be powers
     of two; L needs no relation to them (it is padded).
     """
+    plan = _plan(q, k, causal, block_q, block_k)
+    return _attention(plan, *_pad(plan, q, k, v))[:, :plan.length]
+
+
+def flash_block_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
+                        ) -> tuple[jax.Array, jax.Array]:
+    """The forward kernel alone, no custom_vjp: out [B, L, N, H] and lse fp32 [B, N, L], for
+    callers that merge blocks of attention by their log-sum-exp (sharding/context_parallel.py)."""
+    plan = _plan(q, k, causal, None, None)
+    out, lse = _forward(plan, *_pad(plan, q, k, v))
+    return out[:, :plan.length], lse[..., :plan.length]
+
+
+def flash_block_backward(q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array, lse: jax.Array,
+                         delta: jax.Array, *, causal: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """dq, dk, dv of one block given the softmax statistics of the whole row: lse and delta fp32
+    [B, N, L] may come from more keys than this block's (p = exp(s - lse) is then the block's
+    share of the row's probabilities). Padded rows get lse = delta = 0 and dO = 0: no effect."""
+    plan = _plan(q, k, causal, None, None)
+    stats = [(0, 0), (0, 0), (0, _padded(plan) - plan.length)]
+    dq, dk, dv = _backward(plan, *_pad(plan, q, k, v, d_out), jnp.pad(lse, stats), jnp.pad(delta, stats))
+    return dq[:, :plan.length], dk[:, :plan.length], dv[:, :plan.length]
+
+
+def _plan(q: jax.Array, k: jax.Array, causal: bool, block_q: int | None, block_k: int | None) -> Plan:
     (_, length, n, h), kv_heads = q.shape, k.shape[2]
+    if k.shape[1] != length:
+        raise ValueError(f"flash attention: q has {length} rows, k and v {k.shape[1]}; they must be equal")
     if n % kv_heads:
         raise ConfigError(f"flash attention: n_heads={n} is not a multiple of n_kv_heads={kv_heads}")
     default_q, default_k = default_blocks(h)
@@ -70,11 +97,18 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     for name, size in (("block_q", bq), ("block_k", bk)):
         if size < 1 or size & (size - 1):
             raise ConfigError(f"flash attention: {name}={size} must be a power of two")
-    plan = Plan(causal, length, bq, bk, n // kv_heads)
-    padded = -(-length // max(bq, bk)) * max(bq, bk)  # powers of two: a multiple of both blocks
-    pad = [(0, 0), (0, padded - length), (0, 0), (0, 0)]
-    out = _attention(plan, *(jnp.pad(x, pad) for x in (q, k, v)))
-    return out[:, :length]
+    return Plan(causal, length, bq, bk, n // kv_heads)
+
+
+def _padded(plan: Plan) -> int:
+    """L rounded up to a multiple of both blocks (powers of two: a multiple of the larger)."""
+    block = max(plan.block_q, plan.block_k)
+    return -(-plan.length // block) * block
+
+
+def _pad(plan: Plan, *xs: jax.Array) -> list[jax.Array]:
+    """[B, L, N or K, H] zero-padded along L to `_padded(plan)`."""
+    return [jnp.pad(x, [(0, 0), (0, _padded(plan) - plan.length), (0, 0), (0, 0)]) for x in xs]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -1,0 +1,215 @@
+"""Context parallelism (sharding/context_parallel.py): equal to one device, balanced, and the
+collectives its docstring states.
+
+- layout: the zigzag permutation round-trips and gives device d chunks d and 2sp-1-d;
+- balance: visible pairs per device equal under zigzag, increasing without; the schedule's
+  piece at every (device, step) holds every visible pair, only visible pairs when unmasked;
+- numbers: sp = 2, 4, 8 x ring/allgather x zigzag/contiguous, causal; full attention; the
+  Pallas kernels as core (sp = 2, zigzag ring); the ring inside one region manual over
+  sequence and tensor (the tensor-parallel region's way in);
+- collectives of the compiled forward and backward (sp = 4), and clear errors.
+
+Numbers: fp32, B = 2, L = 32, N = 4 query heads over K = 2 kv heads (GQA), H = 8. The sharded
+out, dq, dk, dv, put back in natural order, equal `model.attention.xla_attention` on the whole
+sequence within rtol = atol = 1e-5 (observed about 1e-6: only the order of fp32 sums differs).
+Each mesh has sequence = sp and every other axis 1, on sp of the 8 fake devices; the variants of
+one sp run in one jitted program (one compile).
+
+Collectives: the forward and the backward are compiled as separate programs (the backward from
+the vjp's residuals). Compiled as one, XLA merges the backward's K/V sends with the forward's
+identical ones, so the count of one program would not show the backward's own ring.
+"""
+
+import functools
+from collections import Counter
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from model.attention import xla_attention
+from model.kernels.flash_attention import flash_block_backward, flash_block_forward
+from sharding.context_parallel import (
+    IMPLS, BlockCore, _piece, _Setup, causal_block_work, context_parallel_attention, positions,
+    ring_attention, zigzag_permutation,
+)
+from sharding.mesh import build_mesh, parse_mesh
+from tools.hlo import census
+
+B, L, N, K, H = 2, 32, 4, 2, 8
+TOL = 1e-5
+SPS = (2, 4, 8)
+PALLAS = BlockCore(flash_block_forward, flash_block_backward)
+
+
+@pytest.fixture(scope="module")
+def meshes() -> dict[int, jax.sharding.Mesh]:
+    return {sp: build_mesh(parse_mesh(f"sp={sp}"), jax.devices()[:sp]) for sp in SPS}
+
+
+@pytest.fixture(scope="module")
+def data() -> list[jax.Array]:
+    """q, k, v and a cotangent dO, normal(0, 1), in natural order."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    shapes = [(B, L, N, H), (B, L, K, H), (B, L, K, H), (B, L, N, H)]
+    return [jax.random.normal(key, shape) for key, shape in zip(keys, shapes)]
+
+
+def out_and_grads(attend, q, k, v, d_out) -> tuple:
+    out, vjp = jax.vjp(attend, q, k, v)
+    return (out, *vjp(d_out))
+
+
+def in_natural_order(attend, sp: int, zigzag: bool):
+    """attend (on the layout's order) as a function of q, k, v in natural order."""
+    perm, inverse = zigzag_permutation(L, sp) if zigzag else (np.arange(L), np.arange(L))
+    return lambda q, k, v: attend(q[:, perm], k[:, perm], v[:, perm])[:, inverse]
+
+
+def sharded(mesh, impl: str, zigzag: bool, causal: bool = True, core="xla"):
+    attend = functools.partial(context_parallel_attention, mesh=mesh, impl=impl, causal=causal, zigzag=zigzag,
+                               core=core)
+    return in_natural_order(attend, mesh.shape["sequence"], zigzag)
+
+
+def run_all(fns, data) -> list[tuple]:
+    """(out, dq, dk, dv) of each function, in one jitted program."""
+    return jax.jit(lambda q, k, v, d_out: [out_and_grads(f, q, k, v, d_out) for f in fns])(*data)
+
+
+def assert_same(got, want, label: str) -> None:
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL, err_msg=f"{label}: {name}")
+
+
+@pytest.fixture(scope="module")
+def reference(data):
+    """xla_attention's out and grads on one device, causal and full."""
+    return dict(zip((True, False), run_all([xla_attention, lambda q, k, v: xla_attention(q, k, v, False)], data)))
+
+
+# --- layout and balance (no devices) ------------------------------------------------------------
+
+@pytest.mark.parametrize("sp", [1, *SPS])
+def test_zigzag_permutation_round_trips_and_gives_device_d_chunks_d_and_mirror(sp):
+    perm, inverse = zigzag_permutation(L, sp)
+    x = np.arange(L) * 10
+    np.testing.assert_array_equal(x[perm][inverse], x)
+    assert sorted(perm) == list(range(L))
+    c = L // (2 * sp)
+    for d, rows in enumerate(positions(L, sp, zigzag=True)):  # device d's slice of the permuted order
+        np.testing.assert_array_equal(rows, np.r_[d * c:(d + 1) * c, (2 * sp - 1 - d) * c:(2 * sp - d) * c])
+    np.testing.assert_array_equal(positions(L, sp, zigzag=True).reshape(-1), perm)
+    np.testing.assert_array_equal(positions(L, sp, zigzag=False).reshape(-1), np.arange(L))
+
+
+@pytest.mark.parametrize("sp", SPS)
+def test_zigzag_balances_the_causal_work(sp):
+    zigzag, contiguous = causal_block_work(L, sp, True), causal_block_work(L, sp, False)
+    assert zigzag.sum() == contiguous.sum() == L * (L + 1) // 2
+    assert (zigzag == zigzag[0]).all(), zigzag
+    assert (np.diff(contiguous) > 0).all(), contiguous  # the last device does the most
+    assert contiguous[-1] / contiguous[0] > sp  # about 2sp-1 at L >> sp
+
+
+@pytest.mark.parametrize("zigzag", [True, False])
+@pytest.mark.parametrize("sp", SPS)
+def test_schedule_computes_every_visible_pair_and_skips_masked_blocks(sp, zigzag):
+    """For every device d and step s, against the block of device j = (d - s) mod sp: the piece
+    the schedule picks holds every visible (query, key) pair; an unmasked piece holds only
+    visible pairs; the masked (diagonal) piece has the same positions on both sides. Under
+    zigzag every device then computes the same number of pairs, without it not."""
+    setup, l = _Setup("ring", "sequence", True, zigzag, "xla"), L // sp
+    pos = positions(L, sp, zigzag)
+    computed = np.zeros(sp, int)
+    for d in range(sp):
+        for s in range(sp):
+            j = (d - s) % sp
+            visible = pos[j][None, :] <= pos[d][:, None]  # [query row of d, key row of j]
+            piece = _piece(setup, "own" if j == d else "earlier" if j < d else "later", l)
+            if piece is None:
+                assert not visible.any(), (d, s)
+                continue
+            first, end, diagonal = piece
+            assert visible[first:, :end].sum() == visible.sum(), (d, s)
+            computed[d] += (l - first) * end
+            if diagonal:
+                np.testing.assert_array_equal(pos[d][first:], pos[j][:end])
+            else:
+                assert visible[first:, :end].all(), (d, s)
+    assert (computed == computed[0]).all() == zigzag, computed
+
+
+# --- equal to one device -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sp", SPS)
+def test_causal_equals_one_device(sp, meshes, data, reference):
+    """Both impls, zigzag and contiguous, GQA: out, dq, dk, dv."""
+    variants = [(impl, zigzag) for impl in IMPLS for zigzag in (True, False)]
+    results = run_all([sharded(meshes[sp], impl, zigzag) for impl, zigzag in variants], data)
+    for (impl, zigzag), got in zip(variants, results):
+        assert_same(got, reference[True], f"sp={sp} {impl} zigzag={zigzag}")
+
+
+def test_full_attention_equals_one_device(meshes, data, reference):
+    variants = [("ring", True), ("allgather", False)]
+    results = run_all([sharded(meshes[4], impl, zigzag, causal=False) for impl, zigzag in variants], data)
+    for (impl, zigzag), got in zip(variants, results):
+        assert_same(got, reference[False], f"full {impl} zigzag={zigzag}")
+
+
+def test_pallas_core_equals_one_device(meshes, data, reference):
+    """The flash kernels per piece (interpreted on CPU), lse merged across the ring."""
+    got, = run_all([sharded(meshes[2], "ring", True, core=PALLAS)], data)
+    assert_same(got, reference[True], "pallas ring")
+
+
+def test_ring_inside_one_region_manual_over_sequence_and_tensor(data, reference):
+    """How the tensor-parallel region can call it: one shard_map manual over sequence and tensor
+    (not one nested in the other), q heads split over tensor with their kv head."""
+    mesh = build_mesh(parse_mesh("sp=2,tp=2"), jax.devices()[:4])
+    spec = P(None, "sequence", "tensor")
+    region = jax.shard_map(ring_attention, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+                           axis_names={"sequence", "tensor"})
+    got, = run_all([in_natural_order(region, 2, zigzag=True)], data)
+    assert_same(got, reference[True], "region over sequence and tensor")
+
+
+# --- collectives ---------------------------------------------------------------------------------
+
+def collectives(text: str, mesh) -> Counter:
+    return Counter((c.kind, c.axes, c.elements) for c in census(text, dict(mesh.shape)))
+
+
+def test_compiled_collectives(meshes, data):
+    """sp = 4, E = b·l·K·H elements; both impls in one forward and one backward program (their
+    collectives differ in kind). Ring: forward 2(sp-1) collective-permutes of E on `sequence`
+    (K and V, separate ops), backward 2(sp-1) again + 2·sp (dK, dV). All-gather: forward 2
+    all-gathers of sp·E, backward those again and 2 reduce-scatters. Nothing else. The
+    residuals: none larger than q."""
+    sp, mesh = 4, meshes[4]
+    q, k, v, d_out = data
+    e, seq = B * (L // sp) * K * H, ("sequence",)
+
+    def both(q, k, v):
+        return [context_parallel_attention(q, k, v, mesh, impl=impl) for impl in IMPLS]
+
+    forward = jax.jit(both).lower(q, k, v).compile().as_text()
+    vjp = jax.eval_shape(lambda q, k, v: jax.vjp(both, q, k, v)[1], q, k, v)  # residual shapes only
+    assert max(x.size for x in jax.tree.leaves(vjp)) == q.size  # saved: q, k, v, out, lse; no [L, L]
+    backward = jax.jit(lambda vjp, d_out: vjp(d_out)).lower(vjp, [d_out, d_out]).compile().as_text()
+    assert collectives(forward, mesh) == {("collective-permute", seq, e): 2 * (sp - 1),
+                                          ("all-gather", seq, sp * e): 2}
+    assert collectives(backward, mesh) == {("collective-permute", seq, e): 2 * (sp - 1) + 2 * sp,
+                                           ("all-gather", seq, sp * e): 2, ("reduce-scatter", seq, sp * e): 2}
+
+
+def test_bad_inputs_are_clear_errors():
+    q, k = np.zeros((B, 8, N, H), np.float32), np.zeros((B, 8, 3, H), np.float32)
+    with pytest.raises(ValueError, match="not divisible by 2·sp = 8"):
+        zigzag_permutation(36, 4)
+    with pytest.raises(ValueError, match="not a multiple of 3 kv heads"):
+        ring_attention(q, k, k)
+    with pytest.raises(ValueError, match="neither 'xla' nor a BlockCore"):
+        ring_attention(q, q, q, core="cudnn")
