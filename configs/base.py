@@ -89,6 +89,10 @@ class ParallelConfig:
     between blocks along L over `tensor`; `tp_overlap` turns SP's all-gather/reduce-scatter into
     rings of collective-permutes overlapped with the matmul chunks.
 
+    Context parallelism (sharding/context_parallel.py, with sequence > 1): `context_impl` ring
+    passes K/V blocks around the sequence axis, allgather gathers them once per layer, gspmd
+    leaves attention over a split L to XLA (which all-gathers K and V).
+
     Pipeline parallelism (pipeline/, with stage > 1): `schedule` gpipe | interleaved | 1f1b,
     `microbatches` M per step (0 = the number of stages), `virtual_stages` V chunks of layers
     per device for interleaved.
@@ -102,6 +106,7 @@ class ParallelConfig:
     tp_impl: str = "shard_map"  # shard_map | gspmd
     sequence_parallel: bool = False
     tp_overlap: bool = False
+    context_impl: str = "ring"  # ring | allgather | gspmd: attention over the sequence axis (sp > 1)
     schedule: str = "gpipe"  # gpipe | interleaved | 1f1b
     microbatches: int = 0  # M; 0 = pp
     virtual_stages: int = 1  # V, interleaved only

@@ -35,7 +35,8 @@ BETA: Rule = ("in [0, 1)", lambda v: 0 <= v < 1)
 DTYPES = ("float32", "bfloat16", "float16")  # float8 has no matmul path here; float64 needs jax x64
 # The named choices; the modules that consume them hold the same tuples (tests/test_config.py
 # checks that they agree): model.attention.CORES, model.remat.POLICIES,
-# sharding.tensor_parallel.IMPLS, pipeline.schedule.SCHEDULES, training/data.py.
+# sharding.tensor_parallel.IMPLS, pipeline.schedule.SCHEDULES, training/data.py,
+# sharding.context_parallel.IMPLS (+ gspmd).
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.attention": ("xla", "cudnn", "pallas"),
     "model.param_dtype": DTYPES,
@@ -45,6 +46,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.token_dtype": ("uint16", "uint32"),
     "parallel.tp_impl": ("shard_map", "gspmd"),
     "parallel.schedule": ("gpipe", "interleaved", "1f1b"),
+    "parallel.context_impl": ("ring", "allgather", "gspmd"),
 }
 
 RULES: dict[str, Rule] = {

@@ -7,9 +7,11 @@ Layout (dimension letters of DESIGN.md):
   wo [N, H, D] ('heads', 'head_dim', 'embed')     out          [B, L, D]
 QKV are column-parallel over heads, wo is row-parallel: the projections and the core run as
 one tensor-parallel region (sharding/tensor_parallel.py), each device on its own heads, and the
-region ends in one all-reduce (or reduce-scatter under sequence parallelism). K and V span the
-full length L, so under `sequence` sharding each layer all-gathers them (context parallelism by
-all-gather).
+region ends in one all-reduce (or reduce-scatter under sequence parallelism). Under context
+parallelism (sp > 1) the region is manual over `sequence` too: each device projects its L/sp
+rows and the core is a ring of K/V blocks or one all-gather (sharding/context_parallel.py),
+with the rotary tables in the same zigzag order as the rows; with context_impl=gspmd XLA
+all-gathers K and V over `sequence` in every layer instead.
 
 Cores (`model.attention`):
   xla    plain einsum + fp32 softmax, the reference. It repeats K/V heads to N (G = N/K times)
@@ -23,13 +25,17 @@ Cores (`model.attention`):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from configs.base import ConfigError, ModelConfig
+from model.kernels.flash_attention import flash_block_backward, flash_block_forward
 from model.kernels.sharded import sharded_flash_attention
+from sharding.context_parallel import BlockCore, allgather_attention, ring_attention
 from model.layers import apply_rotary, param
 from sharding.rules import constrain
 from sharding.tensor_parallel import Local, Sharded, TensorParallel
@@ -92,11 +98,18 @@ def _capability() -> tuple[int, int] | None:
     return tuple(int(x) for x in text.split(".")[:2]) if text else None
 
 
-def attention_core(name: str, cfg: ModelConfig):
-    """The core function `name`, or a ConfigError saying why it cannot run here."""
+def attention_core(name: str, cfg: ModelConfig, context: str | None = None):
+    """The core function `name`, or a ConfigError saying why it cannot run here. Under context
+    parallelism (`context` ring | allgather) the core runs per block of the sequence axis, inside
+    the attention region (sharding/context_parallel.py): xla, or the Pallas kernel's block
+    forward and backward."""
     problem = core_problem(name, jax.default_backend(), _capability(), cfg.compute_dtype, cfg.head_dim)
     if problem:
         raise ConfigError(f"--set model.attention={name}: {problem}")
+    if context:
+        block = "xla" if name == "xla" else BlockCore(flash_block_forward, flash_block_backward)
+        impl = {"ring": ring_attention, "allgather": allgather_attention}[context]
+        return functools.partial(impl, core=block)
     return {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": sharded_flash_attention}[name]
 
 
@@ -109,7 +122,8 @@ NAMES = {
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, core: str, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, core: str, context: str | None = None, *,
+                 rngs: nnx.Rngs):
         d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         dtype = jnp.dtype(cfg.param_dtype)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5  # residual-branch scaling
@@ -117,13 +131,14 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (d, k, h), NAMES["wk"], cfg.init_std, dtype)
         self.wv = param(rngs, (d, k, h), NAMES["wv"], cfg.init_std, dtype)
         self.wo = param(rngs, (n, h, d), NAMES["wo"], out_std, dtype)
-        self.core = attention_core(core, cfg)
+        self.core = attention_core(core, cfg, context)
+        self.context = context is not None
         self.n_kv_heads = k
         self.tp = tp
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         weights = {name: (getattr(self, name)[...], names) for name, names in NAMES.items()}
-        return self.tp.region(self._local, x, weights, cos, sin)
+        return self.tp.region(self._local, x, weights, cos, sin, sequence=self.context)
 
     def _local(self, ops: Local | Sharded, x: jax.Array, w: dict, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """One device's heads: x [B, L, D] (or its L/T rows under SP) -> [B, L, D] (or L/T)."""

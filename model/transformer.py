@@ -28,15 +28,17 @@ from model.mlp import MLP
 from model.remat import remat
 from sharding.checks import check_model
 from sharding.rules import constrain
+from sharding.context_parallel import zigzag_permutation
 from sharding.strategies import Strategies
 from sharding.tensor_parallel import TensorParallel
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, core: str, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, core: str, context: str | None, *,
+                 rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs=rngs)
-        self.attn = Attention(cfg, tp, core, rngs=rngs)
+        self.attn = Attention(cfg, tp, core, context, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs=rngs)
         self.mlp = MLP(cfg, tp, rngs=rngs)
         self.act_names = tp.activation_names
@@ -55,19 +57,19 @@ class Transformer(nnx.Module):
         strategies = strategies or Strategies.single_device(cfg)
         dtype = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
-        self.tp, self.remat = strategies.tensor, strategies.remat
+        self.tp, self.remat, self.context = strategies.tensor, strategies.remat, strategies.context
         self.act_names = self.tp.activation_names
         self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg.init_std, dtype, rngs=rngs)
-        self.blocks = self._stacked_blocks(cfg, self.tp, strategies.attention, rngs)
+        self.blocks = self._stacked_blocks(cfg, strategies, rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs=rngs)
         self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, dtype)
 
     @staticmethod
-    def _stacked_blocks(cfg: ModelConfig, tp: TensorParallel, core: str, rngs: nnx.Rngs) -> Block:
+    def _stacked_blocks(cfg: ModelConfig, strategies: Strategies, rngs: nnx.Rngs) -> Block:
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, tp, core, rngs=rngs)
+            return Block(cfg, strategies.tensor, strategies.attention, strategies.context, rngs=rngs)
 
         return make(rngs)
 
@@ -91,6 +93,9 @@ class Transformer(nnx.Module):
     def run_layers(self, x: jax.Array, layers: nnx.State) -> jax.Array:
         """x [B, L, D] through the stacked block states `layers` ([n, ...] leaves, any n)."""
         cos, sin = rotary(x.shape[1], self.cfg.head_dim, self.cfg.rope_theta)
+        if self.context:  # the batch's columns are in zigzag order (training/data.py): so are the positions
+            order, _ = zigzag_permutation(x.shape[1], dict(jax.sharding.get_abstract_mesh().shape)["sequence"])
+            cos, sin = cos[order], sin[order]
         graphdef = nnx.graphdef(self.blocks)
 
         def layer(x, layer_state):

@@ -14,6 +14,8 @@ Rules, by what they protect:
   tensor       tp divides the heads, F and V; kv heads divide or are divided by tp (shard_map);
                sequence parallelism and overlap need tp > 1 and L divisible by tp, no sp, and
                (overlap) shard_map with sequence parallelism
+  context      sp > 1 with context_impl ring|allgather: 2·sp divides L (zigzag), not the cudnn
+               core; the ring not under 1f1b
   fsdp         fsdp divides D (weights are split on `embed`)
   pipeline     pp·V divides the layers; at least pp microbatches, a multiple of pp when
                interleaved; virtual stages only with interleaved; no train.micro_batch_size
@@ -32,6 +34,7 @@ def check_run(cfg: RunConfig, sizes: dict[str, int]) -> None:
     check_model(cfg.model)
     check_batch(cfg, sizes)
     check_tensor(cfg, sizes)
+    check_context(cfg, sizes)
     check_pipeline(cfg, sizes)
 
 
@@ -72,6 +75,30 @@ def check_batch(cfg: RunConfig, sizes: dict[str, int]) -> None:
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by sp={sizes['sequence']}")
 
 
+def check_context(cfg: RunConfig, sizes: dict[str, int]) -> None:
+    """Context parallelism (ring or allgather over `sequence`): the zigzag layout cuts L into
+    2·sp chunks; the per-block cores are xla and pallas."""
+    sp, impl = sizes["sequence"], cfg.parallel.context_impl
+    if sp == 1 or impl == "gspmd":
+        return
+    if cfg.train.seq_len % (2 * sp):
+        raise ConfigError(
+            f"train.seq_len={cfg.train.seq_len} is not divisible by 2·sp={2 * sp}: context_impl={impl} "
+            f"lays L out in 2·sp chunks (zigzag); use a multiple of {2 * sp} or parallel.context_impl=gspmd"
+        )
+    if cfg.model.attention == "cudnn":
+        raise ConfigError(
+            f"model.attention=cudnn with parallel.context_impl={impl}: the ring's blocks need a core that "
+            "returns its log-sum-exp; use model.attention=pallas or xla, or parallel.context_impl=gspmd"
+        )
+    if impl == "ring" and sizes["stage"] > 1 and cfg.parallel.schedule == "1f1b":
+        raise ConfigError(
+            "parallel.context_impl=ring with parallel.schedule=1f1b: 1f1b runs a different cell on each "
+            "stage in the same tick, and the ring's collective-permutes inside those cells would not meet "
+            "(XLA CPU deadlocks); use parallel.context_impl=allgather, or schedule gpipe or interleaved"
+        )
+
+
 def check_tensor(cfg: RunConfig, sizes: dict[str, int]) -> None:
     p, m, tp = cfg.parallel, cfg.model, sizes["tensor"]
     for field, value in (("n_heads", m.n_heads), ("d_ff", m.d_ff), ("vocab_size", m.vocab_size)):
@@ -91,7 +118,7 @@ def check_tensor(cfg: RunConfig, sizes: dict[str, int]) -> None:
     if p.sequence_parallel and sizes["sequence"] > 1:
         raise ConfigError(
             f"parallel.sequence_parallel=true with sp={sizes['sequence']}: L cannot be split over "
-            "both sequence (context parallelism) and tensor here; drop sp from --mesh or the flag"
+            "both sequence (context parallelism) and tensor yet; drop sp from --mesh or the flag"
         )
     if p.tp_overlap and p.tp_impl != "shard_map":
         raise ConfigError("parallel.tp_overlap=true is written with shard_map: set parallel.tp_impl=shard_map")

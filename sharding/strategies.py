@@ -7,18 +7,21 @@ strategies)`), the step takes its schedule. Placement is not decided here: the l
 (sharding/rules.py) put the batch on (data, fsdp), the weights' D on fsdp and the layers on
 stage for every run alike, and XLA derives the data and FSDP collectives from them.
 
-  tensor     tp > 1: the Megatron regions (attention, MLP, embedding, head) written with
-             shard_map (sharding/tensor_parallel.py), with sequence parallelism and overlap as
-             configured, or left to GSPMD (tp_impl=gspmd); their manual-axis typing is off
-             around the Pallas core, whose interpreter cannot type its loops. tp = 1: plain
-             per-device code.
+  tensor     the Megatron regions (attention, MLP, embedding, head) written with shard_map
+             (sharding/tensor_parallel.py), with sequence parallelism and overlap as configured,
+             or left to GSPMD (tp_impl=gspmd); plain per-device code where tp = 1. Their
+             manual-axis typing is off around the Pallas core, whose interpreter cannot type
+             its loops.
+  context    sp > 1: attention over the `sequence` axis written out, a ring of K/V blocks or one
+             all-gather (sharding/context_parallel.py), the sequence laid out in zigzag order
+             at the input; None: one device's sequence, or XLA's all-gather (context_impl=gspmd)
   attention  the per-device core: xla | cudnn | pallas (model/attention.py says where each
-             runs and refuses the others)
+             runs and refuses the others); under context parallelism, the core of each block
   remat      the policy around each scanned layer (model/remat.py)
   schedule   pp > 1: the pipeline schedule over `stage` (pipeline/); None: the step's k
              microbatches run as a scan (training/step.py)
 
-The next strategies (context parallelism over `sequence`, experts) become fields here.
+The next strategy (experts) becomes a field here too.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Strategies:
     """What one run applies; every field is decided by `parallelize`."""
 
     tensor: TensorParallel = field(default_factory=TensorParallel)
+    context: str | None = None
     attention: str = "xla"
     remat: str = "none"
     schedule: str | None = None
@@ -48,7 +52,7 @@ class Strategies:
         """One line for the log, e.g. 'tensor shard_map+sp, attention xla, remat full, pipeline 1f1b'."""
         t = self.tensor
         tensor = "+".join([t.impl] + ["sp"] * t.sequence_parallel + ["overlap"] * t.overlap)
-        return (f"tensor {tensor}, attention {self.attention}, remat {self.remat}, "
+        return (f"tensor {tensor}, context {self.context or 'none'}, attention {self.attention}, remat {self.remat}, "
                 f"pipeline {self.schedule or 'none'}")
 
 
@@ -58,8 +62,8 @@ def parallelize(cfg: RunConfig, sizes: dict[str, int]) -> Strategies:
     check_run(cfg, sizes)
     p, m = cfg.parallel, cfg.model
     return Strategies(
-        tensor=TensorParallel(p.tp_impl, p.sequence_parallel, p.tp_overlap, check_vma=m.attention != "pallas")
-        if sizes["tensor"] > 1 else TensorParallel(),
+        tensor=TensorParallel(p.tp_impl, p.sequence_parallel, p.tp_overlap, check_vma=m.attention != "pallas"),
+        context=p.context_impl if sizes["sequence"] > 1 and p.context_impl != "gspmd" else None,
         attention=m.attention,
         remat=m.remat,
         schedule=p.schedule if sizes["stage"] > 1 else None,

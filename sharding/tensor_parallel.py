@@ -70,13 +70,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from sharding.context_parallel import AXIS as CONTEXT_AXIS
 from sharding.rules import logical_to_spec
 
 IMPLS = ("shard_map", "gspmd")
 AXIS = "tensor"
 # Under SP the batch axes are manual too: XLA cannot partition an all-gather or reduce-scatter
 # over `tensor` whose operand is split on an automatic axis (it all-gathers the batch first).
-SP_MANUAL = ("data", "fsdp", AXIS)
+BATCH_AXES = ("data", "fsdp")
+SP_MANUAL = (*BATCH_AXES, AXIS)
 Weights = dict[str, tuple[jax.Array, Sequence[str | None]]]
 
 
@@ -172,21 +174,33 @@ class TensorParallel:
         """Logical names of [B, L, D] between the regions (L over tensor under SP)."""
         return ("batch", "sp_length" if self.sequence_parallel else "length", "act_embed")
 
-    def region(self, fn: Callable, x: jax.Array, weights: Weights, *consts: jax.Array) -> jax.Array:
+    def region(self, fn: Callable, x: jax.Array, weights: Weights, *consts: jax.Array,
+               sequence: bool = False) -> jax.Array:
         """fn(ops, x, {name: weight}, *consts) -> [B, L, D], on each device's tensor shard.
 
         weights: {name: (array, logical names)}; consts (e.g. rotary tables) are replicated.
+        sequence: the region is manual over `sequence` too (context parallelism: fn sees its
+        L/sp rows and writes the attention over the axis itself); consts are then split over
+        it on their first axis, like the rows. The batch axes are manual then as under SP
+        (an all-gather over `sequence` of a batch split on an automatic axis would gather the
+        batch).
         """
         mesh, size = jax.sharding.get_abstract_mesh(), tensor_size()
         arrays = {name: a for name, (a, _) in weights.items()}
-        if self.impl == "gspmd" or size == 1:
+        tensor = self.impl == "shard_map" and size > 1
+        context = sequence and dict(mesh.shape).get(CONTEXT_AXIS, 1) > 1
+        manual = (AXIS,) if tensor else ()
+        if context or (tensor and self.sequence_parallel):  # see SP_MANUAL
+            manual = (*BATCH_AXES, *manual, *(CONTEXT_AXIS,) * context)
+        if not manual:
             return fn(Local(), x, arrays, *consts)
-        specs = {name: logical_to_spec(names, a.shape, mesh, within=(AXIS,)) for name, (a, names) in weights.items()}
-        manual = SP_MANUAL if self.sequence_parallel else (AXIS,)
+        within = (AXIS,) if tensor else ()
+        specs = {name: logical_to_spec(names, a.shape, mesh, within=within) for name, (a, names) in weights.items()}
         x_spec = logical_to_spec(self.activation_names, x.shape, mesh, within=manual)
-        ops = Sharded(size, self.sequence_parallel, self.overlap, self.check_vma)
+        const_spec = P(CONTEXT_AXIS) if CONTEXT_AXIS in manual else P()
+        ops = Sharded(size, self.sequence_parallel, self.overlap, self.check_vma) if tensor else Local()
         body = jax.shard_map(
-            functools.partial(fn, ops), in_specs=(x_spec, specs, *(P(),) * len(consts)),
+            functools.partial(fn, ops), in_specs=(x_spec, specs, *(const_spec,) * len(consts)),
             out_specs=x_spec, axis_names=set(manual), check_vma=self.check_vma,
         )
         return body(x, arrays, *consts)
@@ -220,11 +234,12 @@ def vocab_parallel_take(table: jax.Array, tokens: jax.Array, sequence_parallel: 
     reduce-scatter over L, half that; backward an all-gather of dx); backward otherwise a local
     scatter-add. Megatron's vocab-parallel embedding. Under SP, GSPMD's own lookup would
     all-gather the whole table over data and tensor every step (V·D: 525M for Llama 3). The
-    batch axes are manual too: with them automatic, XLA partitions the backward scatter-add by
-    all-gathering dx and the tokens over data instead of summing the table's gradient there."""
+    batch and sequence axes are manual too: with them automatic, XLA partitions the backward
+    scatter-add by all-gathering dx and the tokens over them instead of summing the table's
+    gradient there."""
     if tensor_size() == 1:
         return jnp.take(table, tokens, axis=0)
-    mesh, manual = jax.sharding.get_abstract_mesh(), SP_MANUAL  # batch manual: see below
+    mesh, manual = jax.sharding.get_abstract_mesh(), (*BATCH_AXES, CONTEXT_AXIS, AXIS)  # see below
 
     def local(rows: jax.Array, ids: jax.Array) -> jax.Array:
         idx = ids - lax.axis_index(AXIS) * rows.shape[0]

@@ -62,7 +62,16 @@ Communication (bytes per device per step), the contract of DESIGN.md:
           all-gather (the MLP's reduce-scatter is dead the same way): r = 1.5. The census of the
           compiled tiny step on dp=2,tp=4 agrees within 0.1% with and without remat and SP
           (tests/test_hlo.py). remat dots/attn: modelled as none (r = 0), not measured.
-  sequence 2 all-gathers of K and V per layer forward, 2 reduce-scatters backward
+  sequence the gradients, as over data (every weight is replicated over sequence): 2 · G(N-1)/N;
+          plus K and V per layer and microbatch, E = b·(L/sp)·K'·H elements of one local block
+          (K' = the kv heads of the device: K/t, or 1 when t does not divide K):
+            ring       2E(sp-1)·c forward; backward 2E(sp-1)·c (K, V again) + 2E·sp·4
+                       (dK, dV in fp32 travel with their blocks and come home)
+            allgather  2E(sp-1)·c forward (all-gather); backward 2E(sp-1)·c (gathered
+                       again) + 2E(sp-1)·4 (reduce-scatter of dK, dV in fp32)
+          remat=full adds nothing: the recomputed forward needs the blocks the backward sends
+          again, and XLA merges the two (the census of tiny on dp=2,sp=4 shows one set)
+            gspmd      2 all-gathers of K and V per layer forward, 2 reduce-scatters backward
   (data and fsdp times k: the compiled step gathers the weights and reduces the gradients in
   each microbatch of the accumulation scan, as the census of a k > 1 step shows)
   stage   a permute of b·L·D·c per microbatch per stage boundary, forward and backward;
@@ -191,7 +200,7 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     c, param_b = DTYPE_BYTES[m.compute_dtype], DTYPE_BYTES[m.param_dtype]
     shard = local_params(cfg, sizes) * sizes["fsdp"]  # this device's parameters before fsdp splits them
     frac = {a: (n - 1) / n for a, n in sizes.items()}
-    act = s.b * cfg.train.seq_len * m.d_model * c  # S: one layer's input for one microbatch
+    act = s.tokens * m.d_model * c  # S: one layer's input for one microbatch (its L/sp rows)
     sp = cfg.parallel.sequence_parallel
     recompute = (1.5 if sp else 1.0) * (m.remat == "full")  # r of the module docstring
     kv_replicated = m.n_kv_heads % sizes["tensor"] != 0
@@ -199,15 +208,25 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     tensor = s.layers * ((4 + recompute) * 2 * act + 2 * kv_grads) + 2 * 2 * act
     # the data axis reduces one kv head of the replicated wk, wv per device, not all K
     shard -= kv_replicated * s.layers * 2 * m.d_model * (m.n_kv_heads - 1) * m.head_dim
-    kv = s.tokens * 2 * m.n_kv_heads * m.head_dim * c
     volume = {
-        "stage": 2 * s.k * act / sizes["sequence"] / sizes["tensor"] * (sizes["stage"] > 1),
+        "stage": 2 * s.k * act / sizes["tensor"] * (sizes["stage"] > 1),
         "data": s.k * 2 * shard / sizes["fsdp"] * 4 * frac["data"],
         "fsdp": s.k * (2 * param_b + 4) * shard * frac["fsdp"],
-        "sequence": 2 * s.k * s.layers * kv * (sizes["sequence"] - 1),
+        "sequence": s.k * 2 * shard / sizes["fsdp"] * 4 * frac["sequence"] + context(cfg, sizes),
         "tensor": s.k * tensor * frac["tensor"],
     }
     return {a: v for a, v in volume.items() if sizes[a] > 1}
+
+
+def context(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """K and V bytes per device per step over the sequence axis (module docstring)."""
+    m, s, sp, tp = cfg.model, shape(cfg, sizes), sizes["sequence"], sizes["tensor"]
+    c, impl = DTYPE_BYTES[m.compute_dtype], cfg.parallel.context_impl
+    if impl == "gspmd":
+        return 2 * s.k * s.layers * s.tokens * 2 * m.n_kv_heads * m.head_dim * c * (sp - 1)
+    e = s.b * cfg.train.seq_len // sp * (m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else 1) * m.head_dim
+    home = sp if impl == "ring" else sp - 1  # the ring's last send takes dK, dV home
+    return s.k * s.layers * (2 * 2 * e * (sp - 1) * c + 2 * e * home * 4)
 
 
 def link_bandwidth(sizes: dict[str, int], axis: str) -> float:

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from configs.base import RunConfig
 from model.transformer import Transformer, count_params
 from sharding.checks import microbatches
+from sharding.context_parallel import zigzag_permutation
 from sharding.rules import data_sharding, param_shardings
 from sharding.strategies import Strategies, parallelize
 from training.data import Batches, load_tokens
@@ -128,7 +129,8 @@ def build(cfg: RunConfig, mesh: Mesh, tokens: np.ndarray | None = None,
     if tokens is None:
         tokens = load_tokens(cfg.data, cfg.model.vocab_size)
     k, b, length = program.batch_shape
-    batches = Batches(tokens, cfg.data.seed, k, b, length, program.batch_sharding)
+    order = zigzag_permutation(length, mesh.shape["sequence"])[0] if program.strategies.context else None
+    batches = Batches(tokens, cfg.data.seed, k, b, length, program.batch_sharding, order)
     return Job(cfg, mesh, program.strategies, program.graphdef, state, program.step_fn, batches)
 
 

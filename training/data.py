@@ -91,13 +91,14 @@ class Batches:
     """Batch of any step, sharded onto the mesh: {'inputs', 'targets'} [k, b, L] int32."""
 
     def __init__(self, tokens: np.ndarray, seed: int, k: int, b: int, seq_len: int,
-                 sharding: jax.sharding.NamedSharding):
+                 sharding: jax.sharding.NamedSharding, order: np.ndarray | None = None):
         if tokens.size < seq_len + 1:
             raise ConfigError(
                 f"the corpus has {tokens.size} tokens, fewer than train.seq_len={seq_len} + 1 "
                 "(one window of inputs and shifted targets)"
             )
         self.tokens, self.seed, self.shape, self.sharding = tokens, seed, (k, b, seq_len), sharding
+        self.order = order  # a permutation of each sequence's positions (context parallelism's zigzag)
         # Rows (along b) held by this process's devices; all processes draw the same offsets.
         index = sharding.addressable_devices_indices_map(self.shape).values()
         self.rows = np.unique(np.concatenate([np.arange(b)[ix[1]] for ix in index]))
@@ -111,7 +112,10 @@ class Batches:
         windows = self.tokens[starts[..., None] + np.arange(length + 1)].astype(np.int32)
         if step in self.nan_steps:
             windows[..., 0] = np.iinfo(np.int32).max  # see the test hook in the module docstring
-        return {"inputs": windows[..., :-1], "targets": windows[..., 1:]}
+        inputs, targets = windows[..., :-1], windows[..., 1:]
+        if self.order is not None:  # inputs and targets alike: the loss, a mean, needs no undoing
+            inputs, targets = inputs[..., self.order], targets[..., self.order]
+        return {"inputs": inputs, "targets": targets}
 
     def __call__(self, step: int) -> dict[str, jax.Array]:
         return {
