@@ -31,7 +31,7 @@ def test_mesh_dp8_tp8_on_fake_devices(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["parallel"] == {"stage": 1, "data": 8, "fsdp": 1, "sequence": 1, "tensor": 8,
                                   "tp_impl": "shard_map", "sequence_parallel": False, "tp_overlap": False,
-                                  "schedule": "gpipe", "microbatches": 0, "virtual_stages": 1}
+                                  "context_impl": "ring", "schedule": "gpipe", "microbatches": 0, "virtual_stages": 1}
     assert config["model"]["d_model"] == 64 and config["train"]["steps"] == 3
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [3]
@@ -71,6 +71,11 @@ def test_log_lines_and_profile_window(tmp_path):
         (["--set", "train.seq_len=0"], "--set train.seq_len=0: must be >= 1"),
         (["--steps", "-1"], "--steps -1: must be >= 1"),
         (["--set", "train.lr=-1"], "--set train.lr=-1.0: must be > 0"),
+        # Context parallelism (sharding/checks.py check_context).
+        (["--set", "parallel.context_impl=zigzag"], "--set parallel.context_impl=zigzag: choose one of ring"),
+        (["--mesh", "dp=2,sp=4", "--set", "train.seq_len=20"], "train.seq_len=20 is not divisible by 2·sp=8"),
+        (["--mesh", "pp=2,dp=2,sp=2", "--set", "parallel.schedule=1f1b"], "use parallel.context_impl=allgather"),
+        (["--mesh", "dp=4,sp=2", "--set", "model.attention=cudnn"], "use model.attention=pallas or xla"),
         (["--set", "train.lr=nan"], "--set train.lr=nan: expected a finite float"),
         (["--steps", "3", "--profile-steps", "10:13"], "--profile-steps 10:13 does not fit in --steps 3"),
         (["--profile-steps", "1:100", "--steps", "3"], "--profile-steps 1:100 does not fit in --steps 3"),

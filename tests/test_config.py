@@ -210,12 +210,14 @@ def test_choices_agree_with_the_modules_that_use_them():
     from model.attention import CORES
     from model.remat import POLICIES
     from pipeline.schedule import SCHEDULES
+    from sharding import context_parallel
     from sharding.tensor_parallel import IMPLS
 
     assert CHOICES["model.attention"] == CORES
     assert CHOICES["model.remat"] == tuple(POLICIES)
     assert CHOICES["parallel.schedule"] == SCHEDULES
     assert CHOICES["parallel.tp_impl"] == IMPLS
+    assert CHOICES["parallel.context_impl"] == (*context_parallel.IMPLS, "gspmd")
 
 
 @pytest.mark.parametrize(

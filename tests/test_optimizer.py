@@ -7,13 +7,12 @@ from flax import nnx
 
 from configs import apply_overrides, get_preset
 from model.transformer import Transformer
-from sharding.tensor_parallel import TensorParallel
 from training.optimizer import make_optimizer
 
 
 def test_weight_decay_skips_exactly_the_norm_scales():
     cfg = apply_overrides(get_preset("tiny"), ["train.warmup_steps=0", "train.weight_decay=0.1", "train.grad_clip=0"])
-    _, params = nnx.split(Transformer(cfg.model, TensorParallel.from_config(cfg), rngs=nnx.Rngs(0)))
+    _, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(0)))
     tx = make_optimizer(cfg.train)
     zero = jax.tree.map(jnp.zeros_like, params)  # Adam moves nothing: any update is the decay
     updates, _ = tx.update(zero, tx.init(params), params)
