@@ -21,12 +21,16 @@ Memory (bytes per device), the terms `memory()` returns:
                             + 2·N·H/t (K, V repeated to N heads by the xla core) + N·H/t (output)
                             + 4·F/t (gate, up, silu, hidden)
                             + 3·N/t·L (scores, masked scores, probs: fp32, xla core only)
+                context parallel (ring, allgather): q, k, v, out and the fp32 lse only,
+                            (2N+2K)·H/t + 4·N/t bytes: its custom_vjp saves no scores
                 remat full  D (the layer input)
                 remat dots/attn: between the two (modelled as none; an upper bound)
   working     the larger of: one layer's backward working set, and the logits [T, V/t] fp32 of
               the head and loss (of all M microbatches at once after a gpipe/interleaved pipe). The working set is the gradients of one layer's 'none' terms
               (one more layer's worth); under remat it is twice that, the layer's forward being
-              recomputed first.
+              recomputed first. Under context parallelism with the xla core, plus one block
+              piece's fp32 scores, probs and their gradient, 3·b·N/t·(L/sp)² · 4 (the ring's
+              pieces are at most L/sp square; a flash core tiles them away).
 
 Peak = params + optimizer + gradients + gathered + max(update, saved + working): the optimizer
 phase and the backward phase do not overlap in time. Against XLA's static peak on CPU (fp32):
@@ -160,8 +164,10 @@ def layer_activations(cfg: RunConfig, sizes: dict[str, int], remat: str) -> floa
     if remat == "full":
         return s.tokens * m.d_model * c
     heads = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim + 3 * m.n_heads * m.head_dim
-    per_token = 4 * m.d_model + heads / tp + 4 * m.d_ff / tp
     scores = 3 * m.n_heads / tp * cfg.train.seq_len * 4 if m.attention == "xla" else 0
+    if sizes["sequence"] > 1 and cfg.parallel.context_impl != "gspmd":  # keeps q, k, v, out, lse
+        heads, scores = (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim, m.n_heads / tp * 4
+    per_token = 4 * m.d_model + heads / tp + 4 * m.d_ff / tp
     return s.tokens * (per_token * c + scores)
 
 
@@ -180,6 +186,10 @@ def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         saved = s.layers * layer_activations(cfg, sizes, m.remat)
     heads_at_once = s.k if sizes["stage"] > 1 and not one_f_one_b(cfg, sizes) else 1
     logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * 4
+    # context parallel with the xla core: one block piece's fp32 scores, probs and their
+    # gradient [b, N/t, L/sp, L/sp] at a time (a flash core tiles them away)
+    context = sizes["sequence"] > 1 and cfg.parallel.context_impl != "gspmd" and m.attention == "xla"
+    piece = 3 * s.b * m.n_heads / sizes["tensor"] * (cfg.train.seq_len / sizes["sequence"]) ** 2 * 4 * context
     terms = {
         "params": p_local * param_b,
         "optimizer": 2 * p_local * param_b,
@@ -187,7 +197,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         "gathered": 4 * m.vocab_size * m.d_model / sizes["tensor"] * 4 if sizes["fsdp"] > 1 else 0.0,
         "update": p_local * 4 if sizes["fsdp"] == 1 else 0.0,
         "saved activations": saved,
-        "working": max((1 if m.remat == "none" else 1.5) * layer_activations(cfg, sizes, "none"), logits),
+        "working": max((1 if m.remat == "none" else 1.5) * layer_activations(cfg, sizes, "none") + piece, logits),
     }
     fixed = sum(terms[n] for n in ("params", "optimizer", "gradients", "gathered"))
     terms["peak"] = fixed + max(terms["update"], saved + terms["working"])

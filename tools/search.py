@@ -30,10 +30,7 @@ def valid(cfg: RunConfig, sizes: dict[str, int]) -> bool:
     """Whether the step accepts cfg on `sizes` in the form the search runs it (the micro batch,
     or a pipeline's 1f1b microbatches, chosen later by `fit`), with tp·sp inside one node."""
     if sizes["stage"] > 1:
-        trial = dataclasses.replace(
-            cfg, train=dataclasses.replace(cfg.train, micro_batch_size=0),
-            parallel=dataclasses.replace(cfg.parallel, schedule="1f1b", microbatches=sizes["stage"],
-                                         virtual_stages=1, tp_overlap=False))
+        trial = pipelined(cfg, sizes, sizes["stage"])
     else:
         trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=0))
     try:
@@ -80,16 +77,23 @@ def fit_pipeline(cfg: RunConfig, sizes: dict[str, int], gpu: GPU, per_rank: int)
     for m in divisors(per_rank):
         if m < sizes["stage"]:
             continue
-        trial = dataclasses.replace(
-            cfg, train=dataclasses.replace(cfg.train, micro_batch_size=0),
-            parallel=dataclasses.replace(cfg.parallel, schedule="1f1b", microbatches=m, virtual_stages=1,
-                                         tp_overlap=False))
+        trial = pipelined(cfg, sizes, m)
         if memory(trial, sizes)["peak"] > gpu.memory:
             continue
         seconds = step_time(trial, sizes, gpu)["overlap_s"]
         if best is None or seconds < best[0]:
             best = (seconds, trial)
     return best[1] if best else None
+
+
+def pipelined(cfg: RunConfig, sizes: dict[str, int], microbatches: int) -> RunConfig:
+    """cfg as the search runs a pipeline: 1f1b with `microbatches`, no accumulation besides
+    them, no tp_overlap, and context parallelism by all-gather (1f1b refuses the ring)."""
+    context = "allgather" if sizes["sequence"] > 1 and cfg.parallel.context_impl == "ring" else cfg.parallel.context_impl
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, micro_batch_size=0),
+        parallel=dataclasses.replace(cfg.parallel, schedule="1f1b", microbatches=microbatches, virtual_stages=1,
+                                     tp_overlap=False, context_impl=context))
 
 
 def search(cfg: RunConfig, gpus: int, gpu: GPU) -> tuple[list[dict], int]:
@@ -112,7 +116,7 @@ def settings(candidate: dict) -> list[str]:
     cfg = candidate["cfg"]
     if candidate["sizes"]["stage"] > 1:
         return [f"parallel.schedule={cfg.parallel.schedule}", f"parallel.microbatches={cfg.parallel.microbatches}",
-                *(["parallel.tp_overlap=false"] if cfg.parallel.tp_overlap else [])]
+                *(["parallel.context_impl=allgather"] if candidate["sizes"]["sequence"] > 1 else [])]
     return [f"train.micro_batch_size={cfg.train.micro_batch_size}"]
 
 
