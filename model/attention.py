@@ -132,13 +132,12 @@ class Attention(nnx.Module):
         self.wv = param(rngs, (d, k, h), NAMES["wv"], cfg.init_std, dtype)
         self.wo = param(rngs, (n, h, d), NAMES["wo"], out_std, dtype)
         self.core = attention_core(core, cfg, context)
-        self.context = context is not None
         self.n_kv_heads = k
         self.tp = tp
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         weights = {name: (getattr(self, name)[...], names) for name, names in NAMES.items()}
-        return self.tp.region(self._local, x, weights, cos, sin, sequence=self.context)
+        return self.tp.region(self._local, x, weights, cos, sin)
 
     def _local(self, ops: Local | Sharded, x: jax.Array, w: dict, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """One device's heads: x [B, L, D] (or its L/T rows under SP) -> [B, L, D] (or L/T)."""

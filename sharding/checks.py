@@ -12,10 +12,11 @@ Rules, by what they protect:
   batch        dp·fsdp divides the global batch; the micro batch (or, under a pipeline, the
                microbatch count) divides each rank's share; sp divides L
   tensor       tp divides the heads, F and V; kv heads divide or are divided by tp (shard_map);
-               sequence parallelism and overlap need tp > 1 and L divisible by tp, no sp, and
+               sequence parallelism and overlap need tp > 1 and L divisible by tp, and
                (overlap) shard_map with sequence parallelism
-  context      sp > 1 with context_impl ring|allgather: 2·sp divides L (zigzag), not the cudnn
-               core; the ring not under 1f1b
+  context      sp > 1 with context_impl ring|allgather: 2·sp divides L (zigzag), and sp·tp under
+               sequence parallelism; not the cudnn core; the ring not under 1f1b; sequence
+               parallelism with sp > 1 only with ring|allgather
   fsdp         fsdp divides D (weights are split on `embed`)
   pipeline     pp·V divides the layers; at least pp microbatches, a multiple of pp when
                interleaved; virtual stages only with interleaved; no train.micro_batch_size
@@ -86,6 +87,12 @@ def check_context(cfg: RunConfig, sizes: dict[str, int]) -> None:
             f"train.seq_len={cfg.train.seq_len} is not divisible by 2·sp={2 * sp}: context_impl={impl} "
             f"lays L out in 2·sp chunks (zigzag); use a multiple of {2 * sp} or parallel.context_impl=gspmd"
         )
+    tp = sizes["tensor"]
+    if cfg.parallel.sequence_parallel and cfg.train.seq_len // sp % tp:
+        raise ConfigError(
+            f"train.seq_len={cfg.train.seq_len} with sp={sp} and parallel.sequence_parallel=true: each "
+            f"device's L/sp={cfg.train.seq_len // sp} rows split again over tp={tp}; use a multiple of {2 * sp * tp}"
+        )
     if cfg.model.attention == "cudnn":
         raise ConfigError(
             f"model.attention=cudnn with parallel.context_impl={impl}: the ring's blocks need a core that "
@@ -115,10 +122,11 @@ def check_tensor(cfg: RunConfig, sizes: dict[str, int]) -> None:
                 f"train.seq_len={cfg.train.seq_len} is not divisible by tp={tp}: parallel.{flag} "
                 f"splits L over the tensor axis; use a multiple of {tp}"
             )
-    if p.sequence_parallel and sizes["sequence"] > 1:
+    if p.sequence_parallel and sizes["sequence"] > 1 and p.context_impl == "gspmd":
         raise ConfigError(
-            f"parallel.sequence_parallel=true with sp={sizes['sequence']}: L cannot be split over "
-            "both sequence (context parallelism) and tensor yet; drop sp from --mesh or the flag"
+            f"parallel.sequence_parallel=true with sp={sizes['sequence']} and parallel.context_impl=gspmd: "
+            "L split over both sequence and tensor needs the explicit context parallelism; "
+            "use parallel.context_impl=ring or allgather"
         )
     if p.tp_overlap and p.tp_impl != "shard_map":
         raise ConfigError("parallel.tp_overlap=true is written with shard_map: set parallel.tp_impl=shard_map")

@@ -11,8 +11,9 @@ each lands on the mesh. A parallelism strategy is a change of this table, not of
                           Megatron-style TP through GSPMD: column/row-parallel matmuls, XLA
                           inserts the all-reduces (2 forward + 2 backward per layer).
   length -> sequence      activations split along L; attention gathers K and V over `sequence`.
-  sp_length -> tensor     L of the activations between blocks under sequence parallelism
-                          (sharding/tensor_parallel.py): norms and residuals hold L/tp rows.
+  sp_length -> (sequence, tensor)  L of the activations between blocks under sequence
+                          parallelism (sharding/tensor_parallel.py): norms and residuals hold
+                          L/(sp·tp) rows, each sequence device's L/sp split again over tensor.
   layers -> stage         the stacked layers [X, ...] are split in p contiguous blocks of X/p:
                           stage s holds its own layers and never gathers the others (pipeline/).
 
@@ -35,7 +36,7 @@ from configs.base import ConfigError
 RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp"),
     "length": ("sequence",),
-    "sp_length": ("tensor",),
+    "sp_length": ("sequence", "tensor"),
     "embed": ("fsdp",),
     "act_embed": (),
     "heads": ("tensor",),

@@ -61,9 +61,11 @@ def parallelize(cfg: RunConfig, sizes: dict[str, int]) -> Strategies:
     cannot run, through sharding/checks.py."""
     check_run(cfg, sizes)
     p, m = cfg.parallel, cfg.model
+    context = p.context_impl if sizes["sequence"] > 1 and p.context_impl != "gspmd" else None
     return Strategies(
-        tensor=TensorParallel(p.tp_impl, p.sequence_parallel, p.tp_overlap, check_vma=m.attention != "pallas"),
-        context=p.context_impl if sizes["sequence"] > 1 and p.context_impl != "gspmd" else None,
+        tensor=TensorParallel(p.tp_impl, p.sequence_parallel, p.tp_overlap, check_vma=m.attention != "pallas",
+                              context=context is not None),
+        context=context,
         attention=m.attention,
         remat=m.remat,
         schedule=p.schedule if sizes["stage"] > 1 else None,

@@ -168,30 +168,36 @@ class TensorParallel:
     sequence_parallel: bool = False
     overlap: bool = False
     check_vma: bool = True  # False around Pallas kernels (see the module docstring)
+    context: bool = False  # context parallelism: the regions are manual over `sequence` too
 
     @property
     def activation_names(self) -> tuple[str, str, str]:
         """Logical names of [B, L, D] between the regions (L over tensor under SP)."""
         return ("batch", "sp_length" if self.sequence_parallel else "length", "act_embed")
 
-    def region(self, fn: Callable, x: jax.Array, weights: Weights, *consts: jax.Array,
-               sequence: bool = False) -> jax.Array:
+    def manual_axes(self) -> tuple[str, ...]:
+        """The mesh axes the regions are manual over: tensor where it is explicit (shard_map,
+        tp > 1); under sequence parallelism or context parallelism the batch axes too (see
+        SP_MANUAL: an all-gather over an axis of a batch split on an automatic one would gather
+        the batch), and `sequence` under context parallelism."""
+        mesh, tensor = jax.sharding.get_abstract_mesh(), self.impl == "shard_map" and tensor_size() > 1
+        context = self.context and dict(mesh.shape).get(CONTEXT_AXIS, 1) > 1
+        manual = (AXIS,) if tensor else ()
+        if context or (tensor and self.sequence_parallel):
+            manual = (*BATCH_AXES, *manual, *(CONTEXT_AXIS,) * context)
+        return manual
+
+    def region(self, fn: Callable, x: jax.Array, weights: Weights, *consts: jax.Array) -> jax.Array:
         """fn(ops, x, {name: weight}, *consts) -> [B, L, D], on each device's tensor shard.
 
-        weights: {name: (array, logical names)}; consts (e.g. rotary tables) are replicated.
-        sequence: the region is manual over `sequence` too (context parallelism: fn sees its
-        L/sp rows and writes the attention over the axis itself); consts are then split over
-        it on their first axis, like the rows. The batch axes are manual then as under SP
-        (an all-gather over `sequence` of a batch split on an automatic axis would gather the
-        batch).
+        weights: {name: (array, logical names)}; consts (e.g. rotary tables) are replicated,
+        or under context parallelism split over `sequence` on their first axis like the rows
+        (fn sees its L/sp rows and writes the attention over the axis itself).
         """
         mesh, size = jax.sharding.get_abstract_mesh(), tensor_size()
         arrays = {name: a for name, (a, _) in weights.items()}
         tensor = self.impl == "shard_map" and size > 1
-        context = sequence and dict(mesh.shape).get(CONTEXT_AXIS, 1) > 1
-        manual = (AXIS,) if tensor else ()
-        if context or (tensor and self.sequence_parallel):  # see SP_MANUAL
-            manual = (*BATCH_AXES, *manual, *(CONTEXT_AXIS,) * context)
+        manual = self.manual_axes()
         if not manual:
             return fn(Local(), x, arrays, *consts)
         within = (AXIS,) if tensor else ()
@@ -217,7 +223,7 @@ class TensorParallel:
 
         if self.impl == "gspmd" or size == 1:
             return matmul(x, head)
-        manual = SP_MANUAL if self.sequence_parallel else (AXIS,)
+        manual = self.manual_axes()
         ops = Sharded(size, self.sequence_parallel, self.overlap)
         x_spec = logical_to_spec(self.activation_names, x.shape, mesh, within=manual)
         w_spec = logical_to_spec(("embed", "vocab"), head.shape, mesh, within=(AXIS,))

@@ -226,6 +226,7 @@ def test_bad_inputs_are_clear_errors():
 
 STEP_CASES = [
     ("sp=8",), ("dp=2,sp=4", "parallel.context_impl=allgather"), ("sp=2,tp=4",),
+    ("sp=2,tp=4", "parallel.sequence_parallel=true"),
     ("fsdp=2,sp=4", "model.remat=full", "train.micro_batch_size=4"),
     ("dp=2,sp=4", "model.attention=pallas"),
     ("pp=2,dp=2,sp=2",), ("pp=2,dp=2,sp=2", "parallel.schedule=1f1b", "parallel.context_impl=allgather"),
@@ -236,8 +237,9 @@ STEP_CASES = [
 def test_train_step_equals_single_device(case, reference, corpus):
     """Loss and every gradient of step 0 and the losses of 5 steps equal the single-device run
     (conftest.assert_same_run: fp32, rtol 2e-5 on losses, atol 1e-6 + rtol 1e-4 on gradients):
-    the ring and the all-gather, beside data, fsdp, tensor and stage axes, under full remat and
-    gradient accumulation, with the Pallas kernel as the block core."""
+    the ring and the all-gather, beside data, fsdp, tensor (with sequence parallelism: L split
+    over sequence and tensor between blocks) and stage axes, under full remat and gradient
+    accumulation, with the Pallas kernel as the block core."""
     assert_same_run(run_steps(small_config(*case), corpus), reference)
 
 
