@@ -137,7 +137,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         weights = {name: (getattr(self, name)[...], names) for name, names in NAMES.items()}
-        return self.tp.region(self._local, x, weights, cos, sin)
+        return self.tp.region(self._local, x, weights, cos, sin, kernel=True)
 
     def _local(self, ops: Local | Sharded, x: jax.Array, w: dict, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """One device's heads: x [B, L, D] (or its L/T rows under SP) -> [B, L, D] (or L/T)."""

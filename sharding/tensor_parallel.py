@@ -51,9 +51,11 @@ inside the region (an all-reduce, where GSPMD reduce-scatters FSDP gradients on 
 Backward collectives come from the manual-axis types (check_vma): `pcast` to varying
 transposes to the all-reduce of dx, and a weight replicated over a manual axis gets its
 gradient summed over it. A Pallas kernel cannot run under that typing (interpret mode cannot
-type its loops), so with the pallas core the regions run with check_vma=False, where
-shard_map's transpose does the same at the region's edge: an input not split over a manual
-axis has its cotangent summed over that axis (x's dx: the same one all-reduce per region).
+type its loops), so with the pallas core the attention region runs with check_vma=False (the
+MLP's, the embedding's and the head's stay typed), where shard_map's transpose does the same at
+the region's edge: an input not split over a manual axis has its cotangent summed over that
+axis (x's dx: the same one all-reduce per region). Its row all-reduce is then written as
+Megatron's "g" (`_sum_forward_only`), since an unchecked psum transposes to another psum.
 
 tp_impl=gspmd runs the same per-device code without shard_map: the logical rules shard the
 weights and XLA chooses and places the collectives.
@@ -118,7 +120,7 @@ class Sharded:
             return self._scatter_ring(h, fn)
         if self.sequence_parallel:
             return lax.psum_scatter(fn(h), AXIS, scatter_dimension=1, tiled=True)  # -> [B, L/T, D]
-        return lax.psum(fn(h), AXIS)
+        return lax.psum(fn(h), AXIS) if self.check_vma else _sum_forward_only(fn(h))
 
     def kv(self, w: jax.Array, n_kv_heads: int) -> jax.Array:
         """This device's kv heads of w [D, K', H]: split already, or picked from all K."""
@@ -154,6 +156,17 @@ class Sharded:
         return acc  # [B, L/T, D]: the sum of chunk t
 
 
+@jax.custom_vjp
+def _sum_forward_only(x: jax.Array) -> jax.Array:
+    """Megatron's "g" in an unchecked region: all-reduce forward, identity backward. Unchecked,
+    psum's own transpose is another psum, on top of the sum of dx that the region's edge does
+    (the "f"): one all-reduce per region too many."""
+    return lax.psum(x, AXIS)
+
+
+_sum_forward_only.defvjp(lambda x: (lax.psum(x, AXIS), None), lambda _, g: (g,))
+
+
 def tensor_size() -> int:
     """The size of the tensor axis of the mesh in context (1 without one)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -187,8 +200,11 @@ class TensorParallel:
             manual = (*BATCH_AXES, *manual, *(CONTEXT_AXIS,) * context)
         return manual
 
-    def region(self, fn: Callable, x: jax.Array, weights: Weights, *consts: jax.Array) -> jax.Array:
+    def region(self, fn: Callable, x: jax.Array, weights: Weights, *consts: jax.Array,
+               kernel: bool = False) -> jax.Array:
         """fn(ops, x, {name: weight}, *consts) -> [B, L, D], on each device's tensor shard.
+        kernel: fn runs the attention core, so the region is typed only if the core can be
+        (`check_vma`); the others always are.
 
         weights: {name: (array, logical names)}; consts (e.g. rotary tables) are replicated,
         or under context parallelism split over `sequence` on their first axis like the rows
@@ -204,10 +220,11 @@ class TensorParallel:
         specs = {name: logical_to_spec(names, a.shape, mesh, within=within) for name, (a, names) in weights.items()}
         x_spec = logical_to_spec(self.activation_names, x.shape, mesh, within=manual)
         const_spec = P(CONTEXT_AXIS) if CONTEXT_AXIS in manual else P()
-        ops = Sharded(size, self.sequence_parallel, self.overlap, self.check_vma) if tensor else Local()
+        check_vma = self.check_vma or not kernel
+        ops = Sharded(size, self.sequence_parallel, self.overlap, check_vma) if tensor else Local()
         body = jax.shard_map(
             functools.partial(fn, ops), in_specs=(x_spec, specs, *(const_spec,) * len(consts)),
-            out_specs=x_spec, axis_names=set(manual), check_vma=self.check_vma,
+            out_specs=x_spec, axis_names=set(manual), check_vma=check_vma,
         )
         return body(x, arrays, *consts)
 

@@ -258,3 +258,12 @@ def test_census_equals_the_contract_of_tools_estimate_on_every_axis(case):
     off = {axis: census[axis] / contract[axis] for axis in contract
            if census[axis] != pytest.approx(contract[axis], rel=tolerance[axis])}
     assert not off, off
+
+
+def test_pallas_core_moves_what_the_xla_core_moves_over_tensor():
+    """The attention region runs unchecked around the Pallas kernel (sharding/tensor_parallel.py);
+    its collectives over tensor are still exactly the typed regions': the same bytes as with the
+    xla core (an unchecked psum alone would add one all-reduce per layer in the backward)."""
+    xla, _, _ = compiled("dp=2,tp=4")
+    pallas, _, _ = compiled("dp=2,tp=4", "model.attention=pallas")
+    assert census_by_axis(pallas)["tensor"] == pytest.approx(census_by_axis(xla)["tensor"], rel=1e-6)
