@@ -55,7 +55,7 @@ type its loops), so with the pallas core the attention region runs with check_vm
 MLP's, the embedding's and the head's stay typed), where shard_map's transpose does the same at
 the region's edge: an input not split over a manual axis has its cotangent summed over that
 axis (x's dx: the same one all-reduce per region). Its row all-reduce is then written as
-Megatron's "g" (`_sum_forward_only`), since an unchecked psum transposes to another psum.
+Megatron's "g" (`_sum_forward_only`): an unchecked psum would transpose to a second all-reduce.
 
 tp_impl=gspmd runs the same per-device code without shard_map: the logical rules shard the
 weights and XLA chooses and places the collectives.
@@ -158,13 +158,14 @@ class Sharded:
 
 @jax.custom_vjp
 def _sum_forward_only(x: jax.Array) -> jax.Array:
-    """Megatron's "g" in an unchecked region: all-reduce forward, identity backward. Unchecked,
-    psum's own transpose is another psum, on top of the sum of dx that the region's edge does
-    (the "f"): one all-reduce per region too many."""
+    """Megatron's "g" in an unchecked region: all-reduce forward, no collective backward.
+    Unchecked, shard_map's transpose divides the cotangent of an output replicated over tensor
+    by T, and psum's own transpose, another psum, sums the T shares back: an all-reduce whose
+    result every device already has (g). Here the backward multiplies by T instead."""
     return lax.psum(x, AXIS)
 
 
-_sum_forward_only.defvjp(lambda x: (lax.psum(x, AXIS), None), lambda _, g: (g,))
+_sum_forward_only.defvjp(lambda x: (lax.psum(x, AXIS), None), lambda _, g: (g * lax.axis_size(AXIS),))
 
 
 def tensor_size() -> int:

@@ -13,7 +13,8 @@ about the arguments only), the collective census per mesh axis (tools/hlo.py) be
 contract formulas, FLOPs per device (`cost_analysis()`, which on CPU counts the program as
 compiled there) beside 6·N·tokens + attention, the roofline step time and MFU on `--gpu`, and a
 verdict. Memory on CPU is not GPU memory: XLA CPU keeps bf16 matmuls in fp32 buffers, so its
-temp is larger than a GPU's would be (compare under model.compute_dtype=float32).
+temp is larger than a GPU's would be (compare under model.compute_dtype=float32); the verdict
+weighs XLA's peak only when it was compiled for a GPU or in fp32.
 
 A mesh with pp > 1 compiles the pipelined step of its `parallel.schedule`; the estimate models
 that schedule's memory (gpipe holds M microbatches, 1f1b at most pp) and bubble.
@@ -63,6 +64,8 @@ def gpu_of(name: str) -> estimate.GPU:
 
 def xla_figures(cfg: RunConfig, mesh) -> dict:
     """Compile the real step (pipelined too) on abstract inputs: memory, FLOPs and census per device."""
+    import jax
+
     from tools.hlo import census, summary
     from training.build import abstract, compile_step, xla_memory
 
@@ -73,7 +76,7 @@ def xla_figures(cfg: RunConfig, mesh) -> dict:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     rows = summary(census(compiled.as_text(), dict(mesh.shape)))
-    return {"memory": mem, "flops_per_device": cost.get("flops"), "census": rows}
+    return {"platform": jax.default_backend(), "memory": mem, "flops_per_device": cost.get("flops"), "census": rows}
 
 
 def plan(cfg: RunConfig, sizes: dict[str, int], gpu: estimate.GPU, xla: dict | None) -> dict:
@@ -81,11 +84,15 @@ def plan(cfg: RunConfig, sizes: dict[str, int], gpu: estimate.GPU, xla: dict | N
     mem = estimate.memory(cfg, sizes)
     time = estimate.step_time(cfg, sizes, gpu)
     terms = {k: v for k, v in mem.items() if k != "peak"}
-    fits = mem["peak"] <= gpu.memory and (xla is None or xla["memory"]["peak"] <= gpu.memory)
+    # XLA's memory is a GPU figure when compiled for a GPU, or like with like in fp32 on CPU
+    # (XLA CPU keeps a bf16 program's matmuls in fp32 buffers: up to twice a GPU's)
+    judged = xla is not None and (xla["platform"] == "gpu" or cfg.model.compute_dtype == "float32")
+    fits = mem["peak"] <= gpu.memory and (not judged or xla["memory"]["peak"] <= gpu.memory)
     costs = {"compute": time["compute_s"], **{f"{a} communication": s for a, s in time["comm_s"].items()}}
+    xla_text = "" if xla is None else f", {xla['memory']['peak'] / GiB:.1f} GiB XLA" + (
+        "" if judged else f" ({xla['platform']}'s fp32 buffers of a bf16 program: not judged)")
     verdict = (f"{'fits' if fits else 'does NOT fit'} on {gpu.name} ({mem['peak'] / GiB:.1f} GiB estimated"
-               f"{'' if xla is None else ', %.1f GiB XLA' % (xla['memory']['peak'] / GiB)} of "
-               f"{gpu.memory / GiB:.0f} GiB); memory dominated by {max(terms, key=terms.get)}; "
+               f"{xla_text}, of {gpu.memory / GiB:.0f} GiB); memory dominated by {max(terms, key=terms.get)}; "
                f"step time dominated by {max(costs, key=costs.get)}")
     if not fits:
         verdict += "; lower --set train.micro_batch_size, use --set model.remat=full, or add fsdp/tp/pp"
