@@ -51,3 +51,20 @@ def test_pipeline_benchmark_refuses_bad_input_in_one_line():
         out = run_module("bench.pipeline", *args)
         assert out.returncode == 2 and out.stderr.startswith("error: "), out.stderr
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_context_benchmark_compares_ring_and_allgather_as_l_grows(tmp_path):
+    out_file = tmp_path / "context.json"
+    out = run_module("bench.context", *SETS, "--sp", "1,2", "--tokens-per-device", "16", "--impls", "ring,allgather",
+                     "--steps", "1", "--out", str(out_file))
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out_file.read_text())
+    assert record["command"].startswith("python -m bench.context") and record["mesh"] == "sp=1,2"
+    assert record["baseline_impl"] == "ring" and record["temp_ratio_to"] == "sp=1"
+    rows = {(r["sp"], r["impl"]): r for r in record["rows"]}
+    assert set(rows) == {(1, None), (2, "ring"), (2, "allgather")}
+    assert rows[1, None]["seq_len"] == 16 and rows[2, "ring"]["seq_len"] == 32
+    assert rows[2, "ring"]["step_ratio"] == 1.0 and rows[1, None]["kv_bytes_estimate"] == 0
+    for key in ("step_time_median_s", "temp_bytes", "static_peak_bytes", "temp_ratio", "kv_bytes_estimate",
+                "sequence_bytes_estimate", "step_ratio"):
+        assert rows[2, "ring"][key] > 0 and rows[2, "allgather"][key] > 0, key

@@ -229,9 +229,11 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
 
 
 def context(cfg: RunConfig, sizes: dict[str, int]) -> float:
-    """K and V bytes per device per step over the sequence axis (module docstring)."""
+    """K and V bytes per device per step over the sequence axis (module docstring); none at sp = 1."""
     m, s, sp, tp = cfg.model, shape(cfg, sizes), sizes["sequence"], sizes["tensor"]
     c, impl = DTYPE_BYTES[m.compute_dtype], cfg.parallel.context_impl
+    if sp == 1:
+        return 0.0
     if impl == "gspmd":
         return 2 * s.k * s.layers * s.tokens * 2 * m.n_kv_heads * m.head_dim * c * (sp - 1)
     e = s.b * cfg.train.seq_len // sp * (m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else 1) * m.head_dim
