@@ -11,7 +11,7 @@ from conftest import ROOT, small_config
 from sharding.checks import check_run
 from sharding.mesh import AXES, build_mesh
 from tools.search import meshes, valid
-from training.build import abstract
+from training.build import make_program
 
 
 def test_checks_import_no_jax():
@@ -21,7 +21,7 @@ def test_checks_import_no_jax():
 
 
 def test_search_ranks_exactly_the_meshes_the_step_accepts():
-    """Every mesh of 8 devices: tools.search.valid says yes iff training.build.abstract builds it
+    """Every mesh of 8 devices: tools.search.valid says yes iff training.build.make_program builds it
     (with the settings the search would run it with)."""
     cfg = small_config("", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "train.seq_len=24")
     accepted = {tuple(s.values()) for s in meshes(cfg, 8)}
@@ -31,7 +31,7 @@ def test_search_ranks_exactly_the_meshes_the_step_accepts():
             run = dataclasses.replace(run, parallel=dataclasses.replace(
                 run.parallel, schedule="1f1b", microbatches=sizes["stage"]))
         try:
-            abstract(run, build_mesh(run.parallel))
+            make_program(run, build_mesh(run.parallel))
             builds = True
         except ConfigError:
             builds = False
