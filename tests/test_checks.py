@@ -10,7 +10,7 @@ from configs import ConfigError
 from conftest import ROOT, small_config
 from sharding.checks import check_run
 from sharding.mesh import AXES, build_mesh
-from tools.search import meshes, valid
+from tools.search import meshes, pipelined, valid
 from training.build import make_program
 
 
@@ -27,9 +27,8 @@ def test_search_ranks_exactly_the_meshes_the_step_accepts():
     accepted = {tuple(s.values()) for s in meshes(cfg, 8)}
     for sizes in ({a: n for a, n in zip(AXES, combo)} for combo in _all_meshes(8)):
         run = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **sizes))
-        if sizes["stage"] > 1:
-            run = dataclasses.replace(run, parallel=dataclasses.replace(
-                run.parallel, schedule="1f1b", microbatches=sizes["stage"]))
+        if sizes["stage"] > 1:  # 1f1b, with the all-gather context parallelism under sp > 1
+            run = pipelined(run, sizes, sizes["stage"])
         try:
             make_program(run, build_mesh(run.parallel))
             builds = True
