@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
 
     from sharding.mesh import build_mesh, mesh_config
     from tools.oom import advice, is_out_of_memory
-    from training.build import abstract
+    from training.build import make_program
     from training.checkpoint import Checkpointer
     from training.data import load_tokens
     from training.distributed import initialize
@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
     # The abstract program checks the config against the mesh, and the data is read, before
     # anything is written: a rejected config or a bad data.path never overwrites the run
     # directory's config.json nor creates its checkpoints/.
-    program = abstract(cfg, mesh)
+    program = make_program(cfg, mesh)
     tokens = load_tokens(cfg.data, cfg.model.vocab_size)
     checkpoints = Checkpointer(run_dir / "checkpoints", cfg) if cfg.train.checkpoint_every else None
     try:

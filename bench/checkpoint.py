@@ -62,12 +62,12 @@ def timed_steps(job, state, first: int, steps: int, checkpoints=None) -> tuple[o
 def measure(cfg: RunConfig, mesh, steps: int, directory: Path) -> dict:
     import jax
 
-    from training.build import abstract, build
+    from training.build import make_program, build
     from training.checkpoint import Checkpointer
 
     job = build(cfg, mesh)
     checkpoints = Checkpointer(directory, cfg)
-    program = abstract(cfg, mesh)  # outside set_mesh (see training.build.abstract)
+    program = make_program(cfg, mesh)  # outside set_mesh (see training.build.make_program)
     with jax.set_mesh(mesh):
         state, _ = timed_steps(job, job.state, 0, 1)  # compiles
         start = time.perf_counter()

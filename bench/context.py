@@ -93,7 +93,7 @@ def measure(todo: dict[str | None, RunConfig], mesh: jax.sharding.Mesh, steps: i
 
     runs = {}
     for impl, cfg in todo.items():
-        job = build(cfg, mesh)  # outside jax.set_mesh (training.build.abstract)
+        job = build(cfg, mesh)  # outside jax.set_mesh (training.build.make_program)
         with jax.set_mesh(mesh):
             batch = jax.block_until_ready(job.batches(0))
             compiled, _, _ = compile_step(job.step_fn, mesh, job.state, batch)

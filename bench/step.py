@@ -103,11 +103,11 @@ def measure_steps(cfg: RunConfig, mesh: jax.sharding.Mesh, steps: int) -> dict:
 
 def compile_scaling(cfg: RunConfig, mesh: jax.sharding.Mesh, layers: list[int]) -> dict:
     """Lower + compile wall clock of the step for each model.n_layers in `layers` (nothing allocated)."""
-    from training.build import abstract, compile_step
+    from training.build import make_program, compile_step
 
     rows = []
     for n in layers:
-        program = abstract(apply_overrides(cfg, [f"model.n_layers={n}"]), mesh)
+        program = make_program(apply_overrides(cfg, [f"model.n_layers={n}"]), mesh)
         _, lower_s, compile_s = compile_step(program.step_fn, mesh, program.state, program.abstract_batch())
         rows.append({"n_layers": n, "lower_s": lower_s, "compile_s": compile_s, "total_s": lower_s + compile_s})
     ratio = rows[-1]["total_s"] / rows[0]["total_s"] if len(rows) > 1 else None

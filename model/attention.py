@@ -141,7 +141,7 @@ class Attention(nnx.Module):
 
     def _local(self, ops: Local | Sharded, x: jax.Array, w: dict, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """One device's heads: x [B, L, D] (or its L/T rows under SP) -> [B, L, D] (or L/T)."""
-        wk, wv = ops.kv(w["wk"], self.n_kv_heads), ops.kv(w["wv"], self.n_kv_heads)
+        wk, wv = (ops.own_kv_heads(w[name], self.n_kv_heads) for name in ("wk", "wv"))
 
         def project(x):  # [B, l, D] -> q [B, l, N', H], k and v [B, l, K', H]
             return (jnp.einsum("bld,dnh->blnh", x, w["wq"]), jnp.einsum("bld,dkh->blkh", x, wk),

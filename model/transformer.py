@@ -27,7 +27,7 @@ from model.layers import Embed, RMSNorm, param, rotary
 from model.mlp import MLP
 from model.remat import remat
 from sharding.checks import check_model
-from sharding.rules import constrain
+from sharding.rules import axis_size, constrain
 from sharding.context_parallel import zigzag_permutation
 from sharding.strategies import Strategies
 from sharding.tensor_parallel import TensorParallel
@@ -94,7 +94,7 @@ class Transformer(nnx.Module):
         """x [B, L, D] through the stacked block states `layers` ([n, ...] leaves, any n)."""
         cos, sin = rotary(x.shape[1], self.cfg.head_dim, self.cfg.rope_theta)
         if self.context:  # the batch's columns are in zigzag order (training/data.py): so are the positions
-            order, _ = zigzag_permutation(x.shape[1], dict(jax.sharding.get_abstract_mesh().shape)["sequence"])
+            order, _ = zigzag_permutation(x.shape[1], axis_size("sequence"))
             cos, sin = cos[order], sin[order]
         graphdef = nnx.graphdef(self.blocks)
 

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from sharding.rules import axis_size
+
 AXIS = "stage"
 # Pipeline buffers (activations in flight, stashes, outputs) start as NaN: every schedule
 # masks idle ticks with selects, so a bubble that leaked into the result would make it NaN
@@ -23,8 +25,7 @@ FILL = float("nan")
 
 def stages() -> int:
     """p, the size of the stage axis of the current mesh (1 outside a mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else dict(mesh.shape).get(AXIS, 1)
+    return axis_size(AXIS)
 
 
 def over_stages(body: Callable, in_specs: Any, out_specs: Any) -> Callable:

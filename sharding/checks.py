@@ -1,6 +1,6 @@
 """Whether a config can run on a mesh: every shape and combination rule, in one place, no jax.
 
-`check_run(cfg, sizes)` is called by `training.build.abstract` (so by every entry point that
+`check_run(cfg, sizes)` is called by `training.build.make_program` (so by every entry point that
 builds a step), by `cli.run_config` as soon as the mesh sizes are known (before jax is
 imported), and by `tools.search` for every candidate mesh, so what the planner ranks is what
 the step accepts. Each rule raises a ConfigError that names the field or flag and the fix.

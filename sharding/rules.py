@@ -98,6 +98,18 @@ def data_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(names, shape, mesh))
 
 
+def axis_size(name: str) -> int:
+    """The size of mesh axis `name` in the mesh in context (1 outside a mesh or without it)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get(name, 1)
+
+
+def auto_axes() -> list[str]:
+    """The axes of the mesh in context that XLA still partitions (not manual in a shard_map)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return [] if mesh.empty else [a for a in mesh.axis_names if a not in mesh.manual_axes]
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pin an activation's sharding by logical names (no-op outside a mesh context).
 
@@ -107,5 +119,4 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    auto = [a for a in mesh.axis_names if a not in mesh.manual_axes]
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh, auto))
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh, auto_axes()))

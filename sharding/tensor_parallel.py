@@ -73,7 +73,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from sharding.context_parallel import AXIS as CONTEXT_AXIS
-from sharding.rules import logical_to_spec
+from sharding.rules import axis_size, logical_to_spec
 
 IMPLS = ("shard_map", "gspmd")
 AXIS = "tensor"
@@ -93,7 +93,7 @@ class Local:
     def row(self, h: jax.Array, fn: Callable) -> jax.Array:
         return fn(h)
 
-    def kv(self, w: jax.Array, n_kv_heads: int) -> jax.Array:
+    def own_kv_heads(self, w: jax.Array, n_kv_heads: int) -> jax.Array:
         return w
 
 
@@ -122,12 +122,11 @@ class Sharded:
             return lax.psum_scatter(fn(h), AXIS, scatter_dimension=1, tiled=True)  # -> [B, L/T, D]
         return lax.psum(fn(h), AXIS) if self.check_vma else _sum_forward_only(fn(h))
 
-    def kv(self, w: jax.Array, n_kv_heads: int) -> jax.Array:
+    def own_kv_heads(self, w: jax.Array, n_kv_heads: int) -> jax.Array:
         """This device's kv heads of w [D, K', H]: split already, or picked from all K."""
         if n_kv_heads % self.size == 0:
             return w
-        head = lax.axis_index(AXIS) // (self.size // n_kv_heads)
-        return lax.dynamic_slice_in_dim(w, head, 1, axis=1)  # [D, K, H] -> [D, 1, H]
+        return lax.dynamic_slice_in_dim(w, own_kv_head(AXIS, self.size, n_kv_heads), 1, axis=1)  # -> [D, 1, H]
 
     def _gather_ring(self, x: jax.Array, fn: Callable) -> tuple:
         t, n, chunk = lax.axis_index(AXIS), self.size, x.shape[1]
@@ -156,6 +155,12 @@ class Sharded:
         return acc  # [B, L/T, D]: the sum of chunk t
 
 
+def own_kv_head(axes: str | tuple[str, ...], devices: int, n_kv_heads: int) -> jax.Array:
+    """The one kv head this device's query heads read when the heads are split over `axes`
+    (`devices` of them, more than the kv heads K): devices/K devices share each kv head."""
+    return lax.axis_index(axes) * n_kv_heads // devices
+
+
 @jax.custom_vjp
 def _sum_forward_only(x: jax.Array) -> jax.Array:
     """Megatron's "g" in an unchecked region: all-reduce forward, no collective backward.
@@ -166,12 +171,6 @@ def _sum_forward_only(x: jax.Array) -> jax.Array:
 
 
 _sum_forward_only.defvjp(lambda x: (lax.psum(x, AXIS), None), lambda _, g: (g * lax.axis_size(AXIS),))
-
-
-def tensor_size() -> int:
-    """The size of the tensor axis of the mesh in context (1 without one)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else dict(mesh.shape).get(AXIS, 1)
 
 
 @dataclass(frozen=True)
@@ -194,8 +193,8 @@ class TensorParallel:
         tp > 1); under sequence parallelism or context parallelism the batch axes too (see
         SP_MANUAL: an all-gather over an axis of a batch split on an automatic one would gather
         the batch), and `sequence` under context parallelism."""
-        mesh, tensor = jax.sharding.get_abstract_mesh(), self.impl == "shard_map" and tensor_size() > 1
-        context = self.context and dict(mesh.shape).get(CONTEXT_AXIS, 1) > 1
+        tensor = self.impl == "shard_map" and axis_size(AXIS) > 1
+        context = self.context and axis_size(CONTEXT_AXIS) > 1
         manual = (AXIS,) if tensor else ()
         if context or (tensor and self.sequence_parallel):
             manual = (*BATCH_AXES, *manual, *(CONTEXT_AXIS,) * context)
@@ -211,7 +210,7 @@ class TensorParallel:
         or under context parallelism split over `sequence` on their first axis like the rows
         (fn sees its L/sp rows and writes the attention over the axis itself).
         """
-        mesh, size = jax.sharding.get_abstract_mesh(), tensor_size()
+        mesh, size = jax.sharding.get_abstract_mesh(), axis_size(AXIS)
         arrays = {name: a for name, (a, _) in weights.items()}
         tensor = self.impl == "shard_map" and size > 1
         manual = self.manual_axes()
@@ -234,7 +233,7 @@ class TensorParallel:
         [B, L, V], V split over tensor: the head as one column-parallel region (plain: dx
         all-reduced in backward; SP: x all-gathered forward, dx reduce-scattered backward, the
         gathered x kept for the weight gradient rather than gathered again)."""
-        mesh, size = jax.sharding.get_abstract_mesh(), tensor_size()
+        mesh, size = jax.sharding.get_abstract_mesh(), axis_size(AXIS)
 
         def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
             return jnp.einsum("bld,dv->blv", x, w, preferred_element_type=jnp.float32)
@@ -261,7 +260,7 @@ def vocab_parallel_take(table: jax.Array, tokens: jax.Array, sequence_parallel: 
     batch and sequence axes are manual too: with them automatic, XLA partitions the backward
     scatter-add by all-gathering dx and the tokens over them instead of summing the table's
     gradient there."""
-    if tensor_size() == 1:
+    if axis_size(AXIS) == 1:
         return jnp.take(table, tokens, axis=0)
     mesh, manual = jax.sharding.get_abstract_mesh(), (*BATCH_AXES, CONTEXT_AXIS, AXIS)  # see below
 

@@ -6,7 +6,7 @@ import pytest
 from configs import ConfigError
 from conftest import small_config
 from sharding.mesh import build_mesh, parse_mesh
-from training.build import abstract, batch_layout
+from training.build import make_program, batch_layout
 
 
 @pytest.mark.parametrize(
@@ -36,7 +36,7 @@ def test_batch_layout(mesh, sets, layout):
 def test_batch_layout_errors(mesh, sets, message):
     cfg = small_config(mesh, *sets)
     with pytest.raises(ConfigError) as err:
-        abstract(cfg, build_mesh(cfg.parallel))
+        make_program(cfg, build_mesh(cfg.parallel))
     assert message in str(err.value)
 
 
@@ -46,7 +46,7 @@ def test_abstract_program_of_llama3_8b_allocates_nothing():
     from model.transformer import count_params
 
     cfg = get_preset("llama3-8b")
-    program = abstract(cfg, build_mesh(parse_mesh("dp=2,fsdp=4")))
+    program = make_program(cfg, build_mesh(parse_mesh("dp=2,fsdp=4")))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(program.state))
     assert count_params(program.state.params) == 8_030_261_248
     wq = program.shardings.params["blocks"]["attn"]["wq"]

@@ -7,7 +7,7 @@ import pytest
 from configs import ConfigError
 from conftest import small_config
 from sharding.mesh import build_mesh
-from training.build import abstract, build
+from training.build import make_program, build
 from training.checkpoint import Checkpointer
 from training.loop import TrainingStopped, train
 
@@ -36,7 +36,7 @@ def saved(tmp_path_factory, corpus):
 
 
 def restore(directory, cfg):
-    program = abstract(cfg, build_mesh(cfg.parallel))
+    program = make_program(cfg, build_mesh(cfg.parallel))
     checkpoints = Checkpointer(directory, cfg)
     try:
         return program, checkpoints.restore_latest(program)
@@ -104,7 +104,7 @@ def test_nan_step_is_skipped_and_repeated_nans_stop(corpus, tmp_path, monkeypatc
     with pytest.raises(TrainingStopped, match="step 4: 2 non-finite steps in a row") as e:
         train(job, tmp_path / "two", checkpoints)
     assert checkpoints.latest() == 3 and str(checkpoints.path(3)) in str(e.value)
-    state = checkpoints.restore_latest(abstract(cfg, mesh))
+    state = checkpoints.restore_latest(make_program(cfg, mesh))
     checkpoints.close()
     assert int(state.bad_steps) == 1 and int(state.skipped) == 1  # step 4's failed update never saved
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))

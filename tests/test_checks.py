@@ -10,8 +10,8 @@ from configs import ConfigError
 from conftest import ROOT, small_config
 from sharding.checks import check_run
 from sharding.mesh import AXES, build_mesh
-from tools.search import meshes, valid
-from training.build import abstract
+from tools.search import meshes, pipelined, valid
+from training.build import make_program
 
 
 def test_checks_import_no_jax():
@@ -21,17 +21,16 @@ def test_checks_import_no_jax():
 
 
 def test_search_ranks_exactly_the_meshes_the_step_accepts():
-    """Every mesh of 8 devices: tools.search.valid says yes iff training.build.abstract builds it
+    """Every mesh of 8 devices: tools.search.valid says yes iff training.build.make_program builds it
     (with the settings the search would run it with)."""
     cfg = small_config("", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "train.seq_len=24")
     accepted = {tuple(s.values()) for s in meshes(cfg, 8)}
     for sizes in ({a: n for a, n in zip(AXES, combo)} for combo in _all_meshes(8)):
         run = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **sizes))
-        if sizes["stage"] > 1:
-            run = dataclasses.replace(run, parallel=dataclasses.replace(
-                run.parallel, schedule="1f1b", microbatches=sizes["stage"]))
+        if sizes["stage"] > 1:  # 1f1b, with the all-gather context parallelism under sp > 1
+            run = pipelined(run, sizes, sizes["stage"])
         try:
-            abstract(run, build_mesh(run.parallel))
+            make_program(run, build_mesh(run.parallel))
             builds = True
         except ConfigError:
             builds = False

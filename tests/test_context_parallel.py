@@ -42,7 +42,7 @@ from configs import apply_overrides, get_preset
 from conftest import assert_same_run, run_steps, small_config
 from sharding.mesh import build_mesh, parse_mesh
 from tools.hlo import census, step_census
-from training.build import abstract, compile_step
+from training.build import make_program, compile_step
 
 B, L, N, K, H = 2, 32, 4, 2, 8
 TOL = 1e-5
@@ -292,7 +292,7 @@ def test_ring_memory_stays_flat_as_sp_and_length_grow_together():
         base = apply_overrides(get_preset("tiny"), ["model.compute_dtype=float32", *sets])
         cfg = dataclasses.replace(base, parallel=parse_mesh(f"sp={sp}", base.parallel))
         mesh = build_mesh(cfg.parallel, jax.devices()[:sp])
-        program = abstract(cfg, mesh)
+        program = make_program(cfg, mesh)
         compiled, _, _ = compile_step(program.step_fn, mesh, program.state, program.abstract_batch())
         return xla_memory(compiled)["temp"]
 

@@ -22,7 +22,7 @@ from model.transformer import count_params
 from sharding.mesh import build_mesh, parse_mesh
 from conftest import SMALL, run_module
 from tools.hlo import census, format_table, step_census, summary
-from training.build import abstract
+from training.build import make_program
 
 TRIPS_MODULE = """HloModule m
 
@@ -110,7 +110,7 @@ def _compile(mesh: str, *sets: str):
     cfg = apply_overrides(get_preset("tiny"), list(sets))
     cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
     built = build_mesh(cfg.parallel)
-    return step_census(cfg, built), count_params(abstract(cfg, built).state.params), cfg
+    return step_census(cfg, built), count_params(make_program(cfg, built).state.params), cfg
 
 
 def compiled(mesh: str, *sets: str):
@@ -184,7 +184,7 @@ def test_tp_collectives_are_bf16_in_the_program():
     global batch; XLA splits it on data.) The embedding's region is manual over the batch axes
     too: its psum holds the data-local [B/2, L, D]."""
     _, _, cfg = compiled("dp=2,tp=4")
-    program = abstract(cfg, mesh := build_mesh(cfg.parallel))
+    program = make_program(cfg, mesh := build_mesh(cfg.parallel))
     with jax.set_mesh(mesh):
         text = str(jax.make_jaxpr(program.step_fn)(program.state, program.abstract_batch()))
     b, length, d = cfg.train.global_batch_size, cfg.train.seq_len, cfg.model.d_model

@@ -23,7 +23,7 @@ from conftest import assert_same_run, run_module, run_steps, small_config
 from pipeline.schedule import bubble, one_f_one_b, timetable
 from pipeline.stages import FILL
 from sharding.mesh import build_mesh
-from training.build import abstract, build
+from training.build import make_program, build
 from training.step import loss_and_grads
 
 
@@ -115,7 +115,7 @@ def test_timetable_cli():
 
 def _compiled(cfg):
     mesh = build_mesh(cfg.parallel, _devices(cfg))
-    program = abstract(cfg, mesh)
+    program = make_program(cfg, mesh)
     with jax.set_mesh(mesh):
         return program.step_fn.lower(program.state, program.abstract_batch()).compile(), mesh
 
@@ -214,7 +214,7 @@ def test_1f1b_cells_hold_no_collective_across_stages():
 def test_bad_pipeline_settings_are_clear_errors(mesh, overrides, message):
     cfg = small_config(mesh, *overrides)
     with pytest.raises(ConfigError) as err:
-        abstract(cfg, build_mesh(cfg.parallel, _devices(cfg)))
+        make_program(cfg, build_mesh(cfg.parallel, _devices(cfg)))
     assert message in str(err.value)
 
 

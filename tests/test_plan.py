@@ -152,7 +152,7 @@ def test_trace_summary_finds_every_scope(tmp_path):
 
 def test_search_top_meshes_build_with_their_settings():
     """Every mesh the search ranks first for llama3-70b on 512 GPUs passes the step's own checks
-    (training.build.abstract on 512 fake devices: pipeline, batch layout, tensor parallelism)."""
+    (training.build.make_program on 512 fake devices: pipeline, batch layout, tensor parallelism)."""
     script = (
         "import dataclasses, json, os\n"
         "from sharding.xla_flags import with_flags\n"
@@ -161,12 +161,12 @@ def test_search_top_meshes_build_with_their_settings():
         "from sharding.mesh import build_mesh\n"
         "from tools.estimate import GPUS\n"
         "from tools.search import search, settings\n"
-        "from training.build import abstract\n"
+        "from training.build import make_program\n"
         "cfg = apply_overrides(get_preset('llama3-70b'), ['train.global_batch_size=512'])\n"
         "for c in search(cfg, 512, GPUS['h100'])[0][:5]:\n"
         "    run = apply_overrides(cfg, settings(c))\n"
         "    run = dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, **c['sizes']))\n"
-        "    abstract(run, build_mesh(run.parallel))\n"
+        "    make_program(run, build_mesh(run.parallel))\n"
         "    print(json.dumps(c['sizes']))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -13,7 +13,7 @@ from configs.base import ConfigError
 from conftest import assert_same_run, run_steps, small_config
 from sharding.mesh import build_mesh
 from sharding.tensor_parallel import AXIS, Sharded
-from training.build import abstract
+from training.build import make_program
 
 SP = "parallel.sequence_parallel=true"
 OVERLAP = "parallel.tp_overlap=true"
@@ -84,7 +84,7 @@ def test_column_then_row_equals_the_dense_matmuls(tp, sequence_parallel):
 def test_bad_tensor_parallel_settings_are_clear_errors(mesh, overrides, message):
     cfg = small_config(mesh, *overrides)
     with pytest.raises(ConfigError) as err:
-        abstract(cfg, build_mesh(cfg.parallel, jax.devices()[: _devices(cfg)]))
+        make_program(cfg, build_mesh(cfg.parallel, jax.devices()[: _devices(cfg)]))
     assert message in str(err.value)
 
 

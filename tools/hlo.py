@@ -241,9 +241,9 @@ def format_table(rows: list[dict]) -> str:
 
 def step_census(cfg, mesh) -> list[Collective]:
     """The census of cfg's compiled train step on `mesh` (abstract inputs: nothing allocated)."""
-    from training.build import abstract, compile_step
+    from training.build import make_program, compile_step
 
-    program = abstract(cfg, mesh)
+    program = make_program(cfg, mesh)
     compiled, _, _ = compile_step(program.step_fn, mesh, program.state, program.abstract_batch())
     return census(compiled.as_text(), dict(mesh.shape))
 

@@ -4,7 +4,7 @@
   python -m tools.plan --config llama3-8b --mesh dp=8,tp=8 --json
   python -m tools.plan --config llama3-70b --gpus 512 --gpu h100 --global-batch-tokens 4M --search
 
-Dry run: the model is built abstractly (`training.build.abstract`: no parameter is allocated)
+Dry run: the model is built abstractly (`training.build.make_program`: no parameter is allocated)
 and the real train step is compiled ahead of time for the mesh's device count (fake CPU
 devices on a laptop). One table puts XLA's figures beside the analytic model's
 (tools/estimate.py): per-device memory (`memory_analysis()`: arguments, outputs, temp, and
@@ -67,9 +67,9 @@ def xla_figures(cfg: RunConfig, mesh) -> dict:
     import jax
 
     from tools.hlo import census, summary
-    from training.build import abstract, compile_step, xla_memory
+    from training.build import make_program, compile_step, xla_memory
 
-    program = abstract(cfg, mesh)  # outside set_mesh (see its docstring)
+    program = make_program(cfg, mesh)  # outside set_mesh (see its docstring)
     compiled, _, _ = compile_step(program.step_fn, mesh, program.state, program.abstract_batch())
     m = xla_memory(compiled)
     mem = {k: m[k] for k in ("argument", "output", "alias", "temp")} | {"peak": m["static_peak"]}

@@ -38,7 +38,7 @@ def batch_layout(cfg: RunConfig, mesh: Mesh) -> tuple[int, int]:
     return k, per_rank // k * ranks
 
 
-def state_shardings(abstract: TrainState, mesh: Mesh) -> TrainState:
+def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
     """Parameters and optimizer moments by their logical names; scalars replicated."""
 
     def one(leaf):
@@ -46,7 +46,7 @@ def state_shardings(abstract: TrainState, mesh: Mesh) -> TrainState:
             return param_shardings(leaf, mesh)
         return NamedSharding(mesh, P())
 
-    return jax.tree.map(one, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Job:
 
 
 @dataclass
-class Abstract:
+class Program:
     """A run's program without its data: its strategies, shapes, shardings and the jitted step."""
 
     strategies: Strategies
@@ -82,7 +82,7 @@ class Abstract:
         return {"inputs": struct, "targets": struct}
 
 
-def abstract(cfg: RunConfig, mesh: Mesh) -> Abstract:
+def make_program(cfg: RunConfig, mesh: Mesh) -> Program:
     """Shapes, shardings and jitted functions of a run; allocates nothing.
 
     Call outside `jax.set_mesh`: nnx.eval_shape would otherwise apply the logical names as
@@ -109,19 +109,19 @@ def abstract(cfg: RunConfig, mesh: Mesh) -> Abstract:
         donate_argnums=0,
     )
     init_fn = jax.jit(lambda: init()[1], out_shardings=shardings)
-    return Abstract(strategies, graphdef, state, shardings, batch_sharding, shape, init_fn, step_fn)
+    return Program(strategies, graphdef, state, shardings, batch_sharding, shape, init_fn, step_fn)
 
 
 def build(cfg: RunConfig, mesh: Mesh, tokens: np.ndarray | None = None,
-          restore: Callable[[Abstract], TrainState | None] | None = None,
-          program: Abstract | None = None) -> Job:
+          restore: Callable[[Program], TrainState | None] | None = None,
+          program: Program | None = None) -> Job:
     """Everything a training loop needs. `tokens` overrides the configured data source.
 
     `restore` (e.g. `Checkpointer.restore_latest`) gets the abstract program and returns the
     state of a checkpoint, already in this mesh's shardings, or None: then the state is
-    initialised from the seed. `program`: `abstract(cfg, mesh)` if the caller has it already.
+    initialised from the seed. `program`: `make_program(cfg, mesh)` if the caller has it already.
     """
-    program = program or abstract(cfg, mesh)
+    program = program or make_program(cfg, mesh)
     state = restore(program) if restore else None
     if state is None:
         with jax.set_mesh(mesh):
@@ -136,7 +136,7 @@ def build(cfg: RunConfig, mesh: Mesh, tokens: np.ndarray | None = None,
 
 def compile_step(step_fn: Callable, mesh: Mesh, state, batch) -> tuple[jax.stages.Compiled, float, float]:
     """Lower and compile `step_fn` for (state, batch) on `mesh`: (compiled, lower s, compile s).
-    With a program's abstract state and batch (`Abstract.state`, `abstract_batch()`) nothing is
+    With a program's abstract state and batch (`Program.state`, `abstract_batch()`) nothing is
     allocated, so any preset compiles for any mesh of fake devices."""
     with jax.set_mesh(mesh):
         start = time.perf_counter()

@@ -52,7 +52,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from configs.base import ConfigError, RunConfig
-from training.build import Abstract
+from training.build import Program
 from training.logger import say
 from training.step import TrainState
 
@@ -82,7 +82,7 @@ def named_checksums(state: TrainState) -> dict[str, int]:
     return dict(zip(names, map(int, jax.device_get(checksums(state)))))
 
 
-def restore_targets(program: Abstract) -> TrainState:
+def restore_targets(program: Program) -> TrainState:
     """The abstract state as ShapeDtypeStructs carrying this mesh's NamedShardings."""
     leaves = [
         jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
@@ -150,7 +150,7 @@ class Checkpointer:
     def latest(self) -> int | None:
         return self.manager.latest_step()
 
-    def restore_latest(self, program: Abstract) -> TrainState | None:
+    def restore_latest(self, program: Program) -> TrainState | None:
         """The newest complete, undamaged checkpoint's state in `program`'s shardings, or None."""
         for tmp in self.cut_off:
             say(f"checkpoint {tmp.name} was cut off mid-write (never committed): ignored and removed")
@@ -167,7 +167,7 @@ class Checkpointer:
             return state
         return None
 
-    def _restore(self, step: int, program: Abstract) -> TrainState:
+    def _restore(self, step: int, program: Program) -> TrainState:
         items = self.manager.restore(step, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore(), config=ocp.args.JsonRestore()))
         diffs = incompatibilities(items.config, self.cfg)

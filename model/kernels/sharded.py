@@ -27,13 +27,13 @@ from jax import lax
 
 from configs.base import ConfigError
 from model.kernels.flash_attention import flash_attention
-from sharding.rules import logical_to_spec
+from sharding.rules import auto_axes, logical_to_spec
+from sharding.tensor_parallel import own_kv_head
 
 
 def sharded_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal flash attention, q [B, L, N, H], k/v [B, L, K, H] -> [B, L, N, H], on any mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
-    auto = [] if mesh.empty else [a for a in mesh.axis_names if a not in mesh.manual_axes]
+    mesh, auto = jax.sharding.get_abstract_mesh(), auto_axes()
     q_spec = logical_to_spec(("batch", None, "heads", None), q.shape, mesh, within=auto)
     kv_spec = logical_to_spec(("batch", None, "kv_heads", None), k.shape, mesh, within=auto)
     if all(axes is None for axes in q_spec):  # already one device's block (or no mesh)
@@ -57,7 +57,7 @@ def _one_kv_head_per_device(axes: tuple[str, ...], n_heads: int, kv_heads: int, 
         )
 
     def body(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        head = lax.axis_index(axes) * local_heads // groups  # kv head of this device's first q head
+        head = own_kv_head(axes, n_heads // local_heads, kv_heads)
         k, v = (lax.dynamic_slice_in_dim(x, head, 1, axis=2) for x in (k, v))  # [b, L, 1, H]
         return flash_attention(q, k, v)
 
