@@ -47,18 +47,22 @@ import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from configs import ConfigError, RunConfig
 from sharding.mesh import ALIASES, AXES, parse_mesh
 
+if TYPE_CHECKING:
+    import jax
+
 BACK_TO_BACK = 4  # calls per timed sample
 CPU_LIMIT = 2**30  # the largest message on CPU (fake devices share the host's memory)
 MEMORY_FRACTION = 4  # elsewhere: at most 1/4 of a device's memory (input and output fit twice)
 DTYPES = {"bf16": 2, "f32": 4}
 UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+Axes = tuple[str, ...]  # mesh axes, in mesh order
 SMOKE = ("smoke run on CPU: fake host devices exchange copies in host memory (gloo over TCP between "
          "processes), not messages over a GPU interconnect; these figures say nothing about NVLink or InfiniBand")
 
@@ -137,7 +141,7 @@ def parse_ops(text: str) -> list[Op]:
     return [OPS[n] for n in names]
 
 
-def parse_axes(text: str, shape: dict[str, int]) -> list[tuple[str, ...]]:
+def parse_axes(text: str, shape: dict[str, int]) -> list[Axes]:
     """'tensor,data+tensor' -> [('tensor',), ('data', 'tensor')], each in mesh order; '' -> every
     axis larger than 1, and all of them together when there are several."""
     big = [a for a in AXES if shape.get(a, 1) > 1]
@@ -148,7 +152,7 @@ def parse_axes(text: str, shape: dict[str, int]) -> list[tuple[str, ...]]:
     return [_axis_group(part, shape) for part in text.split(",") if part.strip()]
 
 
-def _axis_group(part: str, shape: dict[str, int]) -> tuple[str, ...]:
+def _axis_group(part: str, shape: dict[str, int]) -> Axes:
     names = [ALIASES.get(a.strip(), a.strip()) for a in part.split("+")]
     for a in names:
         if a not in AXES:
@@ -161,7 +165,7 @@ def _axis_group(part: str, shape: dict[str, int]) -> tuple[str, ...]:
     return tuple(a for a in AXES if a in names)
 
 
-def size_limit(device) -> int:
+def size_limit(device: jax.Device) -> int:
     """The largest message: 1/MEMORY_FRACTION of the device's memory, or CPU_LIMIT on CPU."""
     stats = device.memory_stats() if device.platform != "cpu" else None
     return stats["bytes_limit"] // MEMORY_FRACTION if stats and "bytes_limit" in stats else CPU_LIMIT
@@ -207,7 +211,7 @@ def summarize(rows: list[Row]) -> dict:
 
 # --- programs --------------------------------------------------------------------------------
 
-def body(op: Op, axes: tuple[str, ...], n: int) -> Callable:
+def body(op: Op, axes: Axes, n: int) -> Callable:
     """The per-device function: exactly one collective over `axes`."""
     from jax import lax
 
@@ -222,7 +226,7 @@ def body(op: Op, axes: tuple[str, ...], n: int) -> Callable:
     return lambda x: lax.ppermute(x, axes, [(i, (i + 1) % n) for i in range(n)])
 
 
-def program(mesh, op: Op, axes: tuple[str, ...], n: int) -> Callable:
+def program(mesh: jax.sharding.Mesh, op: Op, axes: Axes, n: int) -> Callable:
     """jit(shard_map) manual over `axes`; the input's dim 0 is split over them."""
     import jax
     from jax.sharding import PartitionSpec as P
@@ -231,7 +235,7 @@ def program(mesh, op: Op, axes: tuple[str, ...], n: int) -> Callable:
                                  axis_names=set(axes)))
 
 
-def input_spec(mesh, op: Op, axes: tuple[str, ...], n: int, count: int, dtype: str):
+def input_spec(mesh: jax.sharding.Mesh, op: Op, axes: Axes, n: int, count: int, dtype: str) -> jax.ShapeDtypeStruct:
     """The global input: op.input_count elements per rank of the group, replicated elsewhere."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -246,7 +250,7 @@ def _jnp_dtype(dtype: str):
     return {"bf16": jnp.bfloat16, "f32": jnp.float32}[dtype]
 
 
-def make_input(spec):
+def make_input(spec: jax.ShapeDtypeStruct) -> jax.Array:
     """Ones of `spec`'s shape, made on the devices in place."""
     import jax
     import jax.numpy as jnp
@@ -254,13 +258,13 @@ def make_input(spec):
     return jax.jit(lambda: jnp.ones(spec.shape, spec.dtype), out_shardings=spec.sharding)()
 
 
-def group_size(mesh, axes: tuple[str, ...]) -> int:
+def group_size(mesh: jax.sharding.Mesh, axes: Axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
 # --- check -----------------------------------------------------------------------------------
 
-def check_program(mesh, op: Op, axes: tuple[str, ...], count: int, dtype: str) -> str | None:
+def check_program(mesh: jax.sharding.Mesh, op: Op, axes: Axes, count: int, dtype: str) -> str | None:
     """Compile and census one program: None when it holds exactly the intended collective, else why not."""
     import jax
 
@@ -275,7 +279,7 @@ def check_program(mesh, op: Op, axes: tuple[str, ...], count: int, dtype: str) -
     return None if got == [want] else f"expected {[want]}, compiled {got}"
 
 
-def run_check(mesh, ops: list[Op], groups: list[tuple[str, ...]], sizes: list[int], dtype: str) -> int:
+def run_check(mesh: jax.sharding.Mesh, ops: list[Op], groups: list[Axes], sizes: list[int], dtype: str) -> int:
     """One line per program; 1 with a message if any program is not its one collective."""
     failed = 0
     for op in ops:
@@ -295,7 +299,7 @@ def run_check(mesh, ops: list[Op], groups: list[tuple[str, ...]], sizes: list[in
 
 # --- timing ----------------------------------------------------------------------------------
 
-def measure(mesh, op: Op, axes: tuple[str, ...], size: int, dtype: str, iters: int) -> Row:
+def measure(mesh: jax.sharding.Mesh, op: Op, axes: Axes, size: int, dtype: str, iters: int) -> Row:
     """Time one program at one size: median of `iters` samples after a warm-up run."""
     from tools.measure import median_seconds
 
@@ -308,7 +312,7 @@ def measure(mesh, op: Op, axes: tuple[str, ...], size: int, dtype: str, iters: i
     return Row(op.name, "+".join(axes), n, nbytes, count, seconds * 1e6, algbw, busbw)
 
 
-def sweep(mesh, op: Op, axes: tuple[str, ...], sizes: list[int], args: argparse.Namespace) -> list[Row]:
+def sweep(mesh: jax.sharding.Mesh, op: Op, axes: Axes, sizes: list[int], args: argparse.Namespace) -> list[Row]:
     """Every size of one op and axes; its table printed as it completes (unless --json)."""
     rows = [measure(mesh, op, axes, s, args.dtype, args.iters) for s in sizes]
     if not args.json:
@@ -414,7 +418,8 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def record(argv: list[str], mesh, mesh_text: str, args: argparse.Namespace, rows: list[Row], smoke: bool) -> dict:
+def record(argv: list[str], mesh: jax.sharding.Mesh, mesh_text: str, args: argparse.Namespace, rows: list[Row],
+           smoke: bool) -> dict:
     """The JSON record: tools.measure's head (command, machine, versions), the mesh, the rows,
     the summaries and the fit per axes and op."""
     from tools.measure import environment, run_record
