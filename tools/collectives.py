@@ -1,0 +1,461 @@
+"""nccl-tests for a JAX mesh: time one collective at a time over mesh axes and message sizes.
+
+  python -m tools.collectives --mesh dp=2,tp=4
+  python -m tools.collectives --mesh dp=2,tp=4 --ops all-reduce --axes tensor,data+tensor --sizes 1K:1G
+  python -m tools.collectives --mesh dp=2,tp=4 --check          compile and census every program
+
+What is measured: for each op (all-reduce, all-gather, reduce-scatter, all-to-all, permute), each
+mesh axis or axis combination (`data+tensor`: one group of dp·tp devices) and each message size
+(the powers of two between the --sizes bounds), a jitted `jax.shard_map` program, manual over
+exactly those axes, whose body is that one collective: `lax.psum`, `lax.all_gather`,
+`lax.psum_scatter`, `lax.all_to_all`, or `lax.ppermute` one step round a ring. Each program is
+run once to compile and warm up, then timed --iters times (each sample BACK_TO_BACK calls
+dispatched back to back, waited for with `jax.block_until_ready`, as nccl-tests times a run of
+launches); the table gives the median per call.
+
+Conventions, those of nccl-tests (doc/PERFORMANCE.md of github.com/NVIDIA/nccl-tests):
+- Message size S: the per-rank buffer for all-reduce, all-to-all and permute; the output (all
+  ranks' pieces together) for all-gather; the input (the whole array before it is scattered)
+  for reduce-scatter. count = S / bytes per element, rounded down to a multiple of the group
+  size n where the op splits the buffer into n pieces (nccl-tests rounds the same way).
+- algbw = S / t, busbw = algbw · factor, in GB/s (1e9 bytes): factor 2(n-1)/n for all-reduce,
+  (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for permute. busbw is what a link
+  carries, comparable across group sizes and with the hardware's peak.
+- Per op and axes: the latency floor (the time at the smallest size), the smallest size that
+  reaches half the peak busbw, and a least-squares fit t = latency + S·factor / busbw (the
+  record's `fit`, per axes and op, for the planner: latency_us and busbw_GBps).
+
+`--check` compiles every program without running it and asserts with `tools.hlo.census` that the
+compiled HLO holds exactly one collective, of the intended kind, over the intended axes, with
+the intended group size (2 for a permute: census counts its pairs) and element count (census'
+S is nccl-tests' S). XLA CPU widens bf16 collectives to f32, so on CPU a bf16 program is
+expected to move f32.
+
+On CPU (fake host devices) the run is labelled a smoke run: the devices exchange copies in host
+memory on the same cores (gloo over TCP between processes), not messages over a GPU interconnect,
+so its figures measure nothing about NVLink or InfiniBand. Several processes run as train.py
+does (--coordinator ..., or SLURM); process 0 prints and writes the record.
+
+Written by hand: no JAX tool measures collectives per mesh axis (nccl-tests drives NCCL
+directly, outside XLA and without a mesh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from configs import ConfigError, RunConfig
+from sharding.mesh import ALIASES, AXES, parse_mesh
+
+if TYPE_CHECKING:
+    import jax
+
+BACK_TO_BACK = 4  # calls per timed sample
+CPU_LIMIT = 2**30  # the largest message on CPU (fake devices share the host's memory)
+MEMORY_FRACTION = 4  # elsewhere: at most 1/4 of a device's memory (input and output fit twice)
+DTYPES = {"bf16": 2, "f32": 4}
+UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+Axes = tuple[str, ...]  # mesh axes, in mesh order
+SMOKE = ("smoke run on CPU: fake host devices exchange copies in host memory (gloo over TCP between "
+         "processes), not messages over a GPU interconnect; these figures say nothing about NVLink or InfiniBand")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One collective: its HLO kind, whether it splits the buffer in n pieces, its bus factor."""
+
+    name: str
+    kind: str  # tools.hlo's kind
+    splits: bool  # count must be a multiple of n
+
+    def factor(self, n: int) -> float:
+        """nccl-tests' busbw / algbw for a group of n."""
+        return {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(self.kind, (n - 1) / n)
+
+    def input_count(self, count: int, n: int) -> int:
+        """Elements per rank going in, for a message of `count` elements."""
+        return count // n if self.name == "all-gather" else count
+
+
+OPS = {op.name: op for op in (
+    Op("all-reduce", "all-reduce", False),
+    Op("all-gather", "all-gather", True),
+    Op("reduce-scatter", "reduce-scatter", True),
+    Op("all-to-all", "all-to-all", True),
+    Op("permute", "collective-permute", False),
+)}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One timed program."""
+
+    op: str
+    axes: str  # e.g. data+tensor
+    group: int
+    size: int  # S in bytes (the convention above)
+    count: int  # S in elements
+    time_us: float
+    algbw_GBps: float
+    busbw_GBps: float
+
+
+# --- input -----------------------------------------------------------------------------------
+
+def parse_size(text: str) -> int:
+    """'64K' -> 65536 (binary units B, K, M, G)."""
+    m = re.fullmatch(r"(\d+)([KMG]?)B?", text.strip().upper())
+    if not m or int(m.group(1)) == 0:
+        raise ConfigError(f"--sizes: {text!r} is not a size; write a positive number with an optional "
+                          "K, M or G (binary), e.g. --sizes 1K:64M or --sizes 4M")
+    return int(m.group(1)) * UNITS[m.group(2)]
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'LO:HI' -> the powers of two from LO to HI (bytes); 'S' -> [S]."""
+    lo, _, hi = text.partition(":")
+    low, high = parse_size(lo), parse_size(hi or lo)
+    if low > high:
+        raise ConfigError(f"--sizes {text}: the lower bound is above the upper one; write LO:HI, e.g. 1K:64M")
+    if not hi:
+        return [low]
+    sizes = [2**k for k in range(math.ceil(math.log2(low)), math.floor(math.log2(high)) + 1)]
+    if not sizes:
+        raise ConfigError(f"--sizes {text}: no power of two lies between the bounds; widen them, e.g. 1K:64M")
+    return sizes
+
+
+def parse_ops(text: str) -> list[Op]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in OPS]
+    if unknown or not names:
+        raise ConfigError(f"--ops {text!r}: unknown op {', '.join(unknown) or '(none given)'}; "
+                          f"ops are {','.join(OPS)}")
+    return [OPS[n] for n in names]
+
+
+def parse_axes(text: str, shape: dict[str, int]) -> list[Axes]:
+    """'tensor,data+tensor' -> [('tensor',), ('data', 'tensor')], each in mesh order; '' -> every
+    axis larger than 1, and all of them together when there are several."""
+    big = [a for a in AXES if shape.get(a, 1) > 1]
+    if not big:
+        raise ConfigError("--mesh has no axis larger than 1: nothing to measure; e.g. --mesh dp=2,tp=4")
+    if not text:
+        return [(a,) for a in big] + ([tuple(big)] if len(big) > 1 else [])
+    return [_axis_group(part, shape) for part in text.split(",") if part.strip()]
+
+
+def _axis_group(part: str, shape: dict[str, int]) -> Axes:
+    names = [ALIASES.get(a.strip(), a.strip()) for a in part.split("+")]
+    for a in names:
+        if a not in AXES:
+            raise ConfigError(f"--axes: {a!r} is not a mesh axis; axes are {' '.join(AXES)} (or pp dp sp tp), "
+                              "combined with +, e.g. --axes tensor,data+tensor")
+        if shape[a] == 1:
+            raise ConfigError(f"--axes: axis {a} has size 1 in this mesh: no collective to measure")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--axes: {part!r} names an axis twice")
+    return tuple(a for a in AXES if a in names)
+
+
+def size_limit(device: jax.Device) -> int:
+    """The largest message: 1/MEMORY_FRACTION of the device's memory, or CPU_LIMIT on CPU."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    return stats["bytes_limit"] // MEMORY_FRACTION if stats and "bytes_limit" in stats else CPU_LIMIT
+
+
+def check_sizes(sizes: list[int], limit: int) -> None:
+    if max(sizes) > limit:
+        raise ConfigError(f"--sizes: {max(sizes) / 2**20:.0f} MiB is above this device's limit of "
+                          f"{limit / 2**20:.0f} MiB per message (1 GiB on CPU, else a quarter of the "
+                          "device's memory); lower the upper bound")
+
+
+def message_count(op: Op, size: int, itemsize: int, n: int) -> int:
+    """Elements of a message of `size` bytes: rounded down to a multiple of n when op splits it."""
+    count = max(1, size // itemsize)
+    return max(n, count // n * n) if op.splits else count
+
+
+# --- arithmetic ------------------------------------------------------------------------------
+
+def bandwidths(size: int, seconds: float, factor: float) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s of a message of `size` bytes taking `seconds`."""
+    algbw = size / seconds / 1e9
+    return algbw, algbw * factor
+
+
+def fit_model(sizes: list[int], seconds: list[float], factor: float) -> dict:
+    """Least squares t = latency + size·factor / busbw: {latency_us, busbw_GBps} (busbw None when
+    the times do not grow with size)."""
+    bus_bytes = np.array(sizes, dtype=float) * factor
+    a = np.stack([np.ones_like(bus_bytes), bus_bytes], axis=1)
+    (latency, per_byte), *_ = np.linalg.lstsq(a, np.array(seconds), rcond=None)
+    return {"latency_us": float(latency * 1e6), "busbw_GBps": float(1 / per_byte / 1e9) if per_byte > 0 else None}
+
+
+def summarize(rows: list[Row]) -> dict:
+    """Latency floor (time at the smallest size), peak busbw and the first size reaching half of it."""
+    peak = max(r.busbw_GBps for r in rows)
+    half = next(r.size for r in rows if r.busbw_GBps >= peak / 2)
+    return {"op": rows[0].op, "axes": rows[0].axes, "group": rows[0].group, "latency_floor_us": rows[0].time_us,
+            "peak_busbw_GBps": peak, "half_peak_size": half}
+
+
+# --- programs --------------------------------------------------------------------------------
+
+def body(op: Op, axes: Axes, n: int) -> Callable:
+    """The per-device function: exactly one collective over `axes`."""
+    from jax import lax
+
+    if op.name == "all-reduce":
+        return lambda x: lax.psum(x, axes)
+    if op.name == "all-gather":
+        return lambda x: lax.all_gather(x, axes, tiled=True)
+    if op.name == "reduce-scatter":
+        return lambda x: lax.psum_scatter(x, axes, tiled=True)
+    if op.name == "all-to-all":
+        return lambda x: lax.all_to_all(x, axes, 0, 0, tiled=True)
+    return lambda x: lax.ppermute(x, axes, [(i, (i + 1) % n) for i in range(n)])
+
+
+def program(mesh: jax.sharding.Mesh, op: Op, axes: Axes, n: int) -> Callable:
+    """jit(shard_map) manual over `axes`; the input's dim 0 is split over them."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    return jax.jit(jax.shard_map(body(op, axes, n), mesh=mesh, in_specs=P(axes), out_specs=P(axes),
+                                 axis_names=set(axes)))
+
+
+def input_spec(mesh: jax.sharding.Mesh, op: Op, axes: Axes, n: int, count: int, dtype: str) -> jax.ShapeDtypeStruct:
+    """The global input: op.input_count elements per rank of the group, replicated elsewhere."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    return jax.ShapeDtypeStruct((n * op.input_count(count, n),), _jnp_dtype(dtype),
+                                sharding=NamedSharding(mesh, P(axes)))
+
+
+def _jnp_dtype(dtype: str):
+    import jax.numpy as jnp
+
+    return {"bf16": jnp.bfloat16, "f32": jnp.float32}[dtype]
+
+
+def make_input(spec: jax.ShapeDtypeStruct) -> jax.Array:
+    """Ones of `spec`'s shape, made on the devices in place."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda: jnp.ones(spec.shape, spec.dtype), out_shardings=spec.sharding)()
+
+
+def group_size(mesh: jax.sharding.Mesh, axes: Axes) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+# --- check -----------------------------------------------------------------------------------
+
+def check_program(mesh: jax.sharding.Mesh, op: Op, axes: Axes, count: int, dtype: str) -> str | None:
+    """Compile and census one program: None when it holds exactly the intended collective, else why not."""
+    import jax
+
+    from tools.hlo import census
+
+    n = group_size(mesh, axes)
+    spec = input_spec(mesh, op, axes, n, count, dtype)
+    found = census(program(mesh, op, axes, n).lower(spec).compile().as_text(), dict(mesh.shape))
+    moved = "f32" if dtype == "bf16" and jax.default_backend() == "cpu" else dtype
+    want = (op.kind, axes, 2 if op.kind == "collective-permute" else n, moved, count)
+    got = [(c.kind, c.axes, c.group, c.dtype, c.elements) for c in found]
+    return None if got == [want] else f"expected {[want]}, compiled {got}"
+
+
+def run_check(mesh: jax.sharding.Mesh, ops: list[Op], groups: list[Axes], sizes: list[int], dtype: str) -> int:
+    """One line per program; 1 with a message if any program is not its one collective."""
+    failed = 0
+    for op in ops:
+        for axes in groups:
+            n = group_size(mesh, axes)
+            for size in sizes:
+                count = message_count(op, size, DTYPES[dtype], n)
+                problem = check_program(mesh, op, axes, count, dtype)
+                failed += problem is not None
+                _say(f"{'ok' if problem is None else 'FAIL':<4} {op.name:<14} {'+'.join(axes):<16} n={n:<3} "
+                     f"{dtype}[{count}] {size:>11} B" + (f": {problem}" if problem else ""))
+    if failed:
+        _say(f"collectives check failed: {failed} program(s) do not compile to exactly their one collective")
+        return 1
+    return 0
+
+
+# --- timing ----------------------------------------------------------------------------------
+
+def measure(mesh: jax.sharding.Mesh, op: Op, axes: Axes, size: int, dtype: str, iters: int) -> Row:
+    """Time one program at one size: median of `iters` samples after a warm-up run."""
+    from tools.measure import median_seconds
+
+    n = group_size(mesh, axes)
+    count = message_count(op, size, DTYPES[dtype], n)
+    spec = input_spec(mesh, op, axes, n, count, dtype)
+    seconds = median_seconds(program(mesh, op, axes, n), (make_input(spec),), iters, BACK_TO_BACK)
+    nbytes = count * DTYPES[dtype]
+    algbw, busbw = bandwidths(nbytes, seconds, op.factor(n))
+    return Row(op.name, "+".join(axes), n, nbytes, count, seconds * 1e6, algbw, busbw)
+
+
+def sweep(mesh: jax.sharding.Mesh, op: Op, axes: Axes, sizes: list[int], args: argparse.Namespace) -> list[Row]:
+    """Every size of one op and axes; its table printed as it completes (unless --json)."""
+    rows = [measure(mesh, op, axes, s, args.dtype, args.iters) for s in sizes]
+    if not args.json:
+        _say(format_block(rows, op, args.dtype))
+    return rows
+
+
+def format_block(rows: list[Row], op: Op, dtype: str) -> str:
+    """nccl-tests' columns for one op and axes, then its floor, half-peak size and fit."""
+    s = summarize(rows)
+    fit = fit_model([r.size for r in rows], [r.time_us / 1e6 for r in rows], op.factor(rows[0].group))
+    bw = f"{fit['busbw_GBps']:.3g} GB/s" if fit["busbw_GBps"] else "none (time does not grow with size)"
+    lines = [f"# {op.name} over {rows[0].axes} (n={rows[0].group}), {dtype}",
+             f"# {'size(B)':>12} {'count':>12} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"]
+    lines += [f"  {r.size:>12} {r.count:>12} {r.time_us:>10.1f} {r.algbw_GBps:>12.3f} {r.busbw_GBps:>12.3f}"
+              for r in rows]
+    lines.append(f"# latency floor {s['latency_floor_us']:.1f} us; peak busbw {s['peak_busbw_GBps']:.3f} GB/s, "
+                 f"half of it first at {s['half_peak_size']} B; fit: latency {fit['latency_us']:.1f} us, busbw {bw}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    """busbw vs size, one panel per op, one line per axes, log-x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r.op for r in rows))
+    fig, panels = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.5), squeeze=False)
+    for ax, op in zip(panels[0], ops):
+        for axes in dict.fromkeys(r.axes for r in rows if r.op == op):
+            mine = [r for r in rows if r.op == op and r.axes == axes]
+            ax.plot([r.size for r in mine], [r.busbw_GBps for r in mine], marker="o",
+                    label=f"{axes} (n={mine[0].group})")
+        ax.set(xscale="log", xlabel="message size (B)", ylabel="busbw (GB/s)", title=op)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# --- the command -----------------------------------------------------------------------------
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    from training.distributed import add_process_args
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mesh", required=True, help="axis sizes, e.g. dp=2,tp=4 (axes pp dp fsdp sp tp; one may be -1)")
+    p.add_argument("--sizes", default="1K:64M", help="LO:HI, the powers of two between (binary K M G), or one size")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {','.join(OPS)} (default all)")
+    p.add_argument("--axes", default="", help="mesh axes or +-combinations, e.g. tensor,data+tensor "
+                   "(default every axis larger than 1, and all of them together)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="f32")
+    p.add_argument("--iters", type=int, default=20, help="timed samples per size (median)")
+    p.add_argument("--check", action="store_true", help="compile every program and census it; no timing")
+    p.add_argument("--json", action="store_true", help="print the record as JSON instead of the tables")
+    p.add_argument("--png", type=Path, help="plot busbw vs size to this PNG")
+    p.add_argument("--out", type=Path, help="the record (default bench/results/collectives-<backend>-<mesh>.json)")
+    add_process_args(p)
+    args = p.parse_args(argv)
+    if args.iters < 1:
+        raise ConfigError(f"--iters {args.iters}: must be at least 1")
+    return args
+
+
+def _say(text: str) -> None:
+    """Print from process 0 only."""
+    import jax
+
+    if jax.process_index() == 0:
+        print(text, flush=True)
+
+
+def main(argv: list[str]) -> int:
+    from cli import request_fake_devices
+    from training.distributed import initialize, process_count
+
+    args = parse_args(argv)
+    cfg = RunConfig(parallel=parse_mesh(args.mesh))
+    ops, sizes = parse_ops(args.ops), parse_sizes(args.sizes)
+    request_fake_devices(cfg, process_count(args))
+    initialize(args)
+
+    import jax
+
+    from sharding.mesh import build_mesh, format_mesh
+
+    mesh = build_mesh(cfg.parallel)
+    groups = parse_axes(args.axes, dict(mesh.shape))
+    check_sizes(sizes, size_limit(jax.local_devices()[0]))
+    if args.check:
+        return run_check(mesh, ops, groups, sizes, args.dtype)
+    smoke = jax.default_backend() == "cpu"
+    mesh_text = format_mesh(dict(mesh.shape))
+    if not args.json:
+        _say(f"# collectives on mesh {mesh_text}, {jax.device_count()} {jax.devices()[0].device_kind} devices"
+             + (f"\n# {SMOKE}" if smoke else ""))
+    rows = [r for op in ops for axes in groups for r in sweep(mesh, op, axes, sizes, args)]
+    report = record(argv, mesh, mesh_text, args, rows, smoke)
+    write(report, args, mesh_text, rows)
+    return 0
+
+
+def record(argv: list[str], mesh: jax.sharding.Mesh, mesh_text: str, args: argparse.Namespace, rows: list[Row],
+           smoke: bool) -> dict:
+    """The JSON record: tools.measure's head (command, machine, versions), the mesh, the rows,
+    the summaries and the fit per axes and op."""
+    from tools.measure import environment, run_record
+
+    blocks = {}
+    for r in rows:
+        blocks.setdefault((r.axes, r.op), []).append(r)
+    fit: dict[str, dict] = {}
+    for (axes, op), mine in blocks.items():
+        fit.setdefault(axes, {})[op] = fit_model([r.size for r in mine], [r.time_us / 1e6 for r in mine],
+                                                 OPS[op].factor(mine[0].group))
+    return run_record("tools.collectives", argv) | {
+        "environment": environment(list(mesh.devices.flat)), "mesh": mesh_text, "smoke": SMOKE if smoke else None,
+        "dtype": args.dtype, "iters": args.iters, "calls_per_sample": BACK_TO_BACK,
+        "rows": [asdict(r) for r in rows], "summary": [summarize(m) for m in blocks.values()], "fit": fit,
+    }
+
+
+def write(report: dict, args: argparse.Namespace, mesh_text: str, rows: list[Row]) -> None:
+    import json
+
+    import jax
+
+    from tools.measure import RESULTS, write_report
+
+    safe = mesh_text.replace("=", "").replace(",", "_")
+    write_report(report, args.out or RESULTS / f"collectives-{jax.default_backend()}-{safe}.json",
+                 announce=not args.json)
+    if args.json:
+        _say(json.dumps(report, indent=1))
+    if args.png and jax.process_index() == 0:
+        plot(rows, args.png)
+        _say(f"wrote {args.png}")
+
+
+if __name__ == "__main__":
+    from cli import run_cli
+
+    run_cli(main)

@@ -1,0 +1,102 @@
+"""What every measurement shares (the benches and tools.collectives): the record's head, its JSON
+file under bench/results/, timing.
+
+A record (JSON, one file per run) starts with the command that made it, the time, the machine
+and the package versions (`environment`); only process 0 writes it. Timing waits for the device
+(`jax.block_until_ready`) before reading the clock, so a figure is the work, not its dispatch.
+Placed below tools/ in the layers, so that a tool can write a record; bench/common.py adds what
+the benches of a train step share.
+
+No jax at import: the entry points set XLA_FLAGS (cli.request_fake_devices) before jax starts.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    import jax
+
+PACKAGES = ("jax", "jaxlib", "flax", "optax")
+RESULTS = Path("bench/results")
+
+
+def run_record(module: str, argv: list[str]) -> dict:
+    """The command (as `python -m module argv...`) and the local time of a run."""
+    return {"command": shlex.join(["python", "-m", module, *argv]), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def environment(devices: Sequence[jax.Device]) -> dict:
+    """The machine, the package versions and the backend the figures of `devices` come from."""
+    import jax
+
+    def version(pkg: str) -> str | None:
+        try:
+            return importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "versions": {p: version(p) for p in PACKAGES},
+        "backend": jax.default_backend(),
+        "device_kind": devices[0].device_kind,
+        "device_count": jax.device_count(),
+        "mesh_devices": len(devices),
+    }
+
+
+def _cpu_model() -> str:
+    """The CPU model name from /proc/cpuinfo (platform.processor() is empty on Linux)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+
+
+def write_report(report: dict, out: Path, announce: bool = True) -> None:
+    """The JSON record at `out` (its folder made), from process 0 only; `announce` says where."""
+    import jax
+
+    if jax.process_index() == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        if announce:
+            print(f"\nwrote {out}")
+
+
+def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """fn(*args), waited for, and the wall-clock seconds from the call to the result."""
+    import jax
+
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, time.perf_counter() - start
+
+
+def median_seconds(fn: Callable[..., Any], args: tuple, steps: int, inner: int = 1) -> float:
+    """Compile and run once; then `steps` times: `inner` calls back to back, waited for; the
+    median per call (inner > 1 hides the host's wait behind short kernels such as one matmul)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / inner)
+    return statistics.median(times)
