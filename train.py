@@ -5,6 +5,7 @@
   python train.py --config 125m --set train.lr=3e-4 --run-dir runs/a
   python train.py --run-dir runs/a                 resume runs/a from its latest checkpoint
   python train.py --config llama3-8b --mesh dp=8,tp=8 --dry-run   plan only (tools/plan.py)
+      [--bandwidth FILE.json]                     on links measured by python -m tools.collectives
 
 Arguments are parsed, and the config and mesh shape checked, before jax is imported: on CPU
 this script sets XLA's host device count to what the mesh needs.
@@ -24,6 +25,7 @@ from typing import NoReturn
 from cli import add_run_args, check_run_dir, make_run_dir, request_fake_devices, run_cli, run_config, saved_config
 from configs import ConfigError, RunConfig
 from sharding.mesh import format_mesh
+from tools.bandwidth import add_bandwidth_arg, load
 from training.distributed import add_process_args, process_count
 
 
@@ -38,6 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="compile the step abstractly and print the plan (memory, collectives, time); train nothing")
     p.add_argument("--gpu", default="h100", help="with --dry-run: GPU to estimate for, h100|h200|a100")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
+    add_bandwidth_arg(p)
     add_process_args(p)
     return p.parse_args(argv)
 
@@ -52,11 +55,14 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = resolve_config(args)
+    if args.bandwidth and not args.dry_run:
+        raise ConfigError("--bandwidth is for --dry-run: it sets the links of the plan's step time")
+    measured = load(args.bandwidth) if args.bandwidth else None
     fake = request_fake_devices(cfg, process_count(args))
     if args.dry_run:
         from tools.plan import dry_run
 
-        return dry_run(cfg, args.gpu, args.json)
+        return dry_run(cfg, args.gpu, args.json, measured)
     run_dir = args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     check_run_dir(run_dir)
 

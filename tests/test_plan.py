@@ -21,7 +21,8 @@ from configs import apply_overrides, get_preset
 from conftest import ROOT, SMALL, run_module, small_config
 from sharding.mesh import AXES, build_mesh, parse_mesh
 from tools import estimate
-from tools.plan import plan, xla_figures
+from tools.bandwidth import load
+from tools.plan import format_plan, plan, xla_figures
 from tools.search import meshes, search
 
 MEMORY_CASES = {"tiny": ["train.global_batch_size=8"],
@@ -195,3 +196,66 @@ def test_presets_fit_their_target_out_of_the_box(preset, mesh):
     cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
     report = plan(cfg, sizes_of(cfg), estimate.GPUS["h100"], None)
     assert report["fits"], report["verdict"]
+
+
+def bandwidth_record(tmp_path: Path, fit: dict) -> Path:
+    """A synthetic record of python -m tools.collectives: its mesh and fit, nothing else."""
+    path = tmp_path / "bw.json"
+    path.write_text(json.dumps({"mesh": "dp=8,tp=8", "smoke": None, "fit": fit}))
+    return path
+
+
+def test_measured_links_set_the_step_time(tmp_path):
+    """llama3-8b on dp=8,tp=8 with a record measuring data (all-reduce: 100 us, 20 GB/s) and
+    tensor with no bandwidth (its time did not grow): data takes 100 us + 2G(N-1)/N / 20 GB/s,
+    tensor keeps NVLink, and the plan names each source."""
+    cfg = dataclasses.replace(get_preset("llama3-8b"), parallel=parse_mesh("dp=8,tp=8"))
+    sizes = sizes_of(cfg)
+    path = bandwidth_record(tmp_path, {"data": {"all-reduce": {"latency_us": 100.0, "busbw_GBps": 20.0},
+                                                "permute": {"latency_us": 1.0, "busbw_GBps": 1.0}},
+                                       "tensor": {"all-reduce": {"latency_us": 5.0, "busbw_GBps": None}},
+                                       "data+tensor": {"all-reduce": {"latency_us": 1.0, "busbw_GBps": 1.0}}})
+    report = plan(cfg, sizes, estimate.GPUS["h100"], None, load(path))
+    datasheet = estimate.step_time(cfg, sizes, estimate.GPUS["h100"])
+    k = cfg.train.global_batch_size // 8  # microbatches of one sequence per data rank
+    g = 4 * estimate.local_params(cfg, sizes)  # fp32 gradient bytes of the device's tensor shard
+    assert report["time"]["comm_s"]["data"] == pytest.approx(100e-6 + k * 2 * g * 7 / 8 / 20e9)
+    assert datasheet["comm_s"]["data"] == pytest.approx(k * 2 * g * 7 / 8 / estimate.INFINIBAND)
+    assert report["time"]["comm_s"]["tensor"] == datasheet["comm_s"]["tensor"]
+    assert report["links"] == {"data": f"measured {path} (all-reduce: 100.0 us + bytes / 20 GB/s, on dp=8,tp=8)",
+                               "tensor": "datasheet NVLink 450 GB/s"}
+    assert f"data measured {path}" in format_plan(report) and "tensor datasheet NVLink 450 GB/s" in format_plan(report)
+
+
+def test_measured_links_choose_the_op_of_each_axis(tmp_path):
+    fit = {"fsdp": {"reduce-scatter": {"latency_us": 1.0, "busbw_GBps": 2.0}},
+           "sequence": {op: {"latency_us": 1.0, "busbw_GBps": bw} for op, bw in (("permute", 3.0), ("all-gather", 4.0))},
+           "stage": {"all-reduce": {"latency_us": 1.0, "busbw_GBps": 5.0}}}
+    measured = load(bandwidth_record(tmp_path, fit))
+    ring, gathered = measured.links("ring"), measured.links("allgather")
+    assert {a: (link.op, link.bytes_per_s) for a, link in ring.items()} == {
+        "fsdp": ("reduce-scatter", 2e9), "sequence": ("permute", 3e9)}  # stage is timed by its permute only
+    assert gathered["sequence"].op == "all-gather"
+
+
+def test_plan_cli_names_the_measured_link(tmp_path):
+    path = bandwidth_record(tmp_path, {"data": {"all-reduce": {"latency_us": 10.0, "busbw_GBps": 40.0}}})
+    out = run_module("tools.plan", "--config", "tiny", "--gpus", "8", "--search", "--confirm", "0",
+                     "--bandwidth", str(path))
+    assert out.returncode == 0, out.stderr
+    assert f"links: data measured {path} (all-reduce: 10.0 us + bytes / 40 GB/s" in out.stdout
+    assert "other axes datasheet NVLink 450 GB/s inside a node of 8" in out.stdout
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read it"), ("{not json", "not JSON"), ('{"mesh": "dp=2"}', "no `fit` per mesh axis"),
+    ('{"fit": {"data": {"all-reduce": {"latency_us": 1, "busbw_GBps": -2}}}}', "fit data all-reduce"),
+    ('{"fit": {"dp": {"all-reduce": {"latency_us": 1, "busbw_GBps": 2}}}}', "'dp' is not mesh axes")])
+def test_bad_bandwidth_file_is_one_error_line(tmp_path, content, message):
+    path = tmp_path / "bw.json"
+    if content is not None:
+        path.write_text(content)
+    out = run_module("tools.plan", "--config", "tiny", "--gpus", "8", "--search", "--confirm", "0",
+                     "--bandwidth", str(path))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert out.stderr.startswith(f"error: --bandwidth {path}: ") and message in out.stderr

@@ -85,7 +85,9 @@ one more under 1f1b) /
 dense bf16 peak, or HBM traffic / bandwidth when larger; each axis's bytes / its link: NVLink
 450 GB/s per GPU when the axis and the axes inside it fit in one node of 8 GPUs, InfiniBand
 50 GB/s per GPU (400 Gb/s NIC per GPU) otherwise. Two figures: communication not overlapped
-(compute + comm) and fully overlapped (max). Then / (1 - bubble).
+(compute + comm) and fully overlapped (max). Then / (1 - bubble). With measured links
+(`tools.plan --bandwidth`, read by tools/bandwidth.py) an axis they cover takes latency +
+bytes / busbw of its fit instead: the contract's bytes are bus bytes, as nccl-tests counts them.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ from sharding.mesh import AXES
 from training.metrics import PEAK_FLOPS, flops_per_token
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8
+Links = dict[str, tuple[float, float]]  # measured {axis: (latency_s, bytes_per_s)}
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,21 @@ def link_bandwidth(sizes: dict[str, int], axis: str) -> float:
     return NVLINK if inner <= GPUS_PER_NODE else INFINIBAND
 
 
+def datasheet_link(sizes: dict[str, int], axis: str) -> str:
+    """'datasheet NVLink 450 GB/s' or 'datasheet InfiniBand 50 GB/s': the link `link_bandwidth` assumes."""
+    bandwidth = link_bandwidth(sizes, axis)
+    return f"datasheet {'NVLink' if bandwidth == NVLINK else 'InfiniBand'} {bandwidth / 1e9:.0f} GB/s"
+
+
+def comm_time(sizes: dict[str, int], axis: str, nbytes: float, links: Links | None) -> float:
+    """Seconds for `nbytes` of bus bytes on `axis`: latency + bytes / bandwidth of its measured
+    link (links: {axis: (latency_s, bytes_per_s)}), else bytes / the datasheet link."""
+    if links and axis in links:
+        latency, bandwidth = links[axis]
+        return latency + nbytes / bandwidth
+    return nbytes / link_bandwidth(sizes, axis)
+
+
 def flops(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     """Model FLOPs per step (6·N·tokens + attention) and per device, and the hardware FLOPs per
     device: each recomputed forward adds 1/3 (remat full; 1f1b, whose backward cell re-runs
@@ -270,11 +288,13 @@ def hbm_bytes(cfg: RunConfig, sizes: dict[str, int]) -> float:
     return reads + 7 * 4 * local_params(cfg, sizes) + acts
 
 
-def step_time(cfg: RunConfig, sizes: dict[str, int], gpu: GPU) -> dict[str, float]:
-    """Roofline step time (seconds): compute, each axis's communication, bubble, two totals, MFU."""
+def step_time(cfg: RunConfig, sizes: dict[str, int], gpu: GPU,
+              links: Links | None = None) -> dict[str, float]:
+    """Roofline step time (seconds): compute, each axis's communication, bubble, two totals, MFU.
+    links: measured {axis: (latency_s, bytes_per_s)}; the datasheet links for the axes it lacks."""
     f = flops(cfg, sizes)
     compute = max(f["hardware_per_device"] / gpu.peak_flops, hbm_bytes(cfg, sizes) / gpu.hbm_bandwidth)
-    comm = {a: v / link_bandwidth(sizes, a) for a, v in communication(cfg, sizes).items()}
+    comm = {a: comm_time(sizes, a, v, links) for a, v in communication(cfg, sizes).items()}
     p, k = sizes["stage"], shape(cfg, sizes).k
     v = cfg.parallel.virtual_stages if cfg.parallel.schedule == "interleaved" else 1
     bubble = (p - 1) / (v * k + p - 1)

@@ -3,6 +3,7 @@
   python -m tools.plan --config llama3-8b --mesh dp=8,tp=8 --gpu h100      (= train.py --dry-run)
   python -m tools.plan --config llama3-8b --mesh dp=8,tp=8 --json
   python -m tools.plan --config llama3-70b --gpus 512 --gpu h100 --global-batch-tokens 4M --search
+  python -m tools.plan --config llama3-8b --mesh dp=8,tp=8 --bandwidth bench/results/collectives-gpu-dp8_tp8.json
 
 Dry run: the model is built abstractly (`training.build.make_program`: no parameter is allocated)
 and the real train step is compiled ahead of time for the mesh's device count (fake CPU
@@ -22,6 +23,11 @@ that schedule's memory (gpipe holds M microbatches, 1f1b at most pp) and bubble.
 Search (--search): tools/search.py ranks every mesh of --gpus analytically, choosing the
 micro batch (or, under a pipeline, the schedule and microbatch count) of each; the top 3 are
 compiled to confirm memory (--confirm N to change; 0 to skip).
+
+Links (--bandwidth FILE, the record `python -m tools.collectives` writes): each mesh axis the
+record measures is timed with its fit, latency + bytes / busbw, the op per axis chosen in
+tools/bandwidth.py; the others keep the datasheet (NVLink 450 GB/s inside a node of 8,
+InfiniBand 50 GB/s across). The output names, per axis, which it used.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import math
 from configs import ConfigError, RunConfig, apply_overrides
 from sharding.mesh import AXES, format_mesh
 from tools import estimate
+from tools.bandwidth import Measured, add_bandwidth_arg, load
 from tools.search import reason, search, settings
 
 GiB = 2**30
@@ -79,10 +86,25 @@ def xla_figures(cfg: RunConfig, mesh) -> dict:
     return {"platform": jax.default_backend(), "memory": mem, "flops_per_device": cost.get("flops"), "census": rows}
 
 
-def plan(cfg: RunConfig, sizes: dict[str, int], gpu: estimate.GPU, xla: dict | None) -> dict:
-    """The whole report: the analytic model, XLA's figures (or None) and the verdict."""
+def links_of(cfg: RunConfig, measured: Measured | None) -> estimate.Links | None:
+    """The measured {axis: (latency_s, bytes_per_s)} for estimate.step_time, or None (datasheet)."""
+    if measured is None:
+        return None
+    return {a: (link.latency_s, link.bytes_per_s) for a, link in measured.links(cfg.parallel.context_impl).items()}
+
+
+def link_sources(cfg: RunConfig, sizes: dict[str, int], axes: list[str], measured: Measured | None) -> dict[str, str]:
+    """{axis: 'measured FILE (...)' or 'datasheet NVLink 450 GB/s'} for each of `axes`."""
+    found = measured.links(cfg.parallel.context_impl) if measured else {}
+    return {a: measured.label(found[a]) if a in found else estimate.datasheet_link(sizes, a) for a in axes}
+
+
+def plan(cfg: RunConfig, sizes: dict[str, int], gpu: estimate.GPU, xla: dict | None,
+         measured: Measured | None = None) -> dict:
+    """The whole report: the analytic model, XLA's figures (or None), the link of each axis
+    (measured when `measured` covers it, else the datasheet) and the verdict."""
     mem = estimate.memory(cfg, sizes)
-    time = estimate.step_time(cfg, sizes, gpu)
+    time = estimate.step_time(cfg, sizes, gpu, links_of(cfg, measured))
     terms = {k: v for k, v in mem.items() if k != "peak"}
     # XLA's memory is a GPU figure when compiled for a GPU, or like with like in fp32 on CPU
     # (XLA CPU keeps a bf16 program's matmuls in fp32 buffers: up to twice a GPU's)
@@ -98,7 +120,7 @@ def plan(cfg: RunConfig, sizes: dict[str, int], gpu: estimate.GPU, xla: dict | N
         verdict += "; lower --set train.micro_batch_size, use --set model.remat=full, or add fsdp/tp/pp"
     return {"config": cfg.name, "mesh": format_mesh(sizes), "devices": math.prod(sizes.values()),
             "gpu": gpu.name, "memory": mem, "communication": estimate.communication(cfg, sizes),
-            "flops": estimate.flops(cfg, sizes), "time": time, "xla": xla, "fits": fits, "verdict": verdict}
+            "links": link_sources(cfg, sizes, list(time["comm_s"]), measured), "flops": estimate.flops(cfg, sizes), "time": time, "xla": xla, "fits": fits, "verdict": verdict}
 
 
 def format_plan(report: dict) -> str:
@@ -125,31 +147,39 @@ def format_plan(report: dict) -> str:
                  f"{(xla or {}).get('flops_per_device') or float('nan'):>12.3e}")
     lines.append(f"  {'  (hardware, with remat)':<28}{f['hardware_per_device']:>12.3e}")
     comm = ", ".join(f"{a} {s * 1e3:.0f} ms" for a, s in t["comm_s"].items()) or "none"
-    lines += [f"\n  compute {t['compute_s'] * 1e3:.0f} ms; communication {comm}; bubble {100 * t['bubble']:.0f}%",
+    lines.append("\n  links: " + ("; ".join(f"{a} {src}" for a, src in report["links"].items()) or "none"))
+    lines += [f"  compute {t['compute_s'] * 1e3:.0f} ms; communication {comm}; bubble {100 * t['bubble']:.0f}%",
               f"  step time {t['no_overlap_s']:.2f} s not overlapped, {t['overlap_s']:.2f} s overlapped; "
               f"MFU {100 * t['mfu_no_overlap']:.1f}% / {100 * t['mfu_overlap']:.1f}%",
               f"\nverdict: {report['verdict']}"]
     return "\n".join(lines)
 
 
-def dry_run(cfg: RunConfig, gpu_name: str, as_json: bool) -> int:
-    """Compile cfg's step on its mesh (fake devices were requested by the caller) and print the plan."""
+def dry_run(cfg: RunConfig, gpu_name: str, as_json: bool, measured: Measured | None = None) -> int:
+    """Compile cfg's step on its mesh (fake devices were requested by the caller) and print the
+    plan, on the measured links where `measured` (tools/bandwidth.py) covers an axis."""
     from sharding.mesh import build_mesh, mesh_config
 
     gpu = gpu_of(gpu_name)
     mesh = build_mesh(cfg.parallel)
     cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
-    report = plan(cfg, dict(mesh.shape), gpu, xla_figures(cfg, mesh))
+    report = plan(cfg, dict(mesh.shape), gpu, xla_figures(cfg, mesh), measured)
     print(json.dumps(report, indent=1, default=str) if as_json else format_plan(report))
     return 0
 
 
-def run_search(cfg: RunConfig, gpus: int, gpu_name: str, confirm: int, as_json: bool) -> int:
-    """Rank the meshes of `gpus` GPUs; compile the top `confirm`, pipelined ones too, to confirm memory."""
+def run_search(cfg: RunConfig, gpus: int, gpu_name: str, confirm: int, as_json: bool,
+               measured: Measured | None = None) -> int:
+    """Rank the meshes of `gpus` GPUs (on the measured links where `measured` covers an axis);
+    compile the top `confirm`, pipelined ones too, to confirm memory."""
     from sharding.mesh import build_mesh
 
     gpu = gpu_of(gpu_name)
-    ranked, rejected = search(cfg, gpus, gpu)
+    ranked, rejected = search(cfg, gpus, gpu, links_of(cfg, measured))
+    found = measured.links(cfg.parallel.context_impl) if measured else {}
+    links = {a: measured.label(link) for a, link in found.items()} | {
+        "other axes" if found else "every axis": f"datasheet NVLink {estimate.NVLINK / 1e9:.0f} GB/s inside a node of {estimate.GPUS_PER_NODE}, "
+                      f"InfiniBand {estimate.INFINIBAND / 1e9:.0f} GB/s across"}
     if not ranked:
         raise ConfigError(f"no mesh of {gpus} GPUs fits {cfg.name} on {gpu.name}: add GPUs or use model.remat=full")
     rows = []
@@ -163,10 +193,11 @@ def run_search(cfg: RunConfig, gpus: int, gpu_name: str, confirm: int, as_json: 
             rows[-1]["xla_memory_gb"] = xla_figures(trial, build_mesh(trial.parallel))["memory"]["peak"] / 1e9
     if as_json:
         print(json.dumps({"config": cfg.name, "gpus": gpus, "gpu": gpu.name, "candidates": len(ranked) + rejected,
-                          "rejected": rejected, "top": rows}, indent=1))
+                          "rejected": rejected, "links": links, "top": rows}, indent=1))
         return 0
     print(f"search: {cfg.name}, {gpus} x {gpu.name}, {cfg.train.global_batch_size} x {cfg.train.seq_len} tokens "
-          f"per step; {len(ranked) + rejected} meshes, {rejected} do not fit")
+          f"per step; {len(ranked) + rejected} meshes, {rejected} do not fit\nlinks: "
+          + "; ".join(f"{a} {src}" for a, src in links.items()))
     for i, r in enumerate(rows, 1):
         confirmed = f", XLA {r['xla_memory_gb']:.0f} GB" if "xla_memory_gb" in r else ""
         print(f"{i}. {r['mesh']:<24} {r['step_s_overlap']:.2f} s/step overlapped ({r['step_s_no_overlap']:.2f} s "
@@ -186,16 +217,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("--search", action="store_true", help="rank the meshes of --gpus instead of planning --mesh")
     p.add_argument("--confirm", type=int, default=3, help="with --search: compile this many of the top meshes")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    add_bandwidth_arg(p)
     args = p.parse_args(argv)
     cfg = with_batch_tokens(run_config(args), args.global_batch_tokens and parse_tokens(args.global_batch_tokens))
+    measured = load(args.bandwidth) if args.bandwidth else None
     if args.search:
         if not args.gpus or args.gpus < 1:
             raise ConfigError("--search needs --gpus N, the GPU count to plan for")
         request_fake_devices(dataclasses.replace(cfg, parallel=dataclasses.replace(
             cfg.parallel, **dict(zip(AXES, (1, args.gpus, 1, 1, 1))))))
-        return run_search(cfg, args.gpus, args.gpu, args.confirm, args.json)
+        return run_search(cfg, args.gpus, args.gpu, args.confirm, args.json, measured)
     request_fake_devices(cfg)
-    return dry_run(cfg, args.gpu, args.json)
+    return dry_run(cfg, args.gpu, args.json, measured)
+
 
 
 if __name__ == "__main__":

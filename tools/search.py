@@ -19,7 +19,7 @@ import itertools
 from configs.base import ConfigError, RunConfig
 from sharding.checks import check_run
 from sharding.mesh import AXES
-from tools.estimate import GPU, GPUS_PER_NODE, memory, shape, step_time
+from tools.estimate import GPU, GPUS_PER_NODE, Links, memory, shape, step_time
 
 
 def divisors(n: int) -> list[int]:
@@ -54,12 +54,12 @@ def meshes(cfg: RunConfig, gpus: int) -> list[dict[str, int]]:
     return found
 
 
-def fit(cfg: RunConfig, sizes: dict[str, int], gpu: GPU) -> RunConfig | None:
+def fit(cfg: RunConfig, sizes: dict[str, int], gpu: GPU, links: Links | None = None) -> RunConfig | None:
     """cfg with the largest micro_batch_size that fits `gpu`'s memory on `sizes`, or None; under
     a pipeline, the fastest fitting schedule and microbatch count (`fit_pipeline`)."""
     per_rank = cfg.train.global_batch_size // (sizes["data"] * sizes["fsdp"])
     if sizes["stage"] > 1:
-        return fit_pipeline(cfg, sizes, gpu, per_rank)
+        return fit_pipeline(cfg, sizes, gpu, per_rank, links)
     for micro in sorted(divisors(per_rank), reverse=True):
         trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=micro))
         if memory(trial, sizes)["peak"] <= gpu.memory:
@@ -67,7 +67,8 @@ def fit(cfg: RunConfig, sizes: dict[str, int], gpu: GPU) -> RunConfig | None:
     return None
 
 
-def fit_pipeline(cfg: RunConfig, sizes: dict[str, int], gpu: GPU, per_rank: int) -> RunConfig | None:
+def fit_pipeline(cfg: RunConfig, sizes: dict[str, int], gpu: GPU, per_rank: int,
+                 links: Links | None = None) -> RunConfig | None:
     """1f1b with the microbatch count M (>= pp, dividing the rank's batch) of the shortest
     fitting step: more microbatches shrink the bubble and the stash. 1f1b because its memory
     estimate holds against XLA (0.8-1.3x on CPU, tiny and 125m, pp=2 and 4) while gpipe's is
@@ -80,7 +81,7 @@ def fit_pipeline(cfg: RunConfig, sizes: dict[str, int], gpu: GPU, per_rank: int)
         trial = pipelined(cfg, sizes, m)
         if memory(trial, sizes)["peak"] > gpu.memory:
             continue
-        seconds = step_time(trial, sizes, gpu)["overlap_s"]
+        seconds = step_time(trial, sizes, gpu, links)["overlap_s"]
         if best is None or seconds < best[0]:
             best = (seconds, trial)
     return best[1] if best else None
@@ -96,17 +97,17 @@ def pipelined(cfg: RunConfig, sizes: dict[str, int], microbatches: int) -> RunCo
                                      tp_overlap=False, context_impl=context))
 
 
-def search(cfg: RunConfig, gpus: int, gpu: GPU) -> tuple[list[dict], int]:
+def search(cfg: RunConfig, gpus: int, gpu: GPU, links: Links | None = None) -> tuple[list[dict], int]:
     """(ranked candidates, number rejected for memory). A candidate: sizes, cfg (with its
-    microbatch), memory terms and step time (tools.estimate.step_time)."""
+    microbatch), memory terms and step time (tools.estimate.step_time, on `links` where measured)."""
     ranked, rejected = [], 0
     for sizes in meshes(cfg, gpus):
-        trial = fit(cfg, sizes, gpu)
+        trial = fit(cfg, sizes, gpu, links)
         if trial is None:
             rejected += 1
             continue
         ranked.append({"sizes": sizes, "cfg": trial, "memory": memory(trial, sizes),
-                       "time": step_time(trial, sizes, gpu)})
+                       "time": step_time(trial, sizes, gpu, links)})
     ranked.sort(key=lambda c: (c["time"]["overlap_s"], c["time"]["no_overlap_s"]))
     return ranked, rejected
 
