@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import run_module
+from conftest import ROOT, run_module
 from sharding.mesh import build_mesh, parse_mesh
 from tools import collectives
 from tools.collectives import OPS, Row, bandwidths, fit_model, message_count, parse_sizes, summarize
@@ -124,3 +124,38 @@ def test_bad_input_is_one_error_line(args, message):
     out = run_module("tools.collectives", "--mesh", "dp=2,tp=4", *args, "--check", fake_devices=False)
     assert out.returncode == 2
     assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
+
+
+def test_two_processes_run_the_sweep_and_agree_with_one(tmp_path):
+    """2 processes x 4 fake CPU devices (gloo, 127.0.0.1) run a small sweep on dp=2,tp=4; process
+    0 alone writes the record, whose table (op, axes, group, size, count) is the one-process
+    run's. Timings differ (a network of processes instead of one address space) and are not
+    compared."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    sweep = ["--mesh", "dp=2,tp=4", "--sizes", "1K:4K", "--ops", "all-reduce,all-gather,permute", "--iters", "2"]
+    one = run_module("tools.collectives", *sweep, "--out", str(tmp_path / "one.json"))
+    assert one.returncode == 0, one.stderr
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "tools.collectives", *sweep, "--out", str(tmp_path / "two.json"),
+         "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)],
+        cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "busbw" in outs[0] and "busbw" not in outs[1]  # process 0 prints the tables
+
+    def table(path):
+        rows = json.loads(path.read_text())["rows"]
+        return sorted((r["op"], r["axes"], r["group"], r["size"], r["count"]) for r in rows)
+
+    assert table(tmp_path / "two.json") == table(tmp_path / "one.json") != []
