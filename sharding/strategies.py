@@ -49,7 +49,8 @@ class Strategies:
         return cls(attention=m.attention, remat=m.remat)
 
     def describe(self) -> str:
-        """One line for the log, e.g. 'tensor shard_map+sp, attention xla, remat full, pipeline 1f1b'."""
+        """One line for the log, e.g. 'tensor shard_map+sp, context ring, attention xla, remat full,
+        pipeline 1f1b'."""
         t = self.tensor
         tensor = "+".join([t.impl] + ["sp"] * t.sequence_parallel + ["overlap"] * t.overlap)
         return (f"tensor {tensor}, context {self.context or 'none'}, attention {self.attention}, remat {self.remat}, "
