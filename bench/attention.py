@@ -22,9 +22,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.common import RESULTS, environment, error_text, median_seconds, run_record, write_report
+from bench.common import error_text
 from cli import run_cli
 from configs import ConfigError
+from tools.measure import RESULTS, environment, median_seconds, run_record, write_report
 
 CORES = ("pallas", "cudnn", "xla")
 

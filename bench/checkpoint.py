@@ -26,9 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import bench_mesh, default_out, report_head, timed, write_report
+from bench.common import bench_mesh, default_out, report_head
 from configs import ConfigError, RunConfig
 from cli import add_run_args, request_fake_devices, run_cli, run_config
+from tools.measure import timed, write_report
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -1,9 +1,9 @@
 """What every benchmark shares: the record's head, its file under bench/results/, the mesh, timing.
 
 The record's command, machine and versions, its JSON file and the timing are tools/measure.py's
-(below tools/ in the layers, so that tools.collectives writes the same record); the benches
-import them from here. Here: for benches of a train step, the head with the mesh and the
-resolved config (`report_head`), the record's default file, the mesh with its fake-device line.
+(below tools/ in the layers, so that tools.collectives writes the same record). Here: for
+benches of a train step, the head with the mesh and the resolved config (`report_head`), the
+record's default file, the mesh with its fake-device line.
 
 No jax at import: the benches set XLA_FLAGS (cli.request_fake_devices) before jax starts.
 """
@@ -16,13 +16,11 @@ from typing import TYPE_CHECKING
 
 from configs import RunConfig
 from sharding.mesh import format_mesh
-from tools.measure import RESULTS, environment, median_seconds, run_record, timed, write_report
+from tools.measure import RESULTS, environment, run_record
 
 if TYPE_CHECKING:
     import jax
 
-__all__ = ["RESULTS", "bench_mesh", "default_out", "environment", "error_text", "median_seconds", "report_head",
-           "run_record", "timed", "write_report"]
 
 
 def report_head(module: str, argv: list[str], cfg: RunConfig, mesh: jax.sharding.Mesh, mesh_text: str) -> dict:

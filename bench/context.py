@@ -34,11 +34,12 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.common import RESULTS, report_head, timed, write_report
+from bench.common import report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, get_preset
 from sharding.mesh import AXES, parse_mesh
 from tools.estimate import communication, context
+from tools.measure import RESULTS, timed, write_report
 
 if TYPE_CHECKING:
     import jax

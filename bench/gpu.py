@@ -53,10 +53,11 @@ import traceback
 from collections import defaultdict
 from pathlib import Path
 
-from bench.common import RESULTS, environment, error_text, median_seconds, run_record, write_report
+from bench.common import error_text
 from cli import run_cli
 from configs import ConfigError
 from sharding.xla_flags import with_flags
+from tools.measure import RESULTS, environment, median_seconds, run_record, write_report
 from tools.oom import is_out_of_memory
 
 STAGES = ("environment", "ceilings", "correctness", "attention", "training", "profile")

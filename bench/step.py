@@ -29,9 +29,10 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.common import bench_mesh, default_out, report_head, timed, write_report
+from bench.common import bench_mesh, default_out, report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides
+from tools.measure import timed, write_report
 
 if TYPE_CHECKING:
     import jax

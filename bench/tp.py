@@ -22,9 +22,10 @@ import dataclasses
 import statistics
 from pathlib import Path
 
-from bench.common import RESULTS, report_head, timed, write_report
+from bench.common import report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides
+from tools.measure import RESULTS, timed, write_report
 
 VARIANTS = {
     "gspmd": ["parallel.tp_impl=gspmd"],

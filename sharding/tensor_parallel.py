@@ -77,10 +77,10 @@ from sharding.rules import axis_size, logical_to_spec
 
 IMPLS = ("shard_map", "gspmd")
 AXIS = "tensor"
-# Under SP the batch axes are manual too: XLA cannot partition an all-gather or reduce-scatter
-# over `tensor` whose operand is split on an automatic axis (it all-gathers the batch first).
+# Under SP (and context parallelism) the batch axes are manual too: XLA cannot partition an
+# all-gather or reduce-scatter over a manual axis whose operand is split on an automatic one
+# (it all-gathers the batch first).
 BATCH_AXES = ("data", "fsdp")
-SP_MANUAL = (*BATCH_AXES, AXIS)
 Weights = dict[str, tuple[jax.Array, Sequence[str | None]]]
 
 
@@ -191,8 +191,7 @@ class TensorParallel:
     def manual_axes(self) -> tuple[str, ...]:
         """The mesh axes the regions are manual over: tensor where it is explicit (shard_map,
         tp > 1); under sequence parallelism or context parallelism the batch axes too (see
-        SP_MANUAL: an all-gather over an axis of a batch split on an automatic one would gather
-        the batch), and `sequence` under context parallelism."""
+        BATCH_AXES), and `sequence` under context parallelism."""
         tensor = self.impl == "shard_map" and axis_size(AXIS) > 1
         context = self.context and axis_size(CONTEXT_AXIS) > 1
         manual = (AXIS,) if tensor else ()

@@ -191,8 +191,8 @@ def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * 4
     # context parallel with the xla core: one block piece's fp32 scores, probs and their
     # gradient [b, N/t, L/sp, L/sp] at a time (a flash core tiles them away)
-    context = sizes["sequence"] > 1 and cfg.parallel.context_impl != "gspmd" and m.attention == "xla"
-    piece = 3 * s.b * m.n_heads / sizes["tensor"] * (cfg.train.seq_len / sizes["sequence"]) ** 2 * 4 * context
+    blockwise_xla = sizes["sequence"] > 1 and cfg.parallel.context_impl != "gspmd" and m.attention == "xla"
+    piece = 3 * s.b * m.n_heads / sizes["tensor"] * (cfg.train.seq_len / sizes["sequence"]) ** 2 * 4 * blockwise_xla
     terms = {
         "params": p_local * param_b,
         "optimizer": 2 * p_local * param_b,
