@@ -35,6 +35,16 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
     remat: str = "none"  # none | full | dots | attn (model/remat.py POLICIES)
+    # Mixture of experts (model/moe.py); n_experts = 0 is a dense model.
+    n_experts: int = 0  # E routed experts per MoE layer
+    experts_per_token: int = 2  # k (top-k routing)
+    moe_every: int = 1  # every k-th layer is MoE (the last of each group of k), the rest dense
+    n_shared_experts: int = 0  # experts every token passes through (a dense SwiGLU of n·expert_d_ff)
+    expert_d_ff: int = 0  # F of one expert; 0 = d_ff
+    moe_dispatch: str = "dropless"  # dropless | capacity (each expert takes cf·tokens·k/E per device)
+    capacity_factor: float = 1.25  # cf, for moe_dispatch=capacity
+    router_aux_loss: float = 0.01  # weight of the load-balancing loss (Switch form)
+    router_z_loss: float = 0.001  # weight of the router z-loss (logsumexp of router logits, squared)
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,10 @@ class ParallelConfig:
     between blocks along L over `tensor`; `tp_overlap` turns SP's all-gather/reduce-scatter into
     rings of collective-permutes overlapped with the matmul chunks.
 
+    Expert parallelism (sharding/expert_parallel.py, with expert > 1): the experts of each MoE
+    layer split over `expert`, tokens sent to them and back with all-to-alls; every other
+    parameter treats `expert` as one more data axis.
+
     Context parallelism (sharding/context_parallel.py, with sequence > 1): `context_impl` ring
     passes K/V blocks around the sequence axis, allgather gathers them once per layer, gspmd
     leaves attention over a split L to XLA (which all-gathers K and V).
@@ -101,6 +115,7 @@ class ParallelConfig:
     stage: int = 1
     data: int = -1
     fsdp: int = 1
+    expert: int = 1
     sequence: int = 1
     tensor: int = 1
     tp_impl: str = "shard_map"  # shard_map | gspmd

@@ -36,12 +36,14 @@ DTYPES = ("float32", "bfloat16", "float16")  # float8 has no matmul path here; f
 # The named choices; the modules that consume them hold the same tuples (tests/test_config.py
 # checks that they agree): model.attention.CORES, model.remat.POLICIES,
 # sharding.tensor_parallel.IMPLS, pipeline.schedule.SCHEDULES, training/data.py,
-# sharding.context_parallel.IMPLS (+ gspmd).
+# sharding.context_parallel.IMPLS (+ gspmd),
+# model.moe.DISPATCH.
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.attention": ("xla", "cudnn", "pallas"),
     "model.param_dtype": DTYPES,
     "model.compute_dtype": DTYPES,
     "model.remat": ("none", "full", "dots", "attn"),
+    "model.moe_dispatch": ("dropless", "capacity"),
     "data.source": ("stdlib", "text", "tokens", "synthetic"),
     "data.token_dtype": ("uint16", "uint32"),
     "parallel.tp_impl": ("shard_map", "gspmd"),
@@ -60,6 +62,14 @@ RULES: dict[str, Rule] = {
     "model.rope_theta": POSITIVE,
     "model.norm_eps": POSITIVE,  # 0 divides by zero on an all-zero row
     "model.init_std": POSITIVE,
+    "model.n_experts": at_least(0),
+    "model.experts_per_token": at_least(1),
+    "model.moe_every": at_least(1),
+    "model.n_shared_experts": at_least(0),
+    "model.expert_d_ff": at_least(0),
+    "model.capacity_factor": POSITIVE,
+    "model.router_aux_loss": at_least(0),
+    "model.router_z_loss": at_least(0),
     "train.steps": at_least(1),
     "train.seq_len": at_least(1),
     "train.global_batch_size": at_least(1),
@@ -82,6 +92,7 @@ RULES: dict[str, Rule] = {
     "parallel.stage": AXIS,
     "parallel.data": AXIS,
     "parallel.fsdp": AXIS,
+    "parallel.expert": AXIS,
     "parallel.sequence": AXIS,
     "parallel.tensor": AXIS,
     "parallel.microbatches": at_least(0),
@@ -90,6 +101,8 @@ RULES: dict[str, Rule] = {
 
 # What 0 means where 0 is allowed, said with the rule.
 NOTES = {
+    "model.n_experts": "0 = a dense model",
+    "model.expert_d_ff": "0 = model.d_ff",
     "train.micro_batch_size": "0 = no accumulation",
     "train.grad_clip": "0 disables clipping",
     "train.checkpoint_every": "0 = no checkpoints",
@@ -99,7 +112,7 @@ NOTES = {
 FREE = {"name", "data.path", "train.profile_steps"}
 # Keys with a flag of their own: the message names the flag.
 FLAGS = {"train.steps": "--steps", "train.profile_steps": "--profile-steps"}
-MESH_AXES = ("stage", "data", "fsdp", "sequence", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
 
 
 def parse_window(text: str) -> tuple[int, int] | None:

@@ -17,6 +17,8 @@ Rules, by what they protect:
   context      sp > 1 with context_impl ring|allgather: 2·sp divides L (zigzag), and sp·tp under
                sequence parallelism; not the cudnn core; the ring not under 1f1b; sequence
                parallelism with sp > 1 only with ring|allgather
+  experts      ep > 1 only with n_experts; ep divides E; top-k at most E; moe_every divides
+               the layers; tp divides the expert (and shared expert) F; no pipeline yet
   fsdp         fsdp divides D (weights are split on `embed`)
   pipeline     pp·V divides the layers; at least pp microbatches, a multiple of pp when
                interleaved; virtual stages only with interleaved; no train.micro_batch_size
@@ -36,6 +38,7 @@ def check_run(cfg: RunConfig, sizes: dict[str, int]) -> None:
     check_batch(cfg, sizes)
     check_tensor(cfg, sizes)
     check_context(cfg, sizes)
+    check_experts(cfg, sizes)
     check_pipeline(cfg, sizes)
 
 
@@ -46,6 +49,11 @@ def check_model(m: ModelConfig) -> None:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (rotary embedding pairs)")
 
 
+def batch_ranks(sizes: dict[str, int]) -> int:
+    """The devices the batch is split over: dp·fsdp·ep (`expert` is a data axis to the batch)."""
+    return sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1)
+
+
 def microbatches(cfg: RunConfig, p: int) -> int:
     """M under a pipeline of p stages: `parallel.microbatches`, or p when it is 0."""
     return cfg.parallel.microbatches or p
@@ -53,10 +61,10 @@ def microbatches(cfg: RunConfig, p: int) -> int:
 
 def check_batch(cfg: RunConfig, sizes: dict[str, int]) -> None:
     t = cfg.train
-    ranks = sizes["data"] * sizes["fsdp"]
+    ranks = batch_ranks(sizes)
     if t.global_batch_size % ranks:
         raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by dp*fsdp={ranks}: "
+            f"train.global_batch_size={t.global_batch_size} is not divisible by dp*fsdp*ep={ranks}: "
             "change the batch size or the --mesh"
         )
     per_rank = t.global_batch_size // ranks
@@ -65,12 +73,12 @@ def check_batch(cfg: RunConfig, sizes: dict[str, int]) -> None:
         if per_rank % m:
             raise ConfigError(
                 f"parallel.microbatches={m} does not divide the {per_rank} sequences per "
-                f"data-parallel rank (global_batch_size {t.global_batch_size} / dp*fsdp {ranks})"
+                f"data-parallel rank (global_batch_size {t.global_batch_size} / dp*fsdp*ep {ranks})"
             )
     elif per_rank % (t.micro_batch_size or per_rank):
         raise ConfigError(
             f"train.micro_batch_size={t.micro_batch_size} does not divide the {per_rank} sequences per "
-            f"data-parallel rank (global_batch_size {t.global_batch_size} / dp*fsdp {ranks})"
+            f"data-parallel rank (global_batch_size {t.global_batch_size} / dp*fsdp*ep {ranks})"
         )
     if t.seq_len % sizes["sequence"]:
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by sp={sizes['sequence']}")
@@ -103,6 +111,46 @@ def check_context(cfg: RunConfig, sizes: dict[str, int]) -> None:
             "parallel.context_impl=ring with parallel.schedule=1f1b: 1f1b runs a different cell on each "
             "stage in the same tick, and the ring's collective-permutes inside those cells would not meet "
             "(XLA CPU deadlocks); use parallel.context_impl=allgather, or schedule gpipe or interleaved"
+        )
+
+
+def expert_d_ff(m: ModelConfig) -> int:
+    """F of one routed expert: model.expert_d_ff, or d_ff when it is 0."""
+    return m.expert_d_ff or m.d_ff
+
+
+def check_experts(cfg: RunConfig, sizes: dict[str, int]) -> None:
+    """The MoE layers (model/moe.py) and the expert axis (sharding/expert_parallel.py)."""
+    m, ep, tp = cfg.model, sizes.get("expert", 1), sizes["tensor"]
+    if not m.n_experts:
+        if ep > 1:
+            raise ConfigError(
+                f"--mesh ep={ep} with model.n_experts=0: the expert axis splits the experts of MoE "
+                "layers, and this model has none; set model.n_experts (e.g. --config moe-tiny) or drop ep"
+            )
+        return
+    if m.n_experts % ep:
+        raise ConfigError(
+            f"model.n_experts={m.n_experts} is not divisible by ep={ep}: each device of the expert "
+            "axis holds n_experts/ep experts; change the --mesh or model.n_experts"
+        )
+    if m.experts_per_token > m.n_experts:
+        raise ConfigError(
+            f"model.experts_per_token={m.experts_per_token} is more than model.n_experts={m.n_experts}: "
+            "each token picks k distinct experts; use k <= n_experts"
+        )
+    if m.n_layers % m.moe_every:
+        raise ConfigError(
+            f"model.n_layers={m.n_layers} is not divisible by model.moe_every={m.moe_every}: "
+            "the layers run in groups of moe_every (the last of each MoE); change either"
+        )
+    for field, f in (("expert_d_ff", expert_d_ff(m)), ("n_shared_experts*expert_d_ff", m.n_shared_experts * expert_d_ff(m))):
+        if f % tp:
+            raise ConfigError(f"model.{field}={f} is not divisible by tp={tp}: the experts' F is split over tensor")
+    if sizes["stage"] > 1:
+        raise ConfigError(
+            f"model.n_experts={m.n_experts} with pp={sizes['stage']}: MoE layers do not run in a "
+            "pipeline yet (their router statistics would need to travel the stages); drop pp"
         )
 
 

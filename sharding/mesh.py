@@ -1,6 +1,6 @@
 """The device mesh: parse `--mesh`, resolve it against the device count, build it.
 
-Axes, outermost first: (stage, data, fsdp, sequence, tensor). `tensor` and `sequence` are
+Axes, outermost first: (stage, data, fsdp, expert, sequence, tensor). `tensor` and `sequence` are
 innermost so that their per-layer collectives stay on the fast intra-node links (NVLink);
 `data`, `fsdp` and `stage` may cross nodes (InfiniBand). With several processes the mesh is
 built hybrid: each axis is split into a node-local (ICI) factor, filled innermost first, and a
@@ -17,8 +17,8 @@ import math
 
 from configs.base import ConfigError, ParallelConfig
 
-AXES = ("stage", "data", "fsdp", "sequence", "tensor")
-ALIASES = {"pp": "stage", "dp": "data", "sp": "sequence", "tp": "tensor"}
+AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
+ALIASES = {"pp": "stage", "dp": "data", "ep": "expert", "sp": "sequence", "tp": "tensor"}
 SHORT = {v: k for k, v in ALIASES.items()} | {"fsdp": "fsdp"}
 
 
@@ -30,7 +30,7 @@ def parse_mesh(spec: str, base: ParallelConfig = ParallelConfig()) -> ParallelCo
         axis = ALIASES.get(name.strip(), name.strip())
         if not sep or axis not in AXES:
             raise ConfigError(
-                f"--mesh {spec!r}: {part!r} is not axis=size; axes are pp dp fsdp sp tp "
+                f"--mesh {spec!r}: {part!r} is not axis=size; axes are pp dp fsdp ep sp tp "
                 f"(or {' '.join(AXES)}), e.g. --mesh dp=2,tp=4"
             )
         if axis in sizes:
@@ -106,7 +106,7 @@ def split_hybrid(sizes: dict[str, int], local_devices: int) -> tuple[list[int], 
 
 
 def build_mesh(parallel: ParallelConfig, devices=None):
-    """The 5-axis jax Mesh with Auto axis types (GSPMD propagates what we do not pin)."""
+    """The 6-axis jax Mesh with Auto axis types (GSPMD propagates what we do not pin)."""
     import jax
     from jax.experimental import mesh_utils
 

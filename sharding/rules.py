@@ -3,9 +3,13 @@
 Model code names dimensions only logically (DESIGN.md's vocabulary); this table decides where
 each lands on the mesh. A parallelism strategy is a change of this table, not of the model:
 
-  batch -> (data, fsdp)   DP and FSDP split the batch; FSDP also splits weights on `embed`,
-                          so XLA all-gathers each layer's weights before use (fwd and bwd)
-                          and reduce-scatters its gradients: 3P(N-1)/N per step per device.
+  batch -> (data, fsdp, expert)  DP and FSDP split the batch; FSDP also splits weights on
+                          `embed`, so XLA all-gathers each layer's weights before use (fwd and
+                          bwd) and reduce-scatters its gradients: 3P(N-1)/N per step per device.
+                          `expert` splits the batch too: to every parameter but the experts'
+                          it is one more data axis (gradients reduced over it).
+  experts -> expert       E of the MoE layers' expert weights [E, D, F]: each device of the
+                          expert axis holds E/ep experts (sharding/expert_parallel.py).
   embed -> fsdp           ZeRO-3: parameters, gradients and optimizer state all 1/N per device.
   heads, kv_heads, mlp, vocab -> tensor
                           Megatron-style TP through GSPMD: column/row-parallel matmuls, XLA
@@ -34,7 +38,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from configs.base import ConfigError
 
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
+    "experts": ("expert",),
     "length": ("sequence",),
     "sp_length": ("sequence", "tensor"),
     "embed": ("fsdp",),
@@ -56,6 +61,7 @@ FIELD = {
     "batch": "train.global_batch_size", "length": "train.seq_len", "sp_length": "train.seq_len",
     "embed": "model.d_model",
     "heads": "model.n_heads", "mlp": "model.d_ff", "vocab": "model.vocab_size",
+    "experts": "model.n_experts",
 }
 
 
@@ -93,7 +99,7 @@ def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
 
 
 def data_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
-    """Token batches [..., B, L]: B over (data, fsdp), L over sequence; leading dims replicated."""
+    """Token batches [..., B, L]: B over (data, fsdp, expert), L over sequence; leading dims replicated."""
     names = (None,) * (len(shape) - 2) + ("batch", "length")
     return NamedSharding(mesh, logical_to_spec(names, shape, mesh))
 

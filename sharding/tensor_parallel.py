@@ -80,7 +80,7 @@ AXIS = "tensor"
 # Under SP (and context parallelism) the batch axes are manual too: XLA cannot partition an
 # all-gather or reduce-scatter over a manual axis whose operand is split on an automatic one
 # (it all-gathers the batch first).
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "fsdp", "expert")
 Weights = dict[str, tuple[jax.Array, Sequence[str | None]]]
 
 

@@ -28,7 +28,7 @@ def test_batch_layout(mesh, sets, layout):
 @pytest.mark.parametrize(
     "mesh, sets, message",
     [
-        ("dp=8", ["train.global_batch_size=12"], "train.global_batch_size=12 is not divisible by dp*fsdp=8"),
+        ("dp=8", ["train.global_batch_size=12"], "train.global_batch_size=12 is not divisible by dp*fsdp*ep=8"),
         ("dp=2,fsdp=2,tp=2", ["train.micro_batch_size=3"], "train.micro_batch_size=3 does not divide"),
         ("fsdp=4,sp=2", ["train.seq_len=33"], "train.seq_len=33 is not divisible by sp=2"),
     ],

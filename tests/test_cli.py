@@ -29,7 +29,7 @@ def test_mesh_dp8_tp8_on_fake_devices(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "running mesh dp=8,tp=8 on 64 fake host devices" in out.stdout
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["parallel"] == {"stage": 1, "data": 8, "fsdp": 1, "sequence": 1, "tensor": 8,
+    assert config["parallel"] == {"stage": 1, "data": 8, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 8,
                                   "tp_impl": "shard_map", "sequence_parallel": False, "tp_overlap": False,
                                   "context_impl": "ring", "schedule": "gpipe", "microbatches": 0, "virtual_stages": 1}
     assert config["model"]["d_model"] == 64 and config["train"]["steps"] == 3
@@ -54,9 +54,9 @@ def test_log_lines_and_profile_window(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--mesh", "dp=2,xp=4"], "axes are pp dp fsdp sp tp"),
+        (["--mesh", "dp=2,xp=4"], "axes are pp dp fsdp ep sp tp"),
         (["--set", "model.n_layer=2"], "did you mean model.n_layers"),
-        (["--mesh", "dp=3"], "train.global_batch_size=16 is not divisible by dp*fsdp=3"),
+        (["--mesh", "dp=3"], "train.global_batch_size=16 is not divisible by dp*fsdp*ep=3"),
         (["--set", "data.source=text", "--set", "data.path=/no/such/dir"], "data.path"),
         (["--mesh", "dp=2", "--set", "parallel.sequence_parallel=true"], "add tp=2 or more to --mesh"),
         # Value rules (configs/checks.py), refused before jax is imported.

@@ -275,7 +275,7 @@ def test_step_census_holds_the_context_contract(impl):
     else:
         assert forward == {"all-gather": 2} and backward == {"all-gather": 2, "reduce-scatter": 2}
         assert {c.elements for c in kv} == {sp * e}
-    sizes = {"stage": 1, "data": 2, "fsdp": 1, "sequence": sp, "tensor": 1}
+    sizes = {"stage": 1, "data": 2, "fsdp": 1, "expert": 1, "sequence": sp, "tensor": 1}
     assert sum(c.bytes_per_step for c in kv) == pytest.approx(estimate.context(cfg, sizes), rel=0.02)
 
 

@@ -29,13 +29,14 @@ def sizes_of(cfg: ParallelConfig) -> tuple[int, ...]:
 @pytest.mark.parametrize(
     "spec, expected",
     [
-        ("dp=8,tp=8", (1, 8, 1, 1, 8)),
-        ("data=2,tensor=4", (1, 2, 1, 1, 4)),
-        ("pp=2,fsdp=2,sp=2", (2, 1, 2, 2, 1)),
-        ("stage=2,data=3,fsdp=5,sequence=7,tensor=11", (2, 3, 5, 7, 11)),
-        ("tp=2, dp=4", (1, 4, 1, 1, 2)),  # spaces and any order
-        ("dp=-1,tp=2", (1, -1, 1, 1, 2)),
-        ("", (1, 1, 1, 1, 1)),
+        ("dp=8,tp=8", (1, 8, 1, 1, 1, 8)),
+        ("data=2,tensor=4", (1, 2, 1, 1, 1, 4)),
+        ("pp=2,fsdp=2,sp=2", (2, 1, 2, 1, 2, 1)),
+        ("stage=2,data=3,fsdp=5,expert=13,sequence=7,tensor=11", (2, 3, 5, 13, 7, 11)),
+        ("dp=2,ep=4", (1, 2, 1, 4, 1, 1)),
+        ("tp=2, dp=4", (1, 4, 1, 1, 1, 2)),  # spaces and any order
+        ("dp=-1,tp=2", (1, -1, 1, 1, 1, 2)),
+        ("", (1, 1, 1, 1, 1, 1)),
     ],
 )
 def test_parse_mesh(spec, expected):
@@ -56,7 +57,7 @@ def test_parse_mesh_keeps_the_tensor_parallel_flags():
 
 
 def test_default_mesh_is_data_parallel_over_every_device():
-    assert resolve_shape(ParallelConfig(), 8) == {"stage": 1, "data": 8, "fsdp": 1, "sequence": 1, "tensor": 1}
+    assert resolve_shape(ParallelConfig(), 8) == {"stage": 1, "data": 8, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
     assert resolve_shape(ParallelConfig(), 1)["data"] == 1
 
 
@@ -93,7 +94,7 @@ def test_parse_mesh_axis_twice(spec):
 def test_resolve_shape_exact():
     shape = resolve_shape(parse_mesh("dp=2,fsdp=2,tp=2"), 8)
     assert list(shape) == list(AXES)
-    assert shape == {"stage": 1, "data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}
+    assert shape == {"stage": 1, "data": 2, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 2}
 
 
 @pytest.mark.parametrize(
@@ -147,10 +148,10 @@ def test_requested_devices(spec, n):
 @pytest.mark.parametrize(
     "shape, text",
     [
-        ({"stage": 1, "data": 8, "fsdp": 1, "sequence": 1, "tensor": 8}, "dp=8,tp=8"),
-        ({"stage": 2, "data": 1, "fsdp": 2, "sequence": 2, "tensor": 1}, "pp=2,fsdp=2,sp=2"),
-        ({"stage": 1, "data": 1, "fsdp": 1, "sequence": 1, "tensor": 1}, "single device"),
-        ({"stage": 1, "data": -1, "fsdp": 1, "sequence": 1, "tensor": 2}, "dp=-1,tp=2"),
+        ({"stage": 1, "data": 8, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 8}, "dp=8,tp=8"),
+        ({"stage": 2, "data": 1, "fsdp": 2, "expert": 1, "sequence": 2, "tensor": 1}, "pp=2,fsdp=2,sp=2"),
+        ({"stage": 1, "data": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}, "single device"),
+        ({"stage": 1, "data": -1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 2}, "dp=-1,tp=2"),
     ],
 )
 def test_format_mesh(shape, text):
@@ -173,8 +174,8 @@ def _shape(spec: str) -> dict[str, int]:
 
 def test_split_hybrid_data_tensor():
     ici, dcn = split_hybrid(_shape("data=2,tensor=4"), 4)
-    assert ici == [1, 1, 1, 1, 4]
-    assert dcn == [1, 2, 1, 1, 1]
+    assert ici == [1, 1, 1, 1, 1, 4]
+    assert dcn == [1, 2, 1, 1, 1, 1]
 
 
 def test_split_hybrid_data_fsdp_tensor():
@@ -183,8 +184,8 @@ def test_split_hybrid_data_fsdp_tensor():
     assert math.prod(ici) == 8
     assert [i * d for i, d in zip(ici, dcn)] == list(sizes.values())
     assert ici[-1] == 2 and dcn[-1] == 1  # tensor wholly local
-    assert ici == [1, 2, 2, 1, 2]
-    assert dcn == [1, 2, 1, 1, 1]
+    assert ici == [1, 2, 2, 1, 1, 2]
+    assert dcn == [1, 2, 1, 1, 1, 1]
 
 
 @pytest.mark.parametrize(
@@ -195,6 +196,7 @@ def test_split_hybrid_data_fsdp_tensor():
         ("dp=16", 8),
         ("pp=2,fsdp=4,tp=2", 4),
         ("dp=2,sp=2,tp=2", 8),
+        ("dp=4,ep=4,tp=2", 8),
         ("dp=4", 1),
     ],
 )
@@ -214,8 +216,8 @@ def test_split_hybrid_products(spec, local):
 
 def test_split_hybrid_sequence_local_before_data():
     ici, dcn = split_hybrid(_shape("dp=4,sp=2,tp=2"), 4)
-    assert ici == [1, 1, 1, 2, 2]
-    assert dcn == [1, 4, 1, 1, 1]
+    assert ici == [1, 1, 1, 1, 2, 2]
+    assert dcn == [1, 4, 1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("spec, local", [("dp=1,tp=8", 4), ("tp=16", 8), ("dp=2,tp=6", 4)])
@@ -240,9 +242,9 @@ def test_build_mesh_dp_fsdp_tp():
 
     assert jax.device_count() == 8, "tests need XLA_FLAGS=--xla_force_host_platform_device_count=8"
     mesh = build_mesh(parse_mesh("dp=2,fsdp=2,tp=2"))
-    assert mesh.axis_names == ("stage", "data", "fsdp", "sequence", "tensor")
-    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}
-    assert mesh.devices.shape == (1, 2, 2, 1, 2)
+    assert mesh.axis_names == ("stage", "data", "fsdp", "expert", "sequence", "tensor")
+    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 2}
+    assert mesh.devices.shape == (1, 2, 2, 1, 1, 2)
     assert mesh.devices.size == 8 and len(set(mesh.devices.flat)) == 8
     assert tuple(mesh.axis_types) == (jax.sharding.AxisType.Auto,) * 5
     flags = ParallelConfig(data=-1, sequence_parallel=True, tp_impl="gspmd")
@@ -255,7 +257,7 @@ def test_build_mesh_fill():
     import jax
 
     mesh = build_mesh(parse_mesh("dp=-1,tp=2"))
-    assert dict(mesh.shape) == {"stage": 1, "data": 4, "fsdp": 1, "sequence": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"stage": 1, "data": 4, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 2}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 
@@ -264,7 +266,7 @@ def test_build_mesh_subset_of_devices():
 
     devices = jax.devices()[:4]
     mesh = build_mesh(parse_mesh("pp=2,sp=2"), devices=devices)
-    assert dict(mesh.shape) == {"stage": 2, "data": 1, "fsdp": 1, "sequence": 2, "tensor": 1}
+    assert dict(mesh.shape) == {"stage": 2, "data": 1, "fsdp": 1, "expert": 1, "sequence": 2, "tensor": 1}
     assert set(mesh.devices.flat) == set(devices)
 
 

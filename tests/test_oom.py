@@ -10,7 +10,7 @@ from tools.estimate import memory
 from tools.oom import advice, is_out_of_memory
 
 H100 = 80e9
-ONE = {"stage": 1, "data": 1, "fsdp": 1, "sequence": 1, "tensor": 1}
+ONE = {"stage": 1, "data": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
 
 
 def test_xla_allocation_failures_are_recognised():

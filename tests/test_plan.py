@@ -69,7 +69,7 @@ def test_census_beside_the_contract_formulas():
 
 def test_estimate_terms_follow_the_mesh():
     cfg = get_preset("llama3-8b")
-    one = dict(zip(AXES, (1, 1, 1, 1, 1)))
+    one = dict(zip(AXES, (1, 1, 1, 1, 1, 1)))
     p = estimate.local_params(cfg, one)
     assert p == pytest.approx(8.03e9, rel=0.01)
     assert estimate.local_params(cfg, one | {"fsdp": 8}) == pytest.approx(p / 8, rel=0.01)
@@ -100,7 +100,7 @@ def test_search_ranks_only_meshes_that_fit_and_tp_stays_in_a_node():
         assert c["sizes"]["tensor"] * c["sizes"]["sequence"] <= estimate.GPUS_PER_NODE
         assert c["memory"]["peak"] <= gpu.memory
         assert estimate.memory(c["cfg"], c["sizes"])["peak"] <= gpu.memory
-    pure_dp = dict(zip(AXES, (1, 512, 1, 1, 1)))
+    pure_dp = dict(zip(AXES, (1, 512, 1, 1, 1, 1)))
     assert pure_dp not in [c["sizes"] for c in ranked]
     times = [c["time"]["overlap_s"] for c in ranked]
     assert times == sorted(times)

@@ -49,7 +49,7 @@ def test_cli_prints_the_placement_and_what_is_not_available():
     report = json.loads(run_module("tools.topology", "--mesh", "dp=2,tp=4", "--json").stdout)
     assert report["process_count"] == 1 and report["global_devices"] == 8 and report["mesh"] == "dp=2,tp=4"
     assert {p["axis"]: p["nodes"] for p in report["placement"]} == dict.fromkeys(
-        ("stage", "data", "fsdp", "sequence", "tensor"), 1)
+        ("stage", "data", "fsdp", "expert", "sequence", "tensor"), 1)
     assert report["nvidia_smi_topo"]["available"] is False
 
 

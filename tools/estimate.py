@@ -96,6 +96,7 @@ import math
 from dataclasses import dataclass
 
 from configs.base import RunConfig
+from sharding.checks import batch_ranks
 from sharding.mesh import AXES
 from training.metrics import PEAK_FLOPS, flops_per_token
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -134,7 +135,7 @@ def shape(cfg: RunConfig, sizes: dict[str, int]) -> Shape:
     """Under a pipeline the microbatches are `parallel.microbatches` (default pp; sharding/checks.py
     refuses train.micro_batch_size there); otherwise k = the rank's batch / micro_batch_size."""
     t = cfg.train
-    ranks = sizes["data"] * sizes["fsdp"]
+    ranks = batch_ranks(sizes)
     per_rank = t.global_batch_size // ranks
     if sizes["stage"] > 1:
         k = cfg.parallel.microbatches or sizes["stage"]

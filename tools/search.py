@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 
 from configs.base import ConfigError, RunConfig
-from sharding.checks import check_run
+from sharding.checks import batch_ranks, check_run
 from sharding.mesh import AXES
 from tools.estimate import GPU, GPUS_PER_NODE, Links, memory, shape, step_time
 
@@ -43,12 +43,13 @@ def valid(cfg: RunConfig, sizes: dict[str, int]) -> bool:
 def meshes(cfg: RunConfig, gpus: int) -> list[dict[str, int]]:
     """Every valid mesh of `gpus` devices, as {axis: size} in AXES order."""
     found = []
-    for pp, sp, tp in itertools.product(divisors(gpus), repeat=3):
-        if gpus % (pp * sp * tp):
+    for pp, ep, sp, tp in itertools.product(divisors(gpus), divisors(gpus) if cfg.model.n_experts else (1,),
+                                            divisors(gpus), divisors(gpus)):
+        if gpus % (pp * ep * sp * tp):
             continue
-        for fsdp in divisors(gpus // (pp * sp * tp)):
-            dp = gpus // (pp * sp * tp * fsdp)
-            sizes = dict(zip(AXES, (pp, dp, fsdp, sp, tp)))
+        for fsdp in divisors(gpus // (pp * ep * sp * tp)):
+            dp = gpus // (pp * ep * sp * tp * fsdp)
+            sizes = dict(zip(AXES, (pp, dp, fsdp, ep, sp, tp)))
             if valid(cfg, sizes):
                 found.append(sizes)
     return found
@@ -57,7 +58,7 @@ def meshes(cfg: RunConfig, gpus: int) -> list[dict[str, int]]:
 def fit(cfg: RunConfig, sizes: dict[str, int], gpu: GPU, links: Links | None = None) -> RunConfig | None:
     """cfg with the largest micro_batch_size that fits `gpu`'s memory on `sizes`, or None; under
     a pipeline, the fastest fitting schedule and microbatch count (`fit_pipeline`)."""
-    per_rank = cfg.train.global_batch_size // (sizes["data"] * sizes["fsdp"])
+    per_rank = cfg.train.global_batch_size // batch_ranks(sizes)
     if sizes["stage"] > 1:
         return fit_pipeline(cfg, sizes, gpu, per_rank, links)
     for micro in sorted(divisors(per_rank), reverse=True):

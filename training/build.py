@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from configs.base import RunConfig
 from model.transformer import Transformer, count_params
-from sharding.checks import microbatches
+from sharding.checks import batch_ranks, microbatches
 from sharding.context_parallel import zigzag_permutation
 from sharding.rules import data_sharding, param_shardings
 from sharding.strategies import Strategies, parallelize
@@ -32,7 +32,7 @@ def batch_layout(cfg: RunConfig, mesh: Mesh) -> tuple[int, int]:
     """(k microbatches, b sequences per microbatch) of one optimizer step, global over the
     batch axes (k = M with pp > 1); sharding/checks.py has already refused what does not divide."""
     t, sizes = cfg.train, dict(mesh.shape)
-    ranks = sizes["data"] * sizes["fsdp"]
+    ranks = batch_ranks(sizes)
     per_rank = t.global_batch_size // ranks
     k = microbatches(cfg, sizes["stage"]) if sizes["stage"] > 1 else per_rank // (t.micro_batch_size or per_rank)
     return k, per_rank // k * ranks
