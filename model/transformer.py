@@ -7,6 +7,10 @@ is one `jax.lax.scan` over it, so compile time does not grow with depth. The rem
   tokens [B, L] -> embed [B, L, D] -> X x (x + attn(norm(x)); x + mlp(norm(x))) -> norm
   -> head [D, V] ('embed', 'vocab') -> logits [B, L, V] (fp32)
 
+With model.n_experts > 0 the mlp of every `moe_every`-th layer is a mixture of experts
+(model/moe.py); the stack's unit is then a Group of moe_every layers, and the forward also
+returns the router statistics, which the loss adds (training/step.py).
+
 Activations are pinned at block boundaries to ('batch', 'length', 'act_embed') (L as
 'sp_length' under sequence parallelism), logits to ('batch', 'length', 'vocab'); the mesh
 placement comes from sharding/rules.py. How the tensor-parallel regions run (shard_map or
@@ -25,6 +29,7 @@ from configs.base import ModelConfig
 from model.attention import Attention
 from model.layers import Embed, RMSNorm, param, rotary
 from model.mlp import MLP
+from model.moe import MoE
 from model.remat import remat
 from sharding.checks import check_model
 from sharding.rules import axis_size, constrain
@@ -34,21 +39,42 @@ from sharding.tensor_parallel import TensorParallel
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, core: str, context: str | None, *,
+    """One layer: x + attn(norm(x)), then x + ffn(norm(x)), the ffn a SwiGLU MLP or (moe) a
+    mixture of experts (model/moe.py). Returns the new x and the MoE's router statistics ({}
+    for a dense layer)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, core: str, context: str | None, moe: bool, *,
                  rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs=rngs)
         self.attn = Attention(cfg, tp, core, context, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs=rngs)
-        self.mlp = MLP(cfg, tp, rngs=rngs)
+        self.mlp = MoE(cfg, tp, rngs=rngs) if moe else MLP(cfg, tp, rngs=rngs)
         self.act_names = tp.activation_names
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, dict]:
         with jax.named_scope("attention"):
             x = x + self.attn(self.attn_norm(x), cos, sin)
-        with jax.named_scope("mlp"):
-            x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, self.act_names)
+        with jax.named_scope("moe" if isinstance(self.mlp, MoE) else "mlp"):
+            y = self.mlp(self.mlp_norm(x))
+        y, stats = y if isinstance(y, tuple) else (y, {})
+        return constrain(x + y, self.act_names), stats
+
+
+class Group(nnx.Module):
+    """`model.moe_every` layers in a row, the last a MoE layer: the unit of the layer stack when
+    only every k-th layer is MoE (k > 1), so that the stack stays one homogeneous scan."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, core: str, context: str | None, *, rngs: nnx.Rngs):
+        k = cfg.moe_every
+        self.layers = nnx.List([Block(cfg, tp, core, context, i == k - 1, rngs=rngs) for i in range(k)])
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, dict]:
+        stats: dict = {}
+        for layer in self.layers:
+            x, more = layer(x, cos, sin)
+            stats = stats or more
+        return x, stats
 
 
 class Transformer(nnx.Module):
@@ -65,17 +91,26 @@ class Transformer(nnx.Module):
         self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, dtype)
 
     @staticmethod
-    def _stacked_blocks(cfg: ModelConfig, strategies: Strategies, rngs: nnx.Rngs) -> Block:
-        @nnx.split_rngs(splits=cfg.n_layers)
+    def _stacked_blocks(cfg: ModelConfig, strategies: Strategies, rngs: nnx.Rngs) -> Block | Group:
+        """The layer stack: X Blocks (dense, or all MoE), or X/k Groups of k (moe_every = k > 1)."""
+        grouped = cfg.n_experts and cfg.moe_every > 1
+        t, core, context = strategies.tensor, strategies.attention, strategies.context
+
+        @nnx.split_rngs(splits=cfg.n_layers // cfg.moe_every if grouped else cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, strategies.tensor, strategies.attention, strategies.context, rngs=rngs)
+        def make(rngs: nnx.Rngs) -> Block | Group:
+            if grouped:
+                return Group(cfg, t, core, context, rngs=rngs)
+            return Block(cfg, t, core, context, bool(cfg.n_experts), rngs=rngs)
 
         return make(rngs)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """tokens [B, L] int -> logits [B, L, V] fp32."""
-        return self.logits(self.run_layers(self.embed_tokens(tokens), nnx.state(self.blocks)))
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """tokens [B, L] int -> logits [B, L, V] fp32, and the MoE layers' router statistics
+        (model/moe.py STATS, each the mean over the MoE layers; {} for a dense model)."""
+        x, stats = self.run_layers(self.embed_tokens(tokens), nnx.state(self.blocks))
+        moe_layers = self.cfg.n_layers // self.cfg.moe_every
+        return self.logits(x), {name: v / moe_layers for name, v in stats.items()}
 
     # The pieces below let pipeline/ run the layers in stages, embedding and head apart.
 
@@ -90,8 +125,9 @@ class Transformer(nnx.Module):
                 x = self.embed(tokens)
             return constrain(x, self.act_names)
 
-    def run_layers(self, x: jax.Array, layers: nnx.State) -> jax.Array:
-        """x [B, L, D] through the stacked block states `layers` ([n, ...] leaves, any n)."""
+    def run_layers(self, x: jax.Array, layers: nnx.State) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """x [B, L, D] through the stacked block states `layers` ([n, ...] leaves, any n); the
+        router statistics summed over the MoE layers."""
         cos, sin = rotary(x.shape[1], self.cfg.head_dim, self.cfg.rope_theta)
         if self.context:  # the batch's columns are in zigzag order (training/data.py): so are the positions
             order, _ = zigzag_permutation(x.shape[1], axis_size("sequence"))
@@ -99,10 +135,10 @@ class Transformer(nnx.Module):
         graphdef = nnx.graphdef(self.blocks)
 
         def layer(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, cos, sin), None
+            return nnx.merge(graphdef, layer_state)(x, cos, sin)
 
-        x, _ = jax.lax.scan(remat(layer, self.remat), x, layers)  # over the n stacked layers
-        return x
+        x, stats = jax.lax.scan(remat(layer, self.remat), x, layers)  # over the n stacked layers
+        return x, {name: jnp.sum(v) for name, v in stats.items()}
 
     def logits(self, x: jax.Array) -> jax.Array:
         """x [B, L, D] -> final norm -> logits [B, L, V] fp32."""

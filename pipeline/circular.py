@@ -60,7 +60,7 @@ def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
             active = kind != IDLE
             x = jnp.where((s == 0) & (v == 0), x_all[m], state)
             x = jnp.where(active, x, jnp.zeros_like(x))  # idle ticks never read the buffers
-            y = model.run_layers(x, jax.tree.map(lambda a: a[v], layers))
+            y, _ = model.run_layers(x, jax.tree.map(lambda a: a[v], layers))  # dense: no router stats
             done = active & (s == p - 1) & (v == v_count - 1)
             outputs = outputs.at[m].set(jnp.where(done, y, outputs[m]))
             return (lax.ppermute(y, AXIS, ring), outputs), None

@@ -135,7 +135,7 @@ def _model(st: Static, local: nnx.State) -> Transformer:
 
 def _layers(model: Transformer, x: jax.Array) -> jax.Array:
     """x [b, L, D] through the stage's X/p layers."""
-    return model.run_layers(x, nnx.state(model.blocks))
+    return model.run_layers(x, nnx.state(model.blocks))[0]  # dense layers: no router stats
 
 
 def _stage(st: Static, local: nnx.State, x: jax.Array) -> jax.Array:

@@ -83,7 +83,7 @@ def run_steps(cfg, corpus, devices=None):
     grad_fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
                                         schedule=job.strategies.schedule))
     with jax.set_mesh(mesh):
-        loss, grads = jax.device_get(grad_fn(job.state.params, batch=job.batches(0)))
+        loss, grads, _ = jax.device_get(grad_fn(job.state.params, batch=job.batches(0)))
         state, losses = job.state, []
         for step in range(STEPS):
             state, metrics = job.step_fn(state, job.batches(step))

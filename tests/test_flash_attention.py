@@ -167,7 +167,7 @@ def test_causal_skips_blocks_above_the_diagonal(monkeypatch, blocks):
 def mesh_of(spec: str):
     """The mesh `spec` on the first devices it needs (conftest gives 8)."""
     parallel = parse_mesh(spec)
-    size = parallel.stage * parallel.data * parallel.fsdp * parallel.sequence * parallel.tensor
+    size = parallel.stage * parallel.data * parallel.fsdp * parallel.expert * parallel.sequence * parallel.tensor
     return build_mesh(parallel, jax.devices()[:size])
 
 
@@ -242,7 +242,7 @@ def test_model_step_with_pallas_equals_xla(tp_flags, corpus):
             grad_fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
                                                 schedule=job.strategies.schedule))
             results.append(jax.device_get(grad_fn(job.state.params, batch=job.batches(0))))
-    (loss_xla, grads_xla), (loss_pallas, grads_pallas) = results
+    (loss_xla, grads_xla, _), (loss_pallas, grads_pallas, _) = results
     np.testing.assert_allclose(loss_pallas, loss_xla, rtol=1e-6)
     flat = jax.tree_util.tree_leaves_with_path(grads_xla)
     for (path, want), got in zip(flat, jax.tree.leaves(grads_pallas)):

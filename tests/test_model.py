@@ -42,7 +42,7 @@ def test_causal_future_tokens_do_not_change_past_logits():
     model = Transformer(small_model(), rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
     changed = tokens.at[:, 10:].set((tokens[:, 10:] + 7) % 256)
-    a, b = model(tokens), model(changed)
+    (a, _), (b, _) = model(tokens), model(changed)
     np.testing.assert_array_equal(a[:, :10], b[:, :10])
     assert not np.allclose(a[:, 10:], b[:, 10:])
 
@@ -58,8 +58,8 @@ def test_remat_policies_change_memory_not_numbers(policy):
     for name in ("none", policy):
         run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=name))
         graphdef, params = nnx.split(Transformer(run.model, rngs=nnx.Rngs(0)))
-        results.append(jax.jit(jax.value_and_grad(loss_fn), static_argnums=(1, 3))(params, graphdef, batch, run))
-    (loss0, grads0), (loss1, grads1) = results
+        results.append(jax.jit(jax.value_and_grad(loss_fn, has_aux=True), static_argnums=(1, 3))(params, graphdef, batch, run))
+    ((loss0, _), grads0), ((loss1, _), grads1) = results
     np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads1), jax.tree.leaves(grads0)):
         np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5)

@@ -29,7 +29,7 @@ from training.step import loss_and_grads
 
 def _devices(cfg) -> list:
     p = cfg.parallel
-    return jax.devices()[: math.prod(max(n, 1) for n in (p.stage, p.data, p.fsdp, p.sequence, p.tensor))]
+    return jax.devices()[: math.prod(max(n, 1) for n in (p.stage, p.data, p.fsdp, p.expert, p.sequence, p.tensor))]
 
 
 def _loss_and_grads(cfg, corpus):
@@ -38,7 +38,8 @@ def _loss_and_grads(cfg, corpus):
     with jax.set_mesh(mesh):
         fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
                                        schedule=job.strategies.schedule))
-        return jax.device_get(fn(job.state.params, batch=job.batches(0)))
+        loss, grads, _ = fn(job.state.params, batch=job.batches(0))
+        return jax.device_get((loss, grads))
 
 
 _REFERENCES: dict[int, tuple] = {}

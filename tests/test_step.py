@@ -34,7 +34,7 @@ def test_gradient_accumulation_equals_one_big_batch(corpus):
     results = []
     with jax.set_mesh(mesh):
         for job, batch, cfg in zip(jobs, batches, (big, acc)):
-            loss, grads = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
+            loss, grads, _ = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
                                                     schedule=job.strategies.schedule))(
                 job.state.params, batch=batch
             )
@@ -79,10 +79,10 @@ def test_finite_loss_with_non_finite_gradient_is_skipped(bad, corpus, monkeypatc
     real = step_module.loss_and_grads
 
     def poisoned(params, graphdef, batch, cfg, schedule):  # the real loss and gradients, one element bad
-        loss, grads = real(params, graphdef, batch, cfg, schedule)
+        loss, grads, stats = real(params, graphdef, batch, cfg, schedule)
         leaves, treedef = jax.tree.flatten(grads)
         leaves[-1] = leaves[-1].at[(0,) * leaves[-1].ndim].set(bad)
-        return loss, jax.tree.unflatten(treedef, leaves)
+        return loss, jax.tree.unflatten(treedef, leaves), stats
 
     monkeypatch.setattr(step_module, "loss_and_grads", poisoned)
     cfg = small_config()

@@ -21,7 +21,7 @@ OVERLAP = "parallel.tp_overlap=true"
 
 def _devices(cfg) -> int:
     p = cfg.parallel
-    return max(p.data, 1) * p.fsdp * p.sequence * p.tensor
+    return max(p.data, 1) * p.fsdp * p.expert * p.sequence * p.tensor
 
 
 @pytest.mark.parametrize(

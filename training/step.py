@@ -36,6 +36,7 @@ from flax import nnx
 import pipeline
 from configs.base import RunConfig
 from model.loss import cross_entropy
+from model.moe import STATS
 from model.transformer import compute_params
 from sharding.strategies import Strategies
 
@@ -48,31 +49,40 @@ class TrainState(NamedTuple):
     skipped: jax.Array  # int32 scalar: non-finite steps skipped in all
 
 
-def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig) -> jax.Array:
-    """Mean next-token cross-entropy (nats) of one microbatch {'inputs', 'targets'} [b, L]."""
+def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig) -> tuple[jax.Array, tuple]:
+    """The objective of one microbatch {'inputs', 'targets'} [b, L]: the mean next-token
+    cross-entropy (nats), plus for a MoE model the router losses (model/moe.py) weighted by
+    model.router_aux_loss and model.router_z_loss; and, as aux, (cross-entropy, router stats)."""
     compute = compute_params(params, cfg.model.compute_dtype)
-    logits = nnx.merge(graphdef, compute)(batch["inputs"])  # [b, L, V] fp32
-    return cross_entropy(logits, batch["targets"], cfg.train.z_loss)
+    logits, stats = nnx.merge(graphdef, compute)(batch["inputs"])  # [b, L, V] fp32
+    loss = cross_entropy(logits, batch["targets"], cfg.train.z_loss)
+    objective = loss
+    if stats:
+        objective += cfg.model.router_aux_loss * stats["aux"] + cfg.model.router_z_loss * stats["z"]
+    return objective, (loss, stats)
 
 
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig,
-                   schedule: str | None):
-    """Mean loss and gradients over the k microbatches of `batch` ([k, b, L] leaves).
+                   schedule: str | None) -> tuple[jax.Array, nnx.State, dict]:
+    """Mean loss (cross-entropy), gradients (of the objective) and router statistics ({} for a
+    dense model) over the k microbatches of `batch` ([k, b, L] leaves).
 
-    With a pipeline `schedule` (pp > 1) the k = M microbatches run through pipeline/.
+    With a pipeline `schedule` (pp > 1) the k = M microbatches run through pipeline/ (dense
+    models only: sharding/checks.py refuses experts there).
     """
     if schedule:
-        return pipeline.loss_and_grads(params, graphdef, batch, cfg)
-    grad_fn = jax.value_and_grad(loss_fn)
+        return *pipeline.loss_and_grads(params, graphdef, batch, cfg), {}
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def micro(acc, microbatch):
-        loss, grads = grad_fn(params, graphdef, microbatch, cfg)
-        return jax.tree.map(jnp.add, acc, (loss, grads)), None
+        (_, (loss, stats)), grads = grad_fn(params, graphdef, microbatch, cfg)
+        return jax.tree.map(jnp.add, acc, (loss, grads, stats)), None
 
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (loss, grads), _ = jax.lax.scan(micro, zeros, batch)
+    stats = {name: jnp.zeros((), jnp.float32) for name in STATS} if cfg.model.n_experts else {}
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), stats)
+    totals, _ = jax.lax.scan(micro, zeros, batch)
     k = batch["inputs"].shape[0]
-    return loss / k, jax.tree.map(lambda g: g / k, grads)
+    return jax.tree.map(lambda t: t / k, totals)
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr: optax.Schedule,
@@ -80,7 +90,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
     """(state, batch) -> (state, metrics); jit it with the state's shardings."""
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        loss, grads = loss_and_grads(state.params, graphdef, batch, cfg, strategies.schedule)
+        loss, grads, stats = loss_and_grads(state.params, graphdef, batch, cfg, strategies.schedule)
         with jax.named_scope("optimizer"):
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -92,7 +102,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
         bad_steps = jnp.where(ok, 0, state.bad_steps + 1)
         skipped = state.skipped + (~ok).astype(jnp.int32)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr(state.step),
-                   "bad_steps": bad_steps, "skipped": skipped}
+                   "bad_steps": bad_steps, "skipped": skipped} | {f"moe_{k}": v for k, v in stats.items()}
         return TrainState(state.step + 1, params, opt_state, bad_steps, skipped), metrics
 
     return train_step

@@ -1,0 +1,110 @@
+"""Expert parallelism: the MoE layer as one shard_map region, tokens sent to their experts and
+back with all-to-alls over the `expert` axis.
+
+Layout (ep = size of the expert axis, E experts, E/ep per device, t = tp):
+
+  x            [B, L, D]        the block's activations, split over every token axis (data,
+                                fsdp, expert, sequence; L over tensor too under SP)
+  router       [D, E]           replicated (FSDP: gathered at the region's edge)
+  w_gate, w_up [E/ep, D, F/t]   E split over expert, F over tensor
+  w_down       [E/ep, F/t, D]
+
+Inside the region every device routes its own n tokens (model/moe.py): each of the n·k
+(token, expert) assignments gets a destination device (the expert's rank on `expert`) and a
+slot in a send buffer [ep, S, D]; one `all_to_all` over `expert` delivers row block j to device
+j (dispatch), the device runs its E/ep experts on the ep·S rows it received, and a second
+all_to_all sends the outputs back to the slots they came from (combine). Autodiff transposes
+each into the other: backward is 2 more all-to-alls of the same size.
+
+  dropless   S = n·min(k, E/ep): the most rows one device can send another (every token can
+             pick at most min(k, E/ep) of one device's experts), so nothing is ever dropped and
+             ep·S ≥ n·k rows travel (padding: ep·min(k, E/ep)/k of the routed rows). XLA:CPU has
+             no ragged all-to-all (`ragged_all_to_all` is GPU/TPU only), so the buffer is dense.
+             The expert ids of the rows travel beside them: one int32 all-to-all of [ep, S].
+  capacity   S = (E/ep)·C, C = ceil(cf·n·k/E) rows per expert per source device, expert-major:
+             row i of a block belongs to local expert i // C, so no ids travel; assignments past
+             an expert's C are dropped (the token keeps its residual only).
+
+Bytes per device per MoE layer, c = bytes of the compute dtype: each activation all-to-all
+moves (ep-1)/ep · ep·S·D·c; 2 forward, 2 backward; dropless adds (ep-1)/ep · ep·S·4 forward.
+
+Tensor parallelism: the experts' F is split over tensor and the region does Megatron's column /
+row by hand (sharding/tensor_parallel.Sharded): every tensor rank routes the same tokens (x
+gathered over L under SP), computes its F/t share of each routed row, and the combined output
+is summed (all-reduce, or reduce-scatter under SP) over tensor, one per MoE layer forward and
+backward, as the dense MLP's. The region is explicit whatever `tp_impl` says: GSPMD cannot
+partition the dispatch.
+
+Gradients: the router is replicated over every manual axis, so its gradient is summed over all
+of them (check_vma's typing); expert weights are split over `expert` and summed over the other
+token axes. FSDP-split weights are gathered at the edge by XLA and their gradients all-reduced
+in the region (as the SP regions of tensor_parallel.py do).
+
+Router statistics (the load-balancing loss, the z-loss, the load) are over the whole batch:
+`Experts.total` sums them over the token axes, so the loss equals the single-device run's.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable
+
+import jax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from sharding.context_parallel import AXIS as CONTEXT_AXIS
+from sharding.rules import axis_size, logical_to_spec
+from sharding.tensor_parallel import AXIS as TENSOR_AXIS, BATCH_AXES, Local, Sharded, TensorParallel, Weights
+
+AXIS = "expert"
+TOKEN_AXES = (*BATCH_AXES, CONTEXT_AXIS)  # every axis that splits the tokens
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The collectives of one device's share of the MoE layer (called inside the region)."""
+
+    size: int = 1  # ep
+    token_axes: tuple[str, ...] = ()  # the manual axes that split the tokens
+    tensor: Local | Sharded = field(default_factory=Local)
+
+    def index(self) -> jax.Array | int:
+        """This device's rank on `expert`: it holds experts index·E/ep ... + E/ep - 1."""
+        return lax.axis_index(AXIS) if self.size > 1 else 0
+
+    def all_to_all(self, buf: jax.Array) -> jax.Array:
+        """[ep, S, ...]: block j goes to device j; block i of the result came from device i."""
+        return lax.all_to_all(buf, AXIS, 0, 0) if self.size > 1 else buf
+
+    def total(self, x: jax.Array) -> jax.Array:
+        """The sum of x over every device's tokens (a psum over the token axes)."""
+        return lax.psum(x, self.token_axes) if self.token_axes else x
+
+    def same_on_tensor(self, x: jax.Array) -> jax.Array:
+        """x, computed alike by every tensor rank, typed as replicated (a mean over tensor: each
+        rank's share of its gradient is 1/t, summed back by the router's gradient sum)."""
+        return lax.pmean(x, TENSOR_AXIS) if isinstance(self.tensor, Sharded) else x
+
+
+def region(fn: Callable, x: jax.Array, weights: Weights, tp: TensorParallel) -> tuple[jax.Array, dict]:
+    """fn(experts, x, {name: weight}) -> (y [like x], {name: scalar}) on each device's tokens and
+    experts; one device (no mesh, or every token axis of size 1) calls fn directly."""
+    mesh = jax.sharding.get_abstract_mesh()
+    arrays = {name: a for name, (a, _) in weights.items()}
+    manual = tuple(a for a in (*TOKEN_AXES, TENSOR_AXIS) if axis_size(a) > 1)
+    if not manual:
+        return fn(Experts(), x, arrays)
+    tensor = axis_size(TENSOR_AXIS)
+    ops = Experts(
+        size=axis_size(AXIS),
+        token_axes=tuple(a for a in manual if a in TOKEN_AXES),
+        tensor=Sharded(tensor, tp.sequence_parallel, tp.overlap) if tensor > 1 else Local(),
+    )
+    specs = {name: logical_to_spec(names, a.shape, mesh, within=(AXIS, TENSOR_AXIS))
+             for name, (a, names) in weights.items()}
+    x_spec = logical_to_spec(tp.activation_names, x.shape, mesh, within=manual)
+    body = jax.shard_map(functools.partial(fn, ops), in_specs=(x_spec, specs), out_specs=(x_spec, P()),
+                         axis_names=set(manual))
+    return body(x, arrays)
