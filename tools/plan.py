@@ -225,7 +225,7 @@ def main(argv: list[str]) -> int:
         if not args.gpus or args.gpus < 1:
             raise ConfigError("--search needs --gpus N, the GPU count to plan for")
         request_fake_devices(dataclasses.replace(cfg, parallel=dataclasses.replace(
-            cfg.parallel, **({a: 1 for a in AXES} | {"data": args.gpus})))))
+            cfg.parallel, **({a: 1 for a in AXES} | {"data": args.gpus}))))
         return run_search(cfg, args.gpus, args.gpu, args.confirm, args.json, measured)
     request_fake_devices(cfg)
     return dry_run(cfg, args.gpu, args.json, measured)
