@@ -254,7 +254,8 @@ def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     # gradient [b, N/t, L/sp, L/sp] at a time (a flash core tiles them away)
     blockwise_xla = sizes["sequence"] > 1 and cfg.parallel.context_impl != "gspmd" and m.attention == "xla"
     piece = 3 * s.b * m.n_heads / sizes["tensor"] * (cfg.train.seq_len / sizes["sequence"]) ** 2 * 4 * blockwise_xla
-    layer = max(layer_activations(cfg, sizes, "none", moe) for moe in {False, s.moe > 0, s.moe == s.layers})
+    kinds = [moe for moe, count in ((False, s.layers - s.moe), (True, s.moe)) if count]  # the device's layers
+    layer = max(layer_activations(cfg, sizes, "none", moe) for moe in kinds)
     terms = {
         "params": p_local * param_b,
         "optimizer": 2 * p_local * param_b,
