@@ -4,6 +4,12 @@
 published shapes: `125m` (GPT-3 small widths with SwiGLU), `1b` (Llama 3.2 1B widths),
 `llama3-8b` (8.03B parameters) and `llama3-70b` (70.6B). The large ones are for planning and
 GPUs; they are built abstractly (`nnx.eval_shape`) when no memory should be allocated.
+
+Mixture of experts (model/moe.py): `moe-tiny` is tiny with every layer MoE, 8 experts of half
+tiny's F, top-2 (the active FFN is tiny's F: about tiny's step time, plus the routing);
+`mixtral-8x7b` carries Mixtral 8x7B's shapes (46.7B parameters, 12.9B active:
+training.metrics.param_counts). A DeepSeek-V3-like preset is left out: its first 3 dense
+layers and multi-head latent attention have no config field here.
 """
 
 from __future__ import annotations
@@ -67,12 +73,32 @@ def llama3_70b() -> RunConfig:
     )
 
 
+def moe_tiny() -> RunConfig:
+    return RunConfig(name="moe-tiny", model=ModelConfig(n_experts=8, experts_per_token=2, expert_d_ff=192))
+
+
+def mixtral_8x7b() -> RunConfig:
+    return RunConfig(
+        name="mixtral-8x7b",
+        model=ModelConfig(
+            vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+            d_ff=14336, rope_theta=1_000_000.0, remat="full", n_experts=8, experts_per_token=2,
+        ),
+        # 1024 x 4096 = 4M tokens per step, as llama3-70b's 512 x 8192
+        train=TrainConfig(seq_len=4096, global_batch_size=1024, micro_batch_size=1, lr=3e-4, warmup_steps=2000,
+                          steps=10000),
+        data=DataConfig(source="synthetic"),
+    )
+
+
 PRESETS: dict[str, Callable[[], RunConfig]] = {
     "tiny": tiny,
     "125m": gpt_125m,
     "1b": llama_1b,
     "llama3-8b": llama3_8b,
     "llama3-70b": llama3_70b,
+    "moe-tiny": moe_tiny,
+    "mixtral-8x7b": mixtral_8x7b,
 }
 
 

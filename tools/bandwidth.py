@@ -10,6 +10,8 @@ with a bandwidth:
   fsdp      all-gather, reduce-scatter  two gathers of the weights, one scatter of the gradients
   tensor    all-reduce                  the layers' activations (the same bytes under SP)
   stage     permute                     stage boundaries
+  expert    all-to-all, all-reduce      the MoE dispatch and combine (the gradients of the
+                                        non-expert weights otherwise)
   sequence  permute, all-gather         K and V round the ring (context_impl=ring); otherwise
             all-gather, permute         gathered (allgather, gspmd)
 
@@ -31,7 +33,7 @@ from configs import ConfigError
 from sharding.mesh import AXES
 
 PREFERRED = {"data": ("all-reduce",), "fsdp": ("all-gather", "reduce-scatter"), "tensor": ("all-reduce",),
-             "stage": ("permute",)}
+             "stage": ("permute",), "expert": ("all-to-all", "all-reduce")}
 SEQUENCE = {"ring": ("permute", "all-gather"), "other": ("all-gather", "permute")}
 
 

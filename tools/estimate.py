@@ -3,9 +3,16 @@
 Pure arithmetic on the config (no jax), so `tools.search` can rank hundreds of meshes in a
 second. Letters as in DESIGN.md; per device: b sequences per microbatch, k microbatches,
 T = b·L/sp tokens, t = tp, X/pp layers; c = bytes of the compute dtype, p4 = 4 (fp32).
+Mixture of experts (model.n_experts = E > 0): X_moe = X/moe_every MoE layers, top-k' routing,
+F_e the expert F, ep = size of `expert`; per MoE layer and microbatch a device sends
+[ep, S, D] and its experts compute R = ep·S rows (`dispatch_rows`): dropless S = T·min(k', E/ep),
+capacity S = (E/ep)·ceil(cf·T·k'/E).
 
 Memory (bytes per device), the terms `memory()` returns:
-  params      P_local · bytes(param_dtype)            P_local = P / (fsdp·tp·pp), norms whole
+  params      P_local · bytes(param_dtype)            P_local = P / (fsdp·tp·pp), norms whole;
+                                                       the routed experts (3·E·D·F_e per MoE
+                                                       layer) / (ep·fsdp·tp), the router [D, E]
+                                                       / fsdp, shared experts as a dense MLP
   optimizer   2 · P_local · bytes(param_dtype)         AdamW mu and nu
   gradients   P_local · 4                              fp32 (they arrive through the bf16 cast)
   update      P_local · 4 when replicated over fsdp    optax's clipped update, held beside the
@@ -23,11 +30,16 @@ Memory (bytes per device), the terms `memory()` returns:
                             + 3·N/t·L (scores, masked scores, probs: fp32, xla core only)
                 context parallel (ring, allgather): q, k, v, out and the fp32 lse only,
                             (2N+2K)·H/t + 4·N/t bytes: its custom_vjp saves no scores
+                MoE layer   the dense layer's terms with 4·n_shared·F_e/t for the MLP's,
+                            plus 2·E fp32 (router logits, probabilities) per token, plus per
+                            routed row (R of them, not per token): 4·D (sent, received,
+                            expert output, returned) + 4·F_e/t (gate, up, silu, hidden)
                 remat full  D (the layer input)
                 remat dots/attn: between the two (modelled as none; an upper bound)
   working     the larger of: one layer's backward working set, and the logits [T, V/t] fp32 of
-              the head and loss (of all M microbatches at once after a gpipe/interleaved pipe). The working set is the gradients of one layer's 'none' terms
-              (one more layer's worth); under remat it is twice that, the layer's forward being
+              the head and loss (of all M microbatches at once after a gpipe/interleaved pipe).
+              The working set is the gradients of one layer's 'none' terms (one more layer's
+              worth; the larger of a dense and a MoE layer, the dispatch buffers included); under remat it is twice that, the layer's forward being
               recomputed first. Under context parallelism with the xla core, plus one block
               piece's fp32 scores, probs and their gradient, 3·b·N/t·(L/sp)² · 4 (the ring's
               pieces are at most L/sp square; a flash core tiles them away).
@@ -46,11 +58,19 @@ XLA CPU reduces FSDP gradients with an all-reduce + slice (full-size gradient bu
 the CUDA context and NCCL buffers (about 1-2 GiB per GPU): keep a margin.
 
 Communication (bytes per device per step), the contract of DESIGN.md:
-  data    2 · G(N-1)/N              G = fp32 gradient bytes of this device's shard, where the
+  data    2 · G(N-1)/N              G = fp32 gradient bytes of this device's shard (its E/ep
+                                    experts included: they are reduced over data), where the
                                     wk, wv that tensor replicates (t does not divide K) count
                                     one kv head: each device's gradient covers the head it uses,
                                     and XLA reduces that slice over data before the tensor sum
   fsdp    3 · P(N-1)/N              2 all-gathers of the weights (param dtype), 1 reduce-scatter
+                                    (the device's E/ep experts included)
+  expert  2 · G'(ep-1)/ep           G' = G less the routed experts: every other weight treats
+                                    `expert` as a data axis (summed per axis, as sequence's)
+          + all-to-alls, per MoE layer and microbatch: dispatch and combine forward, their
+          transposes backward, 4 · (ep-1)/ep · ep·S·D·c; dropless adds the int32 expert ids
+          forward, (ep-1)/ep · ep·S·4; remat=full repeats the forward's (6 and 2 ids;
+          modelled, not measured). `expert()` returns the all-to-all bytes alone; none at ep = 1
   tensor  per microbatch, S = b·L·D·c: (4 + r) · 2S(t-1)/t per layer, 2 all-reduces forward
           and 2 backward (with sequence parallelism an all-gather and a reduce-scatter for each,
           the same bytes); plus 2 · 2S(t-1)/t per microbatch for the vocab-parallel embedding
@@ -81,7 +101,8 @@ Communication (bytes per device per step), the contract of DESIGN.md:
   stage   a permute of b·L·D·c per microbatch per stage boundary, forward and backward;
           bubble (p-1)/(m+p-1) of the step, (p-1)/(V·m+p-1) interleaved
 Time (roofline): compute = hardware FLOPs (model FLOPs, + one more forward under full remat and
-one more under 1f1b) /
+one more under 1f1b, and the experts' padded rows: R - T·k' rows per MoE layer and
+microbatch, 6·3·D·F_e/t each, assuming each row is computed once, by its own expert) /
 dense bf16 peak, or HBM traffic / bandwidth when larger; each axis's bytes / its link: NVLink
 450 GB/s per GPU when the axis and the axes inside it fit in one node of 8 GPUs, InfiniBand
 50 GB/s per GPU (400 Gb/s NIC per GPU) otherwise. Two figures: communication not overlapped
@@ -96,9 +117,9 @@ import math
 from dataclasses import dataclass
 
 from configs.base import RunConfig
-from sharding.checks import batch_ranks
 from sharding.mesh import AXES
-from training.metrics import PEAK_FLOPS, flops_per_token
+from sharding.checks import batch_ranks, expert_d_ff
+from training.metrics import PEAK_FLOPS, flops_per_token, moe_layers
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8
 Links = dict[str, tuple[float, float]]  # measured {axis: (latency_s, bytes_per_s)}
@@ -129,6 +150,7 @@ class Shape:
     b: int  # sequences per microbatch per device
     tokens: int  # T = b·L/sp, tokens per microbatch on this device
     layers: int  # X/pp, layers on this device
+    moe: int = 0  # of which MoE layers (X/moe_every of the model's; no pipeline with experts)
 
 
 def shape(cfg: RunConfig, sizes: dict[str, int]) -> Shape:
@@ -142,7 +164,8 @@ def shape(cfg: RunConfig, sizes: dict[str, int]) -> Shape:
     else:
         k = per_rank // (t.micro_batch_size or per_rank)
     b = per_rank // k
-    return Shape(k, b, b * t.seq_len // sizes["sequence"], cfg.model.n_layers // sizes["stage"])
+    return Shape(k, b, b * t.seq_len // sizes["sequence"], cfg.model.n_layers // sizes["stage"],
+                 moe_layers(cfg.model) // sizes["stage"])
 
 
 def one_f_one_b(cfg: RunConfig, sizes: dict[str, int]) -> bool:
@@ -150,29 +173,66 @@ def one_f_one_b(cfg: RunConfig, sizes: dict[str, int]) -> bool:
     return sizes["stage"] > 1 and cfg.parallel.schedule == "1f1b"
 
 
-def local_params(cfg: RunConfig, sizes: dict[str, int]) -> float:
-    """Parameters held by one device: weights split by fsdp (D) and tensor (heads, F, V); kv
-    weights replicated over tensor when t does not divide K; norms replicated; layers by stage."""
-    m, fsdp, tp = cfg.model, sizes["fsdp"], sizes["tensor"]
-    d, h = m.d_model, m.head_dim
+def local_param_parts(cfg: RunConfig, sizes: dict[str, int]) -> tuple[float, float]:
+    """(non-expert, expert) parameters held by one device: weights split by fsdp (D) and tensor
+    (heads, F, V); kv weights replicated over tensor when t does not divide K; norms replicated;
+    layers by stage. A MoE layer has no dense MLP: its router [D, E] split by fsdp, its shared
+    experts [D, n_shared·F_e] as a dense MLP, and (the second figure) its routed experts
+    [E, D, F_e] split by ep (E), fsdp (D) and tensor (F_e)."""
+    m, fsdp, tp, ep = cfg.model, sizes["fsdp"], sizes["tensor"], sizes.get("expert", 1)
+    d, h, fe = m.d_model, m.head_dim, expert_d_ff(m)
     kv_split = tp if m.n_kv_heads % tp == 0 else 1
-    layer = (2 * d * m.n_heads * h + 3 * d * m.d_ff) / (fsdp * tp) + 2 * d * m.n_kv_heads * h / (fsdp * kv_split)
-    layers = m.n_layers // sizes["stage"] * (layer + 2 * d)
-    return layers + 2 * m.vocab_size * d / (fsdp * tp) + d
+    attention = 2 * d * m.n_heads * h / (fsdp * tp) + 2 * d * m.n_kv_heads * h / (fsdp * kv_split) + 2 * d
+    dense = attention + 3 * d * m.d_ff / (fsdp * tp)
+    moe = attention + d * m.n_experts / fsdp + 3 * d * m.n_shared_experts * fe / (fsdp * tp)
+    s = shape(cfg, sizes)
+    non_expert = (s.layers - s.moe) * dense + s.moe * moe + 2 * m.vocab_size * d / (fsdp * tp) + d
+    return non_expert, s.moe * m.n_experts * 3 * d * fe / (ep * fsdp * tp)
 
 
-def layer_activations(cfg: RunConfig, sizes: dict[str, int], remat: str) -> float:
-    """Bytes one layer keeps for backward for one microbatch (module docstring)."""
+def local_params(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """Parameters held by one device, expert and non-expert (`local_param_parts`)."""
+    return sum(local_param_parts(cfg, sizes))
+
+
+def dispatch_rows(cfg: RunConfig, sizes: dict[str, int]) -> int:
+    """S: rows of one block of a device's dispatch buffer [ep, S, D] per MoE layer and
+    microbatch; the device's experts compute ep·S rows. dropless n·min(k, E/ep) (the most one
+    device can send another); capacity (E/ep)·C, C = ceil(cf·n·k/E)."""
+    m, n, ep = cfg.model, shape(cfg, sizes).tokens, sizes.get("expert", 1)
+    if m.moe_dispatch == "capacity":
+        return m.n_experts // ep * math.ceil(m.capacity_factor * n * m.experts_per_token / m.n_experts)
+    return n * min(m.experts_per_token, m.n_experts // ep)
+
+
+def layer_activations(cfg: RunConfig, sizes: dict[str, int], remat: str, moe: bool = False) -> float:
+    """Bytes one layer (a MoE layer when `moe`) keeps for backward for one microbatch (module
+    docstring)."""
     m, tp, s = cfg.model, sizes["tensor"], shape(cfg, sizes)
     c = DTYPE_BYTES[m.compute_dtype]
     if remat == "full":
         return s.tokens * m.d_model * c
+    mlp = 4 * m.d_ff / tp
+    routed = 0.0
+    if moe:  # shared experts per token; the routed rows; fp32 router logits and probabilities
+        fe = expert_d_ff(m)
+        mlp = 4 * m.n_shared_experts * fe / tp
+        rows = sizes.get("expert", 1) * dispatch_rows(cfg, sizes)
+        routed = rows * (4 * m.d_model + 4 * fe / tp) * c + s.tokens * 2 * m.n_experts * 4
     heads = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim + 3 * m.n_heads * m.head_dim
     scores = 3 * m.n_heads / tp * cfg.train.seq_len * 4 if m.attention == "xla" else 0
     if sizes["sequence"] > 1 and cfg.parallel.context_impl != "gspmd":  # keeps q, k, v, out, lse
         heads, scores = (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim, m.n_heads / tp * 4
-    per_token = 4 * m.d_model + heads / tp + 4 * m.d_ff / tp
-    return s.tokens * (per_token * c + scores)
+    per_token = 4 * m.d_model + heads / tp + mlp
+    return s.tokens * (per_token * c + scores) + routed
+
+
+def stack_activations(cfg: RunConfig, sizes: dict[str, int], remat: str) -> float:
+    """Bytes the device's X/pp layers keep for backward for one microbatch: the dense layers'
+    and the MoE layers' (`layer_activations`)."""
+    s = shape(cfg, sizes)
+    dense = (s.layers - s.moe) * layer_activations(cfg, sizes, remat)
+    return dense + s.moe * layer_activations(cfg, sizes, remat, moe=True) if s.moe else dense
 
 
 def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
@@ -181,19 +241,21 @@ def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     p_local, param_b = local_params(cfg, sizes), DTYPE_BYTES[m.param_dtype]
     if one_f_one_b(cfg, sizes):  # at most pp stage inputs stashed, one microbatch's residuals
         saved = min(s.k, sizes["stage"]) * s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype]
-        saved += s.layers * layer_activations(cfg, sizes, m.remat)
+        saved += stack_activations(cfg, sizes, m.remat)
     elif sizes["stage"] > 1:  # gpipe, interleaved: autodiff keeps every tick's residuals
         v = cfg.parallel.virtual_stages
-        saved = s.layers * (v * s.k + sizes["stage"] - 1) / v * layer_activations(cfg, sizes, m.remat)
+        saved = (v * s.k + sizes["stage"] - 1) / v * stack_activations(cfg, sizes, m.remat)
         saved += 4 * s.k * s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype]  # [M, b, L, D] in, out, cotangents
     else:
-        saved = s.layers * layer_activations(cfg, sizes, m.remat)
+        saved = stack_activations(cfg, sizes, m.remat)
     heads_at_once = s.k if sizes["stage"] > 1 and not one_f_one_b(cfg, sizes) else 1
     logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * 4
     # context parallel with the xla core: one block piece's fp32 scores, probs and their
     # gradient [b, N/t, L/sp, L/sp] at a time (a flash core tiles them away)
     blockwise_xla = sizes["sequence"] > 1 and cfg.parallel.context_impl != "gspmd" and m.attention == "xla"
     piece = 3 * s.b * m.n_heads / sizes["tensor"] * (cfg.train.seq_len / sizes["sequence"]) ** 2 * 4 * blockwise_xla
+    kinds = [moe for moe, count in ((False, s.layers - s.moe), (True, s.moe)) if count]  # the device's layers
+    layer = max(layer_activations(cfg, sizes, "none", moe) for moe in kinds)
     terms = {
         "params": p_local * param_b,
         "optimizer": 2 * p_local * param_b,
@@ -201,7 +263,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         "gathered": 4 * m.vocab_size * m.d_model / sizes["tensor"] * 4 if sizes["fsdp"] > 1 else 0.0,
         "update": p_local * 4 if sizes["fsdp"] == 1 else 0.0,
         "saved activations": saved,
-        "working": max((1 if m.remat == "none" else 1.5) * layer_activations(cfg, sizes, "none") + piece, logits),
+        "working": max((1 if m.remat == "none" else 1.5) * layer + piece, logits),
     }
     fixed = sum(terms[n] for n in ("params", "optimizer", "gradients", "gathered"))
     terms["peak"] = fixed + max(terms["update"], saved + terms["working"])
@@ -212,7 +274,8 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     """Bytes per device per step on each mesh axis of size > 1 (the contract formulas)."""
     m, s = cfg.model, shape(cfg, sizes)
     c, param_b = DTYPE_BYTES[m.compute_dtype], DTYPE_BYTES[m.param_dtype]
-    shard = local_params(cfg, sizes) * sizes["fsdp"]  # this device's parameters before fsdp splits them
+    non_expert, experts = local_param_parts(cfg, sizes)
+    shard = (non_expert + experts) * sizes["fsdp"]  # this device's parameters before fsdp splits them
     frac = {a: (n - 1) / n for a, n in sizes.items()}
     act = s.tokens * m.d_model * c  # S: one layer's input for one microbatch (its L/sp rows)
     sp = cfg.parallel.sequence_parallel
@@ -222,14 +285,29 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     tensor = s.layers * ((4 + recompute) * 2 * act + 2 * kv_grads) + 2 * 2 * act
     # the data axis reduces one kv head of the replicated wk, wv per device, not all K
     shard -= kv_replicated * s.layers * 2 * m.d_model * (m.n_kv_heads - 1) * m.head_dim
+    replicated = shard - experts * sizes["fsdp"]  # what `expert` reduces: every weight but the experts
     volume = {
         "stage": 2 * s.k * act / sizes["tensor"] * (sizes["stage"] > 1),
         "data": s.k * 2 * shard / sizes["fsdp"] * 4 * frac["data"],
         "fsdp": s.k * (2 * param_b + 4) * shard * frac["fsdp"],
+        "expert": s.k * 2 * replicated / sizes["fsdp"] * 4 * frac["expert"] + expert(cfg, sizes),
         "sequence": s.k * 2 * shard / sizes["fsdp"] * 4 * frac["sequence"] + context(cfg, sizes),
         "tensor": s.k * tensor * frac["tensor"],
     }
     return {a: v for a, v in volume.items() if sizes[a] > 1}
+
+
+def expert(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """All-to-all bytes per device per step over the expert axis (module docstring): per MoE
+    layer and microbatch 2 (dispatch, combine) forward + 2 backward of [ep, S, D] in the compute
+    dtype, (ep-1)/ep of each leaving the device; dropless adds the int32 expert ids [ep, S]
+    forward; remat=full repeats the forward's. None at ep = 1."""
+    m, s, ep = cfg.model, shape(cfg, sizes), sizes.get("expert", 1)
+    if ep == 1 or not s.moe:
+        return 0.0
+    rows, forwards = dispatch_rows(cfg, sizes), 1 + (m.remat == "full")
+    ids = forwards * rows * 4 if m.moe_dispatch == "dropless" else 0
+    return s.k * s.moe * (ep - 1) * ((2 * forwards + 2) * rows * m.d_model * DTYPE_BYTES[m.compute_dtype] + ids)
 
 
 def context(cfg: RunConfig, sizes: dict[str, int]) -> float:
@@ -267,15 +345,22 @@ def comm_time(sizes: dict[str, int], axis: str, nbytes: float, links: Links | No
 
 
 def flops(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
-    """Model FLOPs per step (6·N·tokens + attention) and per device, and the hardware FLOPs per
-    device: each recomputed forward adds 1/3 (remat full; 1f1b, whose backward cell re-runs
-    the stage's forward under jax.vjp)."""
-    t = cfg.train
-    model = flops_per_token(cfg.model, t.seq_len) * t.global_batch_size * t.seq_len
+    """Model FLOPs per step (6·N·tokens + attention, N the active parameters) and per device,
+    and the hardware FLOPs per device: each recomputed forward adds 1/3 (remat full; 1f1b, whose
+    backward cell re-runs the stage's forward under jax.vjp); the experts compute every row of
+    their dispatch buffers, ep·S per MoE layer and microbatch where the model counts n·k
+    (dropless pads, capacity pads or drops): 6·3·D·F_e/t per row of the difference, the
+    `padding_per_device` (hardware FLOPs, part of hardware_per_device)."""
+    m, t, s = cfg.model, cfg.train, shape(cfg, sizes)
+    model = flops_per_token(m, t.seq_len) * t.global_batch_size * t.seq_len
     per_device = model / math.prod(sizes.values())
-    forwards = 1 + (cfg.model.remat == "full") + one_f_one_b(cfg, sizes)
-    return {"model": model, "model_per_device": per_device,
-            "hardware_per_device": per_device * (2 + forwards) / 3}
+    padding = 0.0
+    if s.moe:
+        rows = sizes.get("expert", 1) * dispatch_rows(cfg, sizes) - s.tokens * m.experts_per_token
+        padding = s.k * s.moe * 18 * m.d_model * expert_d_ff(m) / sizes["tensor"] * rows
+    redo = (2 + 1 + (m.remat == "full") + one_f_one_b(cfg, sizes)) / 3  # forward, backward, recomputes
+    return {"model": model, "model_per_device": per_device, "padding_per_device": padding * redo,
+            "hardware_per_device": (per_device + padding) * redo}
 
 
 def hbm_bytes(cfg: RunConfig, sizes: dict[str, int]) -> float:
@@ -285,7 +370,7 @@ def hbm_bytes(cfg: RunConfig, sizes: dict[str, int]) -> float:
     m, s = cfg.model, shape(cfg, sizes)
     p = local_params(cfg, sizes) * sizes["fsdp"]  # weights are gathered before use
     reads = (4 if m.remat == "full" else 3) * s.k * p * DTYPE_BYTES[m.compute_dtype]
-    acts = 2 * s.k * s.layers * layer_activations(cfg, sizes, "none")
+    acts = 2 * s.k * stack_activations(cfg, sizes, "none")
     return reads + 7 * 4 * local_params(cfg, sizes) + acts
 
 

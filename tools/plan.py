@@ -120,6 +120,7 @@ def plan(cfg: RunConfig, sizes: dict[str, int], gpu: estimate.GPU, xla: dict | N
         verdict += "; lower --set train.micro_batch_size, use --set model.remat=full, or add fsdp/tp/pp"
     return {"config": cfg.name, "mesh": format_mesh(sizes), "devices": math.prod(sizes.values()),
             "gpu": gpu.name, "memory": mem, "communication": estimate.communication(cfg, sizes),
+            "all_to_all": estimate.expert(cfg, sizes),
             "links": link_sources(cfg, sizes, list(time["comm_s"]), measured), "flops": estimate.flops(cfg, sizes), "time": time, "xla": xla, "fits": fits, "verdict": verdict}
 
 
@@ -142,10 +143,14 @@ def format_plan(report: dict) -> str:
         contract = report["communication"].get(axis)
         lines.append(f"  {axis:<28}{'-' if contract is None else f'{contract / GiB:.3f} G':>12}"
                      f"{(f'{census[axis] / GiB:.3f} G' if axis in census else '-'):>12}")
+    if report.get("all_to_all"):  # the expert axis's dispatch and combine, of its contract above
+        lines.append(f"  {'  of which all-to-all':<28}{report['all_to_all'] / GiB:>10.3f} G")
     f = report["flops"]
     lines.append(f"\n  {'FLOPs per device per step':<28}{f['model_per_device']:>12.3e}"
                  f"{(xla or {}).get('flops_per_device') or float('nan'):>12.3e}")
     lines.append(f"  {'  (hardware, with remat)':<28}{f['hardware_per_device']:>12.3e}")
+    if f.get("padding_per_device"):
+        lines.append(f"  {'  (of which expert padding)':<28}{f['padding_per_device']:>12.3e}")
     comm = ", ".join(f"{a} {s * 1e3:.0f} ms" for a, s in t["comm_s"].items()) or "none"
     lines.append("\n  links: " + ("; ".join(f"{a} {src}" for a, src in report["links"].items()) or "none"))
     lines += [f"  compute {t['compute_s'] * 1e3:.0f} ms; communication {comm}; bubble {100 * t['bubble']:.0f}%",
@@ -187,6 +192,7 @@ def run_search(cfg: RunConfig, gpus: int, gpu_name: str, confirm: int, as_json: 
         rows.append({"mesh": format_mesh(c["sizes"]), "set": settings(c),
                      "step_s_overlap": c["time"]["overlap_s"], "step_s_no_overlap": c["time"]["no_overlap_s"],
                      "mfu_overlap": c["time"]["mfu_overlap"], "memory_gb": c["memory"]["peak"] / 1e9,
+                     "all_to_all_gb": estimate.expert(c["cfg"], c["sizes"]) / 1e9,
                      "reason": reason(c, ranked[0])})
         if i < confirm:
             trial = dataclasses.replace(c["cfg"], parallel=dataclasses.replace(c["cfg"].parallel, **c["sizes"]))
@@ -225,7 +231,7 @@ def main(argv: list[str]) -> int:
         if not args.gpus or args.gpus < 1:
             raise ConfigError("--search needs --gpus N, the GPU count to plan for")
         request_fake_devices(dataclasses.replace(cfg, parallel=dataclasses.replace(
-            cfg.parallel, **dict(zip(AXES, (1, args.gpus, 1, 1, 1))))))
+            cfg.parallel, **({a: 1 for a in AXES} | {"data": args.gpus}))))
         return run_search(cfg, args.gpus, args.gpu, args.confirm, args.json, measured)
     request_fake_devices(cfg)
     return dry_run(cfg, args.gpu, args.json, measured)

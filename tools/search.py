@@ -1,8 +1,11 @@
 """Search the meshes of a GPU count with the analytic model (tools/estimate.py).
 
-Candidates: every (pp, dp, fsdp, sp, tp) whose product is the GPU count, with tp and sp·tp
-inside one node (<= 8), that the step itself accepts (sharding/checks.py: tp dividing the heads,
-F and V, sp dividing L, pp dividing the layers, dp·fsdp dividing the global batch, ...). For
+Candidates: every (pp, dp, fsdp, ep, sp, tp) whose product is the GPU count (ep only for a MoE
+model), with tp and sp·tp inside one node (<= 8), that the step itself accepts
+(sharding/checks.py: tp dividing the heads, F and V, sp dividing L, pp dividing the layers,
+dp·fsdp·ep dividing the global batch, ep dividing the experts, no pipeline with experts, ...).
+The expert axis is timed on NVLink when it and the axes inside it (sp, tp) fit in a node, like
+every axis (tools/estimate.link_bandwidth). For
 each, the microbatch is the largest that fits the GPU's memory (fewest microbatches: least
 per-microbatch overhead); under a pipeline, 1f1b with the microbatch count (at least pp) of the
 shortest fitting step. A mesh for which not even one sequence per microbatch fits is rejected,
@@ -19,7 +22,7 @@ import itertools
 from configs.base import ConfigError, RunConfig
 from sharding.checks import batch_ranks, check_run
 from sharding.mesh import AXES
-from tools.estimate import GPU, GPUS_PER_NODE, Links, memory, shape, step_time
+from tools.estimate import GPU, GPUS_PER_NODE, Links, expert, memory, shape, step_time
 
 
 def divisors(n: int) -> list[int]:
@@ -130,6 +133,8 @@ def reason(candidate: dict, best: dict) -> str:
     parts = [f"compute {t['compute_s']:.2f} s"]
     if worst:
         parts.append(f"slowest comm {worst} {comm[worst]:.2f} s")
+    if candidate["sizes"]["expert"] > 1:
+        parts.append(f"all-to-all {expert(candidate['cfg'], candidate['sizes']) / 1e9:.0f} GB")
     if t["bubble"]:
         parts.append(f"bubble {100 * t['bubble']:.0f}%")
     b = shape(candidate["cfg"], candidate["sizes"]).b

@@ -2,10 +2,16 @@
 
 FLOPs are counted explicitly (model FLOPs, the MFU convention: remat recompute not counted):
   matmul   6 * P_matmul per token (forward 2, backward 4), P_matmul = every weight that is
-           multiplied (the embedding lookup is a gather, not a matmul; the head is counted)
+           multiplied (the embedding lookup is a gather, not a matmul; the head is counted).
+           Mixture of experts (model.n_experts > 0): the ACTIVE weights only, what one token
+           multiplies: in each of the X/moe_every MoE layers (the last of each group of
+           moe_every) the router D·E, k of the E experts 3·D·F_e and the shared experts
+           3·D·n_shared·F_e instead of the dense MLP; the attention as in a dense layer
   attention per layer and token: scores q.k and probs.v, 2 * 2 * L * N * H forward, halved for
            the causal mask (only the useful lower triangle), times 3 for forward + backward
 MFU = achieved FLOP/s per device / the device's dense bf16 peak (table below; None elsewhere).
+`param_counts` gives (total, active) parameters, every one (embedding, head, norms) included:
+Mixtral 8x7B's published 46.7B total and 12.9B active (tests/test_moe_plan.py).
 The step time is the mean over a log interval (`IntervalTimer`): the host waits for the device
 only at log steps, so single steps are not timed.
 """
@@ -16,6 +22,7 @@ import time
 from typing import TYPE_CHECKING
 
 from configs.base import ModelConfig
+from sharding.checks import expert_d_ff
 
 if TYPE_CHECKING:  # jax-free at import: tools/estimate.py plans without jax
     import jax
@@ -24,10 +31,43 @@ if TYPE_CHECKING:  # jax-free at import: tools/estimate.py plans without jax
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
 
+def moe_layers(m: ModelConfig) -> int:
+    """How many of the X layers are MoE: the last of each group of moe_every; 0 when dense."""
+    return m.n_layers // m.moe_every if m.n_experts else 0
+
+
+def attention_params(m: ModelConfig) -> int:
+    """wq, wk, wv, wo of one layer."""
+    d, n, k, h = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
+    return d * n * h + 2 * d * k * h + n * h * d
+
+
+def moe_ffn_params(m: ModelConfig, active: bool) -> int:
+    """The FFN of one MoE layer: router, the routed experts (k of them when `active`, else E)
+    and the shared experts."""
+    d, fe = m.d_model, expert_d_ff(m)
+    experts = m.experts_per_token if active else m.n_experts
+    return d * m.n_experts + experts * 3 * d * fe + 3 * d * m.n_shared_experts * fe
+
+
 def matmul_params(m: ModelConfig) -> int:
-    d, n, k, h, f = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
-    per_layer = d * n * h + 2 * d * k * h + n * h * d + 3 * d * f
-    return m.n_layers * per_layer + d * m.vocab_size
+    """Active matmul weights (module docstring): every layer's attention, the dense layers'
+    MLP, the MoE layers' router + k experts + shared experts, and the head."""
+    x_moe = moe_layers(m)
+    dense = (m.n_layers - x_moe) * 3 * m.d_model * m.d_ff
+    moe = x_moe * moe_ffn_params(m, active=True)
+    return m.n_layers * attention_params(m) + dense + moe + m.d_model * m.vocab_size
+
+
+def param_counts(m: ModelConfig) -> tuple[int, int]:
+    """(total, active) parameters: every weight (embedding, head, 2 norms per layer and the
+    final one included); active = what one token uses (k of the E experts of a MoE layer)."""
+    d, x_moe = m.d_model, moe_layers(m)
+    dense_layer = attention_params(m) + 3 * d * m.d_ff + 2 * d
+    moe_layer = attention_params(m) + 2 * d
+    rest = 2 * m.vocab_size * d + d  # embedding, head, final norm
+    base = (m.n_layers - x_moe) * dense_layer + x_moe * moe_layer + rest
+    return (base + x_moe * moe_ffn_params(m, active=False), base + x_moe * moe_ffn_params(m, active=True))
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
