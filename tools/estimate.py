@@ -101,8 +101,9 @@ Communication (bytes per device per step), the contract of DESIGN.md:
   stage   a permute of b·L·D·c per microbatch per stage boundary, forward and backward;
           bubble (p-1)/(m+p-1) of the step, (p-1)/(V·m+p-1) interleaved
 Time (roofline): compute = hardware FLOPs (model FLOPs, + one more forward under full remat and
-one more under 1f1b, and the experts' padded rows: R - T·k' rows per MoE layer and
-microbatch, 6·3·D·F_e/t each, assuming each row is computed once, by its own expert) /
+one more under 1f1b, and under capacity dispatch the experts' padded rows: R - T·k' rows per
+MoE layer and microbatch, 6·3·D·F_e/t each; dropless sorts its padding rows out of every group
+of the grouped matmul, so it computes the T·k' routed rows only, on average over devices) /
 dense bf16 peak, or HBM traffic / bandwidth when larger; each axis's bytes / its link: NVLink
 450 GB/s per GPU when the axis and the axes inside it fit in one node of 8 GPUs, InfiniBand
 50 GB/s per GPU (400 Gb/s NIC per GPU) otherwise. Two figures: communication not overlapped
@@ -347,15 +348,16 @@ def comm_time(sizes: dict[str, int], axis: str, nbytes: float, links: Links | No
 def flops(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     """Model FLOPs per step (6·N·tokens + attention, N the active parameters) and per device,
     and the hardware FLOPs per device: each recomputed forward adds 1/3 (remat full; 1f1b, whose
-    backward cell re-runs the stage's forward under jax.vjp); the experts compute every row of
-    their dispatch buffers, ep·S per MoE layer and microbatch where the model counts n·k
-    (dropless pads, capacity pads or drops): 6·3·D·F_e/t per row of the difference, the
-    `padding_per_device` (hardware FLOPs, part of hardware_per_device)."""
+    backward cell re-runs the stage's forward under jax.vjp); under capacity dispatch the
+    experts compute every row of their buffers, ep·S = E·C per MoE layer and microbatch where
+    the model counts n·k (padded, or dropped): 6·3·D·F_e/t per row of the difference, the
+    `padding_per_device` (hardware FLOPs, part of hardware_per_device). Dropless runs the
+    grouped matmul on the routed rows only (model/moe.py), so no padding FLOPs."""
     m, t, s = cfg.model, cfg.train, shape(cfg, sizes)
     model = flops_per_token(m, t.seq_len) * t.global_batch_size * t.seq_len
     per_device = model / math.prod(sizes.values())
     padding = 0.0
-    if s.moe:
+    if s.moe and m.moe_dispatch == "capacity":
         rows = sizes.get("expert", 1) * dispatch_rows(cfg, sizes) - s.tokens * m.experts_per_token
         padding = s.k * s.moe * 18 * m.d_model * expert_d_ff(m) / sizes["tensor"] * rows
     redo = (2 + 1 + (m.remat == "full") + one_f_one_b(cfg, sizes)) / 3  # forward, backward, recomputes
