@@ -1,0 +1,241 @@
+"""Mixture of experts (model/moe.py) and expert parallelism (sharding/expert_parallel.py).
+
+The router against a hand computation; the layer against a token-by-token loop; the capacity's
+dropped fraction in a constructed case; the train step on expert meshes equal to one device; the
+compiled step's all-to-alls against the contract and tools.estimate.expert; the presets' sizes;
+and the load-balancing loss at work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from configs import apply_overrides, get_preset
+from configs.base import ModelConfig
+from conftest import assert_same_run, run_steps, small_config
+from model.moe import MoE, Routing
+from model.transformer import Transformer, count_params
+from sharding.expert_parallel import Experts
+from sharding.mesh import build_mesh, parse_mesh
+from sharding.rules import logical_to_spec, param_shardings
+from sharding.tensor_parallel import TensorParallel
+from tools.hlo import step_census
+from training.metrics import param_counts
+
+MOE = ["model.n_experts=8", "model.experts_per_token=2", "model.expert_d_ff=64"]
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_router_by_hand():
+    """Top-2 of 4 experts for 3 tokens, the gates renormalised, and the Switch loss
+    E·Σ f_e·P_e, the z-loss and the load computed with numpy from the same logits."""
+    rng = np.random.default_rng(0)
+    tokens, router = rng.normal(size=(3, 5)).astype(np.float32), rng.normal(size=(5, 4)).astype(np.float32)
+    gates, experts, stats = Routing(4, 2, "dropless", 1.0).route(Experts(), jnp.asarray(tokens), jnp.asarray(router))
+    logits = tokens @ router
+    probs = _softmax(logits)
+    top = np.argsort(-probs, axis=1)[:, :2]
+    np.testing.assert_array_equal(experts, top)
+    picked = np.take_along_axis(probs, top, 1)
+    np.testing.assert_allclose(gates, picked / picked.sum(1, keepdims=True), rtol=1e-6)
+    f = np.bincount(top.ravel(), minlength=4) / 6
+    np.testing.assert_allclose(stats["aux"], 4 * np.sum(f * probs.mean(0)), rtol=1e-6)
+    lse = np.log(np.exp(logits).sum(1))
+    np.testing.assert_allclose(stats["z"], np.mean(lse**2), rtol=1e-5)
+    np.testing.assert_allclose(stats["load"], f.max() / f.mean(), rtol=1e-6)
+
+
+def _layer(dispatch: str, cf: float = 1.0, e: int = 4, k: int = 2, seed: int = 0):
+    m = ModelConfig(d_model=16, n_experts=e, experts_per_token=k, expert_d_ff=24, moe_dispatch=dispatch,
+                    capacity_factor=cf)
+    return MoE(m, TensorParallel(), rngs=nnx.Rngs(seed))
+
+
+def _by_token(layer: MoE, x: np.ndarray) -> np.ndarray:
+    """Σ_j gate_j · SwiGLU_{e_j}(x), token by token, in numpy."""
+    flat = x.reshape(-1, x.shape[-1])
+    probs = _softmax(flat @ np.asarray(layer.router[...]))
+    out = np.zeros_like(flat)
+    for t, p in enumerate(probs):
+        top = np.argsort(-p)[: layer.routing.k]
+        for e, g in zip(top, p[top] / p[top].sum()):
+            gate, up = flat[t] @ np.asarray(layer.w_gate[e]), flat[t] @ np.asarray(layer.w_up[e])
+            out[t] += g * ((gate / (1 + np.exp(-gate)) * up) @ np.asarray(layer.w_down[e]))
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("dispatch, cf", [("dropless", 1.0), ("capacity", 2.0)])
+def test_layer_equals_a_token_by_token_loop(dispatch, cf):
+    """Dropless, and capacity with room for every assignment (cf = E/k: C = n), equal the loop."""
+    layer = _layer(dispatch, cf)
+    x = np.random.default_rng(1).normal(size=(2, 6, 16)).astype(np.float32)
+    y, stats = layer(jnp.asarray(x))
+    np.testing.assert_allclose(y, _by_token(layer, x), rtol=1e-5, atol=1e-6)
+    assert float(stats["dropped"]) == 0.0
+
+
+def test_capacity_drops_exactly_the_overflow():
+    """Every token prefers expert 0 (its router column dominates): with k = 1, 8 tokens, 4
+    experts and cf = 1, C = ceil(8/4) = 2, so the first 2 tokens are kept and 6 of 8 assignments
+    dropped, reported as 0.75; a dropped token's output is 0 (it keeps its residual only)."""
+    layer = _layer("capacity", 1.0, e=4, k=1)
+    x = np.abs(np.random.default_rng(2).normal(size=(1, 8, 16))).astype(np.float32) + 0.5
+    layer.router[...] = jnp.zeros((16, 4)).at[:, 0].set(1.0)
+    y, stats = layer(jnp.asarray(x))
+    assert float(stats["dropped"]) == pytest.approx(0.75)
+    assert float(stats["load"]) == pytest.approx(4.0)  # all 8 on one expert of 4: max / mean
+    np.testing.assert_allclose(y[0, :2], _by_token(layer, x)[0, :2], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(y[0, 2:], 0.0)
+
+
+# --- the train step on expert meshes -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_reference(corpus):
+    return run_steps(small_config("", *MOE), corpus, devices=jax.devices()[:1])
+
+
+def _devices(cfg) -> list:
+    return jax.devices()[: math.prod(cfg.parallel.__dict__[a] for a in ("stage", "data", "fsdp", "expert",
+                                                                          "sequence", "tensor"))]
+
+
+LAYER_MESHES = ["ep=2", "ep=4", "ep=8", "dp=2,ep=4", "ep=2,tp=2", "ep=2,tp=2 sp", "fsdp=2,ep=2", "fsdp=2,ep=2,tp=2",
+                 "ep=4 capacity"]
+
+
+def _layer_grads(mesh_spec: str | None):
+    """Value and gradients (weights and input) of Σ y·c + aux + z for one MoE layer (E 8, top 2,
+    fp32) on a batch [8, 16, 32], on `mesh_spec` ('sp': sequence parallelism; 'capacity': cf
+    E/k, so nothing is dropped) or on one device."""
+    spec, *flags = (mesh_spec or "").split(" ")
+    tp = TensorParallel(sequence_parallel="sp" in flags)
+    m = ModelConfig(d_model=32, n_experts=8, experts_per_token=2, expert_d_ff=48, compute_dtype="float32",
+                    moe_dispatch="capacity" if "capacity" in flags else "dropless", capacity_factor=4.0)
+    graphdef, params = nnx.split(MoE(m, tp, rngs=nnx.Rngs(3)))
+    rng = np.random.default_rng(4)
+    x, c = (jnp.asarray(rng.normal(size=(8, 16, 32)), jnp.float32) for _ in range(2))
+
+    def loss(params, x):
+        y, stats = nnx.merge(graphdef, params)(x)
+        return jnp.sum(y * c) + stats["aux"] + stats["z"]
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    if not mesh_spec:
+        return jax.device_get(fn(params, x))
+    parallel = parse_mesh(spec)
+    mesh = build_mesh(parallel, _devices(dataclasses.replace(small_config(), parallel=parallel)))
+    x_spec = logical_to_spec(tp.activation_names, x.shape, mesh)
+    with jax.set_mesh(mesh):
+        return jax.device_get(fn(jax.device_put(params, param_shardings(params, mesh)),
+                                 jax.device_put(x, NamedSharding(mesh, x_spec))))
+
+
+@pytest.mark.parametrize("mesh", LAYER_MESHES)
+def test_layer_on_expert_meshes_equals_one_device(mesh):
+    """The layer's value and every gradient (router, experts, input) on each mesh equal one
+    device's, rtol 1e-5 (fp32; only reduction orders differ): experts over ep 2, 4, 8; beside
+    data, tensor (the experts' F split; with sequence parallelism), fsdp; capacity dispatch."""
+    (value, grads), (want, want_grads) = _layer_grads(mesh), _layer_grads(None)
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    for (path, expected), actual in zip(jax.tree_util.tree_leaves_with_path(want_grads), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+STEP_CASES = [
+    ("dp=2,ep=4", "model.moe_dispatch=capacity", "model.capacity_factor=4"), ("fsdp=2,ep=2,tp=2",), ("ep=2,sp=2",),
+]
+
+
+@pytest.mark.parametrize("case", STEP_CASES, ids=" ".join)
+def test_train_step_equals_single_device(case, moe_reference, corpus):
+    """Loss, every gradient of step 0 and 5 steps' losses equal the single-device dropless run
+    (conftest.assert_same_run: fp32, rtol 2e-5 on losses, atol 1e-6 + rtol 1e-4 on gradients):
+    experts beside data with capacity dispatch that drops nothing (cf = E/k), beside fsdp and
+    tensor, and beside the sequence axis (ring context parallelism). The layer itself is
+    checked on more meshes above, at a fraction of the compile time."""
+    cfg = small_config(case[0], *MOE, *case[1:])
+    assert_same_run(run_steps(cfg, corpus, _devices(cfg)), moe_reference)
+
+
+# --- the compiled step's collectives ---------------------------------------------------------
+
+def _moe_census(mesh: str, *sets: str):
+    cfg = apply_overrides(get_preset("moe-tiny"), ["model.compute_dtype=float32", "train.micro_batch_size=0", *sets])
+    cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
+    return cfg, step_census(cfg, build_mesh(cfg.parallel))
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_census_holds_the_expert_contract(dispatch):
+    """moe-tiny's compiled step on dp=2,ep=4 (fp32): in each layer loop, on `expert` alone, 2
+    all-to-alls of the dispatch buffer forward (dispatch, combine) and 2 backward, each of
+    ep·S·D elements (dropless S = n·min(k, E/ep), capacity (E/ep)·C); dropless adds one int32
+    all-to-all of the expert ids forward. Their bytes equal tools.estimate.expert within 2%;
+    the attention weights' gradients are reduced over data and expert together."""
+    from tools import estimate
+
+    cfg, found = _moe_census("dp=2,ep=4", f"model.moe_dispatch={dispatch}")
+    m, ep = cfg.model, 4
+    n = cfg.train.global_batch_size // 8 * cfg.train.seq_len
+    rows = n * min(m.experts_per_token, m.n_experts // ep) if dispatch == "dropless" else (
+        m.n_experts // ep * math.ceil(m.capacity_factor * n * m.experts_per_token / m.n_experts))
+    a2a = [c for c in found if c.kind == "all-to-all"]
+    assert all(c.axes == ("expert",) and c.trips == m.n_layers for c in a2a)
+    acts = [c for c in a2a if c.dtype == "f32"]
+    assert {c.elements for c in acts} == {ep * rows * m.d_model}
+    forward = sum("transpose(" not in c.op_name for c in acts)
+    assert (forward, len(acts) - forward) == (2, 2)
+    ids = [c for c in a2a if c.dtype != "f32"]
+    assert [(c.dtype, c.elements) for c in ids] == ([("s32", ep * rows)] if dispatch == "dropless" else [])
+    sizes = {"stage": 1, "data": 2, "fsdp": 1, "expert": ep, "sequence": 1, "tensor": 1}
+    assert sum(c.bytes_per_step for c in a2a) == pytest.approx(estimate.expert(cfg, sizes), rel=0.02)
+    grads = Counter(c.axes for c in found if c.kind == "all-reduce")
+    assert grads[("data", "expert")] > 0
+
+
+# --- presets and the load-balancing loss -------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["moe-tiny", "mixtral-8x7b"])
+def test_preset_parameter_counts(name):
+    """The built model's parameters (abstract: nothing allocated) equal training.metrics.param_counts,
+    whose figures for Mixtral 8x7B are the published 46.7B total and 12.9B active."""
+    m = get_preset(name).model
+    model = nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0)))
+    total, active = param_counts(m)
+    assert count_params(nnx.state(model, nnx.Param)) == total
+    if name == "mixtral-8x7b":
+        assert (round(total / 1e9, 1), round(active / 1e9, 1)) == (46.7, 12.9)
+
+
+def test_load_balancing_loss_evens_the_load(corpus):
+    """40 steps of a small MoE on one device: with the Switch loss at weight 0.1 the busiest
+    expert's share of the assignments (over the mean) ends lower than without it."""
+    def final_load(weight: float) -> float:
+        cfg = small_config("", *MOE, f"model.router_aux_loss={weight}", "train.steps=40", "train.lr=1e-2")
+        mesh = build_mesh(cfg.parallel, jax.devices()[:1])
+        from training.build import build
+
+        job = build(cfg, mesh, tokens=corpus)
+        state, loads = job.state, []
+        with jax.set_mesh(mesh):
+            for step in range(cfg.train.steps):
+                state, metrics = job.step_fn(state, job.batches(step))
+                loads.append(float(metrics["moe_load"]))
+        return float(np.mean(loads[-5:]))
+
+    balanced, free = final_load(0.1), final_load(0.0)
+    assert balanced < free
