@@ -27,6 +27,7 @@ from configs import ConfigError, RunConfig
 from sharding.mesh import format_mesh
 from tools.bandwidth import add_bandwidth_arg, load
 from training.distributed import add_process_args, process_count
+from training.metrics import param_counts
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -122,8 +123,9 @@ def build_and_train(cfg: RunConfig, mesh, program, tokens, run_dir: Path, checkp
         print(f"config ({run_dir / 'config.json'}):\n{text}")
         print(f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')}  (python -m sharding.xla_flags says why)")
     k, b, length = job.batches.shape
+    active = f" ({param_counts(cfg.model)[1] / 1e6:.2f}M active)" if cfg.model.n_experts else ""
     print(
-        f"{cfg.name}: {job.n_params / 1e6:.2f}M parameters | mesh {format_mesh(dict(mesh.shape))} "
+        f"{cfg.name}: {job.n_params / 1e6:.2f}M parameters{active} | mesh {format_mesh(dict(mesh.shape))} "
         f"on {mesh.size} {jax.devices()[0].platform} device(s) | batch {k}x{b}x{length} tokens\n"
         f"strategies: {program.strategies.describe()}"
     )

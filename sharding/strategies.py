@@ -20,8 +20,9 @@ stage for every run alike, and XLA derives the data and FSDP collectives from th
   remat      the policy around each scanned layer (model/remat.py)
   schedule   pp > 1: the pipeline schedule over `stage` (pipeline/); None: the step's k
              microbatches run as a scan (training/step.py)
-
-The next strategy (experts) becomes a field here too.
+  experts    n_experts > 0: how the MoE layers dispatch (dropless | capacity); their region is
+             explicit over every token axis and `expert` (sharding/expert_parallel.py) whatever
+             the mesh; None: a dense model
 """
 
 from __future__ import annotations
@@ -42,19 +43,20 @@ class Strategies:
     attention: str = "xla"
     remat: str = "none"
     schedule: str | None = None
+    experts: str | None = None
 
     @classmethod
     def single_device(cls, m: ModelConfig) -> Strategies:
         """A model on one device (tests, tools): its own core and remat, nothing to split."""
-        return cls(attention=m.attention, remat=m.remat)
+        return cls(attention=m.attention, remat=m.remat, experts=m.moe_dispatch if m.n_experts else None)
 
     def describe(self) -> str:
         """One line for the log, e.g. 'tensor shard_map+sp, context ring, attention xla, remat full,
-        pipeline 1f1b'."""
+        pipeline 1f1b, experts none'."""
         t = self.tensor
         tensor = "+".join([t.impl] + ["sp"] * t.sequence_parallel + ["overlap"] * t.overlap)
         return (f"tensor {tensor}, context {self.context or 'none'}, attention {self.attention}, remat {self.remat}, "
-                f"pipeline {self.schedule or 'none'}")
+                f"pipeline {self.schedule or 'none'}, experts {self.experts or 'none'}")
 
 
 def parallelize(cfg: RunConfig, sizes: dict[str, int]) -> Strategies:
@@ -70,4 +72,5 @@ def parallelize(cfg: RunConfig, sizes: dict[str, int]) -> Strategies:
         attention=m.attention,
         remat=m.remat,
         schedule=p.schedule if sizes["stage"] > 1 else None,
+        experts=m.moe_dispatch if m.n_experts else None,
     )

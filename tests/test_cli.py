@@ -76,6 +76,12 @@ def test_log_lines_and_profile_window(tmp_path):
         (["--mesh", "dp=2,sp=4", "--set", "train.seq_len=20"], "train.seq_len=20 is not divisible by 2·sp=8"),
         (["--mesh", "pp=2,dp=2,sp=2", "--set", "parallel.schedule=1f1b"], "use parallel.context_impl=allgather"),
         (["--mesh", "dp=4,sp=2", "--set", "model.attention=cudnn"], "use model.attention=pallas or xla"),
+        # Experts (sharding/checks.py check_experts, configs/checks.py).
+        (["--config", "moe-tiny", "--mesh", "ep=3", "--set", "train.global_batch_size=48"],
+         "model.n_experts=8 is not divisible by ep=3"),
+        (["--config", "moe-tiny", "--set", "model.experts_per_token=9"], "model.experts_per_token=9 is more than model.n_experts=8"),
+        (["--config", "moe-tiny", "--set", "model.capacity_factor=0"], "--set model.capacity_factor=0.0: must be > 0"),
+        (["--mesh", "dp=4,ep=2"], "--mesh ep=2 with model.n_experts=0"),
         (["--set", "train.lr=nan"], "--set train.lr=nan: expected a finite float"),
         (["--steps", "3", "--profile-steps", "10:13"], "--profile-steps 10:13 does not fit in --steps 3"),
         (["--profile-steps", "1:100", "--steps", "3"], "--profile-steps 1:100 does not fit in --steps 3"),

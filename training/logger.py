@@ -61,6 +61,8 @@ class MetricsLogger:
             f"lr {r['lr']:.2e}",
             f"gnorm {r['grad_norm']:.3f}",
         ]
+        if "moe_aux" in r:  # router statistics, per MoE layer (model/moe.py)
+            parts.append(f"moe aux {r['moe_aux']:.3f} load {r['moe_load']:.2f} dropped {r['moe_dropped']:.1%}")
         if r.get("skipped"):
             parts.append(f"skipped {r['skipped']} non-finite")
         if r.get("mfu") is not None:
