@@ -60,7 +60,7 @@ STATS = ("aux", "z", "dropped", "load")
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, dispatch: str, *, rngs: nnx.Rngs):
         e, d, f = cfg.n_experts, cfg.d_model, expert_d_ff(cfg)
         dtype = jnp.dtype(cfg.param_dtype)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
@@ -70,7 +70,7 @@ class MoE(nnx.Module):
         self.w_down = param(rngs, (e, f, d), NAMES["w_down"], out_std, dtype)
         shared = dataclasses.replace(cfg, d_ff=cfg.n_shared_experts * f)
         self.shared = MLP(shared, tp, rngs=rngs) if cfg.n_shared_experts else None
-        self.routing = Routing(e, cfg.experts_per_token, cfg.moe_dispatch, cfg.capacity_factor)
+        self.routing = Routing(e, cfg.experts_per_token, dispatch, cfg.capacity_factor)
         self.tp = tp
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:

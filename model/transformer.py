@@ -39,17 +39,17 @@ from sharding.tensor_parallel import TensorParallel
 
 
 class Block(nnx.Module):
-    """One layer: x + attn(norm(x)), then x + ffn(norm(x)), the ffn a SwiGLU MLP or (moe) a
-    mixture of experts (model/moe.py). Returns the new x and the MoE's router statistics ({}
-    for a dense layer)."""
+    """One layer: x + attn(norm(x)), then x + ffn(norm(x)), the ffn a SwiGLU MLP, or a mixture of
+    experts (model/moe.py) dispatching by `experts` (dropless | capacity). Returns the new x and
+    the MoE's router statistics ({} for a dense layer)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, core: str, context: str | None, moe: bool, *,
-                 rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, core: str, context: str | None, experts: str | None,
+                 *, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs=rngs)
         self.attn = Attention(cfg, tp, core, context, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs=rngs)
-        self.mlp = MoE(cfg, tp, rngs=rngs) if moe else MLP(cfg, tp, rngs=rngs)
+        self.mlp = MoE(cfg, tp, experts, rngs=rngs) if experts else MLP(cfg, tp, rngs=rngs)
         self.act_names = tp.activation_names
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, dict]:
@@ -65,9 +65,11 @@ class Group(nnx.Module):
     """`model.moe_every` layers in a row, the last a MoE layer: the unit of the layer stack when
     only every k-th layer is MoE (k > 1), so that the stack stays one homogeneous scan."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, core: str, context: str | None, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, core: str, context: str | None, experts: str, *,
+                 rngs: nnx.Rngs):
         k = cfg.moe_every
-        self.layers = nnx.List([Block(cfg, tp, core, context, i == k - 1, rngs=rngs) for i in range(k)])
+        self.layers = nnx.List([Block(cfg, tp, core, context, experts if i == k - 1 else None, rngs=rngs)
+                                for i in range(k)])
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, dict]:
         stats: dict = {}
@@ -93,15 +95,16 @@ class Transformer(nnx.Module):
     @staticmethod
     def _stacked_blocks(cfg: ModelConfig, strategies: Strategies, rngs: nnx.Rngs) -> Block | Group:
         """The layer stack: X Blocks (dense, or all MoE), or X/k Groups of k (moe_every = k > 1)."""
-        grouped = cfg.n_experts and cfg.moe_every > 1
+        experts = strategies.experts
+        grouped = experts and cfg.moe_every > 1
         t, core, context = strategies.tensor, strategies.attention, strategies.context
 
         @nnx.split_rngs(splits=cfg.n_layers // cfg.moe_every if grouped else cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make(rngs: nnx.Rngs) -> Block | Group:
             if grouped:
-                return Group(cfg, t, core, context, rngs=rngs)
-            return Block(cfg, t, core, context, bool(cfg.n_experts), rngs=rngs)
+                return Group(cfg, t, core, context, experts, rngs=rngs)
+            return Block(cfg, t, core, context, experts, rngs=rngs)
 
         return make(rngs)
 

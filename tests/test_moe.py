@@ -61,7 +61,7 @@ def test_router_by_hand():
 def _layer(dispatch: str, cf: float = 1.0, e: int = 4, k: int = 2, seed: int = 0):
     m = ModelConfig(d_model=16, n_experts=e, experts_per_token=k, expert_d_ff=24, moe_dispatch=dispatch,
                     capacity_factor=cf)
-    return MoE(m, TensorParallel(), rngs=nnx.Rngs(seed))
+    return MoE(m, TensorParallel(), dispatch, rngs=nnx.Rngs(seed))
 
 
 def _by_token(layer: MoE, x: np.ndarray) -> np.ndarray:
@@ -125,7 +125,7 @@ def _layer_grads(mesh_spec: str | None):
     tp = TensorParallel(sequence_parallel="sp" in flags)
     m = ModelConfig(d_model=32, n_experts=8, experts_per_token=2, expert_d_ff=48, compute_dtype="float32",
                     moe_dispatch="capacity" if "capacity" in flags else "dropless", capacity_factor=4.0)
-    graphdef, params = nnx.split(MoE(m, tp, rngs=nnx.Rngs(3)))
+    graphdef, params = nnx.split(MoE(m, tp, m.moe_dispatch, rngs=nnx.Rngs(3)))
     rng = np.random.default_rng(4)
     x, c = (jnp.asarray(rng.normal(size=(8, 16, 32)), jnp.float32) for _ in range(2))
 
