@@ -59,6 +59,22 @@ NAMES = {
 STATS = ("aux", "z", "dropped", "load")
 
 
+def no_stats(m: ModelConfig) -> dict[str, jax.Array]:
+    """Zero router statistics of a model's structure ({} for a dense model): accumulators' start."""
+    return {name: jnp.zeros((), jnp.float32) for name in STATS} if m.n_experts else {}
+
+
+def router_loss(stats: dict[str, jax.Array], m: ModelConfig) -> jax.Array | float:
+    """The router losses' part of the objective: aux and z weighted by model.router_aux_loss and
+    model.router_z_loss (0 for a dense model)."""
+    return m.router_aux_loss * stats["aux"] + m.router_z_loss * stats["z"] if stats else 0.0
+
+
+def moe_layers(m: ModelConfig) -> int:
+    """The number of MoE layers: every moe_every-th of the X (0 for a dense model)."""
+    return m.n_layers // m.moe_every if m.n_experts else 0
+
+
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, dispatch: str, *, rngs: nnx.Rngs):
         e, d, f = cfg.n_experts, cfg.d_model, expert_d_ff(cfg)

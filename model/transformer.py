@@ -29,7 +29,7 @@ from configs.base import ModelConfig
 from model.attention import Attention
 from model.layers import Embed, RMSNorm, param, rotary
 from model.mlp import MLP
-from model.moe import MoE
+from model.moe import MoE, moe_layers
 from model.remat import remat
 from sharding.checks import check_model
 from sharding.rules import axis_size, constrain
@@ -112,8 +112,7 @@ class Transformer(nnx.Module):
         """tokens [B, L] int -> logits [B, L, V] fp32, and the MoE layers' router statistics
         (model/moe.py STATS, each the mean over the MoE layers; {} for a dense model)."""
         x, stats = self.run_layers(self.embed_tokens(tokens), nnx.state(self.blocks))
-        moe_layers = self.cfg.n_layers // self.cfg.moe_every
-        return self.logits(x), {name: v / moe_layers for name, v in stats.items()}
+        return self.logits(x), {name: v / moe_layers(self.cfg) for name, v in stats.items()}
 
     # The pieces below let pipeline/ run the layers in stages, embedding and head apart.
 

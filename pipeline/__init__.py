@@ -26,8 +26,11 @@ __all__ = ["loss_and_grads", "stages"]
 
 
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
-                   cfg: RunConfig) -> tuple[jax.Array, nnx.State]:
-    """Mean loss and gradients of the [M, b, L] batch, pipelined by `parallel.schedule`."""
+                   cfg: RunConfig) -> tuple[jax.Array, nnx.State, dict]:
+    """Mean loss, gradients (of the loss plus the router losses of a MoE model) and the router
+    statistics (model/moe.py; {} for a dense model) of the [M, b, L] batch, pipelined by
+    `parallel.schedule`. Each stage sums the statistics of its MoE layers over the microbatches
+    it runs (idle ticks masked out), and the sums meet across `stage` once per step."""
     if cfg.parallel.schedule == "1f1b":
         return one_f_one_b.loss_and_grads(params, graphdef, batch, cfg)
     return circular.loss_and_grads(params, graphdef, batch, cfg)

@@ -38,11 +38,13 @@ from configs.base import RunConfig
 from pipeline.schedule import IDLE, cells, timetable
 from pipeline.stages import AXIS, buffer, over_stages, stages
 from model.loss import cross_entropy
+from model.moe import moe_layers, no_stats, router_loss
 from model.transformer import compute_params
 
 
-def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig) -> jax.Array:
-    """Mean loss of the [M, b, L] batch, the layers run as a circular pipeline."""
+def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig) -> tuple:
+    """The objective of the [M, b, L] batch, the layers run as a circular pipeline: the mean
+    loss plus the router losses; as aux, (mean loss, router statistics per MoE layer)."""
     p, v_count = stages(), max(cfg.parallel.virtual_stages, 1)
     m_count = batch["inputs"].shape[0]
     model = nnx.merge(graphdef, compute_params(params, cfg.model.compute_dtype))
@@ -51,31 +53,36 @@ def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     ring = [(i, (i + 1) % p) for i in range(p)]
     rows = tuple(jnp.asarray(a) for a in cells(timetable(cfg.parallel.schedule, p, m_count, v_count)))
 
-    def body(layers: nnx.State, x_all: jax.Array) -> jax.Array:
+    def body(layers: nnx.State, x_all: jax.Array) -> tuple[jax.Array, dict]:
         s = lax.axis_index(AXIS)
 
         def tick(carry, row):
-            state, outputs = carry  # state [b, L, D]: what arrived this tick
+            state, outputs, stats = carry  # state [b, L, D]: what arrived this tick
             kind, m, v = (a[s] for a in row)
             active = kind != IDLE
             x = jnp.where((s == 0) & (v == 0), x_all[m], state)
             x = jnp.where(active, x, jnp.zeros_like(x))  # idle ticks never read the buffers
-            y, _ = model.run_layers(x, jax.tree.map(lambda a: a[v], layers))  # dense: no router stats
+            y, more = model.run_layers(x, jax.tree.map(lambda a: a[v], layers))
+            stats = jax.tree.map(lambda a, b: a + jnp.where(active, b, 0.0), stats, more)  # idle: not counted
             done = active & (s == p - 1) & (v == v_count - 1)
             outputs = outputs.at[m].set(jnp.where(done, y, outputs[m]))
-            return (lax.ppermute(y, AXIS, ring), outputs), None
+            return (lax.ppermute(y, AXIS, ring), outputs, stats), None
 
-        start = (buffer(x_all.shape[1:], x_all.dtype), buffer(x_all.shape, x_all.dtype))
-        (_, outputs), _ = lax.scan(tick, start, rows)
-        return outputs[None]  # [1, M, b, L, D]
+        start = (buffer(x_all.shape[1:], x_all.dtype), buffer(x_all.shape, x_all.dtype), no_stats(cfg.model))
+        (_, outputs, stats), _ = lax.scan(tick, start, rows)
+        return outputs[None], jax.tree.map(lambda a: a[None], stats)  # [1, M, b, L, D], {name: [1]}
 
     specs = jax.tree.map(lambda _: P(None, AXIS), layers)
-    out = over_stages(body, (specs, P()), P(AXIS))(layers, x_all)
+    out, stats = over_stages(body, (specs, P()), P(AXIS))(layers, x_all)
+    stats = {name: jnp.sum(a) / (m_count * moe_layers(cfg.model)) for name, a in stats.items()}
     logits = jax.vmap(model.logits)(out[p - 1])  # the last stage's outputs [M, b, L, D]
-    return jax.vmap(cross_entropy, (0, 0, None))(logits, batch["targets"], cfg.train.z_loss).mean()
+    loss = jax.vmap(cross_entropy, (0, 0, None))(logits, batch["targets"], cfg.train.z_loss).mean()
+    return loss + router_loss(stats, cfg.model), (loss, stats)
 
 
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
-                   cfg: RunConfig) -> tuple[jax.Array, nnx.State]:
-    """Mean loss and gradients of the [M, b, L] batch, autodiff through the circular pipeline."""
-    return jax.value_and_grad(pipelined_loss)(params, graphdef, batch, cfg)
+                   cfg: RunConfig) -> tuple[jax.Array, nnx.State, dict]:
+    """Mean loss, gradients and router statistics of the [M, b, L] batch, autodiff through the
+    circular pipeline."""
+    (_, (loss, stats)), grads = jax.value_and_grad(pipelined_loss, has_aux=True)(params, graphdef, batch, cfg)
+    return loss, grads, stats

@@ -57,10 +57,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
-from configs.base import RunConfig
+from configs.base import ModelConfig, RunConfig
 from pipeline.schedule import BACKWARD, FORWARD, IDLE, cells, one_f_one_b
 from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
 from model.loss import cross_entropy
+from model.moe import moe_layers, no_stats, router_loss
 from model.transformer import Transformer, compute_params
 
 BACKWARD_LAST = BACKWARD + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, and B on stage p-1
@@ -110,10 +111,11 @@ def program(p: int, m_count: int) -> Program:
 
 @dataclass(frozen=True)
 class Static:
-    """What the cells take besides arrays: the model's structure, the compute dtype, the loss's
-    z-loss weight and M (each microbatch's loss counts 1/M)."""
+    """What the cells take besides arrays: the model's structure and config (its router losses'
+    weights), the compute dtype, the loss's z-loss weight and M (each microbatch's loss counts 1/M)."""
 
     graphdef: nnx.GraphDef
+    model: ModelConfig
     dtype: DTypeLike
     z_loss: float
     m_count: int
@@ -126,6 +128,7 @@ class Sent(NamedTuple):
     send_b: jax.Array  # [b, L, D] the gradient of the stage's input, for s-1 at the next tick
     grads: nnx.State  # fp32 gradients of the stage's parameters, summed over the ticks so far
     loss: jax.Array  # the loss summed so far (stage p-1)
+    stats: dict  # the router statistics of the stage's MoE layers, summed over its B cells so far
 
 
 def _model(st: Static, local: nnx.State) -> Transformer:
@@ -133,19 +136,30 @@ def _model(st: Static, local: nnx.State) -> Transformer:
     return nnx.merge(st.graphdef, compute_params(local, st.dtype))
 
 
-def _layers(model: Transformer, x: jax.Array) -> jax.Array:
-    """x [b, L, D] through the stage's X/p layers."""
-    return model.run_layers(x, nnx.state(model.blocks))[0]  # dense layers: no router stats
+def _layers(model: Transformer, x: jax.Array) -> tuple[jax.Array, dict]:
+    """x [b, L, D] through the stage's X/p layers; their router statistics, summed."""
+    return model.run_layers(x, nnx.state(model.blocks))
 
 
-def _stage(st: Static, local: nnx.State, x: jax.Array) -> jax.Array:
-    return _layers(_model(st, local), x)
+def _router_share(st: Static, stats: dict) -> jax.Array:
+    """This stage's part of one microbatch's router losses in the objective: its MoE layers'
+    summed losses over all MoE layers and M (0 for a dense model)."""
+    return jnp.asarray(router_loss(stats, st.model), jnp.float32) / (st.m_count * max(moe_layers(st.model), 1))
 
 
-def _last(st: Static, local: nnx.State, x: jax.Array, target: jax.Array) -> jax.Array:
-    """Stage p-1's layers, head and loss of one microbatch (target [b, L]), scaled 1/M."""
+def _stage(st: Static, local: nnx.State, x: jax.Array) -> tuple[tuple[jax.Array, jax.Array], dict]:
+    """(the stage's output, its router share), and its router statistics as aux."""
+    y, stats = _layers(_model(st, local), x)
+    return (y, _router_share(st, stats)), stats
+
+
+def _last(st: Static, local: nnx.State, x: jax.Array, target: jax.Array) -> tuple[jax.Array, tuple]:
+    """Stage p-1's layers, head and loss of one microbatch (target [b, L]), scaled 1/M, plus its
+    router share; as aux (the scaled loss, the router statistics)."""
     model = _model(st, local)
-    return cross_entropy(model.logits(_layers(model, x)), target, st.z_loss) / st.m_count
+    y, stats = _layers(model, x)
+    loss = cross_entropy(model.logits(y), target, st.z_loss) / st.m_count
+    return loss + _router_share(st, stats), (loss, stats)
 
 
 def _embed(st: Static, local: nnx.State, tokens: jax.Array, table: jax.Array) -> jax.Array:
@@ -167,29 +181,31 @@ def _idle(st: Static, local: nnx.State, x: jax.Array, g: jax.Array, target: jax.
 
 
 def _forward(st: Static, local: nnx.State, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
-    return out._replace(send_f=_stage(st, local, x))
+    return out._replace(send_f=_stage(st, local, x)[0][0])
 
 
 def _backward(st: Static, local: nnx.State, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
-    dl, dx = jax.vjp(partial(_stage, st), local, x)[1](g)
-    return out._replace(send_b=dx, grads=_acc(out.grads, dl))
+    _, vjp, stats = jax.vjp(partial(_stage, st), local, x, has_aux=True)
+    dl, dx = vjp((g, jnp.ones((), jnp.float32)))  # the router share enters the objective as is
+    return out._replace(send_b=dx, grads=_acc(out.grads, dl), stats=jax.tree.map(jnp.add, out.stats, stats))
 
 
 def _backward_last(st: Static, local: nnx.State, x: jax.Array, g: jax.Array, target: jax.Array,
                    out: Sent) -> Sent:
-    lm, (dl, dx) = jax.value_and_grad(partial(_last, st), argnums=(0, 1))(local, x, target)
-    return out._replace(send_b=dx, grads=_acc(out.grads, dl), loss=out.loss + lm)
+    (_, (lm, stats)), (dl, dx) = jax.value_and_grad(partial(_last, st), argnums=(0, 1), has_aux=True)(local, x, target)
+    return out._replace(send_b=dx, grads=_acc(out.grads, dl), loss=out.loss + lm,
+                        stats=jax.tree.map(jnp.add, out.stats, stats))
 
 
 CELLS = (_idle, _forward, _backward, _backward_last)  # IDLE, FORWARD, BACKWARD, BACKWARD_LAST
 
 
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
-                   cfg: RunConfig) -> tuple[jax.Array, nnx.State]:
-    """Mean loss and fp32 gradients of the [M, b, L] batch by the 1F1B schedule."""
+                   cfg: RunConfig) -> tuple[jax.Array, nnx.State, dict]:
+    """Mean loss, fp32 gradients and router statistics of the [M, b, L] batch by the 1F1B schedule."""
     p, (m_count, b, length) = stages(), batch["inputs"].shape
     prog = program(p, m_count)
-    st = Static(graphdef, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, m_count)
+    st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, m_count)
     branches = [partial(cell, st) for cell in CELLS]
     down, up = [(i, i + 1) for i in range(p - 1)], [(i + 1, i) for i in range(p - 1)]
 
@@ -213,12 +229,13 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
         act = (b, length, cfg.model.d_model)
         start = (buffer((prog.stash, *act), st.dtype), buffer((prog.inbox, *act), st.dtype),
                  Sent(buffer(act, st.dtype), buffer(act, st.dtype), jax.tree.map(jnp.zeros_like, local),
-                      jnp.zeros((), jnp.float32)))
+                      jnp.zeros((), jnp.float32), no_stats(cfg.model)))
         rows = tuple(jnp.asarray(a) for a in (prog.branch, prog.microbatch, prog.arrive_f, prog.arrive_b))
         (_, _, out), _ = lax.scan(tick, start, rows)
         summed = jax.tree.map(lambda a: lax.psum(a, AXIS), out.grads)  # embedding, norm, head
-        return lax.psum(out.loss, AXIS), with_part(summed, "blocks", out.grads["blocks"])
+        stats = {name: lax.psum(a, AXIS) / (m_count * moe_layers(cfg.model)) for name, a in out.stats.items()}
+        return lax.psum(out.loss, AXIS), with_part(summed, "blocks", out.grads["blocks"]), stats
 
     specs = with_part(jax.tree.map(lambda _: P(), params), "blocks", jax.tree.map(lambda _: P(AXIS), params["blocks"]))
-    run = over_stages(body, (specs, P(), P()), (P(), specs))
+    run = over_stages(body, (specs, P(), P()), (P(), specs, P()))
     return run(params, batch["inputs"], batch["targets"])

@@ -18,7 +18,8 @@ Rules, by what they protect:
                sequence parallelism; not the cudnn core; the ring not under 1f1b; sequence
                parallelism with sp > 1 only with ring|allgather
   experts      ep > 1 only with n_experts; ep divides E; top-k at most E; moe_every divides
-               the layers; tp divides the expert (and shared expert) F; no pipeline yet
+               the layers; tp divides the expert (and shared expert) F; a pipeline's stages
+               hold whole groups of moe_every layers
   fsdp         fsdp divides D (weights are split on `embed`)
   pipeline     pp·V divides the layers; at least pp microbatches, a multiple of pp when
                interleaved; virtual stages only with interleaved; no train.micro_batch_size
@@ -147,10 +148,12 @@ def check_experts(cfg: RunConfig, sizes: dict[str, int]) -> None:
     for field, f in (("expert_d_ff", expert_d_ff(m)), ("n_shared_experts*expert_d_ff", m.n_shared_experts * expert_d_ff(m))):
         if f % tp:
             raise ConfigError(f"model.{field}={f} is not divisible by tp={tp}: the experts' F is split over tensor")
-    if sizes["stage"] > 1:
+    units, p, v = m.n_layers // m.moe_every, sizes["stage"], cfg.parallel.virtual_stages
+    if p > 1 and units % (p * v):
         raise ConfigError(
-            f"model.n_experts={m.n_experts} with pp={sizes['stage']}: MoE layers do not run in a "
-            "pipeline yet (their router statistics would need to travel the stages); drop pp"
+            f"model.n_layers={m.n_layers} with model.moe_every={m.moe_every} makes {units} groups of layers, "
+            f"not divisible by pp*virtual_stages={p * v}: each stage holds whole groups (the MoE layer with "
+            "its dense ones); change moe_every, n_layers or pp"
         )
 
 

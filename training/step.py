@@ -36,7 +36,7 @@ from flax import nnx
 import pipeline
 from configs.base import RunConfig
 from model.loss import cross_entropy
-from model.moe import STATS
+from model.moe import no_stats, router_loss
 from model.transformer import compute_params
 from sharding.strategies import Strategies
 
@@ -56,10 +56,7 @@ def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConf
     compute = compute_params(params, cfg.model.compute_dtype)
     logits, stats = nnx.merge(graphdef, compute)(batch["inputs"])  # [b, L, V] fp32
     loss = cross_entropy(logits, batch["targets"], cfg.train.z_loss)
-    objective = loss
-    if stats:
-        objective += cfg.model.router_aux_loss * stats["aux"] + cfg.model.router_z_loss * stats["z"]
-    return objective, (loss, stats)
+    return loss + router_loss(stats, cfg.model), (loss, stats)
 
 
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig,
@@ -67,19 +64,17 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     """Mean loss (cross-entropy), gradients (of the objective) and router statistics ({} for a
     dense model) over the k microbatches of `batch` ([k, b, L] leaves).
 
-    With a pipeline `schedule` (pp > 1) the k = M microbatches run through pipeline/ (dense
-    models only: sharding/checks.py refuses experts there).
+    With a pipeline `schedule` (pp > 1) the k = M microbatches run through pipeline/.
     """
     if schedule:
-        return *pipeline.loss_and_grads(params, graphdef, batch, cfg), {}
+        return pipeline.loss_and_grads(params, graphdef, batch, cfg)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def micro(acc, microbatch):
         (_, (loss, stats)), grads = grad_fn(params, graphdef, microbatch, cfg)
         return jax.tree.map(jnp.add, acc, (loss, grads, stats)), None
 
-    stats = {name: jnp.zeros((), jnp.float32) for name in STATS} if cfg.model.n_experts else {}
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), stats)
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), no_stats(cfg.model))
     totals, _ = jax.lax.scan(micro, zeros, batch)
     k = batch["inputs"].shape[0]
     return jax.tree.map(lambda t: t / k, totals)
