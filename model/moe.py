@@ -70,11 +70,6 @@ def router_loss(stats: dict[str, jax.Array], m: ModelConfig) -> jax.Array | floa
     return m.router_aux_loss * stats["aux"] + m.router_z_loss * stats["z"] if stats else 0.0
 
 
-def moe_layers(m: ModelConfig) -> int:
-    """The number of MoE layers: every moe_every-th of the X (0 for a dense model)."""
-    return m.n_layers // m.moe_every if m.n_experts else 0
-
-
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, dispatch: str, *, rngs: nnx.Rngs):
         e, d, f = cfg.n_experts, cfg.d_model, expert_d_ff(cfg)

@@ -29,9 +29,9 @@ from configs.base import ModelConfig
 from model.attention import Attention
 from model.layers import Embed, RMSNorm, param, rotary
 from model.mlp import MLP
-from model.moe import MoE, moe_layers
+from model.moe import MoE
 from model.remat import remat
-from sharding.checks import check_model
+from sharding.checks import check_model, moe_layers
 from sharding.rules import axis_size, constrain
 from sharding.context_parallel import zigzag_permutation
 from sharding.strategies import Strategies

@@ -38,7 +38,8 @@ from configs.base import RunConfig
 from pipeline.schedule import IDLE, cells, timetable
 from pipeline.stages import AXIS, buffer, over_stages, stages
 from model.loss import cross_entropy
-from model.moe import moe_layers, no_stats, router_loss
+from model.moe import no_stats, router_loss
+from sharding.checks import moe_layers
 from model.transformer import compute_params
 
 

@@ -61,7 +61,8 @@ from configs.base import ModelConfig, RunConfig
 from pipeline.schedule import BACKWARD, FORWARD, IDLE, cells, one_f_one_b
 from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
 from model.loss import cross_entropy
-from model.moe import moe_layers, no_stats, router_loss
+from model.moe import no_stats, router_loss
+from sharding.checks import moe_layers
 from model.transformer import Transformer, compute_params
 
 BACKWARD_LAST = BACKWARD + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, and B on stage p-1

@@ -120,6 +120,11 @@ def expert_d_ff(m: ModelConfig) -> int:
     return m.expert_d_ff or m.d_ff
 
 
+def moe_layers(m: ModelConfig) -> int:
+    """How many of the X layers are MoE: the last of each group of moe_every; 0 when dense."""
+    return m.n_layers // m.moe_every if m.n_experts else 0
+
+
 def check_experts(cfg: RunConfig, sizes: dict[str, int]) -> None:
     """The MoE layers (model/moe.py) and the expert axis (sharding/expert_parallel.py)."""
     m, ep, tp = cfg.model, sizes.get("expert", 1), sizes["tensor"]

@@ -105,7 +105,9 @@ def test_capacity_drops_exactly_the_overflow():
 
 @pytest.fixture(scope="module")
 def moe_reference(corpus):
-    return run_steps(small_config("", *MOE), corpus, devices=jax.devices()[:1])
+    """One device, two microbatches of 8 sequences: the router statistics are per microbatch,
+    so every mesh below runs the same two (accumulation, or a pipeline's M = 2)."""
+    return run_steps(small_config("", *MOE, "train.micro_batch_size=8"), corpus, devices=jax.devices()[:1])
 
 
 def _devices(cfg) -> list:
@@ -156,17 +158,21 @@ def test_layer_on_expert_meshes_equals_one_device(mesh):
 
 
 STEP_CASES = [
-    ("dp=2,ep=4", "model.moe_dispatch=capacity", "model.capacity_factor=4"), ("fsdp=2,ep=2,tp=2",), ("ep=2,sp=2",),
+    ("dp=2,ep=4", "model.moe_dispatch=capacity", "model.capacity_factor=4", "train.micro_batch_size=1"),
+    ("fsdp=2,ep=2,tp=2", "train.micro_batch_size=2"), ("ep=2,sp=2", "train.micro_batch_size=4"),
+    ("pp=2,ep=2",), ("pp=2,ep=2,tp=2", "parallel.schedule=1f1b"),
 ]
 
 
 @pytest.mark.parametrize("case", STEP_CASES, ids=" ".join)
 def test_train_step_equals_single_device(case, moe_reference, corpus):
     """Loss, every gradient of step 0 and 5 steps' losses equal the single-device dropless run
-    (conftest.assert_same_run: fp32, rtol 2e-5 on losses, atol 1e-6 + rtol 1e-4 on gradients):
-    experts beside data with capacity dispatch that drops nothing (cf = E/k), beside fsdp and
-    tensor, and beside the sequence axis (ring context parallelism). The layer itself is
-    checked on more meshes above, at a fraction of the compile time."""
+    (conftest.assert_same_run: fp32, rtol 2e-5 on losses, atol 1e-6 + rtol 1e-4 on gradients),
+    all with two microbatches of 8: experts beside data with capacity dispatch that drops
+    nothing (cf = E/k), beside fsdp and tensor, beside the sequence axis (ring context
+    parallelism), and in pipelines: gpipe, where each stage sums its router statistics over its
+    active ticks, and 1f1b with tensor, where each B cell's vjp carries its stage's router loss.
+    The layer alone is checked on more meshes above, at a fraction of the compile time."""
     cfg = small_config(case[0], *MOE, *case[1:])
     assert_same_run(run_steps(cfg, corpus, _devices(cfg)), moe_reference)
 
@@ -179,16 +185,18 @@ def _moe_census(mesh: str, *sets: str):
     return cfg, step_census(cfg, build_mesh(cfg.parallel))
 
 
-@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
-def test_census_holds_the_expert_contract(dispatch):
+@pytest.mark.parametrize("dispatch, remat", [("dropless", "none"), ("capacity", "none"), ("dropless", "full")])
+def test_census_holds_the_expert_contract(dispatch, remat):
     """moe-tiny's compiled step on dp=2,ep=4 (fp32): in each layer loop, on `expert` alone, 2
     all-to-alls of the dispatch buffer forward (dispatch, combine) and 2 backward, each of
     ep·S·D elements (dropless S = n·min(k, E/ep), capacity (E/ep)·C); dropless adds one int32
-    all-to-all of the expert ids forward. Their bytes equal tools.estimate.expert within 2%;
-    the attention weights' gradients are reduced over data and expert together."""
+    all-to-all of the expert ids forward. Full remat repeats the forward's (in the backward).
+    Their bytes equal tools.estimate.expert within 2%; the attention weights' gradients are
+    reduced over data and expert together."""
     from tools import estimate
 
-    cfg, found = _moe_census("dp=2,ep=4", f"model.moe_dispatch={dispatch}")
+    cfg, found = _moe_census("dp=2,ep=4", f"model.moe_dispatch={dispatch}", f"model.remat={remat}")
+    again = remat == "full"
     m, ep = cfg.model, 4
     n = cfg.train.global_batch_size // 8 * cfg.train.seq_len
     rows = n * min(m.experts_per_token, m.n_experts // ep) if dispatch == "dropless" else (
@@ -198,9 +206,9 @@ def test_census_holds_the_expert_contract(dispatch):
     acts = [c for c in a2a if c.dtype == "f32"]
     assert {c.elements for c in acts} == {ep * rows * m.d_model}
     forward = sum("transpose(" not in c.op_name for c in acts)
-    assert (forward, len(acts) - forward) == (2, 2)
+    assert (forward, len(acts) - forward) == (2, 2 + 2 * again)
     ids = [c for c in a2a if c.dtype != "f32"]
-    assert [(c.dtype, c.elements) for c in ids] == ([("s32", ep * rows)] if dispatch == "dropless" else [])
+    assert [(c.dtype, c.elements) for c in ids] == [("s32", ep * rows)] * (1 + again) * (dispatch == "dropless")
     sizes = {"stage": 1, "data": 2, "fsdp": 1, "expert": ep, "sequence": 1, "tensor": 1}
     assert sum(c.bytes_per_step for c in a2a) == pytest.approx(estimate.expert(cfg, sizes), rel=0.02)
     grads = Counter(c.axes for c in found if c.kind == "all-reduce")

@@ -131,7 +131,7 @@ def test_search_over_ep_respects_the_experts():
     assert {s["expert"] for s in found} == {1, 2, 4, 8}
     six = apply_overrides(cfg, ["model.n_experts=6"])
     assert {s["expert"] for s in meshes(six, 8)} == {1, 2}
-    assert all(s["stage"] == 1 for s in found)  # no pipeline with experts yet
+    assert any(s["stage"] > 1 for s in found)  # pipelines hold whole MoE layers
     assert {s["expert"] for s in meshes(get_preset("tiny"), 8)} == {1}
     ranked, _ = search(cfg, 8, estimate.GPUS["h100"])
     assert any(c["sizes"]["expert"] > 1 for c in ranked)

@@ -119,8 +119,8 @@ from dataclasses import dataclass
 
 from configs.base import RunConfig
 from sharding.mesh import AXES
-from sharding.checks import batch_ranks, expert_d_ff
-from training.metrics import PEAK_FLOPS, flops_per_token, moe_layers
+from sharding.checks import batch_ranks, moe_layers, expert_d_ff
+from training.metrics import PEAK_FLOPS, flops_per_token
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8
 Links = dict[str, tuple[float, float]]  # measured {axis: (latency_s, bytes_per_s)}
@@ -151,7 +151,7 @@ class Shape:
     b: int  # sequences per microbatch per device
     tokens: int  # T = b·L/sp, tokens per microbatch on this device
     layers: int  # X/pp, layers on this device
-    moe: int = 0  # of which MoE layers (X/moe_every of the model's; no pipeline with experts)
+    moe: int = 0  # of which MoE layers (X/(moe_every·pp) of the model's)
 
 
 def shape(cfg: RunConfig, sizes: dict[str, int]) -> Shape:

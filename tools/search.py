@@ -3,7 +3,8 @@
 Candidates: every (pp, dp, fsdp, ep, sp, tp) whose product is the GPU count (ep only for a MoE
 model), with tp and sp·tp inside one node (<= 8), that the step itself accepts
 (sharding/checks.py: tp dividing the heads, F and V, sp dividing L, pp dividing the layers,
-dp·fsdp·ep dividing the global batch, ep dividing the experts, no pipeline with experts, ...).
+dp·fsdp·ep dividing the global batch, ep dividing the experts, whole groups of moe_every
+layers per stage, ...).
 The expert axis is timed on NVLink when it and the axes inside it (sp, tp) fit in a node, like
 every axis (tools/estimate.link_bandwidth). For
 each, the microbatch is the largest that fits the GPU's memory (fewest microbatches: least

@@ -22,18 +22,13 @@ import time
 from typing import TYPE_CHECKING
 
 from configs.base import ModelConfig
-from sharding.checks import expert_d_ff
+from sharding.checks import expert_d_ff, moe_layers
 
 if TYPE_CHECKING:  # jax-free at import: tools/estimate.py plans without jax
     import jax
 
 # Dense bf16 peak FLOP/s, matched against jax's device_kind (SXM parts).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
-
-
-def moe_layers(m: ModelConfig) -> int:
-    """How many of the X layers are MoE: the last of each group of moe_every; 0 when dense."""
-    return m.n_layers // m.moe_every if m.n_experts else 0
 
 
 def attention_params(m: ModelConfig) -> int:
