@@ -68,3 +68,37 @@ def test_context_benchmark_compares_ring_and_allgather_as_l_grows(tmp_path):
     for key in ("step_time_median_s", "temp_bytes", "static_peak_bytes", "temp_ratio", "kv_bytes_estimate",
                 "sequence_bytes_estimate", "step_ratio"):
         assert rows[2, "ring"][key] > 0 and rows[2, "allgather"][key] > 0, key
+
+
+def test_moe_benchmark_times_ep_cases_and_counts_all_to_alls(tmp_path):
+    """ep=1,2 dropless on 8 devices (dp=8; dp=4,ep=2), fp32 so the compiled buffers match the
+    estimate's dtype. The compiled step's all-to-alls over `expert` per MoE layer at ep=2: 3
+    forward (dispatch, the int32 expert ids, combine) and 2 backward (the transposes of dispatch
+    and combine; the ids carry no gradient), their bytes equal to tools.estimate.expert."""
+    out_file = tmp_path / "moe.json"
+    sets = [a for s in SMALL if not s.startswith("model.n_layers") for a in ("--set", s)]
+    out = run_module("bench.moe", *sets, "--set", "model.n_layers=1", "--set", "model.expert_d_ff=64",
+                     "--set", "data.source=synthetic", "--ep", "1,2", "--dispatch", "dropless", "--steps", "1",
+                     "--ffn-tokens", "16", "--ffn-rounds", "1", "--out", str(out_file))
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out_file.read_text())
+    assert record["command"].startswith("python -m bench.moe") and record["mesh"] == "dp=8;dp=4,ep=2"
+    assert record["baseline"] == "ep=1 dropless" and record["config"]["model"]["n_experts"] == 8
+    rows = {(r["ep"], r["dispatch"]): r for r in record["rows"]}
+    assert list(rows) == [(1, "dropless"), (2, "dropless")]
+    assert rows[1, "dropless"]["step_ratio"] == 1.0 and rows[2, "dropless"]["step_ratio"] > 0
+    assert rows[1, "dropless"]["all_to_all"]["per_step"] == 0
+    a2a = rows[2, "dropless"]["all_to_all"]
+    assert (a2a["per_moe_layer"], a2a["forward_per_moe_layer"], a2a["backward_per_moe_layer"]) == (5, 3, 2)
+    assert a2a["axes"] == ["expert"] and a2a["dtypes"] == ["f32", "s32"]
+    assert a2a["bytes_per_device"] == rows[2, "dropless"]["all_to_all_bytes_estimate"] > 0
+    assert set(record["ffn"]["ways"]) == {"grouped", "loop", "batched"}
+    assert record["ffn"]["ways"]["grouped"]["ratio_to_grouped"] == 1.0
+
+
+def test_moe_benchmark_refuses_bad_input_in_one_line():
+    for args in (["--ep", "3"], ["--ep", "8", "--set", "model.n_experts=4"], ["--dispatch", "sorted"],
+                 ["--mesh", "ep=2"]):
+        out = run_module("bench.moe", *args)
+        assert out.returncode == 2 and out.stderr.startswith("error: "), out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr

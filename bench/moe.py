@@ -1,0 +1,274 @@
+"""Mixture of experts: step time over the expert axis, dropless vs capacity, grouped matmul vs a loop.
+
+  python -m bench.moe                                  moe-tiny, ep 1 2 4 8 on 8 devices, both dispatches, 3 rounds
+  python -m bench.moe --mid                            a mid-size MoE (MID below: D 256, 8 experts of F 384)
+  python -m bench.moe --ep 1,2 --dispatch capacity --steps 5 --set model.capacity_factor=1.0
+  python -m bench.moe --devices 1 --ep 1               one device (a single GPU): dispatches and the FFN only
+
+Step cases: for each ep of --ep, the mesh ep=N,dp=D/N of the same D = --devices devices (on a
+CPU host, fake devices requested before jax starts) and the same global batch, so every case
+does the same work and only how it is split differs; for each dispatch of --dispatch
+(`model.moe_dispatch`, model/moe.py): dropless (a dense [ep, n·min(k, E/ep), D] buffer, the
+receiver sorts its rows and runs `jax.lax.ragged_dot`) or capacity (C = ceil(cf·n·k/E) slots
+per expert, one batched einsum). Every case is built and compiled, run once, then all of them
+are timed round-robin in one run (each of --steps rounds runs one step of each case, so a noisy
+machine slows all alike); a row gives the median step time and its ratio to the first case
+(the first ep, first dispatch: ep=1 dropless by default), XLA's memory per device of the
+compiled step (`training.build.xla_memory`), the all-to-alls of the compiled HLO over `expert`
+(tools/hlo.py: how many run per step, per MoE layer, forward and backward, and their bytes) and
+the all-to-all bytes per device per step that `tools.estimate.expert` gives for the same case.
+
+All-to-alls per MoE layer (sharding/expert_parallel.py): dispatch and combine forward, their
+transposes backward: 4; dropless adds its int32 expert ids forward (ids have no gradient): 5.
+XLA:CPU computes bf16 in fp32, so with a bf16 compute dtype the compiled CPU program's buffers
+(and the census's bytes) are twice the estimate's; in fp32 the two agree (tests/test_bench.py).
+
+FFN micro-benchmark (one device, no mesh): the experts alone on the rows one device receives at
+ep=1 (--ffn-tokens tokens, k rows each, experts drawn uniformly), forward and backward (the
+gradient of the rows and the three weights), in the compute dtype:
+  grouped   model/moe.py `_grouped`: sort the rows by expert, `jax.lax.ragged_dot`, unsort
+  loop      every expert applied to every row, masked to its own rows, summed (E times the FLOPs)
+  batched   model/moe.py `_batched`, the capacity layout [E, C, D] with C = ceil(cf·rows/E)
+timed round-robin over --ffn-rounds rounds, ratios to grouped. XLA:CPU lowers ragged_dot
+densely (every group against every row, like the loop), so on a CPU the grouped matmul is no
+faster than the loop, and can be slower: the ratio that matters is a GPU's, where ragged_dot is
+a grouped GEMM that computes only the routed rows.
+
+Bad input (an ep that does not divide the devices or model.n_experts, an unknown dispatch, ...)
+is one `error:` line before jax starts (sharding/checks.py). Writes
+bench/results/moe-<config>[-mid].json. Fake CPU devices share the host's cores: the step times
+compare the cases' work on this machine, not a GPU's all-to-all over NVLink; read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bench.common import report_head
+from cli import add_run_args, request_fake_devices, run_cli, run_config
+from configs import ConfigError, RunConfig, get_preset
+from configs.checks import CHOICES
+from sharding.mesh import AXES, format_mesh, parse_mesh
+from tools.estimate import expert as expert_bytes
+from tools.measure import RESULTS, timed, write_report
+
+if TYPE_CHECKING:
+    import jax
+
+# a mid-size MoE on moe-tiny's base: twice the width and the expert F (still small enough for a CPU)
+MID = ["model.d_model=256", "model.n_heads=8", "model.n_kv_heads=4", "model.head_dim=32", "model.expert_d_ff=384"]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(p)
+    p.add_argument("--ep", default="1,2,4,8", help="expert axis sizes (default 1,2,4,8); each divides --devices")
+    p.add_argument("--devices", type=int, default=8, help="devices of every case: mesh ep=N,dp=devices/N (default 8)")
+    p.add_argument("--dispatch", default="dropless,capacity",
+                   help="model.moe_dispatch values, ratios to the first case (default dropless,capacity)")
+    p.add_argument("--mid", action="store_true", help=f"the mid-size MoE: --set {' --set '.join(MID)} (before --set)")
+    p.add_argument("--steps", type=int, default=3, help="timed rounds after the first step (default 3)")
+    p.add_argument("--ffn-tokens", type=int, metavar="N",
+                   help="tokens of the FFN micro-benchmark (default: one device's at ep=1, batch·L/devices); 0 skips it")
+    p.add_argument("--ffn-rounds", type=int, default=10, help="timed rounds of the FFN micro-benchmark (default 10)")
+    p.add_argument("--out", type=Path, help="JSON report (default bench/results/moe-<config>[-mid].json)")
+    return p.parse_args(argv)
+
+
+def cases(args: argparse.Namespace) -> dict[tuple[int, str], RunConfig]:
+    """{(ep, dispatch): checked config}, in the order of --ep then --dispatch. Refuses bad flags
+    before jax."""
+    if args.mesh:
+        raise ConfigError(f"--mesh {args.mesh}: bench.moe builds its meshes ep=N,dp=devices/N itself; "
+                          "choose N with --ep and the devices with --devices")
+    if args.steps < 1 or args.ffn_rounds < 1:
+        raise ConfigError(f"--steps {args.steps} --ffn-rounds {args.ffn_rounds}: time at least one round of each")
+    if args.devices < 1:
+        raise ConfigError(f"--devices {args.devices}: at least one device")
+    try:
+        sizes = list(dict.fromkeys(int(x) for x in args.ep.split(",") if x.strip()))
+    except ValueError:
+        raise ConfigError(f"--ep {args.ep!r}: expected integers, e.g. 1,2,4,8") from None
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--ep {args.ep!r}: sizes must be 1 or more, e.g. 1,2,4,8")
+    for ep in sizes:
+        if args.devices % ep:
+            raise ConfigError(f"--ep {ep} does not divide the {args.devices} devices of every case "
+                              f"(mesh ep={ep},dp={args.devices}/{ep}): choose ep among the divisors of --devices")
+    dispatches = list(dict.fromkeys(x.strip() for x in args.dispatch.split(",") if x.strip()))
+    if not dispatches or set(dispatches) - set(CHOICES["model.moe_dispatch"]):
+        raise ConfigError(f"--dispatch {args.dispatch!r}: name one or both of {', '.join(CHOICES['model.moe_dispatch'])}")
+    preset = get_preset(args.config or "moe-tiny")
+    sets = MID if args.mid else []
+    # run_config checks every case (sharding/checks.py: ep divides n_experts, the batch splits over dp·ep)
+    return {(ep, d): run_config(args, extra_sets=[*sets, f"model.moe_dispatch={d}"], base=dataclasses.replace(
+                preset, parallel=parse_mesh(f"ep={ep},dp={args.devices // ep}", preset.parallel)))
+            for ep in sizes for d in dispatches}
+
+
+def all_to_alls(compiled, mesh: jax.sharding.Mesh, moe_layers: int) -> dict:
+    """The all-to-alls of a compiled step (tools/hlo.py): per step, per MoE layer, forward and
+    backward (backward: jax's `transpose(` in the op's name), bytes per device per step."""
+    from tools.hlo import census
+
+    found = [c for c in census(compiled.as_text(), dict(mesh.shape)) if c.kind == "all-to-all"]
+    backward = sum(c.trips for c in found if "transpose(" in c.op_name)
+    count = sum(c.trips for c in found)
+    return {"per_step": count, "per_moe_layer": count / moe_layers,
+            "forward_per_moe_layer": (count - backward) / moe_layers, "backward_per_moe_layer": backward / moe_layers,
+            "axes": sorted({"+".join(c.axes) for c in found}),
+            "dtypes": sorted({c.dtype for c in found}),
+            "bytes_per_device": sum(c.bytes_per_step for c in found)}
+
+
+def measure(todo: dict[tuple[int, str], RunConfig], meshes: dict[int, jax.sharding.Mesh], steps: int) -> dict:
+    """Build, compile and run once every case, then time `steps` rounds round-robin over all of them."""
+    import jax
+
+    from training.build import build, compile_step, xla_memory
+
+    runs = {}
+    for (ep, d), cfg in todo.items():
+        mesh = meshes[ep]
+        job = build(cfg, mesh)  # outside jax.set_mesh (training.build.make_program)
+        with jax.set_mesh(mesh):
+            batch = jax.block_until_ready(job.batches(0))
+            compiled, _, compile_s = compile_step(job.step_fn, mesh, job.state, batch)
+            state, _ = jax.block_until_ready(compiled(job.state, batch))  # donates job.state
+        moe_layers = cfg.model.n_layers // cfg.model.moe_every
+        runs[ep, d] = {"compiled": compiled, "state": state, "batch": batch, "times": [], "compile_s": compile_s,
+                       "all_to_all": all_to_alls(compiled, mesh, moe_layers), "memory": xla_memory(compiled)}
+        print(f"ep={ep} {d}: compiled in {compile_s:.1f} s", flush=True)
+    for _ in range(steps):
+        for (ep, _d), run in runs.items():
+            with jax.set_mesh(meshes[ep]):
+                (run["state"], metrics), seconds = timed(run["compiled"], run["state"], run["batch"])
+            run["times"].append(seconds)
+            run["loss"] = float(metrics["loss"])
+    return runs
+
+
+def rows(todo: dict[tuple[int, str], RunConfig], runs: dict) -> list[dict]:
+    """One row per case: its figures and their ratio to the first case."""
+    base = statistics.median(next(iter(runs.values()))["times"])
+    out = []
+    for (ep, d), cfg in todo.items():
+        r = runs[ep, d]
+        median = statistics.median(r["times"])
+        sizes = {a: getattr(cfg.parallel, a) for a in AXES}
+        out.append({
+            "ep": ep, "dp": cfg.parallel.data, "dispatch": d,
+            "step_time_median_s": median, "step_times_s": r["times"], "step_ratio": median / base,
+            "compile_s": r["compile_s"], "loss_after_rounds": r["loss"],
+            "temp_bytes": r["memory"]["temp"], "static_peak_bytes": r["memory"]["static_peak"],
+            "all_to_all": r["all_to_all"], "all_to_all_bytes_estimate": expert_bytes(cfg, sizes),
+            "memory_analysis": r["memory"],
+        })
+    return out
+
+
+def ffn_bench(cfg: RunConfig, tokens: int, rounds: int) -> dict:
+    """The experts alone on one device, forward + backward: grouped (ragged_dot), a dense loop,
+    the capacity layout's batched einsum; round-robin, ratios to grouped."""
+    import jax
+    import jax.numpy as jnp
+
+    from model.moe import _batched, _grouped, _swiglu
+    from sharding.checks import expert_d_ff
+
+    m = cfg.model
+    e, k, d, f = m.n_experts, m.experts_per_token, m.d_model, expert_d_ff(m)
+    dtype = jnp.dtype(m.compute_dtype)
+    n_rows = tokens * k
+    cap = math.ceil(m.capacity_factor * n_rows / e)
+    keys = jax.random.split(jax.random.key(0), 5)
+    w = {name: (jax.random.normal(key, (e, *shape), jnp.float32) * 0.02).astype(dtype)
+         for name, key, shape in (("w_gate", keys[0], (d, f)), ("w_up", keys[1], (d, f)), ("w_down", keys[2], (f, d)))}
+    rows = jax.random.normal(keys[3], (n_rows, d), jnp.float32).astype(dtype)
+    ids = jax.random.randint(keys[4], (n_rows,), 0, e, jnp.int32)
+    slots = jax.random.normal(keys[3], (1, e, cap, d), jnp.float32).astype(dtype)
+
+    def loop(x, w):
+        out = jnp.zeros_like(x)
+        for i in range(e):
+            y = jnp.dot(_swiglu(jnp.dot(x, w["w_gate"][i]), jnp.dot(x, w["w_up"][i])), w["w_down"][i])
+            out = out + jnp.where((ids == i)[:, None], y, 0)
+        return out
+
+    ways = {"grouped": (lambda x, w: _grouped(x, ids, e, w), rows),
+            "loop": (loop, rows),
+            "batched": (_batched, slots)}
+
+    def fwd_bwd(fn):
+        return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.square(fn(x, w).astype(jnp.float32))), argnums=(0, 1)))
+
+    steps = {name: fwd_bwd(fn) for name, (fn, _) in ways.items()}
+    times = {name: [] for name in ways}
+    for name, (_, x) in ways.items():
+        jax.block_until_ready(steps[name](x, w))  # compile
+    for _ in range(rounds):
+        for name, (_, x) in ways.items():
+            times[name].append(timed(steps[name], x, w)[1])
+    base = statistics.median(times["grouped"])
+    return {"tokens": tokens, "rows": n_rows, "capacity_rows": e * cap, "experts": e, "d_model": d, "expert_d_ff": f,
+            "dtype": m.compute_dtype, "device": str(jax.devices()[0].device_kind), "rounds": rounds,
+            "ways": {name: {"time_median_s": statistics.median(t), "times_s": t,
+                            "ratio_to_grouped": statistics.median(t) / base} for name, t in times.items()}}
+
+
+def print_table(table: list[dict], first: str) -> None:
+    mib = 2**20
+    print(f"  {'ep':>3} {'dp':>3}  {'dispatch':<9} {'step (median)':>14} {'vs ' + first:>18} {'temp MiB':>9} "
+          f"{'peak MiB':>9}  {'a2a/layer (fwd+bwd)':>19} {'a2a MiB':>8} {'estimate':>9}")
+    for r in table:
+        a = r["all_to_all"]
+        per_layer = f"{a['per_moe_layer']:g} ({a['forward_per_moe_layer']:g}+{a['backward_per_moe_layer']:g})" if a["per_step"] else "-"
+        print(f"  {r['ep']:>3} {r['dp']:>3}  {r['dispatch']:<9} {r['step_time_median_s'] * 1e3:>11.1f} ms "
+              f"{r['step_ratio']:>17.2f}x {r['temp_bytes'] / mib:>9.1f} {r['static_peak_bytes'] / mib:>9.1f}  "
+              f"{per_layer:>19} {a['bytes_per_device'] / mib:>8.2f} {r['all_to_all_bytes_estimate'] / mib:>9.2f}")
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    todo = cases(args)
+    first_cfg = next(iter(todo.values()))
+    fake = request_fake_devices(first_cfg)  # every case has --devices devices
+
+    import jax  # noqa: E402 -- after XLA_FLAGS is final
+
+    from sharding.mesh import build_mesh
+
+    # every mesh first: more devices than exist is refused before anything runs
+    meshes = {ep: build_mesh(cfg.parallel, jax.devices()[:args.devices]) for (ep, _), cfg in todo.items()}
+    if fake and jax.default_backend() == "cpu":
+        print(f"CPU platform: meshes {', '.join(format_mesh(dict(m.shape)) for m in meshes.values())} "
+              f"on {fake} fake host devices")
+    table = rows(todo, measure(todo, meshes, args.steps))
+    first = f"ep={table[0]['ep']} {table[0]['dispatch']}"
+    print_table(table, first)
+    tokens = args.ffn_tokens
+    if tokens is None:
+        tokens = first_cfg.train.global_batch_size * first_cfg.train.seq_len // args.devices
+    ffn = ffn_bench(first_cfg, tokens, args.ffn_rounds) if tokens else None
+    if ffn:
+        print(f"FFN alone, {ffn['rows']} rows ({tokens} tokens x k) of {ffn['experts']} experts, "
+              f"forward + backward on {ffn['device']}:")
+        for name, w in ffn["ways"].items():
+            print(f"  {name:<8} {w['time_median_s'] * 1e3:>9.2f} ms  {w['ratio_to_grouped']:.2f}x grouped")
+    eps = list(dict.fromkeys(ep for ep, _ in todo))
+    mesh_text = ";".join(format_mesh(dict(meshes[ep].shape)) for ep in eps)
+    head = report_head("bench.moe", argv, first_cfg, meshes[eps[-1]], mesh_text)
+    report = head | {"devices": args.devices, "steps": args.steps, "mid": args.mid, "baseline": first,
+                     "rows": table, "ffn": ffn}
+    name = first_cfg.name.removeprefix("moe-") + ("-mid" if args.mid else "")
+    write_report(report, args.out or RESULTS / f"moe-{name}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
