@@ -246,7 +246,7 @@ def test_build_mesh_dp_fsdp_tp():
     assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 2}
     assert mesh.devices.shape == (1, 2, 2, 1, 1, 2)
     assert mesh.devices.size == 8 and len(set(mesh.devices.flat)) == 8
-    assert tuple(mesh.axis_types) == (jax.sharding.AxisType.Auto,) * 5
+    assert tuple(mesh.axis_types) == (jax.sharding.AxisType.Auto,) * 6
     flags = ParallelConfig(data=-1, sequence_parallel=True, tp_impl="gspmd")
     assert mesh_config(mesh, flags) == ParallelConfig(
         data=2, fsdp=2, tensor=2, sequence_parallel=True, tp_impl="gspmd"

@@ -9,6 +9,7 @@ and the load-balancing loss at work.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import Counter
 
@@ -116,13 +117,14 @@ def _devices(cfg) -> list:
 
 
 LAYER_MESHES = ["ep=2", "ep=4", "ep=8", "dp=2,ep=4", "ep=2,tp=2", "ep=2,tp=2 sp", "fsdp=2,ep=2", "fsdp=2,ep=2,tp=2",
-                 "ep=4 capacity"]
+                 "ep=2,sp=2", "ep=4 capacity"]
 
 
+@functools.cache
 def _layer_grads(mesh_spec: str | None):
     """Value and gradients (weights and input) of Σ y·c + aux + z for one MoE layer (E 8, top 2,
     fp32) on a batch [8, 16, 32], on `mesh_spec` ('sp': sequence parallelism; 'capacity': cf
-    E/k, so nothing is dropped) or on one device."""
+    E/k, so nothing is dropped; sp=2: the tokens' L split over sequence) or on one device."""
     spec, *flags = (mesh_spec or "").split(" ")
     tp = TensorParallel(sequence_parallel="sp" in flags)
     m = ModelConfig(d_model=32, n_experts=8, experts_per_token=2, expert_d_ff=48, compute_dtype="float32",
@@ -150,7 +152,8 @@ def _layer_grads(mesh_spec: str | None):
 def test_layer_on_expert_meshes_equals_one_device(mesh):
     """The layer's value and every gradient (router, experts, input) on each mesh equal one
     device's, rtol 1e-5 (fp32; only reduction orders differ): experts over ep 2, 4, 8; beside
-    data, tensor (the experts' F split; with sequence parallelism), fsdp; capacity dispatch."""
+    data, tensor (the experts' F split; with sequence parallelism), fsdp, sequence; capacity
+    dispatch."""
     (value, grads), (want, want_grads) = _layer_grads(mesh), _layer_grads(None)
     np.testing.assert_allclose(value, want, rtol=1e-5)
     for (path, expected), actual in zip(jax.tree_util.tree_leaves_with_path(want_grads), jax.tree.leaves(grads)):
@@ -158,9 +161,8 @@ def test_layer_on_expert_meshes_equals_one_device(mesh):
 
 
 STEP_CASES = [
-    ("dp=2,ep=4", "model.moe_dispatch=capacity", "model.capacity_factor=4", "train.micro_batch_size=1"),
-    ("fsdp=2,ep=2,tp=2", "train.micro_batch_size=2"), ("ep=2,sp=2", "train.micro_batch_size=4"),
-    ("pp=2,ep=2",), ("pp=2,ep=2,tp=2", "parallel.schedule=1f1b"),
+    ("fsdp=2,ep=2,tp=2", "model.moe_dispatch=capacity", "model.capacity_factor=4", "train.micro_batch_size=2"),
+    ("pp=2,ep=2",), ("pp=2,dp=2,ep=2", "parallel.schedule=1f1b"),
 ]
 
 
@@ -168,11 +170,11 @@ STEP_CASES = [
 def test_train_step_equals_single_device(case, moe_reference, corpus):
     """Loss, every gradient of step 0 and 5 steps' losses equal the single-device dropless run
     (conftest.assert_same_run: fp32, rtol 2e-5 on losses, atol 1e-6 + rtol 1e-4 on gradients),
-    all with two microbatches of 8: experts beside data with capacity dispatch that drops
-    nothing (cf = E/k), beside fsdp and tensor, beside the sequence axis (ring context
-    parallelism), and in pipelines: gpipe, where each stage sums its router statistics over its
-    active ticks, and 1f1b with tensor, where each B cell's vjp carries its stage's router loss.
-    The layer alone is checked on more meshes above, at a fraction of the compile time."""
+    all with two microbatches of 8: experts beside fsdp and tensor with capacity dispatch that
+    drops nothing (cf = E/k), and in pipelines: gpipe, where each stage sums its router
+    statistics over its active ticks, and 1f1b beside data, where each B cell's vjp carries its
+    stage's router loss. The layer alone is checked on more meshes above (data, sequence, tensor
+    with SP, dropless), at a fraction of the compile time."""
     cfg = small_config(case[0], *MOE, *case[1:])
     assert_same_run(run_steps(cfg, corpus, _devices(cfg)), moe_reference)
 
@@ -230,10 +232,11 @@ def test_preset_parameter_counts(name):
 
 
 def test_load_balancing_loss_evens_the_load(corpus):
-    """40 steps of a small MoE on one device: with the Switch loss at weight 0.1 the busiest
-    expert's share of the assignments (over the mean) ends lower than without it."""
+    """25 steps of a small MoE on one device: with the Switch loss at weight 0.1 the busiest
+    expert's share of the assignments (over the mean) ends lower than without it (about 2.1
+    against 3.9 of a possible 4 when this was written)."""
     def final_load(weight: float) -> float:
-        cfg = small_config("", *MOE, f"model.router_aux_loss={weight}", "train.steps=40", "train.lr=1e-2")
+        cfg = small_config("", *MOE, f"model.router_aux_loss={weight}", "train.steps=25", "train.lr=1e-2")
         mesh = build_mesh(cfg.parallel, jax.devices()[:1])
         from training.build import build
 

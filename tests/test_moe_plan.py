@@ -58,7 +58,9 @@ def test_moe_every_and_shared_experts():
 
 
 def moe_tiny(*overrides):
+    """moe-tiny with the model defaults' dispatch (dropless; cf 1.25 when capacity is asked for)."""
     return apply_overrides(get_preset("moe-tiny"), ["train.global_batch_size=32", "train.micro_batch_size=2",
+                                                     "model.moe_dispatch=dropless", "model.capacity_factor=1.25",
                                                      *overrides])
 
 
