@@ -103,15 +103,13 @@ class Routing:
     capacity_factor: float
 
     def __call__(self, ops: Experts, x: jax.Array, w: dict) -> tuple[jax.Array, dict]:
-        shape = x.shape
         tokens = ops.tensor.column(x, lambda x: x)  # [B, L, D] (gathered over L under SP)
         b, l, d = tokens.shape
         tokens = tokens.reshape(b * l, d)
         gates, experts, stats = self.route(ops, tokens, w["router"])
         y, kept = self.experts(ops, tokens, gates, experts, w)
-        stats["dropped"] = 1 - ops.total(jnp.sum(kept, dtype=jnp.float32)) / (stats.pop("n") * self.k)
+        stats["dropped"] = 1 - ops.total(jnp.sum(kept, dtype=jnp.float32)) / ops.total(jnp.float32(kept.size))
         y = ops.tensor.row(y.reshape(b, l, d), lambda h: h)  # summed over tensor
-        assert y.shape == shape
         return y, {name: ops.same_on_tensor(v) for name, v in stats.items()}
 
     def route(self, ops: Experts, tokens: jax.Array, router: jax.Array) -> tuple:
@@ -128,7 +126,6 @@ class Routing:
             "aux": e * jnp.sum(counts / (n_all * k) * mean_prob),
             "z": ops.total(jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)) / n_all,
             "load": jnp.max(counts) / jnp.mean(counts),
-            "n": n_all,
         }
         return gates, experts, stats
 

@@ -55,9 +55,9 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, dict]:
         with jax.named_scope("attention"):
             x = x + self.attn(self.attn_norm(x), cos, sin)
-        with jax.named_scope("moe" if isinstance(self.mlp, MoE) else "mlp"):
-            y = self.mlp(self.mlp_norm(x))
-        y, stats = y if isinstance(y, tuple) else (y, {})
+        moe = isinstance(self.mlp, MoE)
+        with jax.named_scope("moe" if moe else "mlp"):
+            y, stats = self.mlp(self.mlp_norm(x)) if moe else (self.mlp(self.mlp_norm(x)), {})
         return constrain(x + y, self.act_names), stats
 
 

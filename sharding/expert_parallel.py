@@ -70,10 +70,6 @@ class Experts:
     token_axes: tuple[str, ...] = ()  # the manual axes that split the tokens
     tensor: Local | Sharded = field(default_factory=Local)
 
-    def index(self) -> jax.Array | int:
-        """This device's rank on `expert`: it holds experts index·E/ep ... + E/ep - 1."""
-        return lax.axis_index(AXIS) if self.size > 1 else 0
-
     def all_to_all(self, buf: jax.Array) -> jax.Array:
         """[ep, S, ...]: block j goes to device j; block i of the result came from device i."""
         return lax.all_to_all(buf, AXIS, 0, 0) if self.size > 1 else buf

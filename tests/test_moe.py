@@ -26,7 +26,7 @@ from conftest import assert_same_run, run_steps, small_config
 from model.moe import MoE, Routing
 from model.transformer import Transformer, count_params
 from sharding.expert_parallel import Experts
-from sharding.mesh import build_mesh, parse_mesh
+from sharding.mesh import AXES, build_mesh, parse_mesh
 from sharding.rules import logical_to_spec, param_shardings
 from sharding.tensor_parallel import TensorParallel
 from tools.hlo import step_census
@@ -112,8 +112,7 @@ def moe_reference(corpus):
 
 
 def _devices(cfg) -> list:
-    return jax.devices()[: math.prod(cfg.parallel.__dict__[a] for a in ("stage", "data", "fsdp", "expert",
-                                                                          "sequence", "tensor"))]
+    return jax.devices()[: math.prod(getattr(cfg.parallel, a) for a in AXES)]
 
 
 LAYER_MESHES = ["ep=2", "ep=4", "ep=8", "dp=2,ep=4", "ep=2,tp=2", "ep=2,tp=2 sp", "fsdp=2,ep=2", "fsdp=2,ep=2,tp=2",
