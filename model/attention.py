@@ -43,16 +43,18 @@ from sharding.tensor_parallel import Local, Sharded, TensorParallel
 CORES = ("xla", "cudnn", "pallas")
 
 
-def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = True) -> jax.Array:
-    """Causal (or full) attention. q [B, L, N, H], k/v [B, L, K, H] -> [B, L, N, H]."""
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = True,
+                  offset: int | jax.Array = 0) -> jax.Array:
+    """Causal (or full) attention. q [B, L, N, H], k/v [B, M, K, H] -> [B, L, N, H]; M = L in
+    training. Causal: query i sits at position offset + i and sees keys 0..offset + i (decoding
+    against a KV cache of M >= offset + L slots, model/decode.py; later slots are masked)."""
     groups = q.shape[2] // k.shape[2]
     k = jnp.repeat(k, groups, axis=2)  # [B, L, K, H] -> [B, L, N, H]; kv head j serves q heads jG..jG+G-1
     v = jnp.repeat(v, groups, axis=2)
     scores = jnp.einsum("blnh,bmnh->bnlm", q, k, preferred_element_type=jnp.float32)
     scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
     if causal:
-        length = q.shape[1]
-        visible = jnp.tril(jnp.ones((length, length), dtype=bool))
+        visible = jnp.arange(k.shape[1])[None, :] <= jnp.arange(q.shape[1])[:, None] + offset  # [L, M]
         scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bnlm,bmnh->blnh", probs, v)
@@ -139,8 +141,23 @@ class Attention(nnx.Module):
         weights = {name: (getattr(self, name)[...], names) for name, names in NAMES.items()}
         return self.tp.region(self._local, x, weights, cos, sin, kernel=True)
 
-    def _local(self, ops: Local | Sharded, x: jax.Array, w: dict, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        """One device's heads: x [B, L, D] (or its L/T rows under SP) -> [B, L, D] (or L/T)."""
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: tuple[jax.Array, jax.Array],
+               position: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """x [B, l, D] at positions position..position+l-1 (cos/sin: their rows) against this
+        layer's KV cache (k, v) [B, M, K, H]: writes the l new keys and values at `position`,
+        attends over the cache with the xla core (slots after each query masked) and returns
+        ([B, l, D], the updated cache). Plain per-device code: the decode path runs under GSPMD
+        (model/decode.py), which splits the heads and the cache over the mesh."""
+        w = {name: getattr(self, name)[...] for name in NAMES}
+        q, k, v = self._qkv(Local(), x, w, cos, sin)
+        k_cache, v_cache = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), position, axis=1)
+                            for c, new in zip(cache, (k, v)))
+        out = xla_attention(q, k_cache, v_cache, offset=position)
+        return jnp.einsum("blnh,nhd->bld", out, w["wo"]), (k_cache, v_cache)
+
+    def _qkv(self, ops: Local | Sharded, x: jax.Array, w: dict, cos: jax.Array,
+             sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, L, D] -> q [B, L, N', H], k and v [B, L, K', H] of this device's heads, rotated."""
         wk, wv = (ops.own_kv_heads(w[name], self.n_kv_heads) for name in ("wk", "wv"))
 
         def project(x):  # [B, l, D] -> q [B, l, N', H], k and v [B, l, K', H]
@@ -151,6 +168,10 @@ class Attention(nnx.Module):
         q = constrain(apply_rotary(q, cos, sin), ("batch", "length", "heads", None))
         k = constrain(apply_rotary(k, cos, sin), ("batch", None, "kv_heads", None))
         v = constrain(v, ("batch", None, "kv_heads", None))
-        q, k, v = (checkpoint_name(t, name) for t, name in ((q, "query"), (k, "key"), (v, "value")))
+        return tuple(checkpoint_name(t, name) for t, name in ((q, "query"), (k, "key"), (v, "value")))
+
+    def _local(self, ops: Local | Sharded, x: jax.Array, w: dict, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """One device's heads: x [B, L, D] (or its L/T rows under SP) -> [B, L, D] (or L/T)."""
+        q, k, v = self._qkv(ops, x, w, cos, sin)
         out = checkpoint_name(self.core(q, k, v), "attn_core")
         return ops.row(out, lambda o: jnp.einsum("blnh,nhd->bld", o, w["wo"]))

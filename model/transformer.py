@@ -60,6 +60,14 @@ class Block(nnx.Module):
             y, stats = self.mlp(self.mlp_norm(x)) if moe else (self.mlp(self.mlp_norm(x)), {})
         return constrain(x + y, self.act_names), stats
 
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: tuple[jax.Array, jax.Array],
+               position: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """The same layer on x [B, l, D] at `position`, attending over (and writing) its KV cache
+        (Attention.decode); dense layers only (tools/generate.py refuses MoE runs)."""
+        a, cache = self.attn.decode(self.attn_norm(x), cos, sin, cache, position)
+        x = x + a
+        return constrain(x + self.mlp(self.mlp_norm(x)), self.act_names), cache
+
 
 class Group(nnx.Module):
     """`model.moe_every` layers in a row, the last a MoE layer: the unit of the layer stack when
@@ -113,6 +121,24 @@ class Transformer(nnx.Module):
         (model/moe.py STATS, each the mean over the MoE layers; {} for a dense model)."""
         x, stats = self.run_layers(self.embed_tokens(tokens), nnx.state(self.blocks))
         return self.logits(x), {name: v / moe_layers(self.cfg) for name, v in stats.items()}
+
+    def decode(self, tokens: jax.Array, cache: dict[str, jax.Array],
+               position: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """tokens [B, l] at positions position..position+l-1 -> logits [B, l, V] fp32 and the KV
+        cache {'k', 'v'} [X, B, M, K, H] with their keys and values written (model/decode.py):
+        l = the prompt at position 0 (prefill), then l = 1 per generated token. The scan over
+        the stacked layers carries x and takes each layer's cache as its scanned input/output."""
+        x = self.embed_tokens(tokens)
+        cos, sin = (jax.lax.dynamic_slice_in_dim(t, position, tokens.shape[1])
+                    for t in rotary(cache["k"].shape[2], self.cfg.head_dim, self.cfg.rope_theta))
+        graphdef = nnx.graphdef(self.blocks)
+
+        def layer(x, inputs):
+            layer_state, k, v = inputs
+            return nnx.merge(graphdef, layer_state).decode(x, cos, sin, (k, v), position)
+
+        x, (k, v) = jax.lax.scan(layer, x, (nnx.state(self.blocks), cache["k"], cache["v"]))
+        return self.logits(x), {"k": k, "v": v}
 
     # The pieces below let pipeline/ run the layers in stages, embedding and head apart.
 
