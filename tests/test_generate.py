@@ -1,0 +1,154 @@
+"""Decoding with a KV cache (model/decode.py) and the tools.generate command line."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import run_module, small_config
+
+PROMPT, NEW = 8, 32
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """A random-init small model (fp32), its parameters on dp=2,tp=2, and a batch of 2 prompts."""
+    from model.transformer import Transformer
+    from sharding.mesh import build_mesh
+    from sharding.rules import param_shardings
+
+    cfg = small_config("dp=2,tp=2", "train.seq_len=48")
+    mesh = build_mesh(cfg.parallel, jax.devices()[:4])
+    model = Transformer(cfg.model, rngs=nnx.Rngs(0))
+    params = nnx.state(model)
+    prompts = np.random.default_rng(0).integers(0, 256, (2, PROMPT))
+    return cfg, mesh, model, jax.device_put(params, param_shardings(params, mesh)), prompts
+
+
+def decoder(setup, temperature=0.0, top_p=1.0):
+    from model.decode import Decoder
+
+    cfg, mesh, _, params, _ = setup
+    d = Decoder(cfg.model, mesh, 2, PROMPT, NEW, temperature, top_p)
+    d.compile(params)
+    return d
+
+
+@pytest.fixture(scope="module")
+def greedy(setup):
+    d = decoder(setup)
+    return d, d.generate(setup[3], setup[4])
+
+
+def test_greedy_with_cache_equals_full_forward_argmax(setup, greedy):
+    """Token for token, 32 tokens, 2 prompts, on dp=2,tp=2: the cached decode equals the argmax of
+    the whole sequence's forward pass (one device) recomputed at every position."""
+    _, _, model, _, prompts = setup
+    forward = jax.jit(lambda tokens: model(tokens)[0])
+    seq = np.zeros((2, PROMPT + NEW), np.int32)  # later positions cannot change earlier logits (causal)
+    seq[:, :PROMPT] = prompts
+    for i in range(NEW):
+        seq[:, PROMPT + i] = np.argmax(np.asarray(forward(seq))[:, PROMPT + i - 1], axis=-1)
+    np.testing.assert_array_equal(greedy[1].tokens, seq[:, PROMPT:])
+
+
+def test_decode_step_splits_heads_and_batch(setup, greedy):
+    """The compiled step holds each device's shard of the cache, [X, B/dp, M, K/tp, H], and the
+    row-parallel all-reduces over tensor that GSPMD inserted."""
+    cfg, _, _, _, _ = setup
+    d, out = greedy
+    m = cfg.model
+    local = (m.n_layers, 1, PROMPT + NEW, m.n_kv_heads // 2, m.head_dim)
+    assert out.cache["k"].sharding.shard_shape(out.cache["k"].shape) == local
+    text = d.decode.as_text()
+    assert f"f32[{','.join(map(str, local))}]" in text and "all-reduce" in text
+
+
+def test_cache_bytes_equal_the_formula(setup, greedy):
+    from model.decode import cache_bytes
+
+    cfg, d = setup[0], greedy[0]
+    m, length = cfg.model, PROMPT + NEW
+    held = sum(c.nbytes for c in d.new_cache().values())
+    assert held == cache_bytes(m, 2, length) == 2 * m.n_layers * m.n_kv_heads * m.head_dim * length * 2 * 4
+
+
+def test_sample_greedy_limits():
+    from model.decode import sample
+
+    logits = jax.random.normal(jax.random.key(1), (4, 256))
+    best = np.argmax(logits, axis=-1)
+    key = jax.random.key(2)
+    np.testing.assert_array_equal(sample(logits, key, 0.0, 0.9), best)  # temperature 0
+    np.testing.assert_array_equal(sample(logits, key, 1.0, 1e-6), best)  # tiny nucleus
+    draws = np.asarray(jax.vmap(lambda k: sample(logits, k, 1.0, 0.5))(jax.random.split(key, 64))).T  # [4, 64]
+    ranked = np.sort(np.asarray(logits), axis=-1)[:, ::-1]
+    probs = np.asarray(jax.nn.softmax(ranked, axis=-1))
+    kept = np.sum(np.cumsum(probs, axis=-1) - probs < 0.5, axis=-1)  # the nucleus's size per row
+    floor = ranked[np.arange(4), kept - 1]
+    assert (np.take_along_axis(np.asarray(logits), draws, axis=-1) >= floor[:, None]).all()  # in the nucleus
+    assert all(len(np.unique(row)) > 1 for row in draws)  # and sampled, not greedy
+
+
+def test_sampling_same_seed_same_text(setup, greedy):
+    d = decoder(setup, temperature=1.0, top_p=0.9)
+    params, prompts = setup[3], setup[4]
+    first, again, other = (d.generate(params, prompts, seed).tokens for seed in (0, 0, 1))
+    np.testing.assert_array_equal(first, again)
+    assert (first != other).any() and (first != greedy[1].tokens).any()
+
+
+def fake_run(tmp_path, *sets, step=True):
+    """A run directory with the small config and an (empty) checkpoints/5: enough for the checks
+    made before jax is imported."""
+    cfg = small_config("", *sets)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    if step:
+        (tmp_path / "checkpoints" / "5").mkdir(parents=True)
+    return tmp_path
+
+
+@pytest.mark.parametrize("args, sets, message", [
+    (["--prompt", "x" * 32], [], "--prompt is 32 bytes: give 1 to 31 (the model was trained on train.seq_len=32"),
+    (["--max-new-tokens", "30"], [], "--max-new-tokens 30: the prompt's 11 bytes + the new tokens must fit"),
+    (["--temperature", "-0.5"], [], "--temperature -0.5: must be >= 0"),
+    (["--top-p", "0"], [], "--top-p 0.0: must be in (0, 1]"),
+    (["--top-p", "1.5"], [], "--top-p 1.5: must be in (0, 1]"),
+    ([], ["data.source=tokens", "data.path=x.bin"], "no tokenizer for a text --prompt"),
+    ([], ["model.n_experts=4"], "a mixture-of-experts model"),
+])
+def test_bad_input_is_one_error_line(tmp_path, args, sets, message):
+    run = fake_run(tmp_path, *sets)
+    out = run_module("tools.generate", "--run-dir", str(run), "--prompt", "def fib(n):", *args)
+    assert out.returncode == 2 and out.stderr.startswith("error: ") and message in out.stderr, out.stderr
+    assert len(out.stderr.splitlines()) == 1
+
+
+def test_run_without_checkpoints_is_refused(tmp_path):
+    out = run_module("tools.generate", "--run-dir", str(fake_run(tmp_path, step=False)), "--prompt", "a")
+    assert out.returncode == 2 and "no config.json and checkpoints/<step> there; train first" in out.stderr
+    assert len(out.stderr.splitlines()) == 1
+
+
+def test_cli_generates_from_a_checkpoint(tmp_path):
+    """End to end: a checkpoint of the initial state, restored on dp=2,tp=2, greedy."""
+    from sharding.mesh import build_mesh
+    from training.build import make_program
+    from training.checkpoint import Checkpointer
+
+    fake_run(tmp_path, step=False)
+    cfg = small_config()
+    program = make_program(cfg, build_mesh(cfg.parallel, jax.devices()[:1]))
+    with jax.set_mesh(build_mesh(cfg.parallel, jax.devices()[:1])):
+        state = program.init_fn()
+    checkpoints = Checkpointer(tmp_path / "checkpoints", cfg)
+    checkpoints.save(0, state)  # step 0: the state of a run before its first step
+    checkpoints.close()
+    out = run_module("tools.generate", "--run-dir", str(tmp_path), "--prompt", "def f", "--max-new-tokens", "6",
+                     "--temperature", "0", "--mesh", "dp=2,tp=2")
+    assert out.returncode == 0, out.stderr
+    assert "mesh dp=2,tp=2" in out.stdout and "2 row(s) x 11 positions" in out.stdout
+    assert "KV cache 5,632 bytes = 2·X·K·H·L·B·bytes = 2·2·2·8·11·2·4 (float32); 1,408 per device" in out.stdout
+    assert "tok/s" in out.stdout and "--- sample 0 ---\ndef f" in out.stdout
