@@ -1,10 +1,11 @@
 """Incremental decoding with a KV cache: prefill the prompt, then one token per step.
 
-Cache layout, one array each for keys and values, preallocated to the longest sequence M
-(prompt + new tokens) and written in place (the jitted step donates it):
+Cache layout, one array each for keys and values, preallocated to the whole sequence, L =
+prompt + new tokens, and written in place (the jitted step donates it):
 
-  k, v [X, B, M, K, H]  ('layers', 'batch', -, 'kv_heads', -): B over (data, fsdp), K over tensor
-  bytes = 2·X·K·H·M·B·bytes(compute dtype), in all; per device / (dp·fsdp·tp) (K >= tp)
+  k, v [X, B, L, K, H]  ('layers', 'batch', -, 'kv_heads', -): B over (data, fsdp), K over tensor
+  bytes = 2·X·K·H·L·B·bytes(compute dtype) in all; per device that / (dp·fsdp·tp), or
+          / (dp·fsdp) when K < tp (the kv heads are then replicated, sharding/rules.py)
 
 The step is the model's own forward (Transformer.decode): embed the new tokens, scan over the
 stacked layers with each layer's cache as the scan's input and output (Attention.decode writes
@@ -14,9 +15,13 @@ prompt at position 0: one compile for the prompt's length, one for a single toke
 
 It runs under GSPMD (tensor impl gspmd, xla core, whatever the run trained with): the
 parameters sit where the logical rules put them and XLA inserts the collectives. Per decode step
-on a (data, fsdp, tensor) mesh: per layer 2 all-reduces over tensor of [B/(dp·fsdp), 1, D]
-(the attention's and the MLP's row-parallel outputs), and with fsdp > 1 the all-gather of each
-layer's weights; the head's logits [B, V/tp] are gathered over tensor to sample.
+on a (data, fsdp, tensor) mesh, b = B/(dp·fsdp) rows per device (census of the compiled step on
+dp=2,tp=2, tests/test_generate.py):
+  per layer   2 all-reduces over tensor of [b, 1, D] (attention's and MLP's row-parallel outputs);
+              with fsdp > 1 also the all-gather of the layer's weights over fsdp
+  embedding   1 all-reduce of [b, 1, D] (the lookup from the vocab-split table)
+  sampling    the argmax over the vocab-split logits: 2 all-gathers of b values and indices
+              over tensor (temperature > 0: the logits' sort and cumsum, gathered by XLA)
 """
 
 from __future__ import annotations
@@ -40,12 +45,12 @@ CACHE_NAMES = ("layers", "batch", None, "kv_heads", None)
 
 
 def cache_shape(cfg: ModelConfig, batch: int, length: int) -> tuple[int, int, int, int, int]:
-    """[X, B, M, K, H] of the key (and of the value) cache."""
+    """[X, B, L, K, H] of the key (and of the value) cache."""
     return cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, length: int) -> int:
-    """2·X·K·H·M·B·bytes: keys and values of every layer, in the compute dtype."""
+    """2·X·K·H·L·B·bytes: keys and values of every layer, in the compute dtype."""
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * length * batch * jnp.dtype(cfg.compute_dtype).itemsize
 
 
@@ -67,14 +72,14 @@ def sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) 
 
 class Generation(NamedTuple):
     tokens: np.ndarray  # [B, N] the new tokens
-    cache: dict[str, jax.Array]  # k, v [X, B, M, K, H] as the last step left them
+    cache: dict[str, jax.Array]  # k, v [X, B, L, K, H] as the last step left them
     prefill_s: float  # the prompt in, the first token out
     decode_s: float  # the N-1 single-token steps
 
 
 class Decoder:
     """The prefill and decode steps of `cfg`'s model on `mesh` for B rows of a P-token prompt and
-    N new tokens (cache length M = P + N), compiled ahead of time with the shardings of the
+    N new tokens (cache length L = P + N), compiled ahead of time with the shardings of the
     logical rules."""
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, batch: int, prompt_len: int, new_tokens: int,
@@ -113,7 +118,7 @@ class Decoder:
         return time.perf_counter() - start
 
     def new_cache(self) -> dict[str, jax.Array]:
-        """Zeroed k and v caches [X, B, M, K, H] in the compute dtype, each device its shard."""
+        """Zeroed k and v caches [X, B, L, K, H] in the compute dtype, each device its shard."""
         zeros = jax.jit(lambda: jnp.zeros(self.shape, self.cfg.compute_dtype), out_shardings=self.cache_sharding)
         return {"k": zeros(), "v": zeros()}
 

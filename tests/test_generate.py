@@ -56,14 +56,18 @@ def test_greedy_with_cache_equals_full_forward_argmax(setup, greedy):
 
 def test_decode_step_splits_heads_and_batch(setup, greedy):
     """The compiled step holds each device's shard of the cache, [X, B/dp, M, K/tp, H], and the
-    row-parallel all-reduces over tensor that GSPMD inserted."""
-    cfg, _, _, _, _ = setup
+    two row-parallel all-reduces over tensor per layer of [B/dp, 1, D] that GSPMD inserted."""
+    from tools.hlo import census
+
+    cfg, mesh, _, _, _ = setup
     d, out = greedy
     m = cfg.model
     local = (m.n_layers, 1, PROMPT + NEW, m.n_kv_heads // 2, m.head_dim)
     assert out.cache["k"].sharding.shard_shape(out.cache["k"].shape) == local
     text = d.decode.as_text()
-    assert f"f32[{','.join(map(str, local))}]" in text and "all-reduce" in text
+    assert f"f32[{','.join(map(str, local))}]" in text
+    per_layer = [c for c in census(text, dict(mesh.shape)) if c.trips == m.n_layers]
+    assert [(c.kind, c.axes, c.elements) for c in per_layer] == [("all-reduce", ("tensor",), m.d_model)] * 2
 
 
 def test_cache_bytes_equal_the_formula(setup, greedy):
