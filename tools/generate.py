@@ -86,12 +86,13 @@ def main(argv: list[str]) -> int:
     import numpy as np
 
     from model.decode import Decoder, cache_bytes
-    from sharding.mesh import build_mesh
+    from sharding.mesh import build_mesh, mesh_config
     from training.build import make_program
     from training.checkpoint import Checkpointer
 
-    n = math.prod(getattr(cfg.parallel, a) for a in AXES)
-    mesh = build_mesh(cfg.parallel, jax.devices()[:n])
+    n = math.prod(getattr(cfg.parallel, a) for a in AXES)  # negative when one axis is -1 (fill)
+    mesh = build_mesh(cfg.parallel, jax.devices()[:n] if n > 0 else None)
+    cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
     checkpointer = Checkpointer(args.run_dir / "checkpoints", cfg)
     state = checkpointer.restore_latest(make_program(cfg, mesh))
     checkpointer.close()
@@ -115,7 +116,8 @@ def main(argv: list[str]) -> int:
     print(f"compile {compile_s:.1f} s | prefill {len(prompt)} tokens {out.prefill_s * 1e3:.1f} ms | "
           f"decode {new - 1} steps x {rows} row(s): {rate}")
     for row, tokens in enumerate(out.tokens):
-        text = (prompt + bytes(tokens.astype(np.uint8).tolist())).decode("utf-8", errors="replace")
+        tokens = np.where(tokens < 256, tokens, 0xFF).astype(np.uint8)  # ids past the bytes: invalid UTF-8
+        text = (prompt + tokens.tobytes()).decode("utf-8", errors="replace")
         print(f"--- sample {row} ---\n{text}")
         if args.temperature == 0:
             break  # greedy: every row is the same
