@@ -125,7 +125,7 @@ class Transformer(nnx.Module):
     def decode(self, tokens: jax.Array, cache: dict[str, jax.Array],
                position: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """tokens [B, l] at positions position..position+l-1 -> logits [B, l, V] fp32 and the KV
-        cache {'k', 'v'} [X, B, M, K, H] with their keys and values written (model/decode.py):
+        cache {'k', 'v'} [X, B, L, K, H] with their keys and values written (model/decode.py):
         l = the prompt at position 0 (prefill), then l = 1 per generated token. The scan over
         the stacked layers carries x and takes each layer's cache as its scanned input/output."""
         x = self.embed_tokens(tokens)
