@@ -88,10 +88,10 @@ def main(argv: list[str]) -> int:
     # anything is written: a rejected config or a bad data.path never overwrites the run
     # directory's config.json nor creates its checkpoints/.
     program = make_program(cfg, mesh)
-    tokens = load_tokens(cfg.data, cfg.model.vocab_size)
+    corpus = load_tokens(cfg.data, cfg.model.vocab_size)
     checkpoints = Checkpointer(run_dir / "checkpoints", cfg) if cfg.train.checkpoint_every else None
     try:
-        records, job = build_and_train(cfg, mesh, program, tokens, run_dir, checkpoints)
+        records, job = build_and_train(cfg, mesh, program, corpus, run_dir, checkpoints)
     except TrainingStopped as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -109,14 +109,14 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def build_and_train(cfg: RunConfig, mesh, program, tokens, run_dir: Path, checkpoints) -> tuple[list[dict], object]:
+def build_and_train(cfg: RunConfig, mesh, program, corpus, run_dir: Path, checkpoints) -> tuple[list[dict], object]:
     """Build the job (restoring the latest checkpoint), save and print the config, train."""
     import jax
 
     from training.build import build
     from training.loop import train
 
-    job = build(cfg, mesh, tokens, restore=checkpoints.restore_latest if checkpoints else None, program=program)
+    job = build(cfg, mesh, corpus, restore=checkpoints.restore_latest if checkpoints else None, program=program)
     text = json.dumps(cfg.to_dict(), indent=2)
     if jax.process_index() == 0:
         (run_dir / "config.json").write_text(text + "\n")

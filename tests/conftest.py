@@ -59,10 +59,12 @@ def small_config(mesh: str = "", *overrides: str):
 
 @pytest.fixture(scope="session")
 def corpus():
-    """A fixed byte corpus (the start of the stdlib stream) shared by the training tests."""
-    from training.data import load_tokens
+    """A fixed byte corpus (the start of the stdlib training stream, and the whole held-out
+    part) shared by the training tests."""
+    from training.data import Corpus, load_tokens
 
-    return load_tokens(small_config().data, 256)[:200_000]
+    full = load_tokens(small_config().data, 256)
+    return Corpus(full.train[:200_000], full.eval)
 
 
 STEPS = 5

@@ -23,7 +23,7 @@ from sharding.checks import batch_ranks, microbatches
 from sharding.context_parallel import zigzag_permutation
 from sharding.rules import data_sharding, param_shardings
 from sharding.strategies import Strategies, parallelize
-from training.data import Batches, load_tokens
+from training.data import Batches, Corpus, load_tokens
 from training.optimizer import lr_schedule, make_optimizer
 from training.step import TrainState, make_train_step
 
@@ -112,10 +112,11 @@ def make_program(cfg: RunConfig, mesh: Mesh) -> Program:
     return Program(strategies, graphdef, state, shardings, batch_sharding, shape, init_fn, step_fn)
 
 
-def build(cfg: RunConfig, mesh: Mesh, tokens: np.ndarray | None = None,
+def build(cfg: RunConfig, mesh: Mesh, corpus: Corpus | None = None,
           restore: Callable[[Program], TrainState | None] | None = None,
           program: Program | None = None) -> Job:
-    """Everything a training loop needs. `tokens` overrides the configured data source.
+    """Everything a training loop needs. `corpus` overrides the configured data source; training
+    reads only its train part.
 
     `restore` (e.g. `Checkpointer.restore_latest`) gets the abstract program and returns the
     state of a checkpoint, already in this mesh's shardings, or None: then the state is
@@ -126,11 +127,11 @@ def build(cfg: RunConfig, mesh: Mesh, tokens: np.ndarray | None = None,
     if state is None:
         with jax.set_mesh(mesh):
             state = program.init_fn()
-    if tokens is None:
-        tokens = load_tokens(cfg.data, cfg.model.vocab_size)
+    if corpus is None:
+        corpus = load_tokens(cfg.data, cfg.model.vocab_size)
     k, b, length = program.batch_shape
     order = zigzag_permutation(length, mesh.shape["sequence"])[0] if program.strategies.context else None
-    batches = Batches(tokens, cfg.data.seed, k, b, length, program.batch_sharding, order)
+    batches = Batches(corpus.train, cfg.data.seed, k, b, length, program.batch_sharding, order)
     return Job(cfg, mesh, program.strategies, program.graphdef, state, program.step_fn, batches)
 
 
