@@ -60,8 +60,8 @@ def check_eval_only(args: argparse.Namespace) -> None:
     """--eval-only needs a run directory that holds a checkpoint, and no --dry-run."""
     if args.dry_run:
         raise ConfigError("--eval-only and --dry-run: choose one (--dry-run compiles the train step, runs nothing)")
-    steps = args.run_dir and args.run_dir / "checkpoints"
-    if not steps or not steps.is_dir() or not any(p.name.isdigit() for p in steps.iterdir()):
+    saved = args.run_dir and args.run_dir / "checkpoints"
+    if not saved or not saved.is_dir() or not any(p.name.isdigit() for p in saved.iterdir()):
         where = f"--run-dir {args.run_dir} holds no checkpoint" if args.run_dir else "no --run-dir given"
         raise ConfigError(f"--eval-only: {where}; name the directory of a run that saved one "
                           "(train.checkpoint_every > 0), e.g. --run-dir runs/tiny-20260101-120000")

@@ -20,8 +20,10 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh
 
 from configs.base import ConfigError, RunConfig
@@ -31,7 +33,7 @@ from training.data import BYTE_SOURCES, Batches, Corpus
 from training.logger import MetricsLogger
 
 
-def evaluate(eval_fn, params, batches: Batches, n: int, source: str) -> dict:
+def evaluate(eval_fn: Callable, params: nnx.State, batches: Batches, n: int, source: str) -> dict:
     """{'eval_loss', 'eval_ppl', 'eval_bpb'} of `params` on batches 0..n-1 of `batches` (the
     mean of equal-sized batches' means: the mean over all their tokens), plus 'eval_time_s'."""
     start = time.perf_counter()
