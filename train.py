@@ -4,6 +4,7 @@
   python train.py --mesh dp=8,tp=8                 64 devices (fake CPU devices on a laptop)
   python train.py --config 125m --set train.lr=3e-4 --run-dir runs/a
   python train.py --run-dir runs/a                 resume runs/a from its latest checkpoint
+  python train.py --run-dir runs/a --eval-only     held-out loss of runs/a's latest checkpoint
   python train.py --config llama3-8b --mesh dp=8,tp=8 --dry-run   plan only (tools/plan.py)
       [--bandwidth FILE.json]                     on links measured by python -m tools.collectives
 
@@ -39,6 +40,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--profile-steps", help="START:END, trace these steps with jax.profiler")
     p.add_argument("--dry-run", action="store_true",
                    help="compile the step abstractly and print the plan (memory, collectives, time); train nothing")
+    p.add_argument("--eval-only", action="store_true",
+                   help="evaluate the latest checkpoint of --run-dir on the held-out data; train nothing")
     p.add_argument("--gpu", default="h100", help="with --dry-run: GPU to estimate for, h100|h200|a100")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     add_bandwidth_arg(p)
@@ -53,11 +56,24 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     return run_config(args, shortcuts, base=None if args.config else saved_config(args.run_dir))
 
 
+def check_eval_only(args: argparse.Namespace) -> None:
+    """--eval-only needs a run directory that holds a checkpoint, and no --dry-run."""
+    if args.dry_run:
+        raise ConfigError("--eval-only and --dry-run: choose one (--dry-run compiles the train step, runs nothing)")
+    saved = args.run_dir and args.run_dir / "checkpoints"
+    if not saved or not saved.is_dir() or not any(p.name.isdigit() for p in saved.iterdir()):
+        where = f"--run-dir {args.run_dir} holds no checkpoint" if args.run_dir else "no --run-dir given"
+        raise ConfigError(f"--eval-only: {where}; name the directory of a run that saved one "
+                          "(train.checkpoint_every > 0), e.g. --run-dir runs/tiny-20260101-120000")
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = resolve_config(args)
     if args.bandwidth and not args.dry_run:
         raise ConfigError("--bandwidth is for --dry-run: it sets the links of the plan's step time")
+    if args.eval_only:
+        check_eval_only(args)
     measured = load(args.bandwidth) if args.bandwidth else None
     fake = request_fake_devices(cfg, process_count(args))
     if args.dry_run:
@@ -74,6 +90,7 @@ def main(argv: list[str]) -> int:
     from training.build import make_program
     from training.checkpoint import Checkpointer
     from training.data import load_tokens
+    from training.evaluate import evaluate_run
     from training.distributed import initialize
     from training.loop import TrainingStopped
 
@@ -88,10 +105,14 @@ def main(argv: list[str]) -> int:
     # anything is written: a rejected config or a bad data.path never overwrites the run
     # directory's config.json nor creates its checkpoints/.
     program = make_program(cfg, mesh)
-    tokens = load_tokens(cfg.data, cfg.model.vocab_size)
+    corpus = load_tokens(cfg.data, cfg.model.vocab_size)
+    if args.eval_only:
+        return evaluate_run(cfg, mesh, program, corpus, run_dir)
+    if cfg.train.eval_every:
+        program.held_out(corpus.eval)  # refuses a held-out part shorter than one window, before any write
     checkpoints = Checkpointer(run_dir / "checkpoints", cfg) if cfg.train.checkpoint_every else None
     try:
-        records, job = build_and_train(cfg, mesh, program, tokens, run_dir, checkpoints)
+        records, job = build_and_train(cfg, mesh, program, corpus, run_dir, checkpoints)
     except TrainingStopped as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -109,14 +130,14 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def build_and_train(cfg: RunConfig, mesh, program, tokens, run_dir: Path, checkpoints) -> tuple[list[dict], object]:
+def build_and_train(cfg: RunConfig, mesh, program, corpus, run_dir: Path, checkpoints) -> tuple[list[dict], object]:
     """Build the job (restoring the latest checkpoint), save and print the config, train."""
     import jax
 
     from training.build import build
     from training.loop import train
 
-    job = build(cfg, mesh, tokens, restore=checkpoints.restore_latest if checkpoints else None, program=program)
+    job = build(cfg, mesh, corpus, restore=checkpoints.restore_latest if checkpoints else None, program=program)
     text = json.dumps(cfg.to_dict(), indent=2)
     if jax.process_index() == 0:
         (run_dir / "config.json").write_text(text + "\n")

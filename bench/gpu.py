@@ -434,7 +434,7 @@ def stage_profile(sizes: Sizes, run_dir: Path) -> dict:
 
     preset, overrides = sizes.profile_case
     extra = [f"model.attention={sizes.train_core}", "train.steps=4", "train.profile_steps=2:4",
-             "train.checkpoint_every=0", "train.log_every=1000"]
+             "train.checkpoint_every=0", "train.log_every=1000", "train.eval_every=0"]
     cfg = case_config(preset, overrides, extra, jax.device_count())
     mesh = build_mesh(cfg.parallel)
     job = build(dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel)), mesh)

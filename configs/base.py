@@ -49,7 +49,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation, batch, logging and checkpoints (training/checkpoint.py)."""
+    """Optimisation, batch, logging, checkpoints (training/checkpoint.py) and evaluation."""
 
     steps: int = 200
     seq_len: int = 128  # L
@@ -70,6 +70,9 @@ class TrainConfig:
     checkpoint_every: int = 100  # save every N steps and at the last step; 0 = no checkpoints
     keep_checkpoints: int = 3  # the newest k complete checkpoints are kept
     max_bad_steps: int = 5  # stop after this many non-finite (skipped) steps in a row
+    # Held-out evaluation (training/evaluate.py): every N steps and at the last step; 0 = none.
+    eval_every: int = 100
+    eval_batches: int = 4  # global batches of held-out windows per evaluation (the same each time)
 
 
 @dataclass(frozen=True)

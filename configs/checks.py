@@ -88,6 +88,8 @@ RULES: dict[str, Rule] = {
     "train.checkpoint_every": at_least(0),
     "train.keep_checkpoints": at_least(1),
     "train.max_bad_steps": at_least(1),
+    "train.eval_every": at_least(0),
+    "train.eval_batches": at_least(1),
     "data.seed": at_least(0),  # numpy's generators refuse negative seeds
     "parallel.stage": AXIS,
     "parallel.data": AXIS,
@@ -106,6 +108,7 @@ NOTES = {
     "train.micro_batch_size": "0 = no accumulation",
     "train.grad_clip": "0 disables clipping",
     "train.checkpoint_every": "0 = no checkpoints",
+    "train.eval_every": "0 = no evaluation",
     "parallel.microbatches": "0 = the number of stages",
 }
 # Fields with no value rule: free text, or parsed below (profile_steps), or any bool.

@@ -43,6 +43,7 @@ SMALL = [
     "model.d_model=64", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=2",
     "model.head_dim=8", "model.d_ff=128", "model.compute_dtype=float32",
     "train.seq_len=32", "train.global_batch_size=16", "train.warmup_steps=2", "train.steps=5",
+    "train.eval_every=0",  # the tests that evaluate turn it on: it costs a compile per run
 ]
 
 
@@ -59,10 +60,12 @@ def small_config(mesh: str = "", *overrides: str):
 
 @pytest.fixture(scope="session")
 def corpus():
-    """A fixed byte corpus (the start of the stdlib stream) shared by the training tests."""
-    from training.data import load_tokens
+    """A fixed byte corpus (the start of the stdlib training stream, and the whole held-out
+    part) shared by the training tests."""
+    from training.data import Corpus, load_tokens
 
-    return load_tokens(small_config().data, 256)[:200_000]
+    full = load_tokens(small_config().data, 256)
+    return Corpus(full.train[:200_000], full.eval)
 
 
 STEPS = 5
@@ -79,7 +82,7 @@ def run_steps(cfg, corpus, devices=None):
     from training.step import loss_and_grads
 
     mesh = build_mesh(cfg.parallel, devices)
-    job = build(cfg, mesh, tokens=corpus)
+    job = build(cfg, mesh, corpus=corpus)
     grad_fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
                                         schedule=job.strategies.schedule))
     with jax.set_mesh(mesh):
@@ -122,9 +125,10 @@ def train_argv(*args: str) -> list[str]:
 
 
 def logged_losses(run_dir) -> dict[int, float]:
-    """{step: loss} from a run's metrics.jsonl (the last record of a step logged twice)."""
+    """{step: loss} from a run's metrics.jsonl (the last record of a step logged twice; the
+    evaluation records, which have no loss, left out)."""
     import json
     from pathlib import Path
 
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}

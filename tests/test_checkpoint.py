@@ -22,7 +22,7 @@ def saved(tmp_path_factory, corpus):
         directory = tmp_path_factory.mktemp("ckpt")
         cfg = small_config(spec)
         checkpoints = Checkpointer(directory, cfg)
-        job = build(cfg, build_mesh(cfg.parallel), tokens=corpus)
+        job = build(cfg, build_mesh(cfg.parallel), corpus=corpus)
         state, hosts = job.state, []
         with jax.set_mesh(job.mesh):
             for step in range(2):
@@ -90,7 +90,7 @@ def test_nan_step_is_skipped_and_repeated_nans_stop(corpus, tmp_path, monkeypatc
     cfg = small_config("", "train.log_every=1", "train.max_bad_steps=2", "train.checkpoint_every=1")
     mesh = build_mesh(cfg.parallel, jax.devices()[:1])
     monkeypatch.setenv("MESHTRAIN_TEST_NAN_STEPS", "2")  # the batch of step index 2 (logged as step 3)
-    job = build(cfg, mesh, tokens=corpus)
+    job = build(cfg, mesh, corpus=corpus)
     (tmp_path / "one").mkdir()
     records = {r["step"]: r for r in train(job, tmp_path / "one")}
     assert np.isnan(records[3]["loss"]) and records[3]["skipped"] == 1 and records[3]["bad_steps"] == 1
@@ -100,7 +100,7 @@ def test_nan_step_is_skipped_and_repeated_nans_stop(corpus, tmp_path, monkeypatc
     monkeypatch.setenv("MESHTRAIN_TEST_NAN_STEPS", "2,3")
     (tmp_path / "two").mkdir()
     checkpoints = Checkpointer(tmp_path / "two" / "checkpoints", cfg)
-    job = build(cfg, mesh, tokens=corpus)
+    job = build(cfg, mesh, corpus=corpus)
     with pytest.raises(TrainingStopped, match="step 4: 2 non-finite steps in a row") as e:
         train(job, tmp_path / "two", checkpoints)
     assert checkpoints.latest() == 3 and str(checkpoints.path(3)) in str(e.value)

@@ -86,6 +86,13 @@ def test_log_lines_and_profile_window(tmp_path):
         (["--steps", "3", "--profile-steps", "10:13"], "--profile-steps 10:13 does not fit in --steps 3"),
         (["--profile-steps", "1:100", "--steps", "3"], "--profile-steps 1:100 does not fit in --steps 3"),
         (["--profile-steps", "3:1"], "--profile-steps '3:1': expected START:END"),
+        # Evaluation (configs/checks.py, training/data.py held_out, train.py --eval-only).
+        (["--set", "train.eval_every=-1"], "--set train.eval_every=-1: must be >= 0 (0 = no evaluation)"),
+        (["--set", "train.eval_batches=0"], "--set train.eval_batches=0: must be >= 1"),
+        (["--set", "train.eval_every=5", "--set", "data.source=text", "--set", "data.path={file}"],
+         "the held-out part of the corpus has 0 tokens, fewer than one window of train.seq_len=32 + 1"),
+        (["--eval-only"], "--eval-only: --run-dir {run} holds no checkpoint"),
+        (["--eval-only", "--dry-run"], "--eval-only and --dry-run: choose one"),
         # The run directory itself.
         (["--run-dir", "{file}"], "is a file: name a directory"),
         (["--run-dir", "{file}/run"], "is a file, not a directory"),
@@ -97,6 +104,7 @@ def test_bad_input_is_one_clear_line(args, message, tmp_path):
     run_dir.mkdir()
     file.write_text("not a directory\n")
     args = [a.format(file=file) for a in args]
+    message = message.format(run=run_dir)
     if "--run-dir" not in args:
         args += ["--run-dir", str(run_dir)]
     out = train(*args, fake_devices=True)
@@ -125,3 +133,17 @@ def test_mesh_larger_than_the_devices_present(tmp_path):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "needs 16 devices but 8 are available" in errors[0] and "dp=8" in errors[0]
     assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
+
+
+def test_eval_only_scores_the_latest_checkpoint(tmp_path):
+    """Training evaluates at its last step; --eval-only on the run directory restores that
+    step's checkpoint, trains nothing and logs the same held-out loss again."""
+    out = train("--steps", "2", "--set", "train.eval_every=2", "--set", "train.eval_batches=1", "--run-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "eval 2/2 | held-out loss" in out.stdout and "bits/byte" in out.stdout
+    again = train("--eval-only", "--run-dir", str(tmp_path))
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stdout and "eval 2/" in again.stdout and "held-out loss" in again.stdout
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], "loss" in r) for r in records] == [(2, True), (2, False), (2, False)]
+    assert records[1]["eval_loss"] == records[2]["eval_loss"] and records[1]["eval_bpb"] is not None

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from configs.base import ConfigError, DataConfig
 from sharding.mesh import build_mesh, parse_mesh
 from sharding.rules import data_sharding
-from training.data import SYNTHETIC_TOKENS, Batches, load_tokens, stdlib_files
+from training.data import SYNTHETIC_TOKENS, Batches, held_out, held_out_files, load_tokens, stdlib_files
 from training.profiling import parse_window
 
 
@@ -41,23 +41,29 @@ def test_stdlib_files(stdlib_list):
 
 
 def test_load_stdlib(stdlib_list):
-    tokens = load_tokens(DataConfig(source="stdlib"), 256)
-    assert tokens.dtype == np.uint8
+    corpus = load_tokens(DataConfig(source="stdlib"), 256)
+    tokens = corpus.train
+    assert tokens.dtype == corpus.eval.dtype == np.uint8
     assert tokens.ndim == 1
     assert tokens.size > 1_000_000
-    assert tokens.size == sum(f.stat().st_size for f in stdlib_list)
+    held = stdlib_list[99::100]  # every 100th file is held out, whole
+    assert corpus.eval.size == sum(f.stat().st_size for f in held) > 0
+    assert tokens.size + corpus.eval.size == sum(f.stat().st_size for f in stdlib_list)
     head = stdlib_list[0].read_bytes()
     assert tokens[: len(head)].tobytes() == head
+    assert corpus.eval[: held[0].stat().st_size].tobytes() == held[0].read_bytes()
 
 
 def test_load_text_file(tmp_path):
     text = "def f(x):\n    return x + 1\n# é ü\n".encode()
     path = tmp_path / "corpus.txt"
     path.write_bytes(text)
-    tokens = load_tokens(DataConfig(source="text", path=str(path)), 256)
+    corpus = load_tokens(DataConfig(source="text", path=str(path)), 256)
+    tokens = corpus.train
     assert tokens.dtype == np.uint8
-    assert tokens.tobytes() == text
+    assert tokens.tobytes() == text  # one file: its last len // 100 bytes (0 here) are held out
     assert tokens.tolist() == list(text)
+    assert corpus.eval.size == 0
 
 
 def test_load_text_directory(tmp_path):
@@ -70,9 +76,10 @@ def test_load_text_directory(tmp_path):
     for name, data in contents.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(data)
-    tokens = load_tokens(DataConfig(source="text", path=str(tmp_path)), 300)
-    expected = b"first file\n" + b"second file\n" + b"third = 3\n" + b"# fourth\n"
-    assert tokens.tobytes() == expected
+    corpus = load_tokens(DataConfig(source="text", path=str(tmp_path)), 300)
+    expected = b"first file\n" + b"second file\n" + b"third = 3\n"
+    assert corpus.train.tobytes() == expected
+    assert corpus.eval.tobytes() == b"# fourth\n"  # fewer than 100 files: the last one is held out
 
 
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])
@@ -81,29 +88,34 @@ def test_load_token_file(tmp_path, dtype):
     ids = np.arange(0, vocab, 37, dtype=dtype)[::-1].copy()
     path = tmp_path / f"tokens_{dtype}.bin"
     ids.tofile(path)
-    tokens = load_tokens(DataConfig(source="tokens", path=str(path), token_dtype=dtype), vocab)
-    assert isinstance(tokens, np.memmap)
-    assert tokens.dtype == np.dtype(dtype)
-    assert tokens.shape == ids.shape
-    np.testing.assert_array_equal(np.asarray(tokens), ids)
+    corpus = load_tokens(DataConfig(source="tokens", path=str(path), token_dtype=dtype), vocab)
+    for part in (corpus.train, corpus.eval):
+        assert isinstance(part, np.memmap)
+        assert part.dtype == np.dtype(dtype)
+    cut = ids.size - ids.size // 100  # the last 1% is held out
+    np.testing.assert_array_equal(np.asarray(corpus.train), ids[:cut])
+    np.testing.assert_array_equal(np.asarray(corpus.eval), ids[cut:])
     if dtype == "uint32":
-        assert int(tokens.max()) > 65535  # ids that need 32 bits survive
+        assert int(corpus.train.max()) > 65535  # ids that need 32 bits survive
 
 
 def test_load_synthetic():
     a = load_tokens(DataConfig(source="synthetic", seed=7), 1000)
     b = load_tokens(DataConfig(source="synthetic", seed=7), 1000)
     c = load_tokens(DataConfig(source="synthetic", seed=8), 1000)
-    assert a.shape == (SYNTHETIC_TOKENS,)
-    assert int(a.max()) < 1000 and int(a.min()) >= 0
-    assert int(a.max()) == 999  # the whole vocabulary is used
-    np.testing.assert_array_equal(a, b)
-    assert not np.array_equal(a[:1000], c[:1000])
+    assert a.train.shape == (SYNTHETIC_TOKENS,)
+    assert a.eval.shape == (SYNTHETIC_TOKENS // 100,)
+    assert int(a.train.max()) < 1000 and int(a.train.min()) >= 0
+    assert int(a.train.max()) == 999  # the whole vocabulary is used
+    np.testing.assert_array_equal(a.train, b.train)
+    np.testing.assert_array_equal(a.eval, b.eval)
+    assert not np.array_equal(a.train[:1000], c.train[:1000])
+    assert not np.array_equal(a.train[: a.eval.size], a.eval)  # a stream of its own
 
 
 def test_synthetic_allows_small_vocab():
     tokens = load_tokens(DataConfig(source="synthetic"), 16)
-    assert int(tokens.max()) == 15
+    assert int(tokens.train.max()) == int(tokens.eval.max()) == 15
 
 
 # ---------------------------------------------------------------- source errors
@@ -151,7 +163,7 @@ def test_token_id_out_of_vocab(tmp_path, dtype):
         load_tokens(DataConfig(source="tokens", path=str(path), token_dtype=dtype), 300)
     assert "300" in str(err.value)
     # One more id in the vocabulary and it loads.
-    assert load_tokens(DataConfig(source="tokens", path=str(path), token_dtype=dtype), 301).tolist() == [1, 2, 300, 4]
+    assert load_tokens(DataConfig(source="tokens", path=str(path), token_dtype=dtype), 301).train.tolist() == [1, 2, 300, 4]
 
 
 def test_token_file_size_not_multiple_of_dtype(tmp_path):
@@ -277,6 +289,52 @@ def test_batch_corpus_too_short(sharding, size):
     with pytest.raises(ConfigError) as err:
         Batches(np.arange(size, dtype=np.uint8), 0, K, B, L, sharding)
     assert str(L) in str(err.value)
+
+
+# ---------------------------------------------------------------- the held-out split
+
+
+@pytest.mark.parametrize("n, held", [(2, [1]), (4, [3]), (99, [98]), (100, [99]), (250, [99, 199])])
+def test_held_out_files(n, held):
+    files = [Path(f"{i:03d}.py") for i in range(n)]
+    train, evals = held_out_files(files)
+    assert evals == [files[i] for i in held]
+    assert sorted(train + evals) == files and not set(train) & set(evals)
+
+
+def test_byte_split_keeps_whole_files_apart(tmp_path, sharding):
+    """150 files, file j all bytes j: file 99 is held out whole; no training window ever reads
+    a byte of it, and every evaluation window reads nothing else."""
+    for j in range(150):
+        (tmp_path / f"{j:03d}.txt").write_bytes(bytes([j]) * 300)
+    corpus = load_tokens(DataConfig(source="text", path=str(tmp_path)), 256)
+    assert corpus.eval.tobytes() == bytes([99]) * 300 and 99 not in corpus.train
+    train = Batches(corpus.train, 0, K, B, L, sharding)
+    seen = np.concatenate([train.host_batch(s)["inputs"].ravel() for s in range(200)])
+    assert 99 not in seen and len(np.unique(seen)) == 149  # every training file is read
+    evals = held_out(corpus.eval, K, B, L, sharding)
+    assert all(set(np.unique(evals.host_batch(i)["targets"])) == {99} for i in range(4))
+
+
+def test_token_split_on_offsets(tmp_path, sharding):
+    """Token ids equal to their offsets: training windows lie before the cut, evaluation
+    windows after it."""
+    path = tmp_path / "t.bin"
+    np.arange(20_000, dtype=np.uint32).tofile(path)
+    corpus = load_tokens(DataConfig(source="tokens", path=str(path), token_dtype="uint32"), 20_000)
+    cut = 20_000 - 200
+    train = Batches(corpus.train, 0, K, B, L, sharding)
+    for s in range(100):
+        batch = train.host_batch(s)
+        assert batch["targets"].max() < cut and batch["inputs"].min() >= 0
+    evals = held_out(corpus.eval, K, B, L, sharding)
+    assert min(evals.host_batch(i)["inputs"].min() for i in range(4)) >= cut
+
+
+def test_held_out_too_short(sharding):
+    with pytest.raises(ConfigError) as err:
+        held_out(np.arange(L, dtype=np.uint8), K, B, L, sharding)
+    assert "held-out part of the corpus has 16 tokens" in str(err.value) and "train.eval_every=0" in str(err.value)
 
 
 # ---------------------------------------------------------------- profiling.parse_window

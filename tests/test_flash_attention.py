@@ -237,7 +237,7 @@ def test_model_step_with_pallas_equals_xla(tp_flags, corpus):
     for core in ("xla", "pallas"):
         cfg = small_config("dp=2,tp=2", f"model.attention={core}", *tp_flags)
         mesh = mesh_of("dp=2,tp=2")
-        job = build(cfg, mesh, tokens=corpus)
+        job = build(cfg, mesh, corpus=corpus)
         with jax.set_mesh(mesh):
             grad_fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
                                                 schedule=job.strategies.schedule))

@@ -239,7 +239,7 @@ def test_load_balancing_loss_evens_the_load(corpus):
         mesh = build_mesh(cfg.parallel, jax.devices()[:1])
         from training.build import build
 
-        job = build(cfg, mesh, tokens=corpus)
+        job = build(cfg, mesh, corpus=corpus)
         state, loads = job.state, []
         with jax.set_mesh(mesh):
             for step in range(cfg.train.steps):

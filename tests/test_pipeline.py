@@ -34,7 +34,7 @@ def _devices(cfg) -> list:
 
 def _loss_and_grads(cfg, corpus):
     mesh = build_mesh(cfg.parallel, _devices(cfg))
-    job = build(cfg, mesh, tokens=corpus)
+    job = build(cfg, mesh, corpus=corpus)
     with jax.set_mesh(mesh):
         fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
                                        schedule=job.strategies.schedule))

@@ -27,7 +27,7 @@ def test_gradient_accumulation_equals_one_big_batch(corpus):
     """k=4 microbatches of 4 give the loss, gradients and update of one batch of 16."""
     big, acc = small_config(), small_config("", "train.micro_batch_size=4")
     mesh = build_mesh(big.parallel, jax.devices()[:1])
-    jobs = [build(cfg, mesh, tokens=corpus) for cfg in (big, acc)]
+    jobs = [build(cfg, mesh, corpus=corpus) for cfg in (big, acc)]
     batches = [job.batches(0) for job in jobs]
     assert batches[0]["inputs"].shape == (1, 16, 32) and batches[1]["inputs"].shape == (4, 4, 32)
     np.testing.assert_array_equal(batches[0]["inputs"].reshape(16, 32), batches[1]["inputs"].reshape(16, 32))
@@ -87,7 +87,7 @@ def test_finite_loss_with_non_finite_gradient_is_skipped(bad, corpus, monkeypatc
     monkeypatch.setattr(step_module, "loss_and_grads", poisoned)
     cfg = small_config()
     mesh = build_mesh(cfg.parallel, jax.devices()[:1])
-    job = build(cfg, mesh, tokens=corpus)
+    job = build(cfg, mesh, corpus=corpus)
     before = jax.device_get(job.state)  # before the step, which may donate its input buffers
     with jax.set_mesh(mesh):
         state, metrics = job.step_fn(job.state, job.batches(0))

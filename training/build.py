@@ -1,4 +1,4 @@
-"""Put a run together on a mesh: batch layout, sharded state, jitted step, data.
+"""Put a run together on a mesh: batch layout, sharded state, jitted step and eval step, data.
 
 The state is initialised inside `jax.jit` with `out_shardings` from the logical rules, so each
 device materialises only its own shard (a model larger than one device's memory never exists
@@ -23,9 +23,9 @@ from sharding.checks import batch_ranks, microbatches
 from sharding.context_parallel import zigzag_permutation
 from sharding.rules import data_sharding, param_shardings
 from sharding.strategies import Strategies, parallelize
-from training.data import Batches, load_tokens
+from training.data import Batches, Corpus, held_out, load_tokens
 from training.optimizer import lr_schedule, make_optimizer
-from training.step import TrainState, make_train_step
+from training.step import TrainState, make_eval_step, make_train_step
 
 
 def batch_layout(cfg: RunConfig, mesh: Mesh) -> tuple[int, int]:
@@ -58,6 +58,8 @@ class Job:
     state: TrainState
     step_fn: Callable  # jitted (state, batch) -> (state, metrics)
     batches: Batches
+    eval_fn: Callable  # jitted (params, batch) -> mean cross-entropy
+    eval_batches: Batches | None  # the held-out batches; None when train.eval_every = 0
 
     @property
     def n_params(self) -> int:
@@ -76,6 +78,12 @@ class Program:
     batch_shape: tuple[int, int, int]  # (k, b, L)
     init_fn: Callable  # jitted () -> sharded TrainState
     step_fn: Callable  # jitted (state, batch) -> (state, metrics), state donated
+    eval_fn: Callable  # jitted (params, batch) -> mean cross-entropy; compiled at its first call
+    order: np.ndarray | None  # the permutation of each sequence's positions (context parallelism's zigzag)
+
+    def held_out(self, tokens: np.ndarray) -> Batches:
+        """The evaluation batches of the held-out `tokens` (training.data.held_out)."""
+        return held_out(tokens, *self.batch_shape, self.batch_sharding, self.order)
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         struct = jax.ShapeDtypeStruct(self.batch_shape, np.int32, sharding=self.batch_sharding)
@@ -102,20 +110,25 @@ def make_program(cfg: RunConfig, mesh: Mesh) -> Program:
     shardings = state_shardings(state, mesh)
     shape = (k, b, cfg.train.seq_len)
     batch_sharding = data_sharding(mesh, shape)
+    batch_shardings = {"inputs": batch_sharding, "targets": batch_sharding}
     step_fn = jax.jit(
         make_train_step(graphdef, tx, lr_schedule(cfg.train), cfg, strategies),
-        in_shardings=(shardings, {"inputs": batch_sharding, "targets": batch_sharding}),
+        in_shardings=(shardings, batch_shardings),
         out_shardings=(shardings, NamedSharding(mesh, P())),
         donate_argnums=0,
     )
+    eval_fn = jax.jit(make_eval_step(graphdef, cfg, strategies), in_shardings=(shardings.params, batch_shardings),
+                      out_shardings=NamedSharding(mesh, P()))
     init_fn = jax.jit(lambda: init()[1], out_shardings=shardings)
-    return Program(strategies, graphdef, state, shardings, batch_sharding, shape, init_fn, step_fn)
+    order = zigzag_permutation(cfg.train.seq_len, mesh.shape["sequence"])[0] if strategies.context else None
+    return Program(strategies, graphdef, state, shardings, batch_sharding, shape, init_fn, step_fn, eval_fn, order)
 
 
-def build(cfg: RunConfig, mesh: Mesh, tokens: np.ndarray | None = None,
+def build(cfg: RunConfig, mesh: Mesh, corpus: Corpus | None = None,
           restore: Callable[[Program], TrainState | None] | None = None,
           program: Program | None = None) -> Job:
-    """Everything a training loop needs. `tokens` overrides the configured data source.
+    """Everything a training loop needs. `corpus` overrides the configured data source; training
+    reads only its train part, evaluation (train.eval_every > 0) only its held-out part.
 
     `restore` (e.g. `Checkpointer.restore_latest`) gets the abstract program and returns the
     state of a checkpoint, already in this mesh's shardings, or None: then the state is
@@ -126,12 +139,12 @@ def build(cfg: RunConfig, mesh: Mesh, tokens: np.ndarray | None = None,
     if state is None:
         with jax.set_mesh(mesh):
             state = program.init_fn()
-    if tokens is None:
-        tokens = load_tokens(cfg.data, cfg.model.vocab_size)
-    k, b, length = program.batch_shape
-    order = zigzag_permutation(length, mesh.shape["sequence"])[0] if program.strategies.context else None
-    batches = Batches(tokens, cfg.data.seed, k, b, length, program.batch_sharding, order)
-    return Job(cfg, mesh, program.strategies, program.graphdef, state, program.step_fn, batches)
+    if corpus is None:
+        corpus = load_tokens(cfg.data, cfg.model.vocab_size)
+    batches = Batches(corpus.train, cfg.data.seed, *program.batch_shape, program.batch_sharding, program.order)
+    eval_batches = program.held_out(corpus.eval) if cfg.train.eval_every else None
+    return Job(cfg, mesh, program.strategies, program.graphdef, state, program.step_fn, batches,
+               program.eval_fn, eval_batches)
 
 
 def compile_step(step_fn: Callable, mesh: Mesh, state, batch) -> tuple[jax.stages.Compiled, float, float]:

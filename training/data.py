@@ -7,6 +7,14 @@ Sources (`data.source`):
   tokens     a pretokenized flat .bin file of uint16 or uint32 ids (memory-mapped).
   synthetic  uniform random ids (for speed runs; nothing to learn).
 
+Held-out split: one part in HOLDOUT (100) of every source is kept for evaluation and never read
+by training (`Corpus.train` / `Corpus.eval`). Several files (stdlib; text with a directory):
+whole files, file i of n in sorted order when (i + 1) % min(n, 100) == 0 (every 100th file
+spread over the tree, so the held-out code is like the rest; the last file when n < 100). One
+file (text) or a token file: the last len // 100 tokens. Synthetic: a second random stream of
+SYNTHETIC_TOKENS // 100 ids, seeded apart. Evaluation draws a fixed set of windows from
+`Corpus.eval` (`held_out`), the same at every evaluation and on every mesh.
+
 Order: the batch of step s is a set of windows whose start offsets are drawn from
 `numpy.random.default_rng([data.seed, s])`, so it depends only on (seed, step): a resumed run
 continues the same stream, and any process can compute any batch without coordination.
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -33,7 +42,19 @@ import numpy as np
 from configs.base import ConfigError, DataConfig
 
 SYNTHETIC_TOKENS = 1 << 22
+HOLDOUT = 100  # one part in HOLDOUT of the corpus is held out for evaluation
+EVAL_SEED = 0  # the held-out windows' seed: fixed, so that every run of a corpus scores the same windows
+BYTE_SOURCES = ("stdlib", "text")  # one token per byte: the loss in bits per byte is loss / ln 2
 NAN_STEPS_HOOK = "MESHTRAIN_TEST_NAN_STEPS"
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A source's tokens in two parts: `train`, the only part training reads, and `eval`, the
+    held-out part (it may be shorter than one window; evaluation then refuses to run)."""
+
+    train: np.ndarray
+    eval: np.ndarray
 
 
 def stdlib_files() -> list[Path]:
@@ -46,21 +67,46 @@ def stdlib_files() -> list[Path]:
     return files
 
 
-def _read_bytes(files: list[Path], what: str) -> np.ndarray:
-    data = np.frombuffer(b"".join(f.read_bytes() for f in files), dtype=np.uint8)
-    if data.size == 0:
-        raise ConfigError(f"{what} holds no bytes: point --set data.path at a non-empty file or directory")
-    return data
+def held_out_files(files: list[Path]) -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files) of a sorted list of two or more: file i of n is held out
+    when (i + 1) % min(n, HOLDOUT) == 0."""
+    stride = min(len(files), HOLDOUT)
+    return ([f for i, f in enumerate(files) if (i + 1) % stride],
+            [f for i, f in enumerate(files) if (i + 1) % stride == 0])
 
 
-def load_tokens(cfg: DataConfig, vocab_size: int) -> np.ndarray:
-    """The whole token stream as a 1-D array (memory-mapped for token files)."""
-    if cfg.source in ("stdlib", "text") and vocab_size < 256:
+def split_stream(tokens: np.ndarray) -> Corpus:
+    """One stream (a token file, a single text file): the last len // HOLDOUT tokens are held out."""
+    cut = tokens.size - tokens.size // HOLDOUT
+    return Corpus(tokens[:cut], tokens[cut:])
+
+
+def _concat(files: list[Path]) -> np.ndarray:
+    return np.frombuffer(b"".join(f.read_bytes() for f in files), dtype=np.uint8)
+
+
+def _read_bytes(files: list[Path], what: str) -> Corpus:
+    if len(files) > 1:
+        train, held = held_out_files(files)
+        corpus = Corpus(_concat(train), _concat(held))
+    else:
+        corpus = split_stream(_concat(files))
+    if corpus.train.size == 0:
+        raise ConfigError(f"{what} holds no bytes to train on: point --set data.path at a non-empty file or directory")
+    return corpus
+
+
+def load_tokens(cfg: DataConfig, vocab_size: int) -> Corpus:
+    """The source's tokens as 1-D arrays (memory-mapped for token files), split into the part
+    training reads and the held-out part (module docstring)."""
+    if cfg.source in BYTE_SOURCES and vocab_size < 256:
         raise ConfigError(f"data.source={cfg.source} is byte-level: model.vocab_size must be >= 256")
     if cfg.source == "stdlib":
         return _read_bytes(stdlib_files(), "the standard library")
     if cfg.source == "synthetic":
-        return np.random.default_rng(cfg.seed).integers(0, vocab_size, SYNTHETIC_TOKENS, dtype=np.uint32)
+        rngs = np.random.default_rng(cfg.seed), np.random.default_rng([cfg.seed, 1])
+        return Corpus(*(rng.integers(0, vocab_size, size, dtype=np.uint32)
+                        for rng, size in zip(rngs, (SYNTHETIC_TOKENS, SYNTHETIC_TOKENS // HOLDOUT))))
     if cfg.source not in ("text", "tokens"):
         raise ConfigError(f"--set data.source={cfg.source}: choose stdlib, text, tokens or synthetic")
     path = Path(cfg.path)
@@ -84,7 +130,7 @@ def load_tokens(cfg: DataConfig, vocab_size: int) -> np.ndarray:
         raise ConfigError(
             f"data.path={cfg.path} holds token id {int(tokens.max())} >= model.vocab_size={vocab_size}"
         )
-    return tokens
+    return split_stream(tokens)
 
 
 class Batches:
@@ -122,3 +168,17 @@ class Batches:
             name: jax.make_array_from_process_local_data(self.sharding, local, self.shape)
             for name, local in self.host_batch(step).items()
         }
+
+
+def held_out(tokens: np.ndarray, k: int, b: int, seq_len: int, sharding: jax.sharding.NamedSharding,
+             order: np.ndarray | None = None) -> Batches:
+    """The evaluation batches: batch i is step i of the held-out tokens under EVAL_SEED (the
+    same windows at every evaluation, whatever the mesh, since the windows of a step depend only
+    on the seed, the step and k·b)."""
+    if tokens.size < seq_len + 1:
+        raise ConfigError(
+            f"the held-out part of the corpus has {tokens.size} tokens, fewer than one window of "
+            f"train.seq_len={seq_len} + 1 (one file in {HOLDOUT}, or the last 1%, is held out: README, "
+            "Evaluation): use a larger corpus, or --set train.eval_every=0 to train without evaluation"
+        )
+    return Batches(tokens, EVAL_SEED, k, b, seq_len, sharding, order)

@@ -1,8 +1,10 @@
 """Where metrics go: a console line per log step, metrics.jsonl, TensorBoard event files.
 
 Only process 0 writes. metrics.jsonl holds one JSON object per log step (step, loss,
-tokens_per_s, step_time_s, lr, grad_norm, tflops_per_device, mfu, ...), so runs can be read by
-scripts; the same scalars go to TensorBoard (tensorboardX, no TensorFlow needed).
+tokens_per_s, step_time_s, lr, grad_norm, tflops_per_device, mfu, ...) and one per evaluation
+(step, eval_loss, eval_ppl, eval_bpb, eval_time_s: no `loss` key, so a script tells the two
+kinds apart), so runs can be read by scripts; the same scalars go to TensorBoard (tensorboardX,
+no TensorFlow needed), under train/ and eval/.
 """
 
 from __future__ import annotations
@@ -47,6 +49,19 @@ class MetricsLogger:
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                 self.tb.add_scalar(f"train/{key}", value, record["step"])
         print(self.line(record), flush=True)
+
+    def log_eval(self, record: dict) -> None:
+        """Write one evaluation's record (training/evaluate.py: step, eval_loss, eval_ppl, eval_bpb)."""
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for key in ("eval_loss", "eval_ppl", "eval_bpb"):
+            if record[key] is not None and math.isfinite(record[key]):
+                self.tb.add_scalar(f"eval/{key.removeprefix('eval_')}", record[key], record["step"])
+        bpb = f" | {record['eval_bpb']:.3f} bits/byte" if record["eval_bpb"] is not None else ""
+        print(f"eval {record['step']:>{len(str(self.total))}}/{self.total} | held-out loss {record['eval_loss']:.4f} | "
+              f"ppl {record['eval_ppl']:.2f}{bpb} | {record['eval_time_s']:.1f} s", flush=True)
 
     def line(self, r: dict) -> str:
         step, done = r["step"], r["step"] / self.total

@@ -1,4 +1,4 @@
-"""The training loop: step, time, log, profile, checkpoint, stop on signals or repeated NaNs.
+"""The training loop: step, time, log, evaluate, profile, checkpoint, stop on signals or repeated NaNs.
 
 Steps are dispatched asynchronously. The host reads one scalar of the previous step (its count
 of non-finite steps in a row) after dispatching the next, so the device always has a step
@@ -9,6 +9,9 @@ the log interval (the first interval, which includes the compile, is reported se
 A run starts at the state's step (0, or the restored checkpoint's) and the batch of step s is
 `job.batches(s)`, so a resumed run continues the same data stream; its records append to
 metrics.jsonl (steps since the checkpoint are logged again).
+
+Evaluation (training/evaluate.py) runs every `train.eval_every` steps and at the last step, on
+the state after that step; its time is not counted in the log interval's step time.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import jax
 
 from training.build import Job, compile_step
 from training.checkpoint import Checkpointer
+from training.evaluate import evaluate
 from training.logger import MetricsLogger, say
 from training.metrics import IntervalTimer, peak_memory_bytes, step_figures
 from training.profiling import Profiler, parse_window
@@ -107,6 +111,11 @@ def train(job: Job, run_dir: Path, checkpoints: Checkpointer | None = None) -> l
                         say(f"compiled and ran step {done} in {timer.lap(done):.1f} s")
                     else:
                         records.append(log_step(logger, job, done, metrics, timer.lap(done)))
+                if job.eval_batches is not None and (done % t.eval_every == 0 or done == t.steps):
+                    jax.block_until_ready(state)  # the steps queued before count as step time
+                    figures = evaluate(job.eval_fn, state.params, job.eval_batches, t.eval_batches, job.cfg.data.source)
+                    logger.log_eval({"step": done, **figures})
+                    timer.skip(figures["eval_time_s"])
         guard.flush()
     finally:
         profiler.close()

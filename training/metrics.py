@@ -107,3 +107,7 @@ class IntervalTimer:
         seconds = (now - self.start) / (step - self.step)
         self.step, self.start = step, now
         return seconds
+
+    def skip(self, seconds: float) -> None:
+        """Leave `seconds` of host time (an evaluation) out of the current interval."""
+        self.start += seconds

@@ -20,12 +20,18 @@ Pipeline parallelism (pp > 1) replaces the microbatch scan by a schedule over th
 (pipeline/): the k microbatches of the batch are its M microbatches. Which schedule (if any)
 is `Strategies.schedule` (sharding/strategies.py).
 
+Evaluation (`make_eval_step`) is the forward pass alone: the mean cross-entropy of a batch of
+the same layout and shardings, without z-loss or router losses; with pp > 1 it runs the GPipe
+forward of pipeline/circular.py whatever the training schedule, since all of them store the
+layers alike (contiguous per stage) and a forward needs no 1F1B interleaving of backwards.
+
 Collectives are not written here: XLA derives them from the shardings of the parameters
 (sharding/rules.py) and of the batch, e.g. the gradient all-reduce over (data, fsdp).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -34,6 +40,7 @@ import optax
 from flax import nnx
 
 import pipeline
+from pipeline.circular import pipelined_loss
 from configs.base import RunConfig
 from model.loss import cross_entropy
 from model.moe import no_stats, router_loss
@@ -101,3 +108,22 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
         return TrainState(state.step + 1, params, opt_state, bad_steps, skipped), metrics
 
     return train_step
+
+
+def make_eval_step(graphdef: nnx.GraphDef, cfg: RunConfig, strategies: Strategies) -> Callable:
+    """(params, batch) -> the mean next-token cross-entropy (nats) of the [k, b, L] batch, forward
+    only; jit it with the parameters' and the batch's shardings."""
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, z_loss=0.0))
+    if strategies.schedule:
+        gpipe = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, schedule="gpipe", virtual_stages=1))
+        return lambda params, batch: pipelined_loss(params, graphdef, batch, gpipe)[1][0]
+
+    def eval_step(params: nnx.State, batch: dict) -> jax.Array:
+        def micro(total, microbatch):
+            _, (loss, _) = loss_fn(params, graphdef, microbatch, cfg)
+            return total + loss, None
+
+        total, _ = jax.lax.scan(micro, jnp.zeros((), jnp.float32), batch)
+        return total / batch["inputs"].shape[0]
+
+    return eval_step
