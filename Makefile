@@ -1,5 +1,5 @@
 # make run   install (first time) and train the tiny preset on this machine's CPU
-# make test  install (first time) and run the test suite on 8 fake CPU devices
+# make test  install (first time) and run the test suite on 8 fake CPU devices, JOBS processes
 # make gpu-check              the GPU check (bench/gpu.py) with the venv's python
 # make gpu-check PY=python    the same with an installed python (GPU machine: pip install -e . --no-deps)
 # PYTHON picks the interpreter, VENV the folder, PIP_PINS extra requirements (e.g. the jax floor):
@@ -9,6 +9,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PIP_PINS ?=
 PY ?=
+# pytest-xdist workers; each test file runs whole in one of them (--dist loadfile), so a file's
+# session fixtures are built once. 2 = the CI machine's cores.
+JOBS ?= 2
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +26,7 @@ run: install
 
 test: install
 	$(VENV)/bin/python -c "import jax, sys; print(f'python {sys.version.split()[0]}, jax {jax.__version__}')"
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n $(JOBS) --dist loadfile --durations=15
 
 # PY given: no venv, that interpreter as it is; otherwise the venv (installed first).
 gpu-check: $(if $(PY),,install)
