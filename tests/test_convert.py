@@ -173,13 +173,14 @@ def hf_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_hf(directory, config: dict, dtype=np.float32, drop: str = "", reshape: str = ""):
-    """config.json, and one safetensors file per layer (plus one for the rest) with an index."""
+def write_hf(directory, config: dict, dtype=np.float32, drop: str = "", reshape: str = "", extra: str = ""):
+    """config.json, and one safetensors file per layer (plus one for the rest) with an index;
+    `drop` leaves a tensor out, `reshape` adds a row to one, `extra` adds a [D] tensor."""
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config))
     groups: dict[str, dict[str, np.ndarray]] = {}
     rng = np.random.default_rng(0)
-    for name, shape in hf_shapes(config).items():
+    for name, shape in (hf_shapes(config) | ({extra: (config["hidden_size"],)} if extra else {})).items():
         if name == drop:
             continue
         shape = (shape[0] + 1, *shape[1:]) if name == reshape else shape
@@ -212,9 +213,11 @@ def test_converted_run_fine_tunes_with_train_py(tmp_path):
     ({"drop": "model.layers.1.mlp.down_proj.weight"}, "missing tensors: model.layers.1.mlp.down_proj.weight"),
     ({"reshape": "model.layers.0.self_attn.k_proj.weight"},
      "mismatched shapes: model.layers.0.self_attn.k_proj.weight [33, 64] (expected [32, 64])"),
+    ({"extra": "model.layers.0.self_attn.q_proj.bias"},
+     "tensors with no meshtrain parameter: model.layers.0.self_attn.q_proj.bias"),
 ])
 def test_bad_hf_input_is_one_clear_line(tmp_path, change, message):
-    files = {k: change.pop(k) for k in ("drop", "reshape") if k in change}
+    files = {k: change.pop(k) for k in ("drop", "reshape", "extra") if k in change}
     write_hf(tmp_path / "hf", TINY_HF | change, **files)
     out = convert_cli("--from-hf", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "run"))
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
