@@ -21,11 +21,17 @@ from conftest import ROOT, run_module
 from configs import ParallelConfig, RunConfig, apply_overrides, get_preset
 from sharding.mesh import build_mesh, parse_mesh
 from training.build import make_program
+from tools import convert
 from training.checkpoint import Checkpointer
 
-MESH = "fsdp=2,tp=2"  # the runs' and conversions' mesh (4 fake devices in their subprocesses)
-RESTORE_MESH = "dp=2,fsdp=2,tp=2"  # this session's 8 devices
+MESH = "fsdp=2,tp=2"  # the mesh of the CLI tests (4 fake devices in their subprocesses)
+RESTORE_MESH = "dp=2,fsdp=2,tp=2"  # this session's 8 devices: the runs, in-process conversions, restores
 SMALL = ["--set", "train.global_batch_size=4", "--set", "train.seq_len=16", "--set", "model.compute_dtype=float32"]
+
+
+def convert_here(*args: str) -> None:
+    """tools.convert in this process (its 8 devices): no subprocess's imports to wait for."""
+    assert convert.main([str(a) for a in args]) == 0
 
 
 def convert_cli(*args: str) -> subprocess.CompletedProcess:
@@ -76,14 +82,12 @@ def meshtrain_runs(tmp_path_factory):
 @pytest.mark.parametrize("name", ["tiny", "gqa"])
 def test_round_trip_is_bit_exact(meshtrain_runs, name, tmp_path):
     run = meshtrain_runs[name]
-    out = convert_cli("--to-hf", str(run), "--out", str(tmp_path / "hf"))
-    assert out.returncode == 0, out.stderr
+    convert_here("--to-hf", run, "--out", tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and not config["tie_word_embeddings"]
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(hf_tensors(tmp_path / "hf"))
-    out = convert_cli("--from-hf", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "back"), "--mesh", "dp=2,tp=2")
-    assert out.returncode == 0, out.stderr
+    convert_here("--from-hf", tmp_path / "hf", "--run-dir", tmp_path / "back", "--mesh", "fsdp=4,tp=2")
     _, _, _, before = restore(run)
     _, _, program, after = restore(tmp_path / "back")
     for a, b in zip(jax.tree.leaves(before.params), jax.tree.leaves(after.params)):
@@ -122,8 +126,7 @@ def hf_model(directory, tied: bool, kv_heads: int):
 @pytest.mark.parametrize("tied,kv_heads", [(False, 2), (True, 4)])
 def test_logits_and_loss_equal_transformers(tmp_path, tied, kv_heads):
     model = hf_model(tmp_path / "hf", tied, kv_heads)
-    out = convert_cli("--from-hf", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "run"), "--mesh", MESH, *SMALL)
-    assert out.returncode == 0, out.stderr
+    convert_here("--from-hf", tmp_path / "hf", "--run-dir", tmp_path / "run", "--mesh", RESTORE_MESH, *SMALL)
     cfg, mesh, program, state = restore(tmp_path / "run")
     tokens = np.random.default_rng(0).integers(0, 256, (4, 17))
     with torch.no_grad():
@@ -141,8 +144,7 @@ def test_logits_and_loss_equal_transformers(tmp_path, tied, kv_heads):
 @needs_hf
 def test_to_hf_loads_in_transformers(meshtrain_runs, tmp_path):
     run = meshtrain_runs["gqa"]
-    out = convert_cli("--to-hf", str(run), "--out", str(tmp_path / "hf"))
-    assert out.returncode == 0, out.stderr
+    convert_here("--to-hf", run, "--out", tmp_path / "hf")
     model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     cfg, mesh, program, state = restore(run)
     tokens = np.random.default_rng(1).integers(0, 256, (4, 16))
