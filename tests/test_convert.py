@@ -20,8 +20,8 @@ from safetensors.numpy import save_file
 from conftest import ROOT, run_module
 from configs import ParallelConfig, RunConfig, apply_overrides, get_preset
 from sharding.mesh import build_mesh, parse_mesh
-from training.build import make_program
 from tools import convert
+from training.build import make_program
 from training.checkpoint import Checkpointer
 
 MESH = "fsdp=2,tp=2"  # the mesh of the CLI tests (4 fake devices in their subprocesses)
@@ -114,10 +114,12 @@ def hf_model(directory, tied: bool, kv_heads: int):
                                       max_position_embeddings=64, rope_theta=500.0, rms_norm_eps=1e-5,
                                       tie_word_embeddings=tied)
     model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # norms away from 1, so that a swapped norm would show
+    with torch.no_grad():  # norms away from 1 and sharp attention, so that a swapped norm or rotary would show
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(10.0)
     model.save_pretrained(directory)
     return model
 
