@@ -5,9 +5,12 @@
 # PYTHON picks the interpreter, VENV the folder, PIP_PINS extra requirements (e.g. the jax floor):
 #   make test PYTHON=python3.12 VENV=.venv-newest           newest jax (needs Python >= 3.12)
 #   make test PIP_PINS="jax==0.10.2 jaxlib==0.10.2"         the oldest jax meshtrain supports
+# EXTRAS the extras installed (default test; EXTRAS=test,hf adds transformers + torch for the
+# reference test of tools/convert.py, skipped without them)
 PYTHON ?= python3
 VENV ?= .venv
 PIP_PINS ?=
+EXTRAS ?= test
 PY ?=
 # pytest-xdist workers; each test file runs whole in one of them (--dist loadfile), so a file's
 # session fixtures are built once. 2 = the CI machine's cores.
@@ -16,7 +19,7 @@ JOBS ?= 2
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e ".[test]" $(PIP_PINS)
+	$(VENV)/bin/pip install -q -e ".[$(EXTRAS)]" $(PIP_PINS)
 	touch $@
 
 install: $(VENV)/.installed

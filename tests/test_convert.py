@@ -1,0 +1,279 @@
+"""tools/convert.py: HF Llama <-> meshtrain, checked bit for bit (round trip), against transformers
+(logits and loss), for host memory, through train.py, and on bad input."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from conftest import ROOT, run_module
+from configs import ParallelConfig, RunConfig, apply_overrides, get_preset
+from sharding.mesh import build_mesh, parse_mesh
+from tools import convert
+from training.build import make_program
+from training.checkpoint import Checkpointer
+
+MESH = "fsdp=2,tp=2"  # the mesh of the CLI tests (4 fake devices in their subprocesses)
+RESTORE_MESH = "dp=2,fsdp=2,tp=2"  # this session's 8 devices: the runs, in-process conversions, restores
+SMALL = ["--set", "train.global_batch_size=4", "--set", "train.seq_len=16", "--set", "model.compute_dtype=float32"]
+
+
+def convert_here(*args: str) -> None:
+    """tools.convert in this process (its 8 devices): no subprocess's imports to wait for."""
+    assert convert.main([str(a) for a in args]) == 0
+
+
+def convert_cli(*args: str) -> subprocess.CompletedProcess:
+    return run_module("tools.convert", *args)
+
+
+def restore(run_dir):
+    """(cfg, mesh, program, state) of a run's latest checkpoint, restored on this session's 8 devices."""
+    cfg = RunConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+    cfg = dataclasses.replace(cfg, parallel=parse_mesh(RESTORE_MESH, ParallelConfig()))
+    mesh = build_mesh(cfg.parallel)
+    program = make_program(cfg, mesh)
+    checkpoints = Checkpointer(run_dir / "checkpoints", cfg)
+    state = checkpoints.restore_latest(program)
+    checkpoints.close()
+    return cfg, mesh, program, state
+
+
+def hf_tensors(directory) -> dict[str, np.ndarray]:
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(f, framework="numpy") as h:
+            out |= {k: h.get_tensor(k) for k in h.keys()}
+    return out
+
+
+@pytest.fixture(scope="session")
+def meshtrain_runs(tmp_path_factory):
+    """Two runs with a step-0 checkpoint of random parameters on dp=2,fsdp=2,tp=2: tiny with 2
+    layers, and a GQA variant (N=4, K=1, H=32)."""
+    runs = {}
+    for name, sets in {"tiny": [], "gqa": ["model.n_heads=4", "model.n_kv_heads=1", "model.head_dim=32"]}.items():
+        run = tmp_path_factory.mktemp(name)
+        cfg = apply_overrides(get_preset("tiny"), ["model.n_layers=2", "train.global_batch_size=4", *sets])
+        cfg = dataclasses.replace(cfg, parallel=parse_mesh(RESTORE_MESH, ParallelConfig()))
+        mesh = build_mesh(cfg.parallel)
+        program = make_program(cfg, mesh)
+        with jax.set_mesh(mesh):
+            state = program.init_fn()
+        checkpoints = Checkpointer(run / "checkpoints", cfg)
+        checkpoints.save(0, state)
+        checkpoints.close()
+        (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+        runs[name] = run
+    return runs
+
+
+@pytest.mark.parametrize("name", ["tiny", "gqa"])
+def test_round_trip_is_bit_exact(meshtrain_runs, name, tmp_path):
+    run = meshtrain_runs[name]
+    convert_here("--to-hf", run, "--out", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and not config["tie_word_embeddings"]
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(hf_tensors(tmp_path / "hf"))
+    convert_here("--from-hf", tmp_path / "hf", "--run-dir", tmp_path / "back", "--mesh", "fsdp=4,tp=2")
+    _, _, _, before = restore(run)
+    _, _, program, after = restore(tmp_path / "back")
+    for a, b in zip(jax.tree.leaves(before.params), jax.tree.leaves(after.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(after.step) == 0
+    zeros = jax.tree.leaves(after.opt_state)
+    assert all(not np.asarray(z).any() for z in zeros)  # fresh AdamW: moments and counts zero
+
+
+# --- against transformers --------------------------------------------------------------------
+
+try:
+    import torch
+    import transformers
+except ImportError:
+    transformers = None
+needs_hf = pytest.mark.skipif(transformers is None, reason="transformers/torch not installed (pip install -e '.[hf]')")
+
+
+def hf_model(directory, tied: bool, kv_heads: int):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16,
+                                      max_position_embeddings=64, rope_theta=500.0, rms_norm_eps=1e-5,
+                                      tie_word_embeddings=tied)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms away from 1 and sharp attention, so that a swapped norm or rotary would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(10.0)
+    model.save_pretrained(directory)
+    return model
+
+
+@needs_hf
+@pytest.mark.parametrize("tied,kv_heads", [(False, 2), (True, 4)])
+def test_logits_and_loss_equal_transformers(tmp_path, tied, kv_heads):
+    model = hf_model(tmp_path / "hf", tied, kv_heads)
+    convert_here("--from-hf", tmp_path / "hf", "--run-dir", tmp_path / "run", "--mesh", RESTORE_MESH, *SMALL)
+    cfg, mesh, program, state = restore(tmp_path / "run")
+    tokens = np.random.default_rng(0).integers(0, 256, (4, 17))
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens), labels=torch.tensor(tokens))
+    with jax.set_mesh(mesh):
+        logits, _ = nnx.merge(program.graphdef, state.params)(jnp.asarray(tokens[:, :16]))
+        batch = {k: jax.device_put(v, program.batch_sharding)
+                 for k, v in {"inputs": tokens[None, :, :16], "targets": tokens[None, :, 1:]}.items()}
+        _, metrics = program.step_fn(state, batch)
+    want = ref.logits.numpy()[:, :16]
+    np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(float(metrics["loss"]), ref.loss.item(), rtol=1e-5)
+
+
+@needs_hf
+def test_to_hf_loads_in_transformers(meshtrain_runs, tmp_path):
+    run = meshtrain_runs["gqa"]
+    convert_here("--to-hf", run, "--out", tmp_path / "hf")
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    cfg, mesh, program, state = restore(run)
+    tokens = np.random.default_rng(1).integers(0, 256, (4, 16))
+    with torch.no_grad():
+        want = model(torch.tensor(tokens)).logits.numpy()
+    f32 = jax.tree.map(lambda p: p.astype(jnp.float32), state.params)
+    with jax.set_mesh(mesh):
+        logits, _ = nnx.merge(program.graphdef, f32)(jnp.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+# --- synthetic HF checkpoints (numpy only) ----------------------------------------------------
+
+TINY_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+           "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
+
+
+def hf_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    d, f, v, h = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    n, k = c["num_attention_heads"] * h, c["num_key_value_heads"] * h
+    layer = {"input_layernorm": (d,), "self_attn.q_proj": (n, d), "self_attn.k_proj": (k, d),
+             "self_attn.v_proj": (k, d), "self_attn.o_proj": (d, n), "post_attention_layernorm": (d,),
+             "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d)}
+    for i in range(c["num_hidden_layers"]):
+        shapes |= {f"model.layers.{i}.{name}.weight": s for name, s in layer.items()}
+    return shapes
+
+
+def write_hf(directory, config: dict, dtype=np.float32, drop: str = "", reshape: str = "", extra: str = ""):
+    """config.json, and one safetensors file per layer (plus one for the rest) with an index;
+    `drop` leaves a tensor out, `reshape` adds a row to one, `extra` adds a [D] tensor."""
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    groups: dict[str, dict[str, np.ndarray]] = {}
+    rng = np.random.default_rng(0)
+    for name, shape in (hf_shapes(config) | ({extra: (config["hidden_size"],)} if extra else {})).items():
+        if name == drop:
+            continue
+        shape = (shape[0] + 1, *shape[1:]) if name == reshape else shape
+        file = f"layer-{name.split('.')[2]}.safetensors" if ".layers." in name else "rest.safetensors"
+        groups.setdefault(file, {})[name] = (rng.standard_normal(shape[-1], np.float32) * 0.02).astype(dtype) \
+            * np.ones(shape, dtype)  # cheap: one random row repeated
+    for file, tensors in groups.items():
+        save_file(tensors, directory / file, metadata={"format": "pt"})
+    weight_map = {name: file for file, tensors in groups.items() for name in tensors}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_converted_run_fine_tunes_with_train_py(tmp_path):
+    write_hf(tmp_path / "hf", TINY_HF)
+    out = convert_cli("--from-hf", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "run"), "--mesh", MESH,
+                      "--set", "train.global_batch_size=4", "--set", "train.seq_len=32", "--set", "train.steps=2")
+    assert out.returncode == 0, out.stderr
+    assert "from step 0 with fresh AdamW moments" in out.stdout
+    out = run_module("train", "--run-dir", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / '0'} (step 0)" in out.stdout
+    assert "done: final loss" in out.stdout and "after 2 steps" in out.stdout
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
+     "architecture MistralForCausalLM (model_type 'mistral') is not supported; supported: LlamaForCausalLM"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling 'llama3' is not supported"),
+    ({"attention_bias": True}, "attention_bias=True is not supported"),
+    ({"drop": "model.layers.1.mlp.down_proj.weight"}, "missing tensors: model.layers.1.mlp.down_proj.weight"),
+    ({"reshape": "model.layers.0.self_attn.k_proj.weight"},
+     "mismatched shapes: model.layers.0.self_attn.k_proj.weight [33, 64] (expected [32, 64])"),
+    ({"extra": "model.layers.0.self_attn.q_proj.bias"},
+     "tensors with no meshtrain parameter: model.layers.0.self_attn.q_proj.bias"),
+])
+def test_bad_hf_input_is_one_clear_line(tmp_path, change, message):
+    files = {k: change.pop(k) for k in ("drop", "reshape", "extra") if k in change}
+    write_hf(tmp_path / "hf", TINY_HF | change, **files)
+    out = convert_cli("--from-hf", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "run"))
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(errors) == 1 and message in errors[0], out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
+
+
+def test_to_hf_without_checkpoints_is_one_clear_line(tmp_path):
+    out = convert_cli("--to-hf", str(tmp_path), "--out", str(tmp_path / "hf"))
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(errors) == 1 and "no checkpoint in" in errors[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+# --- host memory -----------------------------------------------------------------------------
+
+MEMORY = textwrap.dedent("""
+    import json, sys
+    import jax
+    from tools import convert, orbax_partial  # noqa: F401 -- every import before the baseline
+    jax.devices()
+
+    def status(field):
+        line = next(l for l in open("/proc/self/status") if l.startswith(field))
+        return int(line.split()[1]) * 1024
+
+    base = status("VmRSS:")
+    code = convert.main(sys.argv[1:])
+    print(json.dumps({"base": base, "peak": status("VmHWM:"), "code": code}))
+""")
+
+
+@pytest.mark.slow
+def test_host_memory_stays_near_the_largest_stacked_array(tmp_path):
+    """The 1b preset's widths with 4 layers, bf16 files (0.75 GB) on one device: converting it
+    (parameters kept in bf16 so that the written state stays small) raises the peak RSS by about
+    twice the largest stacked array (4 x 2048 x 8192 bf16 = 128 MiB: the array and orbax's copy,
+    or the shard being filled and the array) plus one HF tensor read (32 MiB, mapped and copied),
+    under 2.5x that array; not by the checkpoint's size (0.75 GB of parameters, 2.25 GB state)."""
+    config = TINY_HF | {"vocab_size": 32768, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 4,
+                        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64}
+    write_hf(tmp_path / "hf", config, dtype=ml_dtypes.bfloat16)
+    files = sum(f.stat().st_size for f in (tmp_path / "hf").glob("*.safetensors"))
+    largest = 4 * 2048 * 8192 * 2
+    script = tmp_path / "measure.py"
+    script.write_text(MEMORY)
+    env = {**os.environ, "XLA_FLAGS": ""}
+    out = subprocess.run([sys.executable, str(script), "--from-hf", str(tmp_path / "hf"), "--run-dir",
+                          str(tmp_path / "run"), "--set", "model.param_dtype=bfloat16"],
+                         cwd=ROOT, env=env | {"PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    rss = json.loads(out.stdout.splitlines()[-1])
+    grew = rss["peak"] - rss["base"]
+    print(f"files {files / 2**20:.0f} MiB, largest stacked {largest / 2**20:.0f} MiB, peak RSS grew {grew / 2**20:.0f} MiB")
+    assert files > 700 * 2**20 and grew < 2.5 * largest

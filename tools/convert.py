@@ -1,0 +1,270 @@
+"""Hugging Face Llama weights in and out of meshtrain runs (names and layouts: tools/hf_llama.py).
+
+  python -m tools.convert --from-hf DIR --run-dir RUN [--mesh fsdp=8] [--config llama3-8b] [--set ...]
+  python train.py --run-dir RUN                        fine-tune it
+  python -m tools.convert --to-hf RUN --out DIR        its latest checkpoint as HF safetensors
+
+--from-hf reads DIR/config.json and DIR's safetensors (model.safetensors, or the shards named by
+model.safetensors.index.json) and writes RUN/config.json and a step-0 checkpoint
+RUN/checkpoints/0 that `train.py --run-dir RUN` resumes: the converted parameters (float32),
+fresh AdamW moments (zeros) and step 0. The run's config is --config's preset (default tiny)
+with the model's shape from config.json and fine-tuning's optimizer defaults (FINE_TUNE), then
+--set; its data is the preset's unless --set data.* names the model's own tokens.
+
+Memory (host): the checkpoint is written one array at a time (orbax's partial save), each
+created on the mesh with `jax.make_array_from_callback`, every shard read from its slice of the
+safetensors files (one file open per read, so no mapping outlives it). Meshtrain stacks the
+layers, so the unit is one stacked parameter [X, ...] (or moment), not one layer: the peak is
+about twice the largest stacked array (the shard being filled and the array, then the array and
+orbax's host copy) plus one HF tensor being read (its mapped pages and its copy); on CPU devices,
+where device memory is host memory, times the mesh's replication (use fsdp, not dp, there).
+llama3-8b: mlp.w_gate [32, 4096, 14336] fp32 is 7.0 GiB, so about 14.5 GiB: it converts on a
+24 GiB machine. Measured (tests/test_convert.py): 1b widths, 4 layers, bf16, largest stacked
+array 128 MiB: the peak RSS grew by 315 MiB.
+
+--to-hf restores the latest checkpoint's parameters one at a time as numpy (checked against the
+checkpoint's checksums), writes them as HF tensors in the parameter dtype, whole parameters per
+file, at most SHARD_BYTES per file unless one is larger, with model.safetensors.index.json and a
+config.json that transformers loads (untied head). Peak: one file's tensors plus one stacked
+parameter as restored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Callable
+
+import ml_dtypes  # noqa: F401 -- registers bfloat16 with numpy, which safetensors' numpy reader needs
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from cli import add_run_args, check_run_dir, make_run_dir, request_fake_devices, run_cli, run_config
+from configs import ConfigError, RunConfig, get_preset
+from tools.hf_llama import TENSORS, Tensor, hf_config, hf_names, hf_shape, model_config, tensor_of
+
+SHARD_BYTES = 2 * 2**30
+FINE_TUNE = {"lr": 2e-5, "warmup_steps": 10, "weight_decay": 0.0}  # train.* of a converted run
+IGNORED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry, recomputed by the model
+ParamPath = tuple[str, ...]  # a parameter's path below `params`
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    way = p.add_mutually_exclusive_group(required=True)
+    way.add_argument("--from-hf", type=Path, metavar="DIR", help="a HF Llama directory: config.json + *.safetensors")
+    way.add_argument("--to-hf", type=Path, metavar="RUN", help="a meshtrain run directory with checkpoints")
+    p.add_argument("--run-dir", type=Path, help="with --from-hf: the new run directory")
+    p.add_argument("--out", type=Path, help="with --to-hf: the HF directory to write")
+    add_run_args(p)
+    return p.parse_args(argv)
+
+
+# --- HF files --------------------------------------------------------------------------------
+
+class Safetensors:
+    """The tensors of a HF directory: name -> file, shapes from the headers, slices on demand."""
+
+    def __init__(self, directory: Path):
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            names = json.loads(index.read_text())["weight_map"]
+            self.files = {name: directory / file for name, file in names.items()}
+        else:
+            self.files = {name: f for f in sorted(directory.glob("*.safetensors")) for name in self._keys(f)}
+        if not self.files:
+            raise ConfigError(f"--from-hf {directory}: no *.safetensors files (nor model.safetensors.index.json)")
+        missing = sorted({str(f) for f in self.files.values() if not f.exists()})
+        if missing:
+            raise ConfigError(f"--from-hf {directory}: the index names missing files: {', '.join(missing)}")
+
+    def _keys(self, file: Path) -> list[str]:
+        with safe_open(file, framework="numpy") as f:
+            return list(f.keys())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        with safe_open(self.files[name], framework="numpy") as f:
+            return tuple(f.get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        with safe_open(self.files[name], framework="numpy") as f:
+            return f.get_slice(name)[index]
+
+
+def check_tensors(st: Safetensors, cfg: RunConfig, tied: bool) -> None:
+    """Every expected tensor present with its shape, nothing unknown; else one error naming them."""
+    shapes = per_layer_shapes(cfg)
+    expected = {name: hf_shape(tensor_of(path, tied), shape)
+                for path, shape in shapes.items() for name in hf_names(path, cfg.model.n_layers, tied)}
+    missing = [n for n in expected if n not in st.files]
+    wrong = [f"{n} {list(st.shape(n))} (expected {list(s)})" for n, s in expected.items()
+             if n in st.files and st.shape(n) != s]
+    unknown = [n for n in st.files if n not in expected and not n.endswith(IGNORED) and not (tied and n == "lm_head.weight")]
+    problems = [f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+                for what, names in (("missing tensors", missing), ("mismatched shapes", wrong),
+                                    ("tensors with no meshtrain parameter", unknown)) if names]
+    if problems:
+        raise ConfigError(f"--from-hf: not the Llama config.json describes: {'; '.join(problems)}")
+
+
+def per_layer_shapes(cfg: RunConfig) -> dict[ParamPath, tuple[int, ...]]:
+    m = cfg.model
+    d, n, k, h, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size
+    return {
+        ("embed", "table"): (v, d), ("blocks", "attn_norm", "scale"): (d,), ("blocks", "attn", "wq"): (d, n, h),
+        ("blocks", "attn", "wk"): (d, k, h), ("blocks", "attn", "wv"): (d, k, h), ("blocks", "attn", "wo"): (n, h, d),
+        ("blocks", "mlp_norm", "scale"): (d,), ("blocks", "mlp", "w_gate"): (d, f), ("blocks", "mlp", "w_up"): (d, f),
+        ("blocks", "mlp", "w_down"): (f, d), ("final_norm", "scale"): (d,), ("head",): (d, v),
+    }
+
+
+def _cover(index: tuple[slice, ...], dims: tuple[int, ...]) -> tuple[slice, tuple[int, ...], tuple[slice, ...]]:
+    """The flat range covering `index` over row-major `dims` (its first dim's rows, whole in the
+    others), the covered block's shape, and the slices that cut `index` out of that block."""
+    start, stop, _ = index[0].indices(dims[0])
+    rest = math.prod(dims[1:])
+    return slice(start * rest, stop * rest), (stop - start, *dims[1:]), (slice(None), *index[1:])
+
+
+def read_layer(st: Safetensors, t: Tensor, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+    """meshtrain's per-layer array [shape][index], read from HF tensor `name` (only that slice)."""
+    if len(shape) == 1:
+        return st.read(name, index)
+    r = t.row_dims
+    rows, row_block, row_cut = _cover(index[:r], shape[:r])
+    cols, col_block, col_cut = _cover(index[r:], shape[r:])
+    block = st.read(name, (cols, rows)).T if t.transposed else st.read(name, (rows, cols))
+    return block.reshape(row_block + col_block)[row_cut + col_cut]
+
+
+def shard_reader(st: Safetensors, path: ParamPath, cfg: RunConfig, tied: bool, dtype: np.dtype) -> Callable:
+    """make_array_from_callback's callback for parameter `path`: index -> that shard, filled
+    layer by layer (one layer's slice, and its transposed copy, beside the shard)."""
+    t, shape = tensor_of(path, tied), per_layer_shapes(cfg)[path]
+    names = hf_names(path, cfg.model.n_layers, tied)
+    if path[0] != "blocks":
+        return lambda index: read_layer(st, t, names[0], shape, index).astype(dtype, copy=False)
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        layers = range(*index[0].indices(len(names)))
+        out = np.empty((len(layers), *(len(range(*s.indices(n))) for s, n in zip(index[1:], shape))), dtype)
+        for j, i in enumerate(layers):
+            out[j] = read_layer(st, t, names[i], shape, index[1:])
+        return out
+
+    return read
+
+
+# --- from HF ---------------------------------------------------------------------------------
+
+def from_hf_config(args: argparse.Namespace) -> tuple[RunConfig, dict]:
+    """The run's config (checked) and the HF config.json."""
+    path = args.from_hf / "config.json"
+    if not path.exists():
+        raise ConfigError(f"--from-hf {args.from_hf}: no config.json there; give a HF model directory")
+    hf = json.loads(path.read_text())
+    base = get_preset(args.config or "tiny")
+    base = dataclasses.replace(base, name=f"hf-{args.from_hf.resolve().name}", model=model_config(hf, base.model),
+                               train=dataclasses.replace(base.train, **FINE_TUNE))
+    return run_config(args, base=base), hf
+
+
+def from_hf(args: argparse.Namespace) -> int:
+    if not args.run_dir:
+        raise ConfigError("--from-hf needs --run-dir RUN: the new run directory to write")
+    cfg, hf = from_hf_config(args)
+    check_run_dir(args.run_dir)
+    if (args.run_dir / "checkpoints").exists():
+        raise ConfigError(f"--run-dir {args.run_dir} already holds checkpoints: choose a new run directory")
+    tied = bool(hf.get("tie_word_embeddings", False))
+    st = Safetensors(args.from_hf)
+    check_tensors(st, cfg, tied)
+    request_fake_devices(cfg)
+
+    from sharding.mesh import build_mesh, mesh_config
+    from tools.orbax_partial import write_state
+    from training.build import make_program
+
+    mesh = build_mesh(cfg.parallel)
+    cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
+    program = make_program(cfg, mesh)
+    make_run_dir(args.run_dir)
+    readers = {path: shard_reader(st, path, cfg, tied, np.dtype(cfg.model.param_dtype)) for path in TENSORS}
+    write_state(args.run_dir / "checkpoints", cfg, program, readers)
+    (args.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    print(f"wrote {args.run_dir}/checkpoints/0 ({cfg.model.n_layers} layers, {len(st.files)} HF tensors, "
+          f"tied head: {tied}); train.py --run-dir {args.run_dir} fine-tunes it from step 0 with fresh AdamW "
+          f"moments (train.lr={cfg.train.lr}, warmup {cfg.train.warmup_steps}, weight_decay {cfg.train.weight_decay})")
+    return 0
+
+
+# --- to HF -----------------------------------------------------------------------------------
+
+def to_hf(args: argparse.Namespace) -> int:
+    if not args.out:
+        raise ConfigError("--to-hf needs --out DIR: the HF directory to write")
+    if args.out.exists() and any(args.out.iterdir()):
+        raise ConfigError(f"--out {args.out} is not empty: choose a new directory")
+    from tools.orbax_partial import latest_params
+
+    cfg, params = latest_params(args.to_hf / "checkpoints")
+    if cfg.model.n_experts:
+        raise ConfigError(f"--to-hf {args.to_hf}: a mixture-of-experts run has no Llama equivalent")
+    shapes = per_layer_shapes(cfg)
+    plan = shard_plan(cfg)
+    args.out.mkdir(parents=True, exist_ok=True)
+    weight_map, total = {}, 0
+    for file, paths in plan.items():
+        tensors = {}
+        for path in paths:
+            stacked = params(path)
+            layers = stacked if path[0] == "blocks" else stacked[None]
+            for name, layer in zip(hf_names(path, cfg.model.n_layers), layers):
+                tensors[name] = hf_layer(TENSORS[path], layer, shapes[path])
+        save_file(tensors, args.out / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, file)
+        total += sum(x.nbytes for x in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (args.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (args.out / "config.json").write_text(json.dumps(hf_config(cfg.model, cfg.train.seq_len), indent=2) + "\n")
+    print(f"wrote {args.out}: {len(weight_map)} tensors in {len(plan)} file(s), {total / 2**30:.2f} GiB "
+          f"({cfg.model.param_dtype})")
+    return 0
+
+
+def hf_layer(t: Tensor, layer: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """One layer's meshtrain array -> its HF tensor (contiguous)."""
+    if len(shape) == 1:
+        return np.ascontiguousarray(layer)
+    flat = layer.reshape(math.prod(shape[:t.row_dims]), -1)
+    return np.ascontiguousarray(flat.T if t.transposed else flat)
+
+
+def shard_plan(cfg: RunConfig) -> dict[str, list[ParamPath]]:
+    """File name -> the parameters it holds, whole parameters in order, at most SHARD_BYTES per
+    file unless one parameter is larger."""
+    itemsize = np.dtype(cfg.model.param_dtype).itemsize
+    groups: list[list[ParamPath]] = [[]]
+    size = 0
+    for path, shape in per_layer_shapes(cfg).items():
+        nbytes = math.prod(shape) * itemsize * (cfg.model.n_layers if path[0] == "blocks" else 1)
+        if groups[-1] and size + nbytes > SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(path)
+        size += nbytes
+    n = len(groups)
+    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    return from_hf(args) if args.from_hf else to_hf(args)
+
+
+if __name__ == "__main__":
+    run_cli(main)
