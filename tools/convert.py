@@ -11,16 +11,16 @@ fresh AdamW moments (zeros) and step 0. The run's config is --config's preset (d
 with the model's shape from config.json and fine-tuning's optimizer defaults (FINE_TUNE), then
 --set; its data is the preset's unless --set data.* names the model's own tokens.
 
-Memory (host): the checkpoint is written one array at a time (orbax's partial save), each
-created on the mesh with `jax.make_array_from_callback`, every shard read from its slice of the
-safetensors files (one file open per read, so no mapping outlives it). Meshtrain stacks the
-layers, so the unit is one stacked parameter [X, ...] (or moment), not one layer: the peak is
-about twice the largest stacked array (the shard being filled and the array, then the array and
-orbax's host copy) plus one HF tensor being read (its mapped pages and its copy); on CPU devices,
-where device memory is host memory, times the mesh's replication (use fsdp, not dp, there).
-llama3-8b: mlp.w_gate [32, 4096, 14336] fp32 is 7.0 GiB, so about 14.5 GiB: it converts on a
-24 GiB machine. Measured (tests/test_convert.py): 1b widths, 4 layers, bf16, largest stacked
-array 128 MiB: the peak RSS grew by 315 MiB.
+Memory (host): the checkpoint is written a slice at a time (tools/orbax_partial.py): every
+array of the state cut along its first axis into slices of at most the largest layer tensor's
+bytes U (a stacked parameter or moment one layer at a time, embed and head blocks of rows),
+each slice read from the safetensors files (at most READ_ELEMENTS of a tensor's rows per file
+opening, so that no mapping keeps a whole tensor's pages), written as one zarr chunk and dropped.
+The peak is about three slices, 3U (the slice, its copies while read and cast, tensorstore's
+copy), whatever the mesh: no jax array is made. Measured (tests/test_convert.py): 1b widths,
+4 layers, bf16 (U = w_gate's 32 MiB, one layer's tensors 116 MiB): the peak RSS grew by 99 MiB.
+Computed by that law, not measured, in fp32: llama3-8b (U = 224 MiB) about 0.7 GiB,
+llama3-70b (U = 896 MiB) about 2.6 GiB.
 
 --to-hf restores the latest checkpoint's parameters one at a time as numpy (checked against the
 checkpoint's checksums), writes them as HF tensors in the parameter dtype, whole parameters per
@@ -48,6 +48,7 @@ from configs import ConfigError, RunConfig, get_preset
 from tools.hf_llama import TENSORS, Tensor, hf_config, hf_names, hf_shape, model_config, tensor_of
 
 SHARD_BYTES = 2 * 2**30
+READ_ELEMENTS = 2**22  # of an HF tensor's rows per file opening (16 MiB in fp32)
 FINE_TUNE = {"lr": 2e-5, "warmup_steps": 10, "weight_decay": 0.0}  # train.* of a converted run
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry, recomputed by the model
 ParamPath = tuple[str, ...]  # a parameter's path below `params`
@@ -91,8 +92,18 @@ class Safetensors:
             return tuple(f.get_slice(name).get_shape())
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        with safe_open(self.files[name], framework="numpy") as f:
-            return f.get_slice(name)[index]
+        """tensor[index], READ_ELEMENTS of its rows per file opening: the file's pages that a read
+        touches stay resident while it is mapped, and a column slice touches all its rows' pages."""
+        shape = self.shape(name)
+        rows = range(*index[0].indices(shape[0]))
+        step = max(1, READ_ELEMENTS // max(1, math.prod(shape[1:])))
+        out = None
+        for r in range(rows.start, rows.stop, step):
+            with safe_open(self.files[name], framework="numpy") as f:
+                part = f.get_slice(name)[(slice(r, min(r + step, rows.stop)), *index[1:])]
+            out = np.empty((len(rows), *part.shape[1:]), part.dtype) if out is None else out
+            out[r - rows.start:r - rows.start + len(part)] = part
+        return out
 
 
 def check_tensors(st: Safetensors, cfg: RunConfig, tied: bool) -> None:
@@ -142,8 +153,8 @@ def read_layer(st: Safetensors, t: Tensor, name: str, shape: tuple[int, ...], in
 
 
 def shard_reader(st: Safetensors, path: ParamPath, cfg: RunConfig, tied: bool, dtype: np.dtype) -> Callable:
-    """make_array_from_callback's callback for parameter `path`: index -> that shard, filled
-    layer by layer (one layer's slice, and its transposed copy, beside the shard)."""
+    """Parameter `path`'s reader: index -> that block of the stacked array, filled layer by
+    layer (one layer's slice, and its transposed copy, beside the block)."""
     t, shape = tensor_of(path, tied), per_layer_shapes(cfg)[path]
     names = hf_names(path, cfg.model.n_layers, tied)
     if path[0] != "blocks":

@@ -1,13 +1,34 @@
-"""A step-0 checkpoint written one array at a time, and a checkpoint's parameters read one at a time.
+"""A step-0 checkpoint written a slice at a time, and a checkpoint's parameters read one at a time.
 
 training/checkpoint.py saves a whole TrainState at once (orbax StandardSave), which holds all of
-it in memory. Here each array of the state is made, saved with orbax's partial save
-(`orbax.checkpoint.experimental.v1.partial`: each call adds leaves to one pending checkpoint,
-`finalize` commits it) and dropped, so the host holds one array (and orbax's copy of it) at a
-time. Partial saves take nested dicts, so the tree metadata they leave records every container
-as a dict; `_restore_tree_metadata` rewrites it to the TrainState's own (tuples as sequences,
-its empty nodes), so that the existing Checkpointer restores it unchanged: same layout
-RUN/checkpoints/<step>/{state,meta,config}, same checksums in meta.
+it in memory, and even one array at a time would hold a whole stacked parameter [X, ...] (and
+orbax's copy of it). So `write_state` writes the arrays itself, with tensorstore, in orbax's
+format, a slice at a time, and no jax array is made (the mesh plays no part: restore reshards):
+
+  unit    the bytes of the largest layer tensor (the largest [1:] of any array of the state)
+  slice   each array is cut along its first axis into slices of at most `unit` bytes (at least
+          one row): a stacked parameter or moment one layer at a time (or several small layers),
+          embed and head a block of rows; scalars whole
+  array   opened with the tensorstore spec orbax builds for a save (tensorstore_utils.
+          ArrayWriteSpec: zarr3, one chunk per write shape sharded with `sharding_indexed`,
+          bytes + zstd, in an OCDBT key-value store at state/), with the slice as write shape,
+          so that each slice is one whole chunk: a write needs no read of the rest
+  values  parameters from their readers (the HF files), moments, counts and step zeros; each
+          slice written and its write committed before the next is read
+  sums    training.checkpoint.checksums' value per array, summed over the slices on the host
+          (block_checksum, in chunks), into meta's checksums
+  _METADATA  the tree metadata a StandardSave of the TrainState writes (keys with their kinds,
+          empty nodes, value_type jax.Array with the write shape) and orbax's format flags
+          (use_ocdbt, use_zarr3, store_array_data_equal_to_fill_value)
+
+So the host holds about three slices (the one read, its copies, tensorstore's), not one stacked
+array. What it relies on in orbax's format (0.12.8): a pytree directory is an OCDBT store at its
+root (manifest.ocdbt; per-process ocdbt.process_* stores are only a multi-process save's, merged
+at its end) holding one zarr3 array per leaf under the leaf's dotted keys, plus _METADATA; the
+restore reads the zarr metadata, not orbax's chunk choice, and needs neither `_sharding` (the
+targets carry their shardings) nor `array_metadatas/`. Every chunk is written (orbax's restore
+treats a missing chunk as an error, not as the fill value). The Checkpointer restores it unchanged:
+same layout RUN/checkpoints/<step>/{state,meta,config}, same checksums in meta.
 """
 
 from __future__ import annotations
@@ -19,10 +40,10 @@ from pathlib import Path
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint.experimental.v1 import partial
+import tensorstore as ts
+from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from configs import ConfigError, RunConfig
 from training.build import Program
@@ -46,49 +67,69 @@ def _empty(x) -> bool:
 
 def write_state(directory: Path, cfg: RunConfig, program: Program,
                 readers: dict[tuple[str, ...], Callable[[tuple[slice, ...]], np.ndarray]]) -> None:
-    """RUN/checkpoints/0: parameters from `readers` (path below params -> shard callback), every
-    other array of the TrainState zero (fresh AdamW moments and counts, step 0)."""
+    """RUN/checkpoints/0: parameters from `readers` (path below params -> callback reading any
+    block index), every other array of the TrainState zero (fresh AdamW moments and counts,
+    step 0); each array a slice at a time (see the module docstring)."""
     work = directory.with_name(directory.name + ".converting")
     shutil.rmtree(work, ignore_errors=True)
-    pending = work / "state"
-    sums = {}
-    leaves = jax.tree_util.tree_leaves_with_path(program.state)
-    for (path, spec), sharding in zip(leaves, jax.tree.leaves(program.shardings)):
+    state_dir = work / "state"
+    state_dir.mkdir(parents=True)
+    specs = jax.tree_util.tree_leaves_with_path(program.state)
+    unit = max(math.prod(s.shape[1:]) * s.dtype.itemsize for _, s in specs)  # the largest layer tensor
+    context = ts_utils.get_ts_context(use_ocdbt=True)
+    sums, tree = {}, {}
+    for path, spec in specs:
         keys = tuple(map(_key, path))
-        total = [0]
-        if keys[0] == "params":
-            read = _summing(readers[keys[1:-1]], spec.shape, total)
-            array = jax.make_array_from_callback(spec.shape, sharding, read)
-        else:  # zeros: checksum 0
-            array = jax.jit(lambda s=spec: jnp.zeros(s.shape, s.dtype), out_shardings=sharding)()
-        sums[jax.tree_util.keystr(path)] = total[0] % 2**32
-        partial.save(pending, _nest(keys, array))
-        del array
-    partial.finalize(pending)
-    _restore_tree_metadata(pending / "state" / "_METADATA", program.state)
+        name, dtype = ".".join(keys), np.dtype(spec.dtype)
+        chunk, slices = _slices(spec.shape, unit // dtype.itemsize)
+        write = ts_utils.ArrayWriteSpec(str(state_dir), name, global_shape=spec.shape, write_shape=chunk,
+                                        dtype=dtype, use_zarr3=True, use_ocdbt=True)
+        array = ts.open(write.json, create=True, context=context).result()
+        total = 0
+        for index in slices:
+            if keys[0] == "params":
+                block = np.asarray(readers[keys[1:-1]](index), dtype)
+                total += block_checksum(block, tuple(s.indices(n)[0] for s, n in zip(index, spec.shape)), spec.shape)
+            else:  # zeros, whose checksum is 0
+                block = np.zeros(array[index].shape, dtype)
+            array[index].write(block).result()
+            del block
+        sums[jax.tree_util.keystr(path)] = total % 2**32
+        tree[name] = {"value_type": "jax.Array", "skip_deserialize": False, "write_shape": list(chunk)}
+    _write_tree_metadata(state_dir / "_METADATA", program.state, tree)
     meta = {"step": 0, "data_position": 0, "data_seed": cfg.data.seed, "init_seed": cfg.train.seed, "checksums": sums}
     manager = ocp.CheckpointManager(work / "checkpoints")
     manager.save(0, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(cfg.to_dict())))
     manager.wait_until_finished()
     manager.close()
-    (pending / "state").rename(work / "checkpoints" / "0" / "state")
+    state_dir.rename(work / "checkpoints" / "0" / "state")
     (work / "checkpoints").rename(directory)
     shutil.rmtree(work)
 
 
-def _restore_tree_metadata(path: Path, state) -> None:
-    """The tree metadata a StandardSave of `state` writes: per leaf its keys with their kinds
-    (1 sequence, 2 dict, as orbax numbers them) and value metadata, empty nodes included."""
-    saved = json.loads(path.read_text())
-    written = saved["tree_metadata"]
+def _slices(shape: tuple[int, ...], elements: int) -> tuple[tuple[int, ...], list[tuple[slice, ...]]]:
+    """The write (chunk) shape of an array of `shape` and the slices that tile it: blocks of its
+    first axis of at most `elements` elements (at least one row); a scalar whole."""
+    if not shape:
+        return (), [()]
+    rows = min(shape[0], max(1, elements // max(1, math.prod(shape[1:]))))
+    rest = (slice(None),) * (len(shape) - 1)
+    return (rows, *shape[1:]), [(slice(r, min(r + rows, shape[0])), *rest) for r in range(0, shape[0], rows)]
+
+
+def _write_tree_metadata(path: Path, state, values: dict[str, dict]) -> None:
+    """The _METADATA a StandardSave of `state` writes: per leaf its keys with their kinds
+    (1 sequence, 2 dict, as orbax numbers them) and value metadata (`values`, by array name),
+    empty nodes included; the format flags of the arrays written here."""
     tree = {}
     for keypath, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=_empty):
         keys = tuple(map(_key, keypath))
         kinds = [1 if isinstance(k, jax.tree_util.SequenceKey) else 2 for k in keypath]
-        value = {"value_type": "None", "skip_deserialize": True} if _empty(leaf) else written[str(keys)]["value_metadata"]
+        value = {"value_type": "None", "skip_deserialize": True} if _empty(leaf) else values[".".join(keys)]
         tree[str(keys)] = {"key_metadata": [{"key": k, "key_type": t} for k, t in zip(keys, kinds)],
                            "value_metadata": value}
-    path.write_text(json.dumps(saved | {"tree_metadata": tree}))
+    path.write_text(json.dumps({"tree_metadata": tree, "use_ocdbt": True, "use_zarr3": True,
+                                "store_array_data_equal_to_fill_value": True, "custom_metadata": None}))
 
 
 def latest_params(directory: Path) -> tuple[RunConfig, Callable[[tuple[str, ...]], np.ndarray]]:
@@ -117,21 +158,6 @@ def latest_params(directory: Path) -> tuple[RunConfig, Callable[[tuple[str, ...]
         return tree
 
     return cfg, read
-
-
-def _summing(read: Callable, shape: tuple[int, ...], total: list[int]) -> Callable:
-    """`read`, adding each distinct shard's checksum to total[0] (replicas counted once)."""
-    seen = set()
-
-    def callback(index: tuple[slice, ...]) -> np.ndarray:
-        data = read(index)
-        starts = tuple(s.indices(n)[0] for s, n in zip(index, shape))
-        if starts not in seen:
-            seen.add(starts)
-            total[0] += block_checksum(data, starts, shape)
-        return data
-
-    return callback
 
 
 def block_checksum(block: np.ndarray, starts: tuple[int, ...], shape: tuple[int, ...], chunk: int = 2**20) -> int:
