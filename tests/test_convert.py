@@ -95,6 +95,9 @@ def test_round_trip_is_bit_exact(meshtrain_runs, name, tmp_path):
     assert int(after.step) == 0
     zeros = jax.tree.leaves(after.opt_state)
     assert all(not np.asarray(z).any() for z in zeros)  # fresh AdamW: moments and counts zero
+    convert_here("--to-hf", tmp_path / "back", "--out", tmp_path / "hf2")  # and the written checkpoint reads back
+    first, second = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "hf2")
+    assert first.keys() == second.keys() and all(np.array_equal(first[k], second[k]) for k in first)
 
 
 # --- against transformers --------------------------------------------------------------------
