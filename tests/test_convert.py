@@ -100,6 +100,39 @@ def test_round_trip_is_bit_exact(meshtrain_runs, name, tmp_path):
     assert first.keys() == second.keys() and all(np.array_equal(first[k], second[k]) for k in first)
 
 
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse(tensors: dict, join) -> dict:
+    """`tensors` (HF name -> array or shape) with each layer's q/k/v and gate/up replaced by one
+    fused tensor: join(the parts, in row order)."""
+    out = dict(tensors)
+    for name in tensors:
+        for fused, parts in FUSED.items():
+            if name.endswith(f".{parts[0]}.weight"):
+                layer = name.removesuffix(f"{parts[0]}.weight")
+                out[f"{layer}{fused}.weight"] = join([out.pop(f"{layer}{p}.weight") for p in parts])
+    return out
+
+
+def test_fused_qkv_and_gate_up_convert_like_split(meshtrain_runs, tmp_path):
+    """A checkpoint with self_attn.qkv_proj and mlp.gate_up_proj (GQA: K < N, so q, k and v have
+    different row counts) converts to the same parameters, bit for bit, as its split original."""
+    convert_here("--to-hf", meshtrain_runs["gqa"], "--out", tmp_path / "split")
+    (tmp_path / "fused").mkdir()
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "split" / "config.json").read_text())
+    tensors = fuse(hf_tensors(tmp_path / "split"), np.concatenate)
+    assert "model.layers.1.self_attn.qkv_proj.weight" in tensors and "model.layers.1.mlp.up_proj.weight" not in tensors
+    save_file(tensors, tmp_path / "fused" / "model.safetensors", metadata={"format": "pt"})
+    for layout in ("split", "fused"):
+        convert_here("--from-hf", tmp_path / layout, "--run-dir", tmp_path / f"run-{layout}", "--mesh", "fsdp=4,tp=2")
+    _, _, _, split = restore(tmp_path / "run-split")
+    _, _, _, fused = restore(tmp_path / "run-fused")
+    for a, b in zip(jax.tree.leaves(split.params), jax.tree.leaves(fused.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # --- against transformers --------------------------------------------------------------------
 
 try:
@@ -180,14 +213,17 @@ def hf_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_hf(directory, config: dict, dtype=np.float32, drop: str = "", reshape: str = "", extra: str = ""):
+def write_hf(directory, config: dict, dtype=np.float32, drop: str = "", reshape: str = "", extra: str = "",
+             fused: bool = False):
     """config.json, and one safetensors file per layer (plus one for the rest) with an index;
-    `drop` leaves a tensor out, `reshape` adds a row to one, `extra` adds a [D] tensor."""
+    `drop` leaves a tensor out, `reshape` adds a row to one, `extra` adds a [D] tensor, `fused`
+    writes qkv_proj and gate_up_proj instead of their parts."""
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config))
     groups: dict[str, dict[str, np.ndarray]] = {}
     rng = np.random.default_rng(0)
-    for name, shape in (hf_shapes(config) | ({extra: (config["hidden_size"],)} if extra else {})).items():
+    shapes = fuse(hf_shapes(config), lambda s: (sum(p[0] for p in s), *s[0][1:])) if fused else hf_shapes(config)
+    for name, shape in (shapes | ({extra: (config["hidden_size"],)} if extra else {})).items():
         if name == drop:
             continue
         shape = (shape[0] + 1, *shape[1:]) if name == reshape else shape
@@ -222,9 +258,13 @@ def test_converted_run_fine_tunes_with_train_py(tmp_path):
      "mismatched shapes: model.layers.0.self_attn.k_proj.weight [33, 64] (expected [32, 64])"),
     ({"extra": "model.layers.0.self_attn.q_proj.bias"},
      "tensors with no meshtrain parameter: model.layers.0.self_attn.q_proj.bias"),
+    ({"fused": True, "reshape": "model.layers.1.self_attn.qkv_proj.weight"},
+     "mismatched shapes: model.layers.1.self_attn.qkv_proj.weight [129, 64] (expected [128, 64])"),
+    ({"fused": True, "extra": "model.layers.0.mlp.up_proj.weight"},
+     "both fused and split tensors: model.layers.0.mlp.gate_up_proj.weight and model.layers.0.mlp.up_proj.weight"),
 ])
 def test_bad_hf_input_is_one_clear_line(tmp_path, change, message):
-    files = {k: change.pop(k) for k in ("drop", "reshape", "extra") if k in change}
+    files = {k: change.pop(k) for k in ("drop", "reshape", "extra", "fused") if k in change}
     write_hf(tmp_path / "hf", TINY_HF | change, **files)
     out = convert_cli("--from-hf", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "run"))
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]

@@ -5,11 +5,12 @@
   python -m tools.convert --to-hf RUN --out DIR        its latest checkpoint as HF safetensors
 
 --from-hf reads DIR/config.json and DIR's safetensors (model.safetensors, or the shards named by
-model.safetensors.index.json) and writes RUN/config.json and a step-0 checkpoint
-RUN/checkpoints/0 that `train.py --run-dir RUN` resumes: the converted parameters (float32),
-fresh AdamW moments (zeros) and step 0. The run's config is --config's preset (default tiny)
-with the model's shape from config.json and fine-tuning's optimizer defaults (FINE_TUNE), then
---set; its data is the preset's unless --set data.* names the model's own tokens.
+model.safetensors.index.json; q/k/v and gate/up split or fused, tools/hf_llama.py) and writes
+RUN/config.json and a step-0 checkpoint RUN/checkpoints/0 that `train.py --run-dir RUN` resumes:
+the converted parameters (float32), fresh AdamW moments (zeros) and step 0. The run's config is
+--config's preset (default tiny) with the model's shape from config.json and fine-tuning's
+optimizer defaults (FINE_TUNE), then --set; its data is the preset's unless --set data.* names
+the model's own tokens.
 
 Memory (host): the checkpoint is written a slice at a time (tools/orbax_partial.py): every
 array of the state cut along its first axis into slices of at most the largest layer tensor's
@@ -25,7 +26,8 @@ llama3-70b (U = 896 MiB) about 2.6 GiB.
 --to-hf restores the latest checkpoint's parameters one at a time as numpy (checked against the
 checkpoint's checksums), writes them as HF tensors in the parameter dtype, whole parameters per
 file, at most SHARD_BYTES per file unless one is larger, with model.safetensors.index.json and a
-config.json that transformers loads (untied head). Peak: one file's tensors plus one stacked
+config.json that transformers loads (untied head; q/k/v and gate/up split, as LlamaForCausalLM
+names them, whatever layout the run came from). Peak: one file's tensors plus one stacked
 parameter as restored.
 """
 
@@ -45,7 +47,7 @@ from safetensors.numpy import save_file
 
 from cli import add_run_args, check_run_dir, make_run_dir, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, get_preset
-from tools.hf_llama import TENSORS, Tensor, hf_config, hf_names, hf_shape, model_config, tensor_of
+from tools.hf_llama import TENSORS, Tensor, fused_names, hf_config, hf_names, hf_shape, model_config, tensor_of
 
 SHARD_BYTES = 2 * 2**30
 READ_ELEMENTS = 2**22  # of an HF tensor's rows per file opening (16 MiB in fp32)
@@ -68,9 +70,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 # --- HF files --------------------------------------------------------------------------------
 
 class Safetensors:
-    """The tensors of a HF directory: name -> file, shapes from the headers, slices on demand."""
+    """The tensors of a HF directory: name -> file, shapes from the headers, slices on demand; a
+    split name that `unfuse` mapped to a row range of a fused tensor reads those rows."""
 
     def __init__(self, directory: Path):
+        self.parts: dict[str, tuple[str, int, int]] = {}  # split name -> (fused name, first row, rows)
         index = directory / "model.safetensors.index.json"
         if index.exists():
             names = json.loads(index.read_text())["weight_map"]
@@ -87,13 +91,27 @@ class Safetensors:
         with safe_open(file, framework="numpy") as f:
             return list(f.keys())
 
+    def unfuse(self, fused: str, parts: dict[str, int]) -> None:
+        """Read the split tensors `parts` (name -> rows, in row order) from `fused`'s row blocks."""
+        first = 0
+        for name, rows in parts.items():
+            self.parts[name] = (fused, first, rows)
+            first += rows
+
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.parts:
+            fused, _, rows = self.parts[name]
+            return (rows, *self.shape(fused)[1:])
         with safe_open(self.files[name], framework="numpy") as f:
             return tuple(f.get_slice(name).get_shape())
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """tensor[index], READ_ELEMENTS of its rows per file opening: the file's pages that a read
         touches stay resident while it is mapped, and a column slice touches all its rows' pages."""
+        if name in self.parts:  # a row range of a fused tensor: only those rows are read
+            fused, first, rows = self.parts[name]
+            start, stop, _ = index[0].indices(rows)
+            return self.read(fused, (slice(first + start, first + stop), *index[1:]))
         shape = self.shape(name)
         rows = range(*index[0].indices(shape[0]))
         step = max(1, READ_ELEMENTS // max(1, math.prod(shape[1:])))
@@ -107,16 +125,31 @@ class Safetensors:
 
 
 def check_tensors(st: Safetensors, cfg: RunConfig, tied: bool) -> None:
-    """Every expected tensor present with its shape, nothing unknown; else one error naming them."""
+    """Every expected tensor present (split, or a row block of its fused tensor) with its shape,
+    nothing unknown; else one error naming them. Maps the split names onto the fused tensors."""
     shapes = per_layer_shapes(cfg)
     expected = {name: hf_shape(tensor_of(path, tied), shape)
                 for path, shape in shapes.items() for name in hf_names(path, cfg.model.n_layers, tied)}
-    missing = [n for n in expected if n not in st.files]
-    wrong = [f"{n} {list(st.shape(n))} (expected {list(s)})" for n, s in expected.items()
-             if n in st.files and st.shape(n) != s]
-    unknown = [n for n in st.files if n not in expected and not n.endswith(IGNORED) and not (tied and n == "lm_head.weight")]
+    both, wrong, fused = [], [], set()  # fused: the fused names and their parts, checked here
+    for name, parts in fused_names(cfg.model.n_layers).items():
+        if name not in st.files:
+            continue
+        fused |= {name, *parts}
+        want = (sum(expected[p][0] for p in parts), *expected[parts[0]][1:])
+        if split := [p for p in parts if p in st.files]:
+            both.append(f"{name} and {', '.join(split)}")
+        elif st.shape(name) != want:
+            wrong.append(f"{name} {list(st.shape(name))} (expected {list(want)})")
+        else:
+            st.unfuse(name, {p: expected[p][0] for p in parts})
+    missing = [n for n in expected if n not in st.files and n not in fused]
+    wrong += [f"{n} {list(st.shape(n))} (expected {list(s)})" for n, s in expected.items()
+              if n in st.files and n not in fused and st.shape(n) != s]
+    unknown = [n for n in st.files if n not in expected and n not in fused and not n.endswith(IGNORED)
+               and not (tied and n == "lm_head.weight")]
     problems = [f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
-                for what, names in (("missing tensors", missing), ("mismatched shapes", wrong),
+                for what, names in (("both fused and split tensors", both), ("missing tensors", missing),
+                                    ("mismatched shapes", wrong),
                                     ("tensors with no meshtrain parameter", unknown)) if names]
     if problems:
         raise ConfigError(f"--from-hf: not the Llama config.json describes: {'; '.join(problems)}")

@@ -15,6 +15,12 @@ with the heads split out, and every block parameter stacked over X layers):
   final_norm.scale [D]           model.norm.weight                 [D]          as is
   head             [D, V]        lm_head.weight [V, D] (model.embed_tokens.weight when tied)  W.T
 
+Fused layouts (read, LlamaForCausalLM only; FUSED): a layer may carry self_attn.qkv_proj.weight
+[(N+2K)*H, D] (rows: q_proj's, then k_proj's, then v_proj's) instead of q/k/v_proj, and
+mlp.gate_up_proj.weight [2F, D] (gate_proj's rows, then up_proj's) instead of gate/up_proj; each
+part is a row range of the fused tensor. `--to-hf` writes the split tensors, which
+transformers' LlamaForCausalLM loads.
+
 Rotary: meshtrain rotates the halves (x[:H/2], x[H/2:]) of each head (model/layers.py
 apply_rotary), which is HF's rotate_half convention with the same frequencies
 theta^(-2j/H), so q_proj and k_proj need no permutation (tests/test_convert.py checks the logits
@@ -63,6 +69,12 @@ TENSORS: dict[tuple[str, ...], Tensor] = {
     ("head",): Tensor("lm_head.weight", True),
 }
 TIED_HEAD = Tensor("model.embed_tokens.weight", True)
+# fused HF tensor -> the parameters whose HF tensors are its row blocks, in row order
+FUSED: dict[str, tuple[tuple[str, ...], ...]] = {
+    "model.layers.{i}.self_attn.qkv_proj.weight":
+        (("blocks", "attn", "wq"), ("blocks", "attn", "wk"), ("blocks", "attn", "wv")),
+    "model.layers.{i}.mlp.gate_up_proj.weight": (("blocks", "mlp", "w_gate"), ("blocks", "mlp", "w_up")),
+}
 
 
 def tensor_of(path: tuple[str, ...], tied: bool) -> Tensor:
@@ -73,6 +85,12 @@ def hf_names(path: tuple[str, ...], n_layers: int, tied: bool = False) -> list[s
     """The HF tensors of one meshtrain parameter, in layer order."""
     t = tensor_of(path, tied)
     return [t.hf.format(i=i) for i in range(n_layers)] if "{i}" in t.hf else [t.hf]
+
+
+def fused_names(n_layers: int) -> dict[str, list[str]]:
+    """Each layer's fused HF tensor names -> the split names of its row blocks, in row order."""
+    return {fused.format(i=i): [TENSORS[p].hf.format(i=i) for p in parts]
+            for fused, parts in FUSED.items() for i in range(n_layers)}
 
 
 def hf_shape(t: Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
