@@ -91,6 +91,7 @@ class Decoder:
         self.cache_sharding = NamedSharding(mesh, logical_to_spec(CACHE_NAMES, self.shape, mesh))
         self.token_sharding = NamedSharding(mesh, logical_to_spec(("batch", None), (batch, 1), mesh))
         caches = {"k": self.cache_sharding, "v": self.cache_sharding}
+        self.zeros = jax.jit(lambda: jnp.zeros(self.shape, cfg.compute_dtype), out_shardings=self.cache_sharding)
         self.step = jax.jit(self._step(temperature, top_p), donate_argnums=2, out_shardings=(self.token_sharding, caches))
 
     def _step(self, temperature: float, top_p: float) -> Callable:
@@ -119,8 +120,7 @@ class Decoder:
 
     def new_cache(self) -> dict[str, jax.Array]:
         """Zeroed k and v caches [X, B, L, K, H] in the compute dtype, each device its shard."""
-        zeros = jax.jit(lambda: jnp.zeros(self.shape, self.cfg.compute_dtype), out_shardings=self.cache_sharding)
-        return {"k": zeros(), "v": zeros()}
+        return {"k": self.zeros(), "v": self.zeros()}
 
     def generate(self, params: nnx.State, prompt: np.ndarray, seed: int = 0) -> Generation:
         """prompt [B, P] -> the next N tokens of every row (after `compile`)."""
