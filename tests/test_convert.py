@@ -284,7 +284,7 @@ def test_to_hf_without_checkpoints_is_one_clear_line(tmp_path):
 MEMORY = textwrap.dedent("""
     import json, sys
     import jax
-    from tools import convert, orbax_partial  # noqa: F401 -- every import before the baseline
+    from tools import convert, sliced_checkpoint  # noqa: F401 -- every import before the baseline
     jax.devices()
 
     def status(field):
@@ -305,7 +305,7 @@ def test_host_memory_stays_near_one_layer(tmp_path):
     twice one layer's tensors, not by the checkpoint's size (0.75 GB of parameters, 2.25 GB of
     state). What it holds is about three slices of at most the largest layer tensor (w_gate,
     32 MiB): the HF tensor read (its mapped pages and copies) and tensorstore's copy of the slice
-    being written (tools/orbax_partial.py)."""
+    being written (tools/sliced_checkpoint.py)."""
     d, f, n, k, x = 2048, 8192, 32 * 64, 8 * 64, 4
     config = TINY_HF | {"vocab_size": 32768, "hidden_size": d, "intermediate_size": f, "num_hidden_layers": x,
                         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64}

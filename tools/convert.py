@@ -12,7 +12,7 @@ the converted parameters (float32), fresh AdamW moments (zeros) and step 0. The 
 optimizer defaults (FINE_TUNE), then --set; its data is the preset's unless --set data.* names
 the model's own tokens.
 
-Memory (host): the checkpoint is written a slice at a time (tools/orbax_partial.py): every
+Memory (host): the checkpoint is written a slice at a time (tools/sliced_checkpoint.py): every
 array of the state cut along its first axis into slices of at most the largest layer tensor's
 bytes U (a stacked parameter or moment one layer at a time, embed and head blocks of rows),
 each slice read from the safetensors files (at most READ_ELEMENTS of a tensor's rows per file
@@ -230,7 +230,7 @@ def from_hf(args: argparse.Namespace) -> int:
     request_fake_devices(cfg)
 
     from sharding.mesh import build_mesh, mesh_config
-    from tools.orbax_partial import write_state
+    from tools.sliced_checkpoint import write_state
     from training.build import make_program
 
     mesh = build_mesh(cfg.parallel)
@@ -253,7 +253,7 @@ def to_hf(args: argparse.Namespace) -> int:
         raise ConfigError("--to-hf needs --out DIR: the HF directory to write")
     if args.out.exists() and any(args.out.iterdir()):
         raise ConfigError(f"--out {args.out} is not empty: choose a new directory")
-    from tools.orbax_partial import latest_params
+    from tools.sliced_checkpoint import latest_params
 
     cfg, params = latest_params(args.to_hf / "checkpoints")
     if cfg.model.n_experts:
