@@ -21,6 +21,7 @@ from flax import nnx
 from configs.base import RunConfig
 from pipeline import circular, one_f_one_b
 from pipeline.stages import stages
+from sharding.checks import ONE_F_ONE_B
 
 __all__ = ["loss_and_grads", "stages"]
 
@@ -31,6 +32,6 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
     statistics (model/moe.py; {} for a dense model) of the [M, b, L] batch, pipelined by
     `parallel.schedule`. Each stage sums the statistics of its MoE layers over the microbatches
     it runs (idle ticks masked out), and the sums meet across `stage` once per step."""
-    if cfg.parallel.schedule == "1f1b":
+    if cfg.parallel.schedule in ONE_F_ONE_B:
         return one_f_one_b.loss_and_grads(params, graphdef, batch, cfg)
     return circular.loss_and_grads(params, graphdef, batch, cfg)

@@ -1,30 +1,52 @@
-"""1F1B in one SPMD program: each stage alternates one forward and one backward, with its own
-per-stage `jax.vjp`; no autodiff through the schedule.
+"""The 1F1B family in one SPMD program: 1f1b and interleaved-1f1b. Each stage alternates
+forwards and backwards of different microbatches, with its own per-stage `jax.vjp`; no
+autodiff through the schedule.
 
-Layout: blocks [X, ...] split over stage as stored (device s holds layers s·X/p ... of X/p); the
-embedding, final norm and head are replicated over stage and used by stage 0 (embedding) and
-stage p-1 (head and loss) inside the schedule. They must be: the backward of microbatch 0
-starts before microbatch M-1 has entered, so the loss of each microbatch is computed where
-its forward ends, on the last stage, and its cotangent starts there. Their gradients are summed
-over stage once per step (an all-reduce of the embedding, norm and head: 2·(V·D+D)(p-1)/p
-bytes-elements per device).
+Layout (p stages, V chunks per stage, V = 1 for 1f1b, X layers, Lc = X/(p·V)): blocks [X, ...]
+-> [V, p·Lc, ...], p·Lc split over stage: device s holds [V, Lc, ...], its chunk v = layers
+(v·p + s)·Lc ... + Lc - 1. V = 1 is the stored layout (no data moves); V > 1 re-lays the stored
+contiguous split every step as the circular schedules do ((V-1)/V of each device's layer
+weights forward, their gradients backward, over `stage`). The embedding, final norm and head
+are replicated over stage and used by stage 0 chunk 0 (embedding) and stage p-1 chunk V-1
+(head and loss) inside the schedule: the backward of microbatch 0 starts before microbatch M-1
+has entered, so each microbatch's loss is computed where its forward ends and its cotangent
+starts there. Their gradients are summed over stage once per step (an all-reduce of the
+embedding, norm and head: 2·(V·D+D)(p-1)/p elements per device).
 
-Tick program (one `lax.scan` over the ticks of pipeline/schedule.py's 1f1b table; every device
-runs it and picks its own cell with `lax.axis_index`):
+Tick program (one `lax.scan` over the ticks of pipeline/schedule.py's table; every device runs
+it and picks its own cell with `lax.axis_index`; the slots below are assigned on the host,
+`program`):
 
   1. receive: ppermute the forward output sent last tick to s+1, the input gradient to s-1
-     (two collective-permutes of b·L·D per tick, 2·(2(M+p-1)) per step); a value that
-     arrives is put in the stash (forward) or the gradient inbox slot of its microbatch;
-  2. input: stage 0 embeds microbatch m's tokens, the others read their stash;
-  3. run the cell, a `lax.switch` on the program's branch over `CELLS`, functions of the stage's
-     parameters, the input x, the gradient g from the inbox, the microbatch's targets and the
-     carry's `Sent` (the two sends, gradients and loss), returning the next `Sent`:
-     F                 run the stage's layers on the input, send the output
-     F on stage p-1    nothing: the input waits in the stash for B
-     B                 vjp of the layers from the input (forward recomputed), cotangent g
-     B on stage p-1    value_and_grad of layers + head + loss (scaled 1/M)
-     accumulating the parameter gradients (fp32) in the carry and sending dx to s-1;
-  4. embedding backward: the table's gradient from stage 0's dx (zero on the other stages).
+     (with V > 1 both are rings: stage p-1's chunk v feeds stage 0's chunk v+1, and back);
+     two collective-permutes of b·L·D per tick; an arriving value is written to its slot of
+     `inputs` (forward) or `inbox` (gradient);
+  2. input: stage 0 chunk 0 embeds microbatch m's tokens, the others read their `inputs` slot;
+  3. the cell, a `lax.switch` over `CELLS` (functions of the stage's parameters, chunk v, the
+     input x, the gradient g, the cell's residual slot, the microbatch's targets and the
+     carry's `Sent`):
+     F                 run chunk v's layers under `jax.vjp`, send the output, keep the vjp's
+                       residuals in a `residuals` slot until B
+     F on p-1, V-1     nothing: the input waits in `inputs` for B
+     B                 the vjp from the kept residuals, cotangent g: chunk v's gradients
+                       (fp32, summed in the carry) and dx, sent to s-1
+     B on p-1, V-1     value_and_grad of chunk V-1 + head + loss (scaled 1/M) from the input
+  4. embedding backward: the table's gradient from stage 0 chunk 0's dx (zero elsewhere).
+
+Residuals and the remat policy (model.remat): the residuals are exactly what `jax.vjp` keeps,
+the parameters excepted (re-supplied at B from the stage's own, never stashed). With remat
+none, dots or attn the layers' policy decides them (none: every intermediate; dots: matmul
+outputs; attn: q, k, v and the attention output; plus each layer's input): B runs only the
+backward, no forward is recomputed. With remat full the whole chunk is one checkpoint, so its
+residual is its input [b, L, D] and B recomputes the chunk's forward (inside which each layer
+is rematerialised again), the schedule's memory floor: 2 extra forwards per microbatch.
+
+Memory per stage, flat in M: `inputs` slots x [b, L, D] (arrived, not yet run), `inbox` slots
+x [b, L, D] (gradients not yet used) and `residuals` slots x R (R: one chunk's residuals for
+one microbatch; remat full: b·L·D), slot counts from the table: for 1f1b, residual slots = p
+(stage 0 holds p microbatches between their F and B), 1 input and 1 inbox slot; for
+interleaved-1f1b, residual slots about 2p + (V-2)·p/... as the table gives (`program`). GPipe
+holds the residuals of all M microbatches instead.
 
 The embedding (2 and 4) runs outside the switch, on every stage every tick: the devices of
 different stages take different branches, so a branch may hold only collectives whose devices
@@ -34,20 +56,14 @@ that took another branch (the tensor-parallel all-reduces, all-gathers and reduc
 inside the stage's layers stay within a stage). The cost is a [b, L, D] gather and
 scatter-add per tick on the stages that do not need them. The head's collectives (the vocab
 split over tensor) stay within the last stage. tp_overlap's rings are collective-permutes too,
-hence refused with 1f1b (sharding/checks.py).
-
-Memory: the backward recomputes the stage forward from its stashed input (one extra forward
-per stage per microbatch, the price of keeping no residuals between ticks), so a stage holds
-only K stage inputs [b, L, D] (K = the most microbatches between arrival and backward, at most
-p for stage 1, from the table) plus K' incoming gradients and one microbatch's vjp residuals
-inside the B cell: flat in M. GPipe holds the residuals of all M microbatches instead.
+hence refused with this family (sharding/checks.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,68 +74,115 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 from configs.base import ModelConfig, RunConfig
-from pipeline.schedule import BACKWARD, FORWARD, IDLE, cells, one_f_one_b
+from pipeline.schedule import BACKWARD, FORWARD, IDLE, cells, timetable
 from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
 from model.loss import cross_entropy
 from model.moe import no_stats, router_loss
 from sharding.checks import moe_layers
 from model.transformer import Transformer, compute_params
 
-BACKWARD_LAST = BACKWARD + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, and B on stage p-1
-
-
-def _slots(arrive: np.ndarray, kind: np.ndarray, microbatch: np.ndarray) -> int:
-    """Most microbatches a stage holds at once, from their arrival to its own B; checks that
-    slot m mod K never holds two."""
-    most = 1
-    for s in range(arrive.shape[1]):
-        held: set[int] = set()
-        for t in range(len(arrive)):
-            if arrive[t, s] >= 0:
-                held.add(int(arrive[t, s]))
-            most = max(most, len(held))
-            if kind[t, s] == BACKWARD:
-                held.discard(int(microbatch[t, s]))
-    for s in range(arrive.shape[1]):
-        live = arrive[:, s][arrive[:, s] >= 0]
-        assert len(set(live % most)) == min(len(live), most), "slot reuse would overwrite a held value"
-    return most
+BACKWARD_LAST = BACKWARD + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, and B of chunk V-1 on stage p-1
 
 
 class Program(NamedTuple):
-    """The 1f1b table as int32 arrays [ticks, p] that the tick program indexes with (tick, stage),
-    and the sizes of the buffers that hold what arrives until its B."""
+    """The table as int32 arrays [ticks, p] that the tick program indexes with (tick, stage):
+    each cell, and the buffer slots it and the arriving values use (-1: nothing arrives)."""
 
-    branch: np.ndarray  # the cell, an index into CELLS: IDLE, FORWARD, BACKWARD, BACKWARD_LAST
+    branch: np.ndarray  # the cell, an index into CELLS
     microbatch: np.ndarray  # the cell's microbatch (0 when idle)
-    arrive_f: np.ndarray  # microbatch whose stage input arrives from s-1 at this tick, -1 none
-    arrive_b: np.ndarray  # microbatch whose output gradient arrives from s+1, -1 none
-    stash: int  # slots for stage inputs (slot m mod stash)
-    inbox: int  # slots for output gradients (slot m mod inbox)
+    chunk: np.ndarray  # the cell's chunk v (0 when idle)
+    recv_f: np.ndarray  # `inputs` slot for the forward value arriving from s-1, -1 none
+    recv_b: np.ndarray  # `inbox` slot for the gradient arriving from s+1, -1 none
+    x_slot: np.ndarray  # `inputs` slot of the cell's input (F, B on p-1 chunk V-1)
+    g_slot: np.ndarray  # `inbox` slot of the cell's output gradient (B)
+    r_slot: np.ndarray  # `residuals` slot the F writes and its B reads
+    inputs: int  # slots per buffer
+    inbox: int
+    residuals: int
 
 
-def program(p: int, m_count: int) -> Program:
-    """The 1f1b tick program of p stages and M microbatches."""
-    kind, microbatch, _ = cells(one_f_one_b(p, m_count))
-    last = np.arange(p) == p - 1
-    branch = np.where(last & (kind == FORWARD), IDLE, np.where(last & (kind == BACKWARD), BACKWARD_LAST, kind))
-    arrive_f, arrive_b = np.full_like(kind, -1), np.full_like(kind, -1)
-    arrive_f[1:, 1:] = np.where(kind[:-1, :-1] == FORWARD, microbatch[:-1, :-1], -1)  # s-1's F last tick
-    arrive_b[1:, :-1] = np.where(kind[:-1, 1:] == BACKWARD, microbatch[:-1, 1:], -1)  # s+1's B last tick
-    stash, inbox = _slots(arrive_f, kind, microbatch), _slots(arrive_b, kind, microbatch)
-    return Program(branch, microbatch, arrive_f, arrive_b, stash, inbox)
+class _Slots:
+    """Slots of one buffer on one stage: the lowest free slot to each value as it arrives."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[int, int], int] = {}
+        self.most = 1
+
+    def take(self, item: tuple[int, int]) -> int:
+        slot = min(set(range(len(self.held) + 1)) - set(self.held.values()))
+        self.held[item] = slot
+        self.most = max(self.most, slot + 1)
+        return slot
+
+    def free(self, item: tuple[int, int]) -> int:
+        return self.held.pop(item)
+
+
+def program(schedule: str, p: int, m_count: int, v_count: int = 1) -> Program:
+    """The tick program of a 1F1B-family schedule: the table's cells, what arrives where, and
+    the slot of every value in the stage's buffers (assigned on the host, checked here)."""
+    kind, micro, chunk = cells(timetable(schedule, p, m_count, v_count))
+    ticks = len(kind)
+    last = lambda s, v: s == p - 1 and v == v_count - 1  # noqa: E731  (head and loss)
+    branch = kind.copy()
+    arrays = {name: np.full((ticks, p), -1, np.int32) for name in ("recv_f", "recv_b")}
+    arrays |= {name: np.zeros((ticks, p), np.int32) for name in ("x_slot", "g_slot", "r_slot")}
+    sizes = {}
+    for name in ("inputs", "inbox", "residuals"):
+        sizes[name] = 1
+    for s in range(p):
+        slots = {"inputs": _Slots(), "inbox": _Slots(), "residuals": _Slots()}
+        for t in range(ticks):
+            if t > 0:  # what the neighbours sent last tick
+                src = (s - 1) % p
+                k, m, v = kind[t - 1, src], micro[t - 1, src], chunk[t - 1, src]
+                if k == FORWARD and not last(src, v) and (s > 0 or (src == p - 1 and v_count > 1)):
+                    arrays["recv_f"][t, s] = slots["inputs"].take((m, v + (s == 0)))
+                src = (s + 1) % p
+                k, m, v = kind[t - 1, src], micro[t - 1, src], chunk[t - 1, src]
+                if k == BACKWARD and (s < p - 1 or (src == 0 and v > 0)):
+                    arrays["recv_b"][t, s] = slots["inbox"].take((m, v - (s == p - 1)))
+            k, item = kind[t, s], (micro[t, s], chunk[t, s])
+            if k == FORWARD and last(s, item[1]):
+                branch[t, s] = IDLE
+            elif k == FORWARD:
+                arrays["x_slot"][t, s] = slots["inputs"].free(item) if (s, item[1]) != (0, 0) else 0
+                arrays["r_slot"][t, s] = slots["residuals"].take(item)
+            elif k == BACKWARD and last(s, item[1]):
+                branch[t, s] = BACKWARD_LAST
+                arrays["x_slot"][t, s] = slots["inputs"].free(item)
+            elif k == BACKWARD:
+                arrays["r_slot"][t, s] = slots["residuals"].free(item)
+                arrays["g_slot"][t, s] = slots["inbox"].free(item)
+            elif k != IDLE:
+                raise ValueError(f"schedule {schedule}: cell kind {k} is not run by the 1F1B program")
+        assert not any(b.held for b in slots.values()), f"stage {s} ends holding values"
+        for name, b in slots.items():
+            sizes[name] = max(sizes[name], b.most)
+    return Program(branch, micro, chunk, **arrays, **sizes)
 
 
 @dataclass(frozen=True)
 class Static:
     """What the cells take besides arrays: the model's structure and config (its router losses'
-    weights), the compute dtype, the loss's z-loss weight and M (each microbatch's loss counts 1/M)."""
+    weights), the compute dtype, the loss's z-loss weight, M (each microbatch's loss counts
+    1/M), whether a chunk is one checkpoint (remat full), and the residuals' layout (`Layout`)."""
 
     graphdef: nnx.GraphDef
     model: ModelConfig
     dtype: DTypeLike
     z_loss: float
     m_count: int
+    whole_chunk_remat: bool
+    layout: Any = None
+
+
+class Layout(NamedTuple):
+    """Where a chunk's vjp closure keeps what: its tree structure, and for each leaf the index of
+    the chunk parameter it is (re-supplied at B) or -1 (a residual, kept in a slot)."""
+
+    treedef: Any
+    params_at: tuple[int, ...]
 
 
 class Sent(NamedTuple):
@@ -127,74 +190,103 @@ class Sent(NamedTuple):
 
     send_f: jax.Array  # [b, L, D] the stage's output, for s+1 at the next tick
     send_b: jax.Array  # [b, L, D] the gradient of the stage's input, for s-1 at the next tick
-    grads: nnx.State  # fp32 gradients of the stage's parameters, summed over the ticks so far
+    grads: nnx.State  # fp32 gradients of the stage's parameters ([V, Lc, ...] blocks), summed so far
     loss: jax.Array  # the loss summed so far (stage p-1)
     stats: dict  # the router statistics of the stage's MoE layers, summed over its B cells so far
+    residuals: tuple  # the cell's residual slot (F writes it, B reads it)
 
 
 def _model(st: Static, local: nnx.State) -> Transformer:
-    """The model on the stage's parameters, cast to the compute dtype once (the blocks with them)."""
-    return nnx.merge(st.graphdef, compute_params(local, st.dtype))
-
-
-def _layers(model: Transformer, x: jax.Array) -> tuple[jax.Array, dict]:
-    """x [b, L, D] through the stage's X/p layers; their router statistics, summed."""
-    return model.run_layers(x, nnx.state(model.blocks))
+    return nnx.merge(st.graphdef, local)
 
 
 def _router_share(st: Static, stats: dict) -> jax.Array:
-    """This stage's part of one microbatch's router losses in the objective: its MoE layers'
+    """This chunk's part of one microbatch's router losses in the objective: its MoE layers'
     summed losses over all MoE layers and M (0 for a dense model)."""
     return jnp.asarray(router_loss(stats, st.model), jnp.float32) / (st.m_count * max(moe_layers(st.model), 1))
 
 
-def _stage(st: Static, local: nnx.State, x: jax.Array) -> tuple[tuple[jax.Array, jax.Array], dict]:
-    """(the stage's output, its router share), and its router statistics as aux."""
-    y, stats = _layers(_model(st, local), x)
-    return (y, _router_share(st, stats)), stats
+def _chunk(st: Static, model: Transformer, layers: nnx.State, x: jax.Array) -> tuple[tuple[jax.Array, jax.Array], dict]:
+    """(chunk output [b, L, D], its router share), and its router statistics as aux."""
+    def run(layers, x):
+        y, stats = model.run_layers(x, layers)
+        return (y, _router_share(st, stats)), stats
+
+    return (jax.checkpoint(run, prevent_cse=False) if st.whole_chunk_remat else run)(layers, x)
 
 
-def _last(st: Static, local: nnx.State, x: jax.Array, target: jax.Array) -> tuple[jax.Array, tuple]:
-    """Stage p-1's layers, head and loss of one microbatch (target [b, L]), scaled 1/M, plus its
-    router share; as aux (the scaled loss, the router statistics)."""
-    model = _model(st, local)
-    y, stats = _layers(model, x)
+def _last(st: Static, model: Transformer, layers: nnx.State, x: jax.Array, target: jax.Array) -> tuple[jax.Array, tuple]:
+    """Chunk V-1 on stage p-1, head and loss of one microbatch (target [b, L]), scaled 1/M, plus
+    its router share; as aux (the scaled loss, the router statistics)."""
+    y, stats = model.run_layers(x, layers)
     loss = cross_entropy(model.logits(y), target, st.z_loss) / st.m_count
     return loss + _router_share(st, stats), (loss, stats)
 
 
-def _embed(st: Static, local: nnx.State, tokens: jax.Array, table: jax.Array) -> jax.Array:
-    """Stage 0's input: tokens [b, L] looked up in `table` (the embedding, vocab-parallel)."""
-    return _model(st, with_part(local, "embed", table)).embed_tokens(tokens, vocab_parallel=True)
+def _vjp(st: Static, model: Transformer, layers: nnx.State, x: jax.Array) -> tuple:
+    """Chunk forward under vjp: (output, residual leaves, router stats, the closure's Layout)."""
+    (y, _), pullback, stats = jax.vjp(partial(_chunk, st, model), layers, x, has_aux=True)
+    leaves, treedef = jax.tree.flatten(pullback)
+    params = jax.tree.leaves(layers)
+    at = tuple(next((i for i, a in enumerate(params) if leaf is a), -1) for leaf in leaves)
+    return y, tuple(leaf for leaf, i in zip(leaves, at) if i < 0), stats, Layout(treedef, at)
 
 
-def _acc(grads: nnx.State, d: nnx.State) -> nnx.State:
-    return jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, d)
+def _chunk_of(local: nnx.State, v: jax.Array) -> nnx.State:
+    return jax.tree.map(lambda a: a[v], local["blocks"])
 
 
-# The cells, one per Program.branch: (static, the stage's parameters, its input x [b, L, D], the
-# gradient g of its output from the inbox, the microbatch's target tokens [b, L], what the
-# carry holds) -> what the carry holds next.
+def _acc(grads: nnx.State, v: jax.Array, d_layers: nnx.State, d_rest: dict | None = None) -> nnx.State:
+    """grads + chunk v's layer gradients (and those of the parameters outside the blocks,
+    d_rest {name: part}: the head's and final norm's), in fp32."""
+    add = lambda a, d: a + d.astype(a.dtype)  # noqa: E731
+    parts = {name: jax.tree.map(add, grads[name], part) for name, part in (d_rest or {}).items()}
+    return _replaced(grads, parts | {"blocks": jax.tree.map(lambda a, d: a.at[v].add(d.astype(a.dtype)),
+                                                            grads["blocks"], d_layers)})
 
 
-def _idle(st: Static, local: nnx.State, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
+def _replaced(tree: nnx.State, parts: dict) -> nnx.State:
+    """A copy of the parameter tree with the subtrees {name: part} replaced."""
+    for name, part in parts.items():
+        tree = with_part(tree, name, part)
+    return tree
+
+
+def _outside(local: nnx.State) -> dict:
+    """The parameters outside the blocks {name: part}: embedding, final norm, head."""
+    return {name: local[name] for name in local if name != "blocks"}
+
+
+# The cells, one per Program.branch: (static, the stage's compute parameters, chunk v, input x
+# [b, L, D], output gradient g, the microbatch's targets [b, L], what the carry holds) -> what
+# the carry holds next.
+
+
+def _idle(st: Static, local: nnx.State, v: jax.Array, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
     return out
 
 
-def _forward(st: Static, local: nnx.State, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
-    return out._replace(send_f=_stage(st, local, x)[0][0])
+def _forward(st: Static, local: nnx.State, v: jax.Array, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
+    y, residuals, stats, layout = _vjp(st, _model(st, local), _chunk_of(local, v), x)
+    assert layout.params_at == st.layout.params_at, "the chunk's vjp closure changed between traces"
+    return out._replace(send_f=y, residuals=residuals, stats=jax.tree.map(jnp.add, out.stats, stats))
 
 
-def _backward(st: Static, local: nnx.State, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
-    _, vjp, stats = jax.vjp(partial(_stage, st), local, x, has_aux=True)
-    dl, dx = vjp((g, jnp.ones((), jnp.float32)))  # the router share enters the objective as is
-    return out._replace(send_b=dx, grads=_acc(out.grads, dl), stats=jax.tree.map(jnp.add, out.stats, stats))
+def _backward(st: Static, local: nnx.State, v: jax.Array, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
+    params, kept = jax.tree.leaves(_chunk_of(local, v)), iter(out.residuals)
+    pullback = jax.tree.unflatten(st.layout.treedef, [params[i] if i >= 0 else next(kept) for i in st.layout.params_at])
+    d_layers, dx = pullback((g, jnp.ones((), jnp.float32)))  # the router share enters the objective as is
+    return out._replace(send_b=dx, grads=_acc(out.grads, v, d_layers))
 
 
-def _backward_last(st: Static, local: nnx.State, x: jax.Array, g: jax.Array, target: jax.Array,
+def _backward_last(st: Static, local: nnx.State, v: jax.Array, x: jax.Array, g: jax.Array, target: jax.Array,
                    out: Sent) -> Sent:
-    (_, (lm, stats)), (dl, dx) = jax.value_and_grad(partial(_last, st), argnums=(0, 1), has_aux=True)(local, x, target)
-    return out._replace(send_b=dx, grads=_acc(out.grads, dl), loss=out.loss + lm,
+    def objective(outside, layers, x):
+        return _last(st, _model(st, _replaced(local, outside)), layers, x, target)
+
+    (_, (lm, stats)), (d_rest, d_layers, dx) = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(
+        _outside(local), _chunk_of(local, v), x)
+    return out._replace(send_b=dx, grads=_acc(out.grads, v, d_layers, d_rest), loss=out.loss + lm,
                         stats=jax.tree.map(jnp.add, out.stats, stats))
 
 
@@ -203,40 +295,70 @@ CELLS = (_idle, _forward, _backward, _backward_last)  # IDLE, FORWARD, BACKWARD,
 
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
                    cfg: RunConfig) -> tuple[jax.Array, nnx.State, dict]:
-    """Mean loss, fp32 gradients and router statistics of the [M, b, L] batch by the 1F1B schedule."""
+    """Mean loss, fp32 gradients and router statistics of the [M, b, L] batch by the schedule."""
     p, (m_count, b, length) = stages(), batch["inputs"].shape
-    prog = program(p, m_count)
-    st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, m_count)
-    branches = [partial(cell, st) for cell in CELLS]
-    down, up = [(i, i + 1) for i in range(p - 1)], [(i + 1, i) for i in range(p - 1)]
+    v_count = max(cfg.parallel.virtual_stages, 1)
+    prog = program(cfg.parallel.schedule, p, m_count, v_count)
+    st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, m_count,
+                cfg.model.remat == "full")
+    ring = v_count > 1
+    down = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
+    up = [((i + 1) % p, i) for i in range(p if ring else p - 1)]
 
     def body(local, inputs, targets):
         s = lax.axis_index(AXIS)
+        compute = compute_params(local, st.dtype)  # cast once per step: the cells read it
+        act = jax.ShapeDtypeStruct((b, length, cfg.model.d_model), st.dtype)
+        layout = {}
+
+        def shapes(compute, x):
+            _, residuals, _, layout["v"] = _vjp(st, _model(st, compute), _chunk_of(compute, 0), x)
+            return residuals
+
+        avals = jax.eval_shape(shapes, compute, act)
+        stc = Static(*[getattr(st, f) for f in ("graphdef", "model", "dtype", "z_loss", "m_count",
+                                                "whole_chunk_remat")], layout["v"])
+        branches = [partial(cell, stc) for cell in CELLS]
 
         def tick(carry, row):
-            kind, m, af, ab = (a[s] for a in row)
-            stash, inbox, out = carry
+            kind, m, v, rf, rb, xs, gs, rs = (a[s] for a in row)
+            inbuf, inbox, resbuf, out = carry
             recv_f, recv_b = lax.ppermute(out.send_f, AXIS, down), lax.ppermute(out.send_b, AXIS, up)
-            slot_f, slot_b = jnp.maximum(af, 0) % prog.stash, jnp.maximum(ab, 0) % prog.inbox
-            stash = stash.at[slot_f].set(jnp.where(af >= 0, recv_f, stash[slot_f]))
-            inbox = inbox.at[slot_b].set(jnp.where(ab >= 0, recv_b, inbox[slot_b]))
-            embedded, embed_vjp = jax.vjp(partial(_embed, st, local, inputs[m]), local["embed"])
-            x = jnp.where(s == 0, embedded, stash[m % prog.stash])
-            out = lax.switch(kind, branches, local, x, inbox[m % prog.inbox], targets[m], out)
-            d_embedded = jnp.where((s == 0) & (kind == BACKWARD), out.send_b, jnp.zeros_like(out.send_b))
-            grads = with_part(out.grads, "embed", _acc(out.grads["embed"], embed_vjp(d_embedded)[0]))
-            return (stash, inbox, out._replace(grads=grads)), None
+            slot_f, slot_b = jnp.maximum(rf, 0), jnp.maximum(rb, 0)
+            inbuf = inbuf.at[slot_f].set(jnp.where(rf >= 0, recv_f, inbuf[slot_f]))
+            inbox = inbox.at[slot_b].set(jnp.where(rb >= 0, recv_b, inbox[slot_b]))
+            first = (s == 0) & (v == 0)
+            embedded, embed_vjp = jax.vjp(partial(_embed, stc, compute, inputs[m]), compute["embed"])
+            x = jnp.where(first, embedded, inbuf[xs])
+            out = out._replace(residuals=tuple(a[rs] for a in resbuf))
+            out = lax.switch(kind, branches, compute, v, x, inbox[gs], targets[m], out)
+            resbuf = tuple(a.at[rs].set(r) for a, r in zip(resbuf, out.residuals))
+            d_embedded = jnp.where(first & (kind == BACKWARD), out.send_b, jnp.zeros_like(out.send_b))
+            grads = _replaced(out.grads, {"embed": jax.tree.map(lambda a, d: a + d.astype(a.dtype),
+                                                                out.grads["embed"], embed_vjp(d_embedded)[0])})
+            return (inbuf, inbox, resbuf, out._replace(grads=grads)), None
 
-        act = (b, length, cfg.model.d_model)
-        start = (buffer((prog.stash, *act), st.dtype), buffer((prog.inbox, *act), st.dtype),
-                 Sent(buffer(act, st.dtype), buffer(act, st.dtype), jax.tree.map(jnp.zeros_like, local),
-                      jnp.zeros((), jnp.float32), no_stats(cfg.model)))
-        rows = tuple(jnp.asarray(a) for a in (prog.branch, prog.microbatch, prog.arrive_f, prog.arrive_b))
-        (_, _, out), _ = lax.scan(tick, start, rows)
+        start = (buffer((prog.inputs, *act.shape), st.dtype), buffer((prog.inbox, *act.shape), st.dtype),
+                 tuple(buffer((prog.residuals, *a.shape), a.dtype) for a in avals),
+                 Sent(buffer(act.shape, st.dtype), buffer(act.shape, st.dtype),
+                      jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), local),
+                      jnp.zeros((), jnp.float32), no_stats(cfg.model), tuple(buffer(a.shape, a.dtype) for a in avals)))
+        rows = tuple(jnp.asarray(a) for a in (prog.branch, prog.microbatch, prog.chunk, prog.recv_f, prog.recv_b,
+                                              prog.x_slot, prog.g_slot, prog.r_slot))
+        (_, _, _, out), _ = lax.scan(tick, start, rows)
         summed = jax.tree.map(lambda a: lax.psum(a, AXIS), out.grads)  # embedding, norm, head
         stats = {name: lax.psum(a, AXIS) / (m_count * moe_layers(cfg.model)) for name, a in out.stats.items()}
         return lax.psum(out.loss, AXIS), with_part(summed, "blocks", out.grads["blocks"]), stats
 
-    specs = with_part(jax.tree.map(lambda _: P(), params), "blocks", jax.tree.map(lambda _: P(AXIS), params["blocks"]))
+    chunked = with_part(params, "blocks", jax.tree.map(lambda a: a.reshape(v_count, -1, *a.shape[1:]), params["blocks"]))
+    specs = with_part(jax.tree.map(lambda _: P(), params), "blocks",
+                      jax.tree.map(lambda _: P(None, AXIS), params["blocks"]))
     run = over_stages(body, (specs, P(), P()), (P(), specs, P()))
-    return run(params, batch["inputs"], batch["targets"])
+    loss, grads, stats = run(chunked, batch["inputs"], batch["targets"])
+    blocks = jax.tree.map(lambda g, a: g.reshape(a.shape), grads["blocks"], params["blocks"])
+    return loss, with_part(grads, "blocks", blocks), stats
+
+
+def _embed(st: Static, compute: nnx.State, tokens: jax.Array, table: jax.Array) -> jax.Array:
+    """Stage 0's input: tokens [b, L] looked up in `table` (the embedding, vocab-parallel)."""
+    return _model(st, with_part(compute, "embed", table)).embed_tokens(tokens, vocab_parallel=True)

@@ -31,6 +31,11 @@ from __future__ import annotations
 from configs.base import ConfigError, ModelConfig, RunConfig
 from configs.checks import check_values
 
+# The pipeline schedules run by pipeline/one_f_one_b.py (a different cell per stage in one
+# tick), and those with V chunks of layers per stage.
+ONE_F_ONE_B = ("1f1b", "interleaved-1f1b")
+INTERLEAVED = ("interleaved", "interleaved-1f1b")
+
 
 def check_run(cfg: RunConfig, sizes: dict[str, int]) -> None:
     """Every rule for `cfg` on a mesh of `sizes` ({axis: size}, no -1 left)."""
@@ -107,9 +112,9 @@ def check_context(cfg: RunConfig, sizes: dict[str, int]) -> None:
             f"model.attention=cudnn with parallel.context_impl={impl}: the ring's blocks need a core that "
             "returns its log-sum-exp; use model.attention=pallas or xla, or parallel.context_impl=gspmd"
         )
-    if impl == "ring" and sizes["stage"] > 1 and cfg.parallel.schedule == "1f1b":
+    if impl == "ring" and sizes["stage"] > 1 and cfg.parallel.schedule in ONE_F_ONE_B:
         raise ConfigError(
-            "parallel.context_impl=ring with parallel.schedule=1f1b: 1f1b runs a different cell on each "
+            f"parallel.context_impl=ring with parallel.schedule={cfg.parallel.schedule}: it runs a different cell on each "
             "stage in the same tick, and the ring's collective-permutes inside those cells would not meet "
             "(XLA CPU deadlocks); use parallel.context_impl=allgather, or schedule gpipe or interleaved"
         )
@@ -202,8 +207,12 @@ def check_tensor(cfg: RunConfig, sizes: dict[str, int]) -> None:
 def check_pipeline(cfg: RunConfig, sizes: dict[str, int]) -> None:
     par, p = cfg.parallel, sizes["stage"]
     v = par.virtual_stages
-    if v > 1 and par.schedule != "interleaved":
-        raise ConfigError(f"parallel.virtual_stages={v}: use 1, or more with --set parallel.schedule=interleaved")
+    if v > 1 and par.schedule not in INTERLEAVED:
+        raise ConfigError(f"parallel.virtual_stages={v}: use 1, or more with --set parallel.schedule=interleaved "
+                          "(or interleaved-1f1b)")
+    if v < 2 and par.schedule == "interleaved-1f1b":
+        raise ConfigError(f"parallel.schedule=interleaved-1f1b with parallel.virtual_stages={v}: it runs V >= 2 "
+                          "chunks of layers per stage; --set parallel.virtual_stages=2 (with V=1 it is 1f1b)")
     if p == 1:
         return
     m, layers = microbatches(cfg, p), cfg.model.n_layers
@@ -217,15 +226,15 @@ def check_pipeline(cfg: RunConfig, sizes: dict[str, int]) -> None:
             f"parallel.microbatches={m} is fewer than the pp={p} stages: the pipeline would never "
             f"fill; use at least {p}"
         )
-    if par.schedule == "interleaved" and m % p:
+    if par.schedule in INTERLEAVED and m % p:
         raise ConfigError(
-            f"parallel.microbatches={m} with schedule=interleaved must be a multiple of pp={p} "
+            f"parallel.microbatches={m} with schedule={par.schedule} must be a multiple of pp={p} "
             "(p microbatches travel the ring together)"
         )
-    if par.schedule == "1f1b" and par.tp_overlap and sizes["tensor"] > 1:
+    if par.schedule in ONE_F_ONE_B and par.tp_overlap and sizes["tensor"] > 1:
         raise ConfigError(
-            "parallel.tp_overlap=true with parallel.schedule=1f1b: the overlap rings are "
-            "collective-permutes, which XLA runs over all devices at once, while 1f1b's stages run "
+            f"parallel.tp_overlap=true with parallel.schedule={par.schedule}: the overlap rings are "
+            "collective-permutes, which XLA runs over all devices at once, while this schedule's stages run "
             "different cells each tick, so a ring would wait for stages that never join it; set "
             "parallel.tp_overlap=false, or use parallel.schedule=gpipe|interleaved"
         )

@@ -58,9 +58,15 @@ CASES = {  # id: (mesh, overrides)
     "interleaved-p4-m4-v2": ("pp=4", ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.microbatches=4"]),
     "1f1b-p2-m4": ("pp=2", ["parallel.schedule=1f1b", "parallel.microbatches=4"]),
     "1f1b-p4-m4": ("pp=4", ["parallel.schedule=1f1b", "parallel.microbatches=4"]),
+    "1f1b-p2-m2-full": ("pp=2", ["parallel.schedule=1f1b", "parallel.microbatches=2", "model.remat=full"]),
+    "1f1b-p4-m8-dots": ("pp=4", ["parallel.schedule=1f1b", "parallel.microbatches=8", "model.remat=dots"]),
+    "interleaved-1f1b-p2-m4-v2": ("pp=2", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "parallel.microbatches=4"]),
+    "interleaved-1f1b-p4-m8-v2": ("pp=4", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "parallel.microbatches=8"]),
+    "interleaved-1f1b-p2-m2-v2-full": ("pp=2", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "parallel.microbatches=2", "model.remat=full"]),
     "gpipe-pp2-dp2-tp2": ("pp=2,dp=2,tp=2", []),
     "interleaved-pp2-dp2-tp2": ("pp=2,dp=2,tp=2", ["parallel.schedule=interleaved", "parallel.virtual_stages=2"]),
     "1f1b-pp2-dp2-tp2": ("pp=2,dp=2,tp=2", ["parallel.schedule=1f1b"]),
+    "interleaved-1f1b-pp2-dp2-tp2": ("pp=2,dp=2,tp=2", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2"]),
     "gpipe-pp2-fsdp2-tp2-sp-gspmd": ("pp=2,fsdp=2,tp=2", ["parallel.tp_impl=gspmd", "parallel.sequence_parallel=true"]),
     "1f1b-pp2-fsdp2-tp2-sp": ("pp=2,fsdp=2,tp=2", ["parallel.schedule=1f1b", "parallel.sequence_parallel=true"]),
     "interleaved-pp2-fsdp2-tp2-sp-overlap": ("pp=2,fsdp=2,tp=2", ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=true"]),
@@ -70,7 +76,7 @@ CASES = {  # id: (mesh, overrides)
 @pytest.mark.parametrize("case", CASES)
 def test_schedule_equals_single_device(case, corpus):
     mesh, overrides = CASES[case]
-    layers = 8 if case == "interleaved-p4-m4-v2" else 4
+    layers = 8 if case in ("interleaved-p4-m4-v2", "interleaved-1f1b-p4-m8-v2") else 4
     cfg = small_config(mesh, f"model.n_layers={layers}", *overrides)
     (loss, grads), (ref_loss, ref_grads) = _loss_and_grads(cfg, corpus), _reference(layers, corpus)
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-5)
@@ -80,12 +86,24 @@ def test_schedule_equals_single_device(case, corpus):
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pipelined_training_equals_single_device(schedule, reference, corpus):
+@pytest.fixture(scope="module")
+def reference4(corpus):
+    """run_steps of the small config with 4 layers on one device (the interleaved schedules
+    need pp·V = 4 layers)."""
+    return run_steps(small_config("", "model.n_layers=4"), corpus, devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "interleaved-1f1b"])
+def test_pipelined_training_equals_single_device(schedule, reference, reference4, corpus):
     """Five optimizer steps on pp=2,dp=2,tp=2 (the stage-sharded gradients through the update)
     give the single-device losses."""
-    cfg = small_config("pp=2,dp=2,tp=2", f"parallel.schedule={schedule}")
-    assert_same_run(run_steps(cfg, corpus, _devices(cfg)), reference)
+    if schedule.startswith("interleaved"):
+        cfg = small_config("pp=2,dp=2,tp=2", f"parallel.schedule={schedule}", "parallel.virtual_stages=2",
+                           "model.n_layers=4")
+        assert_same_run(run_steps(cfg, corpus, _devices(cfg)), reference4)
+    else:
+        cfg = small_config("pp=2,dp=2,tp=2", f"parallel.schedule={schedule}")
+        assert_same_run(run_steps(cfg, corpus, _devices(cfg)), reference)
 
 
 def test_buffers_start_as_nan():
@@ -155,21 +173,71 @@ def held_activations(hlo: str, act: tuple[int, ...]) -> int:
                if s == tail or s.endswith("," + tail))
 
 
-def test_1f1b_stash_holds_at_most_p_inputs(temp_memory):
-    """README: a 1f1b stage holds at most p stage inputs instead of M microbatches' residuals.
-    The stash size from the timetable is p (stage 1) at p = 2..4 and M up to 16, and in the
-    compiled step at pp=2, M = 16 no array holds more than p = 2 activations [b, L, D] = [2, 32,
-    64] (an M-sized stash would hold 16); gpipe's step holds M + 1 (the detector sees them)."""
+def test_1f1b_stash_holds_at_most_p_microbatches(temp_memory):
+    """README: a 1f1b stage holds the residuals of at most p microbatches instead of M. The slot
+    counts from the timetable at p = 2..4 and M up to 16: p residual slots (stage 0 between F and
+    B), 2 input slots, 1 gradient slot; in the compiled step at pp=2, M = 16 no array holds more
+    than p = 2 activations [b, L, D] = [2, 32, 64] (an M-sized stash would hold 16); gpipe's
+    step holds M + 1 (the detector sees them)."""
     from pipeline.one_f_one_b import program
 
     for p in (2, 3, 4):
         for m in (4, 8, 16):
-            prog = program(p, m)
-            assert prog.stash == p and prog.inbox == 1, (p, m)
+            prog = program("1f1b", p, m)
+            assert (prog.residuals, prog.inputs, prog.inbox) == (p, 2, 1), (p, m)
     compiled = temp_memory[1]
     act = (2, 32, 64)
     assert held_activations(compiled["1f1b", 16][0].as_text(), act) == 2
     assert held_activations(compiled["gpipe", 16][0].as_text(), act) >= 16
+
+
+def _dots(jaxpr) -> int:
+    """dot_general equations in a jaxpr and all its sub-jaxprs (scan, remat, pjit, ...)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "dot_general"
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += _dots(inner)
+    return count
+
+
+def _cells(jaxpr):
+    """The 1f1b program's cell switch (a cond with one branch per pipeline.one_f_one_b.CELLS)."""
+    from pipeline.one_f_one_b import CELLS
+
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond" and len(eqn.params["branches"]) == len(CELLS):
+            return eqn.params["branches"]
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and (found := _cells(inner)):
+                    return found
+    return None
+
+
+@pytest.mark.parametrize("remat", ["none", "dots", "full"])
+def test_1f1b_backward_recomputes_no_forward_unless_remat_full(remat):
+    """The B cell runs the vjp from the residuals kept by its F: with remat none it holds
+    exactly two matmuls (dx and dW) per forward matmul of the F cell, no recomputed forward;
+    with dots it recomputes only the attention's batched matmuls (q·k and p·v, 2 per layer);
+    with full the chunk's forward is recomputed (the chunk checkpoint, then each layer's own
+    remat): 4 per forward matmul, less the one whose result only the discarded forward uses.
+    The last stage's B (chunk, head and loss, forward and backward at once) holds 10 forward
+    matmuls and their 20 backward ones (plus the same recomputes)."""
+    cfg = small_config("pp=2", "parallel.schedule=1f1b", f"model.remat={remat}")
+    mesh = build_mesh(cfg.parallel, _devices(cfg))
+    job = build(cfg, mesh)
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
+                                                 schedule="1f1b"))(job.state.params, batch=job.batches(0))
+    idle, forward, backward, last = (_dots(branch.jaxpr) for branch in _cells(jaxpr.jaxpr))
+    assert (idle, forward) == (0, 9)  # one layer: q, k, v, o, q·k, p·v, gate, up, down
+    assert backward == {"none": 18, "dots": 20, "full": 35}[remat]
+    assert last == {"none": 30, "dots": 32, "full": 38}[remat]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
