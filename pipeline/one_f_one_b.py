@@ -61,6 +61,7 @@ hence refused with this family (sharding/checks.py).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
@@ -78,7 +79,7 @@ from pipeline.schedule import BACKWARD, FORWARD, IDLE, cells, timetable
 from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
 from model.loss import cross_entropy
 from model.moe import no_stats, router_loss
-from sharding.checks import moe_layers
+from sharding.checks import microbatches, moe_layers
 from model.transformer import Transformer, compute_params
 
 BACKWARD_LAST = BACKWARD + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, and B of chunk V-1 on stage p-1
@@ -193,7 +194,7 @@ class Sent(NamedTuple):
     grads: nnx.State  # fp32 gradients of the stage's parameters ([V, Lc, ...] blocks), summed so far
     loss: jax.Array  # the loss summed so far (stage p-1)
     stats: dict  # the router statistics of the stage's MoE layers, summed over its B cells so far
-    residuals: tuple  # the cell's residual slot (F writes it, B reads it)
+    residuals: tuple  # the stash of residuals [slots, ...] (F writes its slot, B reads it)
 
 
 def _model(st: Static, local: nnx.State) -> Transformer:
@@ -232,6 +233,38 @@ def _vjp(st: Static, model: Transformer, layers: nnx.State, x: jax.Array) -> tup
     return y, tuple(leaf for leaf, i in zip(leaves, at) if i < 0), stats, Layout(treedef, at)
 
 
+def residual_layout(st: Static, compute: nnx.State, act: jax.ShapeDtypeStruct) -> tuple[tuple, Layout]:
+    """The shapes of one microbatch's residuals of a chunk (what a `residuals` slot holds) and
+    the vjp closure's Layout, from an abstract trace of the chunk's vjp; `compute` the stage's
+    compute parameters ([V, Lc, ...] blocks), act the chunk input [b, L, D]."""
+    found = {}
+
+    def shapes(compute, x):
+        _, residuals, _, found["layout"] = _vjp(st, _model(st, compute), _chunk_of(compute, 0), x)
+        return residuals
+
+    avals = jax.eval_shape(shapes, compute, act)
+    return avals, found["layout"]
+
+
+def stash_bytes(cfg: RunConfig, graphdef: nnx.GraphDef, params: nnx.State, micro_batch: int) -> dict[str, int]:
+    """Bytes of a stage's buffers under `cfg`'s 1F1B-family schedule, M microbatches of
+    `micro_batch` sequences (global over the non-stage axes; call under the mesh):
+    {'per_microbatch': one chunk's residuals R, 'residuals': slots x R, 'inputs', 'inbox':
+    slots x b·L·D}. The stage's whole stash is flat in M."""
+    p, v_count = stages(), max(cfg.parallel.virtual_stages, 1)
+    prog = program(cfg.parallel.schedule, p, microbatches(cfg, p), v_count)
+    dtype = jnp.dtype(cfg.model.compute_dtype)
+    st = Static(graphdef, cfg.model, dtype, cfg.train.z_loss, 1, cfg.model.remat == "full")
+    local = with_part(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), params), "blocks", jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((v_count, a.shape[0] // (p * v_count), *a.shape[1:]), dtype), params["blocks"]))
+    act = jax.ShapeDtypeStruct((micro_batch, cfg.train.seq_len, cfg.model.d_model), dtype)
+    per = sum(a.size * a.dtype.itemsize for a in residual_layout(st, local, act)[0])
+    one = act.size * dtype.itemsize
+    return {"per_microbatch": per, "residuals": prog.residuals * per, "inputs": prog.inputs * one,
+            "inbox": prog.inbox * one}
+
+
 def _chunk_of(local: nnx.State, v: jax.Array) -> nnx.State:
     return jax.tree.map(lambda a: a[v], local["blocks"])
 
@@ -262,24 +295,24 @@ def _outside(local: nnx.State) -> dict:
 # the carry holds next.
 
 
-def _idle(st: Static, local: nnx.State, v: jax.Array, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
+def _idle(st: Static, local: nnx.State, v: jax.Array, r: jax.Array, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
     return out
 
 
-def _forward(st: Static, local: nnx.State, v: jax.Array, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
+def _forward(st: Static, local: nnx.State, v: jax.Array, r: jax.Array, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
     y, residuals, stats, layout = _vjp(st, _model(st, local), _chunk_of(local, v), x)
     assert layout.params_at == st.layout.params_at, "the chunk's vjp closure changed between traces"
-    return out._replace(send_f=y, residuals=residuals, stats=jax.tree.map(jnp.add, out.stats, stats))
+    return out._replace(send_f=y, residuals=tuple(a.at[r].set(k) for a, k in zip(out.residuals, residuals)), stats=jax.tree.map(jnp.add, out.stats, stats))
 
 
-def _backward(st: Static, local: nnx.State, v: jax.Array, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
-    params, kept = jax.tree.leaves(_chunk_of(local, v)), iter(out.residuals)
+def _backward(st: Static, local: nnx.State, v: jax.Array, r: jax.Array, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
+    params, kept = jax.tree.leaves(_chunk_of(local, v)), iter(a[r] for a in out.residuals)
     pullback = jax.tree.unflatten(st.layout.treedef, [params[i] if i >= 0 else next(kept) for i in st.layout.params_at])
     d_layers, dx = pullback((g, jnp.ones((), jnp.float32)))  # the router share enters the objective as is
     return out._replace(send_b=dx, grads=_acc(out.grads, v, d_layers))
 
 
-def _backward_last(st: Static, local: nnx.State, v: jax.Array, x: jax.Array, g: jax.Array, target: jax.Array,
+def _backward_last(st: Static, local: nnx.State, v: jax.Array, r: jax.Array, x: jax.Array, g: jax.Array, target: jax.Array,
                    out: Sent) -> Sent:
     def objective(outside, layers, x):
         return _last(st, _model(st, _replaced(local, outside)), layers, x, target)
@@ -309,20 +342,13 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
         s = lax.axis_index(AXIS)
         compute = compute_params(local, st.dtype)  # cast once per step: the cells read it
         act = jax.ShapeDtypeStruct((b, length, cfg.model.d_model), st.dtype)
-        layout = {}
-
-        def shapes(compute, x):
-            _, residuals, _, layout["v"] = _vjp(st, _model(st, compute), _chunk_of(compute, 0), x)
-            return residuals
-
-        avals = jax.eval_shape(shapes, compute, act)
-        stc = Static(*[getattr(st, f) for f in ("graphdef", "model", "dtype", "z_loss", "m_count",
-                                                "whole_chunk_remat")], layout["v"])
+        avals, layout = residual_layout(st, compute, act)
+        stc = dataclasses.replace(st, layout=layout)
         branches = [partial(cell, stc) for cell in CELLS]
 
         def tick(carry, row):
             kind, m, v, rf, rb, xs, gs, rs = (a[s] for a in row)
-            inbuf, inbox, resbuf, out = carry
+            inbuf, inbox, out = carry
             recv_f, recv_b = lax.ppermute(out.send_f, AXIS, down), lax.ppermute(out.send_b, AXIS, up)
             slot_f, slot_b = jnp.maximum(rf, 0), jnp.maximum(rb, 0)
             inbuf = inbuf.at[slot_f].set(jnp.where(rf >= 0, recv_f, inbuf[slot_f]))
@@ -330,22 +356,20 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
             first = (s == 0) & (v == 0)
             embedded, embed_vjp = jax.vjp(partial(_embed, stc, compute, inputs[m]), compute["embed"])
             x = jnp.where(first, embedded, inbuf[xs])
-            out = out._replace(residuals=tuple(a[rs] for a in resbuf))
-            out = lax.switch(kind, branches, compute, v, x, inbox[gs], targets[m], out)
-            resbuf = tuple(a.at[rs].set(r) for a, r in zip(resbuf, out.residuals))
+            out = lax.switch(kind, branches, compute, v, rs, x, inbox[gs], targets[m], out)
             d_embedded = jnp.where(first & (kind == BACKWARD), out.send_b, jnp.zeros_like(out.send_b))
             grads = _replaced(out.grads, {"embed": jax.tree.map(lambda a, d: a + d.astype(a.dtype),
                                                                 out.grads["embed"], embed_vjp(d_embedded)[0])})
-            return (inbuf, inbox, resbuf, out._replace(grads=grads)), None
+            return (inbuf, inbox, out._replace(grads=grads)), None
 
         start = (buffer((prog.inputs, *act.shape), st.dtype), buffer((prog.inbox, *act.shape), st.dtype),
-                 tuple(buffer((prog.residuals, *a.shape), a.dtype) for a in avals),
                  Sent(buffer(act.shape, st.dtype), buffer(act.shape, st.dtype),
                       jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), local),
-                      jnp.zeros((), jnp.float32), no_stats(cfg.model), tuple(buffer(a.shape, a.dtype) for a in avals)))
+                      jnp.zeros((), jnp.float32), no_stats(cfg.model),
+                      tuple(buffer((prog.residuals, *a.shape), a.dtype) for a in avals)))
         rows = tuple(jnp.asarray(a) for a in (prog.branch, prog.microbatch, prog.chunk, prog.recv_f, prog.recv_b,
                                               prog.x_slot, prog.g_slot, prog.r_slot))
-        (_, _, _, out), _ = lax.scan(tick, start, rows)
+        (_, _, out), _ = lax.scan(tick, start, rows)
         summed = jax.tree.map(lambda a: lax.psum(a, AXIS), out.grads)  # embedding, norm, head
         stats = {name: lax.psum(a, AXIS) / (m_count * moe_layers(cfg.model)) for name, a in out.stats.items()}
         return lax.psum(out.loss, AXIS), with_part(summed, "blocks", out.grads["blocks"]), stats

@@ -162,6 +162,33 @@ def test_1f1b_memory_is_flat_in_m_and_gpipe_grows(temp_memory):
     assert gpipe[0] < gpipe[1] < gpipe[2] and gpipe[2] > 2 * one[2]
 
 
+def test_1f1b_stash_bytes_explain_the_compiled_memory(temp_memory):
+    """pipeline.one_f_one_b.stash_bytes against the compiled step (pp=2, M = 16, b = 2): the
+    residual stash (p slots of one chunk's residuals R) is flat in M, and what remat none costs
+    over remat full in compiled temp memory is the stash difference plus at most two more R
+    (the B cell's working set: the backward's temporaries; measured about 1.5 R)."""
+    from pipeline.one_f_one_b import stash_bytes
+
+    figures, compiled = temp_memory
+    stash = {}
+    for remat in ("none", "full"):
+        for m in (4, 16):
+            cfg = small_config("pp=2", "parallel.schedule=1f1b", f"model.remat={remat}",
+                               f"parallel.microbatches={m}", f"train.global_batch_size={2 * m}")
+            mesh = build_mesh(cfg.parallel, _devices(cfg))
+            program = make_program(cfg, mesh)
+            with jax.set_mesh(mesh):
+                stash[remat, m] = stash_bytes(cfg, program.graphdef, program.state.params, 2)
+    assert stash["none", 4] == stash["none", 16] and stash["full", 4] == stash["full", 16]
+    assert stash["full", 16]["per_microbatch"] == 2 * 32 * 64 * 4  # remat full: the chunk input [b, L, D] fp32
+    assert stash["none", 16]["residuals"] == 2 * stash["none", 16]["per_microbatch"]  # p = 2 slots
+    full = _compiled(small_config("pp=2", "parallel.schedule=1f1b", "model.remat=full", "parallel.microbatches=16",
+                                  "train.global_batch_size=32"))[0].memory_analysis().temp_size_in_bytes
+    extra, more = figures["1f1b", 16] - full, stash["none", 16]["residuals"] - stash["full", 16]["residuals"]
+    print(f"\nremat none over full: compiled temp +{extra} B, residual stash +{more} B, R = {stash['none', 16]}")
+    assert more <= extra <= more + 2 * stash["none", 16]["per_microbatch"]
+
+
 def held_activations(hlo: str, act: tuple[int, ...]) -> int:
     """Most [b, L, D] activations that one array of the compiled HLO text holds: the product of
     the leading dimensions of every array whose shape ends in `act`."""
