@@ -39,7 +39,8 @@ its op list in order, each op at the first tick its dependencies allow.
                min(p-1-s, M) warm-up forwards, then F(i + warm-up), B(i) and, from i = s on,
                W(i - s), then the remaining Bs each followed by a W, then the remaining Ws: W is
                delayed s microbatches on stage s so that the last stage's Bs, which the earlier
-               stages wait for, come early, and the Ws fill the tail. 3M + p - 1 ticks: bubble
+               stages wait for, come early, and the Ws fill the tail. 3M + p - 1 ticks for
+               M >= p (2M + 2p - 1 below: no steady state): bubble
                (p-1)/(3M+p-1), i.e. (p-1)(T_F+T_B-T_W) per stage against 1F1B's
                (p-1)(T_F+T_B+T_W). In flight until W: p on every stage (min(p, M)), 1F1B's stage 0
                figure; until B (the activations B needs): p - s, 1F1B's. (A stage that held at
@@ -315,6 +316,8 @@ def closed_form(schedule: str, stages: int, microbatches: int, virtual: int = 1)
         return "(p-1)/(M+p-1)", (p - 1) / (m + p - 1)
     if schedule in ("interleaved", "interleaved-1f1b"):
         return "(p-1)/(V·M+p-1)", (p - 1) / (v * m + p - 1)
+    if m < p:  # zb-h1 never reaches its steady state: 2M + 2p - 1 ticks
+        return "1 - 3M/(2M+2p-1) (M < p)", 1 - 3 * m / (2 * m + 2 * p - 1)
     return "(p-1)/(3M+p-1)", (p - 1) / (3 * m + p - 1)
 
 

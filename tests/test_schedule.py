@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from conftest import ROOT
-from pipeline.schedule import (BACKWARD, FORWARD, IDLE, SCHEDULES, WEIGHT, cells, costs, in_flight, one_f_one_b,
-                               split, timetable, weighted, with_backward)
+from pipeline.schedule import (BACKWARD, FORWARD, IDLE, SCHEDULES, WEIGHT, bubble, cells, closed_form, costs, in_flight,
+                               one_f_one_b, split, timetable, weighted, with_backward)
 
 CASES = [(schedule, p, m) for schedule in SCHEDULES for p in (2, 4) for m in (p, 2 * p, 4 * p)]
 V = 2  # interleaved, interleaved-1f1b
@@ -61,6 +61,7 @@ def test_ticks_and_bubbles_equal_the_closed_forms(schedule, p, m):
     table = _table(schedule, p, m)
     ticks = len(table)
     idle = sum(c is None for row in table for c in row)
+    assert bubble(table) == pytest.approx(closed_form(schedule, p, m, V)[1])  # what the CLI prints
     w = weighted(table)
     if schedule == "gpipe":
         assert (ticks, idle) == (m + p - 1, p * (p - 1))
@@ -108,6 +109,15 @@ def test_in_flight_peaks(schedule, p, m):
         assert peaks == [min(p, m)] * p
         assert in_flight(table, until="B") == [min(p - s, m) for s in range(p)]
         assert max(peaks) <= max(in_flight(timetable("1f1b", p, m)))
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zb_h1_below_p_microbatches(p):
+    """M < p: no steady state, 2M + 2p - 1 ticks (M = 1: the forward chain, the backward chain, one W)."""
+    for m in range(1, p + 1):
+        table = timetable("zb-h1", p, m)
+        assert len(table) == 2 * m + 2 * p - 1 and in_flight(table) == [m] * p
+        assert bubble(table) == pytest.approx(closed_form("zb-h1", p, m)[1])
 
 
 def test_zb_h1_last_stage_could_not_hold_fewer():
