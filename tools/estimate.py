@@ -1,8 +1,10 @@
 """The analytic model of a run: memory per device, communication per mesh axis, FLOPs, step time.
 
-Pure arithmetic on the config (no jax), so `tools.search` can rank hundreds of meshes in a
-second. Letters as in DESIGN.md; per device: b sequences per microbatch, k microbatches,
-T = b·L/sp tokens, t = tp, X/pp layers; c = bytes of the compute dtype, p4 = 4 (fp32).
+Pure arithmetic on the config and the schedule's timetable (pipeline/schedule.py; nothing is
+traced or compiled, though importing the pipeline package imports jax), so `tools.search` can
+rank hundreds of meshes in a second. Letters as in DESIGN.md; per device: b sequences per
+microbatch, k microbatches, T = b·L/sp tokens, t = tp, X/pp layers; c = bytes of the compute
+dtype, p4 = 4 (fp32).
 Mixture of experts (model.n_experts = E > 0): X_moe = X/moe_every MoE layers, top-k' routing,
 F_e the expert F, ep = size of `expert`; per MoE layer and microbatch a device sends
 [ep, S, D] and its experts compute R = ep·S rows (`dispatch_rows`): dropless S = T·min(k', E/ep),
@@ -20,10 +22,14 @@ Memory (bytes per device), the terms `memory()` returns:
   gathered    FSDP only: the embedding and head gathered whole (V·D/t each, param dtype) and
               their full-size gradients before the reduce: 4 · V·D/t · 4
   saved       activations kept for backward: X/pp layers of one microbatch; under gpipe and
-              interleaved every tick's (V·M+p-1 ticks of X/(p·V) layers, autodiff through the
-              tick scan) plus [M, b, L, D] embeddings, outputs and their cotangents; under 1f1b
-              at most pp stage inputs (T·D) plus one microbatch's X/pp layers (its backward
-              cell). Per layer and token, in elements:
+              interleaved every tick's (the ticks of the schedule's table, V·M+p-1, of X/(p·V)
+              layers: autodiff through the tick scan keeps the idle ticks' too; at least the
+              table's in-flight peak, all M) plus [M, b, L, D] embeddings, outputs and their
+              cotangents; under the 1F1B family (1f1b, interleaved-1f1b, zb-h1) stage 0's
+              in-flight peak of its table (pipeline.schedule.in_flight: p (microbatch, chunk)
+              under 1f1b and zb-h1, 2(p-1) + (V-1)p + 1 interleaved) of stashed chunk inputs
+              (T·D each) plus one chunk's X/(pp·V) layers (its backward cell). Per layer and
+              token, in elements:
                 remat none  4·D (block inputs, norm outputs) + (N+2K)·H/t (q, k, v)
                             + 2·N·H/t (K, V repeated to N heads by the xla core) + N·H/t (output)
                             + 4·F/t (gate, up, silu, hidden)
@@ -99,7 +105,13 @@ Communication (bytes per device per step), the contract of DESIGN.md:
   (data and fsdp times k: the compiled step gathers the weights and reduces the gradients in
   each microbatch of the accumulation scan, as the census of a k > 1 step shows)
   stage   a permute of b·L·D·c per microbatch per stage boundary, forward and backward;
-          bubble (p-1)/(m+p-1) of the step, (p-1)/(V·m+p-1) interleaved
+          the bubble is the lock-step weighted bubble of the schedule's table
+          (pipeline.schedule.weighted: every tick lasts as long as its most expensive cell) with
+          `cell_costs`: F = 1, B = 2, or split (zb-h1) B = 1 and W = 1; B one more under
+          model.remat=full (the layers' forward recomputed) and one more under 1f1b (its B cell
+          re-runs the stage forward under jax.vjp, pipeline/one_f_one_b.py). gpipe
+          (p-1)/(M+p-1), interleaved (p-1)/(V·M+p-1); 1f1b 1 - M(F+B)/(2M·B + (p-1)(F+B) - (B-F))
+          (its F ticks last a B); zb-h1 (p-1)/(3M+p-1) (units); interleaved-1f1b from its table
 Time (roofline): compute = hardware FLOPs (model FLOPs, + one more forward under full remat and
 one more under 1f1b, and under capacity dispatch the experts' padded rows: R - T·k' rows per
 MoE layer and microbatch, 6·3·D·F_e/t each; dropless sorts its padding rows out of every group
@@ -107,17 +119,20 @@ of the grouped matmul, so it computes the T·k' routed rows only, on average ove
 dense bf16 peak, or HBM traffic / bandwidth when larger; each axis's bytes / its link: NVLink
 450 GB/s per GPU when the axis and the axes inside it fit in one node of 8 GPUs, InfiniBand
 50 GB/s per GPU (400 Gb/s NIC per GPU) otherwise. Two figures: communication not overlapped
-(compute + comm) and fully overlapped (max). Then / (1 - bubble). With measured links
-(`tools.plan --bandwidth`, read by tools/bandwidth.py) an axis they cover takes latency +
-bytes / busbw of its fit instead: the contract's bytes are bus bytes, as nccl-tests counts them.
+(compute + comm) and fully overlapped (max). Then / (1 - bubble), the schedule's (stage above).
+With measured links (`tools.plan --bandwidth`, read by tools/bandwidth.py) an axis they cover
+takes latency + bytes / busbw of its fit instead: the contract's bytes are bus bytes, as
+nccl-tests counts them.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from configs.base import RunConfig
+from pipeline.schedule import in_flight, timetable, weighted
 from sharding.mesh import AXES
 from sharding.checks import batch_ranks, moe_layers, expert_d_ff
 from training.metrics import PEAK_FLOPS, flops_per_token
@@ -172,6 +187,40 @@ def shape(cfg: RunConfig, sizes: dict[str, int]) -> Shape:
 def one_f_one_b(cfg: RunConfig, sizes: dict[str, int]) -> bool:
     """Whether the step runs the 1f1b schedule (flat memory, one more forward per microbatch)."""
     return sizes["stage"] > 1 and cfg.parallel.schedule == "1f1b"
+
+
+STASHING = ("1f1b", "interleaved-1f1b", "zb-h1")  # per-stage backward cells: stage inputs stashed
+
+
+def virtual(cfg: RunConfig) -> int:
+    """V, the chunks per stage: parallel.virtual_stages under the interleaved schedules, else 1."""
+    return cfg.parallel.virtual_stages if cfg.parallel.schedule in ("interleaved", "interleaved-1f1b") else 1
+
+
+def cell_costs(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
+    """The schedule's cell costs in forwards (module docstring, stage): F 1, B 2 (split: B 1, W 1),
+    B + 1 under model.remat=full, B + 1 under 1f1b."""
+    split = cfg.parallel.schedule == "zb-h1"
+    b = (1 if split else 2) + (cfg.model.remat == "full") + one_f_one_b(cfg, sizes)
+    return {"F": 1, "B": b, "W": 1}
+
+
+@functools.lru_cache(maxsize=4096)
+def _table_figures(schedule: str, p: int, m: int, v: int, cost: tuple[tuple[str, float], ...]) -> tuple:
+    table = timetable(schedule, p, m, v)
+    return weighted(table, dict(cost)).bubble, in_flight(table)[0], len(table)
+
+
+def pipeline_figures(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
+    """From the schedule's table (pipeline.schedule): the lock-step weighted bubble with
+    `cell_costs`, stage 0's in-flight peak ((microbatch, chunk) pairs) and the ticks; no pipeline:
+    0, 1, 1."""
+    p = sizes["stage"]
+    if p == 1:
+        return {"bubble": 0.0, "in_flight": 1, "ticks": 1}
+    cost = tuple(sorted(cell_costs(cfg, sizes).items()))
+    bubble, peak, ticks = _table_figures(cfg.parallel.schedule, p, shape(cfg, sizes).k, virtual(cfg), cost)
+    return {"bubble": bubble, "in_flight": peak, "ticks": ticks}
 
 
 def local_param_parts(cfg: RunConfig, sizes: dict[str, int]) -> tuple[float, float]:
@@ -240,16 +289,18 @@ def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     """The memory terms per device, in bytes, and their peak (module docstring)."""
     m, s = cfg.model, shape(cfg, sizes)
     p_local, param_b = local_params(cfg, sizes), DTYPE_BYTES[m.param_dtype]
-    if one_f_one_b(cfg, sizes):  # at most pp stage inputs stashed, one microbatch's residuals
-        saved = min(s.k, sizes["stage"]) * s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype]
-        saved += stack_activations(cfg, sizes, m.remat)
-    elif sizes["stage"] > 1:  # gpipe, interleaved: autodiff keeps every tick's residuals
-        v = cfg.parallel.virtual_stages
-        saved = (v * s.k + sizes["stage"] - 1) / v * stack_activations(cfg, sizes, m.remat)
+    piped, v = sizes["stage"] > 1, virtual(cfg)
+    stashing = piped and cfg.parallel.schedule in STASHING
+    table = pipeline_figures(cfg, sizes)
+    if stashing:  # stage 0's in-flight chunk inputs stashed, one chunk's residuals (its B cell)
+        saved = table["in_flight"] * s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype]
+        saved += stack_activations(cfg, sizes, m.remat) / v
+    elif piped:  # gpipe, interleaved: autodiff keeps every tick's residuals
+        saved = table["ticks"] / v * stack_activations(cfg, sizes, m.remat)
         saved += 4 * s.k * s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype]  # [M, b, L, D] in, out, cotangents
     else:
         saved = stack_activations(cfg, sizes, m.remat)
-    heads_at_once = s.k if sizes["stage"] > 1 and not one_f_one_b(cfg, sizes) else 1
+    heads_at_once = s.k if piped and not stashing else 1
     logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * 4
     # context parallel with the xla core: one block piece's fp32 scores, probs and their
     # gradient [b, N/t, L/sp, L/sp] at a time (a flash core tiles them away)
@@ -383,9 +434,7 @@ def step_time(cfg: RunConfig, sizes: dict[str, int], gpu: GPU,
     f = flops(cfg, sizes)
     compute = max(f["hardware_per_device"] / gpu.peak_flops, hbm_bytes(cfg, sizes) / gpu.hbm_bandwidth)
     comm = {a: comm_time(sizes, a, v, links) for a, v in communication(cfg, sizes).items()}
-    p, k = sizes["stage"], shape(cfg, sizes).k
-    v = cfg.parallel.virtual_stages if cfg.parallel.schedule == "interleaved" else 1
-    bubble = (p - 1) / (v * k + p - 1)
+    bubble = pipeline_figures(cfg, sizes)["bubble"]
     serial = (compute + sum(comm.values())) / (1 - bubble)
     overlapped = max(compute, *comm.values()) / (1 - bubble) if comm else compute / (1 - bubble)
     mfu = {name: f["model_per_device"] / (gpu.peak_flops * t) for name, t in

@@ -18,11 +18,13 @@ temp is larger than a GPU's would be (compare under model.compute_dtype=float32)
 weighs XLA's peak only when it was compiled for a GPU or in fp32.
 
 A mesh with pp > 1 compiles the pipelined step of its `parallel.schedule`; the estimate models
-that schedule's memory (gpipe holds M microbatches, 1f1b at most pp) and bubble.
+that schedule's memory (gpipe holds M microbatches, 1f1b at most pp: the in-flight peak of its
+table) and bubble (its table's, lock-step and weighted: pipeline/schedule.py).
 
 Search (--search): tools/search.py ranks every mesh of --gpus analytically, choosing the
-micro batch (or, under a pipeline, the schedule and microbatch count) of each; the top 3 are
-compiled to confirm memory (--confirm N to change; 0 to skip).
+micro batch (or, under a pipeline, the schedule and microbatch count: every schedule is ranked
+by its table's lock-step bubble and printed, the fastest the config accepts is chosen) of each;
+the top 3 are compiled to confirm memory (--confirm N to change; 0 to skip).
 
 Links (--bandwidth FILE, the record `python -m tools.collectives` writes): each mesh axis the
 record measures is timed with its fit, latency + bytes / busbw, the op per axis chosen in
@@ -193,13 +195,19 @@ def run_search(cfg: RunConfig, gpus: int, gpu_name: str, confirm: int, as_json: 
                      "step_s_overlap": c["time"]["overlap_s"], "step_s_no_overlap": c["time"]["no_overlap_s"],
                      "mfu_overlap": c["time"]["mfu_overlap"], "memory_gb": c["memory"]["peak"] / 1e9,
                      "all_to_all_gb": estimate.expert(c["cfg"], c["sizes"]) / 1e9,
-                     "reason": reason(c, ranked[0])})
+                     "reason": reason(c, ranked[0]),
+                     "schedules": [{k: v for k, v in row.items() if k != "cfg"} for row in c["schedules"]]})
         if i < confirm:
             trial = dataclasses.replace(c["cfg"], parallel=dataclasses.replace(c["cfg"].parallel, **c["sizes"]))
             rows[-1]["xla_memory_gb"] = xla_figures(trial, build_mesh(trial.parallel))["memory"]["peak"] / 1e9
+    piped = next(((i, c) for i, c in enumerate(ranked, 1) if c["sizes"]["stage"] > 1), None)
+    best_pipeline = piped and {"rank": piped[0], "mesh": format_mesh(piped[1]["sizes"]),
+                               "schedules": [{k: v for k, v in row.items() if k != "cfg"}
+                                             for row in piped[1]["schedules"]]}
     if as_json:
         print(json.dumps({"config": cfg.name, "gpus": gpus, "gpu": gpu.name, "candidates": len(ranked) + rejected,
-                          "rejected": rejected, "links": links, "top": rows}, indent=1))
+                          "rejected": rejected, "links": links, "top": rows, "best_pipeline": best_pipeline},
+                         indent=1))
         return 0
     print(f"search: {cfg.name}, {gpus} x {gpu.name}, {cfg.train.global_batch_size} x {cfg.train.seq_len} tokens "
           f"per step; {len(ranked) + rejected} meshes, {rejected} do not fit\nlinks: "
@@ -209,7 +217,19 @@ def run_search(cfg: RunConfig, gpus: int, gpu_name: str, confirm: int, as_json: 
         print(f"{i}. {r['mesh']:<24} {r['step_s_overlap']:.2f} s/step overlapped ({r['step_s_no_overlap']:.2f} s "
               f"not), MFU {100 * r['mfu_overlap']:.0f}%{confirmed}\n   --set {' --set '.join(r['set'])}\n"
               f"   {r['reason']}")
+        if r["schedules"]:
+            print("   schedules: " + ", ".join(schedule_summary(row) for row in r["schedules"]))
+    if best_pipeline and best_pipeline["rank"] > len(rows):
+        print(f"best pipeline: {best_pipeline['mesh']} (rank {best_pipeline['rank']}), schedules: "
+              + ", ".join(schedule_summary(row) for row in best_pipeline["schedules"]))
     return 0
+
+
+def schedule_summary(row: dict) -> str:
+    """'zb-h1 M=16 1.23 s (bubble 4%, not accepted by the config yet)': one ranked schedule."""
+    v = f" V={row['virtual_stages']}" if row["virtual_stages"] > 1 else ""
+    later = "" if row["runnable"] else ", not accepted by the config yet"
+    return f"{row['schedule']}{v} M={row['microbatches']} {row['step_s']:.2f} s (bubble {100 * row['bubble']:.0f}%{later})"
 
 
 def main(argv: list[str]) -> int:

@@ -8,9 +8,13 @@ layers per stage, ...).
 The expert axis is timed on NVLink when it and the axes inside it (sp, tp) fit in a node, like
 every axis (tools/estimate.link_bandwidth). For
 each, the microbatch is the largest that fits the GPU's memory (fewest microbatches: least
-per-microbatch overhead); under a pipeline, 1f1b with the microbatch count (at least pp) of the
-shortest fitting step. A mesh for which not even one sequence per microbatch fits is rejected,
-never ranked. The rest are ranked by the estimated step time with communication overlapped
+per-microbatch overhead); under a pipeline, every schedule of SCHEDULES is ranked, each with the
+microbatch count (at least pp) of its shortest fitting step, its bubble the lock-step weighted
+bubble of its table (tools/estimate.py), and the mesh runs the fastest one the config accepts
+(configs/checks.py; a schedule it does not accept yet is ranked and shown, not chosen). gpipe's
+and interleaved's memory estimate runs up to 2x low against XLA (tools/estimate.py): they fit
+only if twice their estimate does. A mesh for which not even one sequence per microbatch fits
+is rejected, never ranked. The rest are ranked by the estimated step time with communication overlapped
 (ties: not overlapped). Nothing is compiled here; `tools.plan --search` compiles
 the top 3 to confirm their memory.
 """
@@ -21,9 +25,13 @@ import dataclasses
 import itertools
 
 from configs.base import ConfigError, RunConfig
+from configs.checks import CHOICES
 from sharding.checks import batch_ranks, check_run
 from sharding.mesh import AXES
-from tools.estimate import GPU, GPUS_PER_NODE, Links, expert, memory, shape, step_time
+from tools.estimate import GPU, GPUS_PER_NODE, Links, expert, memory, pipeline_figures, shape, step_time
+
+SCHEDULES = (("gpipe", 1), ("interleaved", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))  # (name, V)
+MEMORY_LOW = {"gpipe": 2.0, "interleaved": 2.0}  # XLA's peak / the estimate, at most (tools/estimate.py)
 
 
 def divisors(n: int) -> list[int]:
@@ -32,7 +40,8 @@ def divisors(n: int) -> list[int]:
 
 def valid(cfg: RunConfig, sizes: dict[str, int]) -> bool:
     """Whether the step accepts cfg on `sizes` in the form the search runs it (the micro batch,
-    or a pipeline's 1f1b microbatches, chosen later by `fit`), with tp·sp inside one node."""
+    chosen later by `fit`; a pipeline as 1f1b with pp microbatches, the layout every schedule
+    needs; `takes` checks each schedule), with tp·sp inside one node."""
     if sizes["stage"] > 1:
         trial = pipelined(cfg, sizes, sizes["stage"])
     else:
@@ -74,45 +83,82 @@ def fit(cfg: RunConfig, sizes: dict[str, int], gpu: GPU, links: Links | None = N
 
 def fit_pipeline(cfg: RunConfig, sizes: dict[str, int], gpu: GPU, per_rank: int,
                  links: Links | None = None) -> RunConfig | None:
-    """1f1b with the microbatch count M (>= pp, dividing the rank's batch) of the shortest
-    fitting step: more microbatches shrink the bubble and the stash. 1f1b because its memory
-    estimate holds against XLA (0.8-1.3x on CPU, tiny and 125m, pp=2 and 4) while gpipe's is
-    up to 2x low (tools/estimate.py); 1f1b refuses tp_overlap, so the search turns it off. The
-    microbatches are the accumulation (sharding/checks.py): train.micro_batch_size is 0."""
-    best: tuple[float, RunConfig] | None = None
-    for m in divisors(per_rank):
-        if m < sizes["stage"]:
-            continue
-        trial = pipelined(cfg, sizes, m)
-        if memory(trial, sizes)["peak"] > gpu.memory:
-            continue
-        seconds = step_time(trial, sizes, gpu, links)["overlap_s"]
-        if best is None or seconds < best[0]:
-            best = (seconds, trial)
-    return best[1] if best else None
+    """The fastest schedule the config accepts, of `rank_schedules`, or None when none fits."""
+    return next((row["cfg"] for row in rank_schedules(cfg, sizes, gpu, per_rank, links) if row["runnable"]), None)
 
 
-def pipelined(cfg: RunConfig, sizes: dict[str, int], microbatches: int) -> RunConfig:
-    """cfg as the search runs a pipeline: 1f1b with `microbatches`, no accumulation besides
-    them, no tp_overlap, and context parallelism by all-gather (1f1b refuses the ring)."""
+def rank_schedules(cfg: RunConfig, sizes: dict[str, int], gpu: GPU, per_rank: int,
+                   links: Links | None = None) -> list[dict]:
+    """Each schedule of SCHEDULES that the mesh takes, with the microbatch count M (>= pp,
+    dividing the rank's batch) of its shortest fitting step (more microbatches shrink the bubble
+    and the stash), fastest first: {schedule, virtual_stages, microbatches, step_s (overlapped),
+    bubble, memory_gb, runnable (the config accepts the schedule), cfg}. The microbatches are
+    the accumulation (sharding/checks.py): train.micro_batch_size is 0."""
+    rows = []
+    for schedule, v in SCHEDULES:
+        best: tuple[float, RunConfig] | None = None
+        for m in divisors(per_rank):
+            if m < sizes["stage"] or not takes(cfg, sizes, schedule, v, m):
+                continue
+            trial = pipelined(cfg, sizes, m, schedule, v)
+            if memory(trial, sizes)["peak"] * MEMORY_LOW.get(schedule, 1.0) > gpu.memory:
+                continue
+            seconds = step_time(trial, sizes, gpu, links)["overlap_s"]
+            if best is None or seconds < best[0]:
+                best = (seconds, trial)
+        if best:
+            seconds, trial = best
+            rows.append({"schedule": schedule, "virtual_stages": v, "microbatches": trial.parallel.microbatches,
+                         "step_s": seconds, "bubble": pipeline_figures(trial, sizes)["bubble"],
+                         "memory_gb": memory(trial, sizes)["peak"] / 1e9,
+                         "runnable": schedule in CHOICES["parallel.schedule"], "cfg": trial})
+    return sorted(rows, key=lambda r: r["step_s"])
+
+
+def takes(cfg: RunConfig, sizes: dict[str, int], schedule: str, v: int, m: int) -> bool:
+    """Whether the step's checks (sharding/checks.py) accept `schedule` with V = v and M = m on
+    `sizes`; a schedule the config does not know yet is checked as the one whose layout it has
+    (interleaved-1f1b as interleaved: pp·V dividing the layers, M a multiple of pp; zb-h1 as
+    1f1b)."""
+    known = schedule if schedule in CHOICES["parallel.schedule"] else {"interleaved-1f1b": "interleaved"}.get(
+        schedule, "1f1b")
+    try:
+        check_run(pipelined(cfg, sizes, m, known, v), sizes)
+    except ConfigError:
+        return False
+    return True
+
+
+def pipelined(cfg: RunConfig, sizes: dict[str, int], microbatches: int, schedule: str = "1f1b",
+              virtual: int = 1) -> RunConfig:
+    """cfg as the search runs a pipeline: `schedule` with V = `virtual` and `microbatches`, no
+    accumulation besides them, no tp_overlap (1f1b refuses it), and context parallelism by
+    all-gather (1f1b refuses the ring). Built with dataclasses.replace: the schedules the config
+    does not accept yet (configs/checks.py) are estimated all the same."""
     context = "allgather" if sizes["sequence"] > 1 and cfg.parallel.context_impl == "ring" else cfg.parallel.context_impl
     return dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, micro_batch_size=0),
-        parallel=dataclasses.replace(cfg.parallel, schedule="1f1b", microbatches=microbatches, virtual_stages=1,
+        parallel=dataclasses.replace(cfg.parallel, schedule=schedule, microbatches=microbatches, virtual_stages=virtual,
                                      tp_overlap=False, context_impl=context))
 
 
 def search(cfg: RunConfig, gpus: int, gpu: GPU, links: Links | None = None) -> tuple[list[dict], int]:
     """(ranked candidates, number rejected for memory). A candidate: sizes, cfg (with its
-    microbatch), memory terms and step time (tools.estimate.step_time, on `links` where measured)."""
+    microbatch, or schedule), memory terms, step time (tools.estimate.step_time, on `links` where
+    measured) and, under a pipeline, `schedules`: every schedule ranked (`rank_schedules`)."""
     ranked, rejected = [], 0
     for sizes in meshes(cfg, gpus):
-        trial = fit(cfg, sizes, gpu, links)
+        rows = []
+        if sizes["stage"] > 1:
+            rows = rank_schedules(cfg, sizes, gpu, cfg.train.global_batch_size // batch_ranks(sizes), links)
+            trial = next((row["cfg"] for row in rows if row["runnable"]), None)
+        else:
+            trial = fit(cfg, sizes, gpu, links)
         if trial is None:
             rejected += 1
             continue
         ranked.append({"sizes": sizes, "cfg": trial, "memory": memory(trial, sizes),
-                       "time": step_time(trial, sizes, gpu, links)})
+                       "time": step_time(trial, sizes, gpu, links), "schedules": rows})
     ranked.sort(key=lambda c: (c["time"]["overlap_s"], c["time"]["no_overlap_s"]))
     return ranked, rejected
 
@@ -122,6 +168,7 @@ def settings(candidate: dict) -> list[str]:
     cfg = candidate["cfg"]
     if candidate["sizes"]["stage"] > 1:
         return [f"parallel.schedule={cfg.parallel.schedule}", f"parallel.microbatches={cfg.parallel.microbatches}",
+                *([f"parallel.virtual_stages={cfg.parallel.virtual_stages}"] if cfg.parallel.virtual_stages > 1 else []),
                 *(["parallel.context_impl=allgather"] if candidate["sizes"]["sequence"] > 1 else [])]
     return [f"train.micro_batch_size={cfg.train.micro_batch_size}"]
 

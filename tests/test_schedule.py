@@ -1,0 +1,217 @@
+"""pipeline/schedule.py: every timetable is valid (each cell once, dependencies at earlier ticks),
+its ticks, bubbles and in-flight peaks equal the closed forms of the module docstring, and the CLI
+prints them, draws them and answers bad input with one error line. Pure Python, no compile."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from pipeline.schedule import (BACKWARD, FORWARD, IDLE, SCHEDULES, WEIGHT, bubble, cells, closed_form, costs, in_flight,
+                               one_f_one_b, split, timetable, weighted, with_backward)
+
+CASES = [(schedule, p, m) for schedule in SCHEDULES for p in (2, 4) for m in (p, 2 * p, 4 * p)]
+V = 2  # interleaved, interleaved-1f1b
+
+
+def _table(schedule, p, m):
+    return timetable(schedule, p, m, V)
+
+
+def _v(schedule):
+    return V if schedule in ("interleaved", "interleaved-1f1b") else 1
+
+
+def _ticks(table):
+    """(kind, m, v, s) -> tick, asserting each appears once."""
+    at = {}
+    for t, row in enumerate(table):
+        for s, op in enumerate(row):
+            if op is not None:
+                key = (op.kind, op.microbatch, op.chunk, s)
+                assert key not in at, f"{key} twice"
+                at[key] = t
+    return at
+
+
+@pytest.mark.parametrize("schedule, p, m", CASES)
+def test_every_cell_once_after_what_it_needs(schedule, p, m):
+    v_count = _v(schedule)
+    table = _table(schedule, p, m)
+    assert all(len(row) == p for row in table)
+    full = with_backward(table)  # gpipe, interleaved: the forward table and its mirror image
+    at = _ticks(full)
+    kinds = "FBW" if schedule == "zb-h1" else "FB"
+    assert set(at) == {(k, i, v, s) for k in kinds for i in range(m) for v in range(v_count) for s in range(p)}
+    for (kind, i, v, s), t in at.items():
+        if kind == "F":
+            before = [("F", i, v, s - 1)] if s > 0 else [("F", i, v - 1, p - 1)] if v > 0 else []
+        elif kind == "B":
+            before = ([("B", i, v, s + 1)] if s < p - 1 else [("B", i, v + 1, 0)] if v < v_count - 1 else [])
+            before.append(("F", i, v, s))  # every F before its B
+        else:
+            before = [("B", i, v, s)]  # every B before its W
+        for need in before:
+            assert at[need] < t, f"{(kind, i, v, s)} at {t} before {need} at {at[need]}"
+
+
+@pytest.mark.parametrize("schedule, p, m", CASES)
+def test_ticks_and_bubbles_equal_the_closed_forms(schedule, p, m):
+    table = _table(schedule, p, m)
+    ticks = len(table)
+    idle = sum(c is None for row in table for c in row)
+    assert bubble(table) == pytest.approx(closed_form(schedule, p, m, V)[1])  # what the CLI prints
+    w = weighted(table)
+    if schedule == "gpipe":
+        assert (ticks, idle) == (m + p - 1, p * (p - 1))
+        assert w.time == w.async_time == 3 * (m + p - 1)  # F = 1, mirrored B = 2
+        assert w.bubble == w.async_bubble == pytest.approx((p - 1) / (m + p - 1))
+    elif schedule == "interleaved":
+        assert (ticks, idle) == (V * m + p - 1, p * (p - 1))
+        assert w.time == w.async_time == 3 * (V * m + p - 1)
+        assert w.bubble == pytest.approx((p - 1) / (V * m + p - 1))
+    elif schedule == "1f1b":
+        assert (ticks, idle) == (2 * (m + p - 1), 2 * p * (p - 1))  # GPipe's bubble in ticks
+        assert w.async_time == 3 * (m + p - 1)
+        assert w.time == 4 * m + 3 * p - 4  # lock-step: 2M·B + (p-1)(F+B) - (B-F)
+        assert w.bubble == pytest.approx(1 - 3 * m / (4 * m + 3 * p - 4))
+        recomputed = weighted(table, costs(recompute=True))
+        assert (recomputed.time, recomputed.async_time) == (6 * m + 4 * p - 6, 4 * (m + p - 1))
+    elif schedule == "interleaved-1f1b":
+        assert (ticks, idle) == (2 * (V * m + p - 1), 2 * p * (p - 1))
+        ideal = 3 * V * m  # chunk costs F = 1, B = 2
+        assert w.async_time == 3 * (V * m + p - 1)
+        assert (w.async_time - ideal) / ideal == pytest.approx((p - 1) / (V * m))  # Narayanan et al.
+        assert w.async_bubble == pytest.approx((p - 1) / (V * m + p - 1))
+        assert w.time >= w.async_time  # lock-step: no short form, never better
+    else:  # zb-h1: F = B = W = 1
+        assert (ticks, idle) == (3 * m + p - 1, p * (p - 1))
+        assert w.time == w.async_time == 3 * m + (p - 1) * (1 + 1 - 1)  # M(F+B+W) + (p-1)(F+B-W)
+        assert w.bubble == pytest.approx((p - 1) / (3 * m + p - 1))
+        one_f = weighted(timetable("1f1b", p, m), {"F": 1, "B": 2, "W": 0}).async_time  # B and W in one cell
+        assert one_f - 3 * m == (p - 1) * 3  # 1F1B's bubble: (p-1)(F+B+W)
+        heavy = weighted(table, costs(split_backward=True, recompute=True))  # B = 2: still the closed form
+        assert heavy.async_time == 4 * m + (p - 1) * (1 + 2 - 1)
+
+
+@pytest.mark.parametrize("schedule, p, m", CASES)
+def test_in_flight_peaks(schedule, p, m):
+    table = _table(schedule, p, m)
+    peaks = in_flight(table)
+    if schedule in ("gpipe", "interleaved"):
+        assert peaks == [m * _v(schedule)] * p  # every microbatch's residuals until the backward
+    elif schedule == "1f1b":
+        assert peaks == [min(p - s, m) for s in range(p)]
+    elif schedule == "interleaved-1f1b":  # Megatron's warm-up + 1, in (microbatch, chunk) pairs
+        assert peaks == [min(2 * (p - s - 1) + (V - 1) * p + 1, m * V) for s in range(p)]
+    else:  # zb-h1: until W, p on every stage (1F1B's stage 0); until B, 1F1B's p - s
+        assert peaks == [min(p, m)] * p
+        assert in_flight(table, until="B") == [min(p - s, m) for s in range(p)]
+        assert max(peaks) <= max(in_flight(timetable("1f1b", p, m)))
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zb_h1_below_p_microbatches(p):
+    """M < p: no steady state, 2M + 2p - 1 ticks (M = 1: the forward chain, the backward chain, one W)."""
+    for m in range(1, p + 1):
+        table = timetable("zb-h1", p, m)
+        assert len(table) == 2 * m + 2 * p - 1 and in_flight(table) == [m] * p
+        assert bubble(table) == pytest.approx(closed_form("zb-h1", p, m)[1])
+
+
+def test_zb_h1_last_stage_could_not_hold_fewer():
+    """Holding at most p - s until W, the last stage runs F B W back to back: 3M + 2p - 2 ticks,
+    1F1B's bubble; ZB-H1's delay of s Ws on stage s buys 3M + p - 1."""
+    p, m = 4, 8
+    assert len(timetable("zb-h1", p, m)) == 3 * m + p - 1
+    last = [row[p - 1] for row in timetable("zb-h1", p, m) if row[p - 1] is not None]
+    assert [str(op) for op in last[:6]] == ["F0", "B0", "F1", "B1", "F2", "B2"]
+
+
+def test_1f1b_family_shares_the_placer_and_cells():
+    assert one_f_one_b(4, 8, 1) == timetable("1f1b", 4, 8) == timetable("1f1b", 4, 8, 3)
+    assert one_f_one_b(4, 8, 2) == timetable("interleaved-1f1b", 4, 8, 2)
+    kind = cells(timetable("zb-h1", 2, 2)).kind
+    assert {int(k) for k in kind.flat} == {IDLE, FORWARD, BACKWARD, WEIGHT}
+    assert (IDLE, FORWARD, BACKWARD, WEIGHT) == (0, 1, 2, 3)
+    assert split(timetable("zb-h1", 2, 2)) and not split(timetable("1f1b", 2, 2))
+    assert costs() == {"F": 1, "B": 2, "W": 1} and costs(True) == {"F": 1, "B": 1, "W": 1}
+
+
+@pytest.mark.parametrize("args, message", [
+    (("interleaved-1f1b", 4, 6, 2), "divisible by stages"),
+    (("interleaved-1f1b", 4, 8, 1), "virtual stages >= 2"),
+    (("interleaved", 4, 6, 2), "divisible by stages"),
+    (("1f1b", 0, 4), "must be >= 1"),
+    (("zb-h1", 2, 0), "must be >= 1"),
+    (("pipedream", 2, 2), "unknown schedule"),
+])
+def test_bad_input_raises(args, message):
+    with pytest.raises(ValueError, match=message):
+        timetable(*args)
+
+
+# `python -m pipeline.schedule` imports the package pipeline, whose __init__ imports the schedule
+# module first: runpy warns about it on stderr (not this module's output).
+_RUNPY = "RuntimeWarning: 'pipeline.schedule' found in sys.modules"
+
+
+def _cli(*args, code=None):
+    argv = ["-c", code, *args] if code else ["-m", "pipeline.schedule", *args]
+    out = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out.stderr = "".join(line for line in out.stderr.splitlines(keepends=True) if _RUNPY not in line)
+    return out
+
+
+def test_cli_prints_the_table_and_its_figures():
+    out = _cli("--schedule", "zb-h1", "--stages", "4", "--microbatches", "8")
+    assert out.returncode == 0, out.stderr
+    assert "   4   .  .  . B0\n   5   .  . B0 F1\n" in out.stdout  # the table
+    assert ("zb-h1: 27 ticks, bubble 0.1111 (3 idle ticks per stage); weighted (F=1 B=1 W=1) lock-step 0.1111, "
+            "asynchronous 0.1111; closed form (p-1)/(3M+p-1) = 0.1111; in flight [4, 4, 4, 4]") in out.stdout
+    out = _cli("--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--recompute")
+    assert "weighted (F=1 B=3) lock-step 0.4483, asynchronous 0.2727" in out.stdout  # 1 - 8·4/(6·8+4·4-6)
+
+
+def test_cli_compares_every_schedule():
+    out = _cli("--schedule", "all", "--stages", "4", "--microbatches", "8", "--virtual-stages", "2")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "p=4 M=8 V=2"
+    assert [line.split(":")[0] for line in lines[1:]] == list(SCHEDULES)
+    assert "interleaved-1f1b: 38 ticks, bubble 0.1579" in out.stdout
+    out = _cli("--schedule", "all", "--stages", "4", "--microbatches", "6")
+    assert out.returncode == 0 and "interleaved-1f1b: n/a (" in out.stdout and "zb-h1: 21 ticks" in out.stdout
+
+
+def test_cli_draws_a_png(tmp_path):
+    path = tmp_path / "zb.png"
+    out = _cli("--schedule", "interleaved-1f1b", "--stages", "2", "--microbatches", "4", "--png", str(path))
+    assert out.returncode == 0, out.stderr
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--schedule", "interleaved", "--stages", "4", "--microbatches", "6"], "divisible by --stages (4)"),
+    (["--schedule", "interleaved-1f1b", "--stages", "4", "--microbatches", "6"], "divisible by stages (4)"),
+    (["--schedule", "interleaved-1f1b", "--virtual-stages", "1"], "needs virtual stages >= 2"),
+    (["--stages", "0"], "must be >= 1"),
+    (["--microbatches", "-1"], "must be >= 1"),
+    (["--schedule", "pipedream"], "invalid choice"),
+    (["--schedule", "all", "--png", "x.png"], "draws one schedule"),
+])
+def test_cli_bad_input_is_one_error_line(args, message):
+    out = _cli(*args)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: ") and message in out.stderr, out.stderr
+
+
+def test_cli_png_without_matplotlib(tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None; from pipeline.schedule import main; "
+            f"sys.exit(main(['--schedule', '1f1b', '--stages', '2', '--microbatches', '2', '--png', "
+            f"{str(tmp_path / 'x.png')!r}]))")
+    out = _cli(code=code)
+    assert out.returncode == 2
+    assert out.stderr == "error: --png needs matplotlib: pip install 'meshtrain[profile]'\n"
+    assert not (tmp_path / "x.png").exists()
