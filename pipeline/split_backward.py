@@ -41,7 +41,8 @@ Limits:
     W time; nothing runs twice). The project's models have none in the backward.
   * no has_aux; the cotangent g has the structure of f's output (any pytree).
   * internal JAX surface used (this module only): eqn.primitive.bind/get_bind_params,
-    eqn.params of scan (jaxpr, num_consts, num_carry, length, reverse, unroll) and of the call
+    eqn.params of scan (jaxpr, length, reverse, unroll, and num_consts/num_carry on jax 0.10
+    or the flat trees ft_in on jax 0.12: `_scan_counts`) and of the call
     primitives, jax.extend.core.{Literal, Var, ClosedJaxpr, Jaxpr}, and the pullback object of
     jax.vjp being a pytree whose leaves are its residuals. Checked on jax 0.10.2 and 0.12.
 """
@@ -273,6 +274,15 @@ def _order(jaxpr: Jaxpr) -> Callable:
     return lambda v: pos[v]
 
 
+def _scan_counts(params: dict) -> tuple[int, int]:
+    """(consts, carries) of a scan equation: num_consts/num_carry params (jax <= 0.10), or the
+    lengths of the flat trees ft_in = (consts, carry, xs) (jax 0.12)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 class _ScanSplit:
     """One scan equation of a plan, split into a B scan and a W scan.
 
@@ -284,7 +294,7 @@ class _ScanSplit:
     def __init__(self, eqn, b_used: Sequence[bool]):
         p = eqn.params
         self.eqn = eqn
-        self.nc, self.nk = p["num_consts"], p["num_carry"]
+        self.nc, self.nk = _scan_counts(p)
         self.length, self.reverse, self.unroll = p["length"], p["reverse"], p["unroll"]
         body_j, body_c = _flatten(p["jaxpr"].jaxpr, p["jaxpr"].consts)
         self.body_j, self.body_c = body_j, body_c
