@@ -27,19 +27,41 @@ How: the pullback of `jax.vjp(f, params, x)` is traced to a jaxpr bwd(residuals,
     iterations: the stash), and the W scan takes them as xs. This recurses into nested scans
     (a stash value of an inner scan becomes a per-iteration value of the outer one).
 
+  * then (shrink_stash=True, the default) a W equation moves to B where that makes the stash
+    smaller: all its inputs are values B has anyway, and what W then needs of its outputs is
+    smaller than the inputs only it read from the stash (`_shrink_stash`, greedy). Example: with
+    remat 'dots' the attention core's output p @ v is recomputed in the backward for dW_o only;
+    in W it would make B stash the [b, h, L, L] probabilities, in B it stashes [b, L, h, d].
+
 Every equation of the pullback runs exactly once, in B or in W: B + W do the pullback's work
-(dot_general for dot_general), and W holds no dot that dx depends on. What W needs that it
-cannot read from `residuals` is in the stash: for a linear y = x @ w inside a remat'ed layer,
-the output cotangent dy of each matmul and the recomputed forward activations that the dW = x^T dy
-matmuls read (for a dots-saveable policy those activations are residuals already and only the
-dy's and cheap elementwise values remain). The stash is what ZB-H1 must keep between B and W;
-`stash_bytes` measures it.
+(dot_general for dot_general, and the same compiled FLOPs for an unrolled stack), and W holds no
+dot that dx depends on. What W needs that it cannot read from `residuals` is in the stash: the
+output cotangent dy of each matmul (and of each norm, for its scale's gradient), plus, where the
+layer is rematerialised, the recomputed forward activations that the dW = x^T dy matmuls read
+(they are B's work: recomputing them in W would cost their matmuls twice). The stash is what
+ZB-H1 must keep between B and W; `stash_bytes` measures it. Measured (tests/test_split_backward.py):
+
+  MLP stack x + relu(x w1) w2, L layers (batch B, width D, hidden H), fp32:
+    remat none / dots_saveable:  B 2 dots, W 2, pullback 4; stash L·B·(D+H)·4 bytes (dy2, dy1)
+    remat nothing_saveable:      B 3 dots, W 2, pullback 5; stash L·B·(D+2H)·4 (+ relu(x w1))
+  The project's Transformer blocks (tests' small config, attention xla), per scanned block:
+    remat none:  B 11 dots, W 7, pullback 18; stash = the 9 dy's (7 matmuls, 2 norms)
+    remat full:  B 19, W 7, pullback 26;  dots: B 13, W 7, pullback 20
+  (dot counts are of equations in the jaxprs, scan bodies once.)
 
 Limits:
   * primitives other than scan and the inlined calls are atomic: a `cond`/`while` equation whose
     outputs feed dx runs wholly in B (a weight-gradient dot inside it then costs B time, not
     W time; nothing runs twice). The project's models have none in the backward.
   * no has_aux; the cotangent g has the structure of f's output (any pytree).
+  * moving equations to B (shrink_stash) puts some weight-gradient work in B when that saves
+    stash memory (e.g. the norm scales' reductions, elementwise); never a dot that dx needs in
+    W, never twice. The greedy choice is per equation, not a min-cut: a chain whose first step
+    grows and a later step shrinks the stash is not moved.
+  * B + W equal the pullback's work, but XLA may fuse the two programs differently (the fp32
+    results agree to rounding, not bitwise).
+  * the split is made at trace time, once per call of split_vjp (a trace of the pullback plus
+    one per scan body and fixpoint step: milliseconds to seconds, no runtime cost).
   * internal JAX surface used (this module only): eqn.primitive.bind/get_bind_params,
     eqn.params of scan (jaxpr, length, reverse, unroll, and num_consts/num_carry on jax 0.10
     or the flat trees ft_in on jax 0.12: `_scan_counts`) and of the call
@@ -208,7 +230,7 @@ class _Plan:
 
 
 def _plan(jaxpr: Jaxpr, consts: list, b_out: Sequence[bool], w_out: Sequence[bool],
-          w_direct: Sequence[bool]) -> _Plan:
+          w_direct: Sequence[bool], shrink: bool) -> _Plan:
     """Split `jaxpr` (call-free): B computes the outputs b_out, W those of w_out; W may read the
     inputs marked w_direct itself, any other value it needs from B comes through the stash."""
     plan = _Plan(jaxpr, consts, list(b_out), list(w_out))
@@ -223,7 +245,7 @@ def _plan(jaxpr: Jaxpr, consts: list, b_out: Sequence[bool], w_out: Sequence[boo
             continue
         b_set.append(i)
         if eqn.primitive.name == "scan":
-            split = _ScanSplit(eqn, used)
+            split = _ScanSplit(eqn, used, shrink)
             plan.scans[i] = split
             ins = [v for v, u in zip(eqn.invars, split.b_in) if u]
         else:
@@ -249,18 +271,66 @@ def _plan(jaxpr: Jaxpr, consts: list, b_out: Sequence[bool], w_out: Sequence[boo
             if not any(want):
                 continue
             if split is None:
-                split = plan.scans[i] = _ScanSplit(eqn, [False] * len(eqn.outvars))
+                split = plan.scans[i] = _ScanSplit(eqn, [False] * len(eqn.outvars), shrink)
             split.add_w(want)
             w_set.append(i)
             need_w.update(v for v, u in zip(eqn.invars, split.w_in) if u and _is_var(v))
         elif i not in in_b and any(_is_var(o) and o in need_w for o in eqn.outvars):
             w_set.append(i)
             need_w.update(v for v in eqn.invars if _is_var(v))
+    # how many W equations (and W outputs) read each value
+    uses: dict = {}
+    for i in w_set:
+        eqn = eqns[i]
+        mask = plan.scans[i].w_in if i in plan.scans else [True] * len(eqn.invars)
+        for v in {v for v, u in zip(eqn.invars, mask) if u and _is_var(v)}:
+            uses[v] = uses.get(v, 0) + 1
+    for v, w in zip(jaxpr.outvars, w_out):
+        if w and _is_var(v):
+            uses[v] = uses.get(v, 0) + 1
+    if shrink:
+        _shrink_stash(jaxpr, plan, b_set, w_set, b_defined, need_b, uses)
+    plan.b_eqns = sorted(b_set)
     plan.w_eqns = sorted(w_set)
-    plan.stash_vars = sorted((v for v in need_w if v in b_defined), key=_order(jaxpr))
+    plan.stash_vars = sorted((v for v, n in uses.items() if n and v in b_defined), key=_order(jaxpr))
     plan.b_invars = [v in need_b for v in jaxpr.invars]
-    plan.w_invars = [v in need_w and d for v, d in zip(jaxpr.invars, w_direct)]
+    plan.w_invars = [bool(uses.get(v)) and d for v, d in zip(jaxpr.invars, w_direct)]
     return plan
+
+
+def _nbytes(v) -> int:
+    return int(np.prod(v.aval.shape)) * jnp.dtype(v.aval.dtype).itemsize
+
+
+def _shrink_stash(jaxpr: Jaxpr, plan: _Plan, b_set: list, w_set: list, b_defined: set, need_b: set,
+                  uses: dict) -> None:
+    """Move W equations into B where that makes the stash smaller (greedy, in program order,
+    until nothing moves): an equation whose inputs B has anyway, whose outputs W keeps are
+    smaller than the inputs only it reads from the stash. E.g. the recomputed attention output
+    p @ v under a policy that saves neither (only dW_o reads it): W would need the [b, h, L, L]
+    probabilities from B; B computes p @ v and stashes the [b, L, h, d] output instead. A moved
+    equation runs in B, once; the total work is unchanged."""
+    have = b_defined | (need_b & set(jaxpr.invars)) | set(jaxpr.constvars)
+    moved = True
+    while moved:
+        moved = False
+        for i in sorted(w_set):
+            eqn = jaxpr.eqns[i]
+            ins = {v for v in eqn.invars if _is_var(v)}
+            if i in plan.scans or not ins <= have:
+                continue
+            freed = sum(_nbytes(v) for v in ins if v in b_defined and uses.get(v) == 1)
+            kept = sum(_nbytes(o) for o in eqn.outvars if _is_var(o) and uses.get(o))
+            if kept >= freed:
+                continue
+            w_set.remove(i)
+            b_set.append(i)
+            for v in ins:
+                uses[v] -= 1
+            outs = {o for o in eqn.outvars if _is_var(o)}
+            b_defined |= outs
+            have |= outs
+            moved = True
 
 
 def _order(jaxpr: Jaxpr) -> Callable:
@@ -291,9 +361,9 @@ class _ScanSplit:
     its outputs plus, stacked over iterations, the body stash; the W scan reads that stash as xs.
     """
 
-    def __init__(self, eqn, b_used: Sequence[bool]):
+    def __init__(self, eqn, b_used: Sequence[bool], shrink: bool):
         p = eqn.params
-        self.eqn = eqn
+        self.eqn, self.shrink = eqn, shrink
         self.nc, self.nk = _scan_counts(p)
         self.length, self.reverse, self.unroll = p["length"], p["reverse"], p["unroll"]
         body_j, body_c = _flatten(p["jaxpr"].jaxpr, p["jaxpr"].consts)
@@ -327,7 +397,7 @@ class _ScanSplit:
         b_out = [k in kb for k in range(self.nk)] + list(yb)
         w_out = [k in kw for k in range(self.nk)] + list(yw)
         direct = [True] * self.nc + [k in kw for k in range(self.nk)] + [True] * self.nx
-        return _plan(self.body_j, self.body_c, b_out, w_out, direct)
+        return _plan(self.body_j, self.body_c, b_out, w_out, direct, self.shrink)
 
     def add_w(self, want: Sequence[bool]) -> None:
         kw = self.kw | {k for k in range(self.nk) if want[k] and k not in self.kb}
@@ -432,9 +502,11 @@ class SplitVJP(NamedTuple):
     residuals: tuple  # flat tuple of arrays
 
 
-def split_vjp(f: Callable, params: Any, x: Any) -> SplitVJP:
+def split_vjp(f: Callable, params: Any, x: Any, *, shrink_stash: bool = True) -> SplitVJP:
     """jax.vjp(f, params, x) with its pullback split into B (dx) and W (dparams); see the module
-    docstring. Works under jit / inside a scan (the split is static, made at trace time)."""
+    docstring. Works under jit / inside a scan (the split is static, made at trace time).
+    shrink_stash: move W equations into B where that shrinks the stash (`_shrink_stash`); False
+    leaves in W everything dx does not need."""
     y, pullback = jax.vjp(f, params, x)
     residuals, tree = jax.tree.flatten(pullback)
     y_flat, y_tree = jax.tree.flatten(y)
@@ -453,7 +525,7 @@ def split_vjp(f: Callable, params: Any, x: Any) -> SplitVJP:
     w_out = [i < n_p for i in range(n_out)]
     b_out = [i >= n_p for i in range(n_out)]
     direct = [i < n_r for i in range(len(jaxpr.invars))]  # W reads residuals, not g
-    plan = _plan(jaxpr, consts, b_out, w_out, direct)
+    plan = _plan(jaxpr, consts, b_out, w_out, direct, shrink_stash)
 
     def b_fn(res, g):
         res = list(res)
