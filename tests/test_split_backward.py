@@ -248,3 +248,27 @@ def test_transformer_blocks_b_and_w_equal_vjp(remat, shrink, w_dots):
         assert stash_bytes(stash) == 4 * cfg.n_layers * b * length * per_token
     squares = [s.shape for s in stash if s.shape[-2:] == (length, length)]
     assert bool(squares) == (not shrink)  # the [L, L] probabilities only without shrink_stash
+
+
+def test_one_f_one_b_stage_function_splits():
+    """pipeline/one_f_one_b.py's own stage function (the model state as the stage's parameters,
+    cast to the compute dtype inside; outputs (y, router share), cotangent (g, 1)) under remat
+    'full': B and W equal its jax.vjp, W is the 7 weight matmuls of the block."""
+    from conftest import small_config
+    from model.transformer import Transformer
+    from pipeline.one_f_one_b import Static, _stage
+
+    cfg = dataclasses.replace(small_config().model, remat="full", attention="xla")
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    st = Static(graphdef, cfg, jnp.float32, 0.0, 2)
+    x = jax.random.normal(jax.random.key(1), (2, 16, cfg.d_model))
+    split = split_vjp(lambda local, x: _stage(st, local, x)[0], params, x)
+    g = (jax.random.normal(jax.random.key(2), x.shape), jnp.ones((), jnp.float32))
+    dx, stash = jax.jit(split.b_fn)(split.residuals, g)
+    dp = jax.jit(split.w_fn)(split.residuals, stash)
+    _, vjp, _ = jax.vjp(lambda local, x: _stage(st, local, x), params, x, has_aux=True)
+    dp0, dx0 = jax.jit(lambda vjp, g: vjp(g))(vjp, g)
+    np.testing.assert_allclose(dx, dx0, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(dp), jax.tree.leaves(dp0)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert dots_in(split.w_fn, split.residuals, stash) == 7
