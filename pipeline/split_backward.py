@@ -48,6 +48,8 @@ ZB-H1 must keep between B and W; `stash_bytes` measures it. Measured (tests/test
     remat none:  B 11 dots, W 7, pullback 18; stash = the 9 dy's (7 matmuls, 2 norms)
     remat full:  B 19, W 7, pullback 26;  dots: B 13, W 7, pullback 20
   (dot counts are of equations in the jaxprs, scan bodies once.)
+Besides the stash, W reads some residuals (`SplitVJP.w_reads`; a schedule may free the others
+after B): with remat 'full' none at all, without remat the saved inputs of the weight matmuls.
 
 Limits:
   * primitives other than scan and the inlined calls are atomic: a `cond`/`while` equation whose
@@ -500,6 +502,16 @@ class SplitVJP(NamedTuple):
     b_fn: Callable  # (residuals, g) -> (dx, stash)
     w_fn: Callable  # (residuals, stash) -> dparams
     residuals: tuple  # flat tuple of arrays
+
+    @property
+    def b_reads(self) -> tuple[bool, ...]:
+        """Which residuals b_fn reads (the others may be passed as anything of their shape)."""
+        return tuple(self.b_fn.plan.b_invars[:len(self.residuals)])
+
+    @property
+    def w_reads(self) -> tuple[bool, ...]:
+        """Which residuals w_fn reads: a schedule can free the others after B."""
+        return tuple(self.w_fn.plan.w_invars[:len(self.residuals)])
 
 
 def split_vjp(f: Callable, params: Any, x: Any, *, shrink_stash: bool = True) -> SplitVJP:

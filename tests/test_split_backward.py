@@ -88,6 +88,9 @@ def check_split(f, params, x, g_key=7, **kw):
 # where the layer is recomputed (nothing_saveable), its hidden activation relu(x w1) [B, H] that
 # dw2 = h^T dy reads; with dots_saveable the pre-activation x w1 is a residual and W applies relu.
 STASH_ELEMENTS = {"none": L * B * (D + H), "nothing": L * B * (D + 2 * H), "dots": L * B * (D + H)}
+# The residuals W reads besides: the layer inputs x [B, D] (dw1 = x^T dy1), and without remat the
+# hidden h [B, H], with dots_saveable the pre-activation x w1 [B, H]. B may drop the rest.
+W_READS = {"none": L * B * (D + H), "nothing": L * B * D, "dots": L * B * (D + H)}
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -104,6 +107,11 @@ def test_mlp_stack_b_and_w_equal_vjp_with_the_pullbacks_dots(policy):
     assert n_b == (3 if policy == "nothing" else 2)
     assert stash_bytes(stash) == 4 * STASH_ELEMENTS[policy]
     assert stash_bytes(jax.eval_shape(split.b_fn, split.residuals, g)[1]) == stash_bytes(stash)
+    assert stash_bytes([r for r, u in zip(split.residuals, split.w_reads) if u]) == 4 * W_READS[policy]
+    # w_fn reads nothing else: any other residual may be garbage
+    junk = [r if u else jnp.full_like(r, jnp.nan) for r, u in zip(split.residuals, split.w_reads)]
+    for a, b in zip(jax.tree.leaves(jax.jit(split.w_fn)(junk, stash)), jax.tree.leaves(dp)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
 def test_unrolled_layers_compiled_flops_of_b_plus_w_equal_the_pullbacks():
@@ -246,6 +254,8 @@ def test_transformer_blocks_b_and_w_equal_vjp(remat, shrink, w_dots):
     assert stash_bytes(stash) >= 4 * cfg.n_layers * b * length * per_token
     if remat == "none":
         assert stash_bytes(stash) == 4 * cfg.n_layers * b * length * per_token
+    if remat == "full":  # B recomputes the layer; W reads the stash only
+        assert not any(split.w_reads)
     squares = [s.shape for s in stash if s.shape[-2:] == (length, length)]
     assert bool(squares) == (not shrink)  # the [L, L] probabilities only without shrink_stash
 
