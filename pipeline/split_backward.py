@@ -55,7 +55,7 @@ Limits:
   * primitives other than scan and the inlined calls are atomic: a `cond`/`while` equation whose
     outputs feed dx runs wholly in B (a weight-gradient dot inside it then costs B time, not
     W time; nothing runs twice). The project's models have none in the backward.
-  * no has_aux; the cotangent g has the structure of f's output (any pytree).
+  * the cotangent g has the structure of f's output (any pytree); has_aux as jax.vjp's.
   * moving equations to B (shrink_stash) puts some weight-gradient work in B when that saves
     stash memory (e.g. the norm scales' reductions, elementwise); never a dot that dx needs in
     W, never twice. The greedy choice is per equation, not a min-cut: a chain whose first step
@@ -514,12 +514,16 @@ class SplitVJP(NamedTuple):
         return tuple(self.w_fn.plan.w_invars[:len(self.residuals)])
 
 
-def split_vjp(f: Callable, params: Any, x: Any, *, shrink_stash: bool = True) -> SplitVJP:
+def split_vjp(f: Callable, params: Any, x: Any, *, has_aux: bool = False, shrink_stash: bool = True) -> SplitVJP:
     """jax.vjp(f, params, x) with its pullback split into B (dx) and W (dparams); see the module
     docstring. Works under jit / inside a scan (the split is static, made at trace time).
-    shrink_stash: move W equations into B where that shrinks the stash (`_shrink_stash`); False
-    leaves in W everything dx does not need."""
-    y, pullback = jax.vjp(f, params, x)
+    has_aux: f returns (output, aux) as for jax.vjp; SplitVJP.y is then (output, aux) and g the
+    cotangent of the output. shrink_stash: move W equations into B where that shrinks the stash
+    (`_shrink_stash`); False leaves in W everything dx does not need."""
+    if has_aux:
+        y, pullback, aux = jax.vjp(f, params, x, has_aux=True)
+    else:
+        y, pullback = jax.vjp(f, params, x)
     residuals, tree = jax.tree.flatten(pullback)
     y_flat, y_tree = jax.tree.flatten(y)
     p_tree = jax.tree.structure(params)
@@ -552,7 +556,7 @@ def split_vjp(f: Callable, params: Any, x: Any, *, shrink_stash: bool = True) ->
         return jax.tree.unflatten(p_tree, dp)
 
     b_fn.plan = w_fn.plan = plan  # for inspection
-    return SplitVJP(y, b_fn, w_fn, tuple(residuals))
+    return SplitVJP((y, aux) if has_aux else y, b_fn, w_fn, tuple(residuals))
 
 
 def stash_bytes(stash: Sequence[Any]) -> int:

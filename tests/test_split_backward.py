@@ -3,6 +3,7 @@ pullback's matmuls, each once (dot_general count and compiled FLOPs); W holds on
 dots; the stash is the per-layer dy's (and the recomputed activations W reads)."""
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -270,7 +271,7 @@ def test_transformer_blocks_b_and_w_equal_vjp(remat, shrink, w_dots):
 
 
 def test_one_f_one_b_stage_function_splits():
-    """pipeline/one_f_one_b.py's own stage function (the model state as the stage's parameters,
+    """pipeline/one_f_one_b.py's own stage function with has_aux (the model state as the parameters,
     cast to the compute dtype inside; outputs (y, router share), cotangent (g, 1)) under remat
     'full': B and W equal its jax.vjp, W is the 7 weight matmuls of the block."""
     from conftest import small_config
@@ -281,11 +282,14 @@ def test_one_f_one_b_stage_function_splits():
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
     st = Static(graphdef, cfg, jnp.float32, 0.0, 2)
     x = jax.random.normal(jax.random.key(1), (2, 16, cfg.d_model))
-    split = split_vjp(lambda local, x: _stage(st, local, x)[0], params, x)
+    split = split_vjp(partial(_stage, st), params, x, has_aux=True)  # as its _backward cell calls jax.vjp
     g = (jax.random.normal(jax.random.key(2), x.shape), jnp.ones((), jnp.float32))
     dx, stash = jax.jit(split.b_fn)(split.residuals, g)
     dp = jax.jit(split.w_fn)(split.residuals, stash)
-    _, vjp, _ = jax.vjp(lambda local, x: _stage(st, local, x), params, x, has_aux=True)
+    (y0, share0), vjp, stats0 = jax.vjp(partial(_stage, st), params, x, has_aux=True)
+    (y, share), stats = split.y
+    np.testing.assert_allclose(y, y0, rtol=1e-6)
+    assert jax.tree.structure(stats) == jax.tree.structure(stats0)
     dp0, dx0 = jax.jit(lambda vjp, g: vjp(g))(vjp, g)
     np.testing.assert_allclose(dx, dx0, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(dp), jax.tree.leaves(dp0)):
