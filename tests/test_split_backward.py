@@ -295,3 +295,37 @@ def test_one_f_one_b_stage_function_splits():
     for a, b in zip(jax.tree.leaves(dp), jax.tree.leaves(dp0)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     assert dots_in(split.w_fn, split.residuals, stash) == 7
+
+
+@pytest.mark.parametrize("dispatch, w_dots, w_ragged", [("dropless", 4, 3), ("capacity", 7, 0)])
+def test_moe_blocks_split(dispatch, w_dots, w_ragged):
+    """MoE layers (model/moe.py: routing, sorting, ragged or capacity dispatch) with the router
+    statistics as a second output: B + W = the pullback's dots and ragged dots. W: the dW of q, k,
+    v, o (dot_general) and of the 3 expert weights (ragged_dot_general when dropless). The router's
+    dW = x^T dlogits [D, E] runs in B: shrink_stash moves it there, since the [T, D] normalised
+    input that only it reads would otherwise be stashed (with shrink_stash=False it is in W)."""
+    from conftest import small_config
+    from model.transformer import Transformer
+
+    cfg = dataclasses.replace(small_config().model, remat="full", n_experts=4, moe_dispatch=dispatch, moe_every=1)
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+
+    def stage(blocks, x):
+        return nnx.merge(graphdef, params).run_layers(x, blocks)
+
+    x = jax.random.normal(jax.random.key(1), (2, 16, cfg.d_model))
+    split = split_vjp(stage, params["blocks"], x)
+    g = jax.tree.map(jnp.ones_like, split.y)
+    dx, stash = jax.jit(split.b_fn)(split.residuals, g)
+    dp = jax.jit(split.w_fn)(split.residuals, stash)
+    _, vjp = jax.vjp(stage, params["blocks"], x)
+    dp0, dx0 = jax.jit(lambda vjp, g: vjp(g))(vjp, g)
+    np.testing.assert_allclose(dx, dx0, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(dp), jax.tree.leaves(dp0)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    full, res0, _ = full_pullback(stage, params["blocks"], x)
+    jb, jw = jax.make_jaxpr(split.b_fn)(split.residuals, g), jax.make_jaxpr(split.w_fn)(split.residuals, stash)
+    jf = jax.make_jaxpr(full)(res0, g)
+    for name, in_w in (("dot_general", w_dots), ("ragged_dot_general", w_ragged)):
+        assert count_prims(jw, name) == in_w
+        assert count_prims(jb, name) + in_w == count_prims(jf, name)
