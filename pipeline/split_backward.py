@@ -25,8 +25,7 @@ How: the pullback of `jax.vjp(f, params, x)` is traced to a jaxpr bwd(residuals,
     closure (fixpoint) of the carries the dx side needs, W's the rest; the B scan emits, per
     iteration, the values its body computes that the W body reads (stacked over the
     iterations: the stash), and the W scan takes them as xs. This recurses into nested scans
-    (a stash value of an inner scan becomes a per-iteration value of the outer one).
-
+    (a stash value of an inner scan becomes a per-iteration value of the outer one);
   * then (shrink_stash=True, the default) a W equation moves to B where that makes the stash
     smaller: all its inputs are values B has anyway, and what W then needs of its outputs is
     smaller than the inputs only it read from the stash (`_shrink_stash`, greedy). Example: with
@@ -61,8 +60,13 @@ Limits:
   * moving equations to B (shrink_stash) puts some weight-gradient work in B when that saves
     stash memory (the norm scales' reductions, elementwise; an MoE router's dW = x^T dlogits,
     [D, E], which frees the [T, D] input only it reads); never a dot that dx needs in W, never
-    twice. shrink_stash=False keeps all weight-gradient work in W. The greedy choice is per equation, not a min-cut: a chain whose first step
-    grows and a later step shrinks the stash is not moved.
+    twice. shrink_stash=False keeps all weight-gradient work in W. The greedy choice is per
+    equation, not a min-cut: a chain whose first step grows and a later step shrinks the stash
+    is not moved. Nothing is recomputed in W to save stash (e.g. a norm's output from its saved
+    input): every equation stays in one place.
+  * equations that neither dx nor dparams depend on are dropped (dead code, e.g. a debug
+    callback in the backward); the name-scope metadata of the pullback's equations is not
+    carried into b_fn / w_fn (profiles show them unscoped).
   * B + W equal the pullback's work, but XLA may fuse the two programs differently (the fp32
     results agree to rounding, not bitwise).
   * the split is made at trace time, once per call of split_vjp (a trace of the pullback plus
