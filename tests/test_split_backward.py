@@ -329,3 +329,45 @@ def test_moe_blocks_split(dispatch, w_dots, w_ragged):
     for name, in_w in (("dot_general", w_dots), ("ragged_dot_general", w_ragged)):
         assert count_prims(jw, name) == in_w
         assert count_prims(jb, name) + in_w == count_prims(jf, name)
+
+
+def test_inside_shard_map_with_tensor_parallel_collectives():
+    """A stage as pipeline/ runs it, inside shard_map: a tensor-parallel MLP stack (w1 split by
+    columns, w2 by rows, a psum of the partial outputs): the split traces the collectives into
+    B (dx path) and W as they come, and both equal the local jax.vjp."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("t",))
+
+    def layer(x, w):
+        return x + jax.lax.psum(jax.nn.relu(x @ w["w1"]) @ w["w2"], "t"), None
+
+    layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+
+    def f(params, x):
+        return jax.lax.scan(layer, x, params)[0]
+
+    params, x = mlp_params(6)
+    g = jax.random.normal(jax.random.key(10), x.shape)
+    w_specs = {"w1": P(None, None, "t"), "w2": P(None, "t", None)}
+    params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), w_specs))
+    x, g = jax.device_put((x, g), NamedSharding(mesh, P()))
+
+    def split_run(params, x, g):
+        split = split_vjp(f, params, x)
+        dx, stash = split.b_fn(split.residuals, g)
+        return dx, split.w_fn(split.residuals, stash)
+
+    def vjp_run(params, x, g):
+        dp, dx = jax.vjp(f, params, x)[1](g)
+        return dx, dp
+
+    def on_mesh(fn):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(w_specs, P(), P()), out_specs=(P(), w_specs),
+                                     check_vma=False))
+
+    (dx, dp), (dx0, dp0) = on_mesh(split_run)(params, x, g), on_mesh(vjp_run)(params, x, g)
+    np.testing.assert_allclose(dx, dx0, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(dp), jax.tree.leaves(dp0)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
