@@ -9,7 +9,8 @@ pipeline schedules (Qi et al. 2023, ZB-H1), generic over the stage function.
 `stash` are flat tuples of arrays, so a pipeline can hold them in preallocated buffers across the
 ticks of a `lax.scan` and call b_fn and w_fn in different `lax.switch` branches. b_fn and w_fn
 are pure functions of their arguments (they close only over the static split and the pullback's
-constants).
+constants, which depend on shapes, not on values): made once, they serve the residuals of every
+microbatch of the same shapes (tests/test_split_backward.py runs M microbatches that way).
 
 How: the pullback of `jax.vjp(f, params, x)` is traced to a jaxpr bwd(residuals, g) ->
 (dparams, dx) and split by dataflow, with no autodiff of our own:
@@ -65,13 +66,13 @@ Limits:
     is not moved. Nothing is recomputed in W to save stash (e.g. a norm's output from its saved
     input): every equation stays in one place.
   * equations that neither dx nor dparams depend on are dropped (dead code, e.g. a debug
-    callback in the backward); the name-scope metadata of the pullback's equations is not
-    carried into b_fn / w_fn (profiles show them unscoped).
+    callback in the backward).
   * B + W equal the pullback's work, but XLA may fuse the two programs differently (the fp32
     results agree to rounding, not bitwise).
   * the split is made at trace time, once per call of split_vjp (a trace of the pullback plus
     one per scan body and fixpoint step: milliseconds to seconds, no runtime cost).
   * internal JAX surface used (this module only): eqn.primitive.bind/get_bind_params,
+    jax._src.source_info_util (optional: the equations' name scopes, as core.eval_jaxpr sets them),
     eqn.params of scan (jaxpr, length, reverse, unroll, and num_consts/num_carry on jax 0.10
     or the flat trees ft_in on jax 0.12: `_scan_counts`) and of the call
     primitives, jax.extend.core.{Literal, Var, ClosedJaxpr, Jaxpr}, and the pullback object of
@@ -80,6 +81,7 @@ Limits:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -87,6 +89,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
+
+try:  # internal: only to carry the equations' name scopes into b_fn / w_fn
+    from jax._src import source_info_util as _source_info
+except ImportError:  # pragma: no cover
+    _source_info = None
 
 # Call-like primitives whose body is inlined before splitting: (param holding the body).
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
@@ -102,13 +109,23 @@ def _read(env: dict, v: Any) -> Any:
     return v.val if isinstance(v, Literal) else env[v]
 
 
-def _bind(eqn, invals: Sequence[Any]) -> list[Any]:
-    params = eqn.primitive.get_bind_params(eqn.params)
+def _context(eqn) -> contextlib.ExitStack:
+    """The equation's context (as core.eval_jaxpr sets it): its name scope (so that b_fn and w_fn
+    keep the model's named scopes in profiles), traceback and JaxprEqnContext, where present."""
+    stack = contextlib.ExitStack()
+    info = getattr(eqn, "source_info", None)
+    if _source_info is not None and info is not None:
+        stack.enter_context(_source_info.user_context(
+            info.traceback, name_stack=_source_info.current_name_stack() + info.name_stack))
     ctx = getattr(eqn, "ctx", None)
     if ctx is not None and hasattr(ctx, "manager"):
-        with ctx.manager:
-            out = eqn.primitive.bind(*invals, **params)
-    else:
+        stack.enter_context(ctx.manager)
+    return stack
+
+
+def _bind(eqn, invals: Sequence[Any]) -> list[Any]:
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with _context(eqn):
         out = eqn.primitive.bind(*invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 

@@ -266,6 +266,10 @@ def test_transformer_blocks_b_and_w_equal_vjp(remat, shrink, w_dots):
         assert stash_bytes(stash) == 4 * cfg.n_layers * b * length * per_token
     if remat == "full":  # B recomputes the layer; W reads the stash only
         assert not any(split.w_reads)
+        # the model's named scopes survive the split (profiles of B and W show them)
+        for fn, args in ((split.b_fn, (split.residuals, g)), (split.w_fn, (split.residuals, stash))):
+            text = jax.jit(fn).lower(*args).as_text(debug_info=True)
+            assert "attention" in text and "mlp" in text
     squares = [s.shape for s in stash if s.shape[-2:] == (length, length)]
     assert bool(squares) == (not shrink)  # the [L, L] probabilities only without shrink_stash
 
