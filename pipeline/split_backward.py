@@ -9,8 +9,9 @@ pipeline schedules (Qi et al. 2023, ZB-H1), generic over the stage function.
 `stash` are flat tuples of arrays, so a pipeline can hold them in preallocated buffers across the
 ticks of a `lax.scan` and call b_fn and w_fn in different `lax.switch` branches. b_fn and w_fn
 are pure functions of their arguments (they close only over the static split and the pullback's
-constants, which depend on shapes, not on values): made once, they serve the residuals of every
-microbatch of the same shapes (tests/test_split_backward.py runs M microbatches that way).
+constants, which depend on f and the shapes, not on the values of params and x): made once, they
+serve the residuals of every microbatch of the same shapes (tests/test_split_backward.py runs M
+microbatches that way).
 
 How: the pullback of `jax.vjp(f, params, x)` is traced to a jaxpr bwd(residuals, g) ->
 (dparams, dx) and split by dataflow, with no autodiff of our own:
