@@ -75,14 +75,15 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 from configs.base import ModelConfig, RunConfig
-from pipeline.schedule import BACKWARD, FORWARD, IDLE, cells, timetable
+from pipeline.schedule import BACKWARD, FORWARD, IDLE, WEIGHT, cells, timetable
+from pipeline.split_backward import split_vjp
 from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
 from model.loss import cross_entropy
 from model.moe import no_stats, router_loss
 from sharding.checks import microbatches, moe_layers
 from model.transformer import Transformer, compute_params
 
-BACKWARD_LAST = BACKWARD + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, and B of chunk V-1 on stage p-1
+BACKWARD_LAST = WEIGHT + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, WEIGHT, and B of chunk V-1 on stage p-1
 
 
 class Program(NamedTuple):
@@ -96,10 +97,13 @@ class Program(NamedTuple):
     recv_b: np.ndarray  # `inbox` slot for the gradient arriving from s+1, -1 none
     x_slot: np.ndarray  # `inputs` slot of the cell's input (F, B on p-1 chunk V-1)
     g_slot: np.ndarray  # `inbox` slot of the cell's output gradient (B)
-    r_slot: np.ndarray  # `residuals` slot the F writes and its B reads
+    r_slot: np.ndarray  # `residuals` slot the F writes and its B (split: its W) reads
+    s_slot: np.ndarray  # split backward: `stash` slot the B writes and its W reads
     inputs: int  # slots per buffer
     inbox: int
     residuals: int
+    stash: int
+    split: bool  # the table splits B (input gradient) and W (weight gradient): zb-h1
 
 
 class _Slots:
@@ -123,16 +127,14 @@ def program(schedule: str, p: int, m_count: int, v_count: int = 1) -> Program:
     """The tick program of a 1F1B-family schedule: the table's cells, what arrives where, and
     the slot of every value in the stage's buffers (assigned on the host, checked here)."""
     kind, micro, chunk = cells(timetable(schedule, p, m_count, v_count))
-    ticks = len(kind)
+    ticks, split = len(kind), bool((kind == WEIGHT).any())
     last = lambda s, v: s == p - 1 and v == v_count - 1  # noqa: E731  (head and loss)
     branch = kind.copy()
     arrays = {name: np.full((ticks, p), -1, np.int32) for name in ("recv_f", "recv_b")}
-    arrays |= {name: np.zeros((ticks, p), np.int32) for name in ("x_slot", "g_slot", "r_slot")}
-    sizes = {}
-    for name in ("inputs", "inbox", "residuals"):
-        sizes[name] = 1
+    arrays |= {name: np.zeros((ticks, p), np.int32) for name in ("x_slot", "g_slot", "r_slot", "s_slot")}
+    sizes = dict.fromkeys(("inputs", "inbox", "residuals", "stash"), 1)
     for s in range(p):
-        slots = {"inputs": _Slots(), "inbox": _Slots(), "residuals": _Slots()}
+        slots = {name: _Slots() for name in sizes}
         for t in range(ticks):
             if t > 0:  # what the neighbours sent last tick
                 src = (s - 1) % p
@@ -152,22 +154,30 @@ def program(schedule: str, p: int, m_count: int, v_count: int = 1) -> Program:
             elif k == BACKWARD and last(s, item[1]):
                 branch[t, s] = BACKWARD_LAST
                 arrays["x_slot"][t, s] = slots["inputs"].free(item)
+                if split:  # its forward's residuals and B's stash wait for W
+                    arrays["r_slot"][t, s] = slots["residuals"].take(item)
+                    arrays["s_slot"][t, s] = slots["stash"].take(item)
             elif k == BACKWARD:
-                arrays["r_slot"][t, s] = slots["residuals"].free(item)
+                take = slots["residuals"].held.get if split else slots["residuals"].free
+                arrays["r_slot"][t, s] = take(item)
                 arrays["g_slot"][t, s] = slots["inbox"].free(item)
-            elif k != IDLE:
-                raise ValueError(f"schedule {schedule}: cell kind {k} is not run by the 1F1B program")
+                if split:
+                    arrays["s_slot"][t, s] = slots["stash"].take(item)
+            elif k == WEIGHT:
+                arrays["r_slot"][t, s] = slots["residuals"].free(item)
+                arrays["s_slot"][t, s] = slots["stash"].free(item)
         assert not any(b.held for b in slots.values()), f"stage {s} ends holding values"
         for name, b in slots.items():
             sizes[name] = max(sizes[name], b.most)
-    return Program(branch, micro, chunk, **arrays, **sizes)
+    return Program(branch, micro, chunk, **arrays, **sizes, split=split)
 
 
 @dataclass(frozen=True)
 class Static:
     """What the cells take besides arrays: the model's structure and config (its router losses'
     weights), the compute dtype, the loss's z-loss weight, M (each microbatch's loss counts
-    1/M), whether a chunk is one checkpoint (remat full), and the residuals' layout (`Layout`)."""
+    1/M), whether a chunk is one checkpoint (remat full), whether B and W are split (zb-h1),
+    and, once traced (`residual_layout`), the residuals' layout and the split's (b_fn, w_fn)."""
 
     graphdef: nnx.GraphDef
     model: ModelConfig
@@ -175,7 +185,9 @@ class Static:
     z_loss: float
     m_count: int
     whole_chunk_remat: bool
+    split_backward: bool = False
     layout: Any = None
+    split: Any = None
 
 
 class Layout(NamedTuple):
@@ -194,7 +206,8 @@ class Sent(NamedTuple):
     grads: nnx.State  # fp32 gradients of the stage's parameters ([V, Lc, ...] blocks), summed so far
     loss: jax.Array  # the loss summed so far (stage p-1)
     stats: dict  # the router statistics of the stage's MoE layers, summed over its B cells so far
-    residuals: tuple  # the stash of residuals [slots, ...] (F writes its slot, B reads it)
+    residuals: tuple  # the residuals [slots, ...] (F writes its slot, B or W reads it)
+    stash: tuple  # split backward: what W needs of B [slots, ...] (B writes its slot, W reads it)
 
 
 def _model(st: Static, local: nnx.State) -> Transformer:
@@ -233,18 +246,28 @@ def _vjp(st: Static, model: Transformer, layers: nnx.State, x: jax.Array) -> tup
     return y, tuple(leaf for leaf, i in zip(leaves, at) if i < 0), stats, Layout(treedef, at)
 
 
-def residual_layout(st: Static, compute: nnx.State, act: jax.ShapeDtypeStruct) -> tuple[tuple, Layout]:
-    """The shapes of one microbatch's residuals of a chunk (what a `residuals` slot holds) and
-    the vjp closure's Layout, from an abstract trace of the chunk's vjp; `compute` the stage's
-    compute parameters ([V, Lc, ...] blocks), act the chunk input [b, L, D]."""
+def residual_layout(st: Static, compute: nnx.State, act: jax.ShapeDtypeStruct) -> tuple[Static, tuple, tuple]:
+    """From an abstract trace of the chunk's vjp (`compute` the stage's compute parameters,
+    [V, Lc, ...] blocks; act the chunk input [b, L, D]): `st` with the vjp closure's Layout (and,
+    split_backward, the split's b_fn and w_fn: pipeline/split_backward.py), the shapes of one
+    microbatch's residuals of a chunk (what a `residuals` slot holds) and of its stash (what a
+    `stash` slot holds; () unsplit)."""
     found = {}
 
     def shapes(compute, x):
-        _, residuals, _, found["layout"] = _vjp(st, _model(st, compute), _chunk_of(compute, 0), x)
-        return residuals
+        model, layers = _model(st, compute), _chunk_of(compute, 0)
+        y, residuals, _, found["layout"] = _vjp(st, model, layers, x)
+        if not st.split_backward:
+            return residuals, ()
+        # shrink_stash=False: every weight gradient stays in W. Moving dW = x^T dy into B frees
+        # dy from the stash whenever tokens > the matmul's input width, i.e. at every real size,
+        # and would leave W nothing to fill the bubbles with.
+        split = split_vjp(partial(_chunk, st, model), layers, x, has_aux=True, shrink_stash=False)
+        found["split"] = split.b_fn, split.w_fn
+        return residuals, split.b_fn(split.residuals, (y, jnp.ones((), jnp.float32)))[1]
 
-    avals = jax.eval_shape(shapes, compute, act)
-    return avals, found["layout"]
+    residuals, stash = jax.eval_shape(shapes, compute, act)
+    return dataclasses.replace(st, layout=found["layout"], split=found.get("split")), residuals, stash
 
 
 def stash_bytes(cfg: RunConfig, graphdef: nnx.GraphDef, params: nnx.State, micro_batch: int) -> dict[str, int]:
@@ -255,27 +278,29 @@ def stash_bytes(cfg: RunConfig, graphdef: nnx.GraphDef, params: nnx.State, micro
     p, v_count = stages(), max(cfg.parallel.virtual_stages, 1)
     prog = program(cfg.parallel.schedule, p, microbatches(cfg, p), v_count)
     dtype = jnp.dtype(cfg.model.compute_dtype)
-    st = Static(graphdef, cfg.model, dtype, cfg.train.z_loss, 1, cfg.model.remat == "full")
+    st = Static(graphdef, cfg.model, dtype, cfg.train.z_loss, 1, cfg.model.remat == "full", prog.split)
     local = with_part(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), params), "blocks", jax.tree.map(
         lambda a: jax.ShapeDtypeStruct((v_count, a.shape[0] // (p * v_count), *a.shape[1:]), dtype), params["blocks"]))
     act = jax.ShapeDtypeStruct((micro_batch, cfg.train.seq_len, cfg.model.d_model), dtype)
-    per = sum(a.size * a.dtype.itemsize for a in residual_layout(st, local, act)[0])
+    _, residuals, stash = residual_layout(st, local, act)
+    per, kept = (sum(a.size * a.dtype.itemsize for a in avals) for avals in (residuals, stash))
     one = act.size * dtype.itemsize
     return {"per_microbatch": per, "residuals": prog.residuals * per, "inputs": prog.inputs * one,
-            "inbox": prog.inbox * one}
+            "inbox": prog.inbox * one, "stash_per_microbatch": kept, "stash": prog.stash * kept if kept else 0}
 
 
 def _chunk_of(local: nnx.State, v: jax.Array) -> nnx.State:
     return jax.tree.map(lambda a: a[v], local["blocks"])
 
 
-def _acc(grads: nnx.State, v: jax.Array, d_layers: nnx.State, d_rest: dict | None = None) -> nnx.State:
+def _acc(grads: nnx.State, v: jax.Array, d_layers: nnx.State | None, d_rest: dict | None = None) -> nnx.State:
     """grads + chunk v's layer gradients (and those of the parameters outside the blocks,
     d_rest {name: part}: the head's and final norm's), in fp32."""
     add = lambda a, d: a + d.astype(a.dtype)  # noqa: E731
     parts = {name: jax.tree.map(add, grads[name], part) for name, part in (d_rest or {}).items()}
-    return _replaced(grads, parts | {"blocks": jax.tree.map(lambda a, d: a.at[v].add(d.astype(a.dtype)),
-                                                            grads["blocks"], d_layers)})
+    if d_layers is not None:
+        parts["blocks"] = jax.tree.map(lambda a, d: a.at[v].add(d.astype(a.dtype)), grads["blocks"], d_layers)
+    return _replaced(grads, parts)
 
 
 def _replaced(tree: nnx.State, parts: dict) -> nnx.State:
@@ -290,30 +315,43 @@ def _outside(local: nnx.State) -> dict:
     return {name: local[name] for name in local if name != "blocks"}
 
 
-# The cells, one per Program.branch: (static, the stage's compute parameters, chunk v, input x
-# [b, L, D], output gradient g, the microbatch's targets [b, L], what the carry holds) -> what
-# the carry holds next.
+# The cells, one per Program.branch: (static, the stage's compute parameters, chunk v, the
+# cell's (residuals, stash) slots, input x [b, L, D], output gradient g, the microbatch's
+# targets [b, L], what the carry holds) -> what the carry holds next.
 
 
-def _idle(st: Static, local: nnx.State, v: jax.Array, r: jax.Array, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
+def _idle(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, target: jax.Array,
+          out: Sent) -> Sent:
     return out
 
 
-def _forward(st: Static, local: nnx.State, v: jax.Array, r: jax.Array, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
+def _put(buffers: tuple, slot: jax.Array, values: tuple) -> tuple:
+    return tuple(a.at[slot].set(k) for a, k in zip(buffers, values))
+
+
+def _pullback_leaves(st: Static, local: nnx.State, v: jax.Array, kept: Any) -> list:
+    """The chunk's vjp closure leaves: its parameters re-supplied, the others from `kept`."""
+    params, kept = jax.tree.leaves(_chunk_of(local, v)), iter(kept)
+    return [params[i] if i >= 0 else next(kept) for i in st.layout.params_at]
+
+
+def _forward(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, target: jax.Array,
+             out: Sent) -> Sent:
     y, residuals, stats, layout = _vjp(st, _model(st, local), _chunk_of(local, v), x)
     assert layout.params_at == st.layout.params_at, "the chunk's vjp closure changed between traces"
-    return out._replace(send_f=y, residuals=tuple(a.at[r].set(k) for a, k in zip(out.residuals, residuals)), stats=jax.tree.map(jnp.add, out.stats, stats))
+    return out._replace(send_f=y, residuals=_put(out.residuals, at[0], residuals),
+                        stats=jax.tree.map(jnp.add, out.stats, stats))
 
 
-def _backward(st: Static, local: nnx.State, v: jax.Array, r: jax.Array, x: jax.Array, g: jax.Array, target: jax.Array, out: Sent) -> Sent:
-    params, kept = jax.tree.leaves(_chunk_of(local, v)), iter(a[r] for a in out.residuals)
-    pullback = jax.tree.unflatten(st.layout.treedef, [params[i] if i >= 0 else next(kept) for i in st.layout.params_at])
-    d_layers, dx = pullback((g, jnp.ones((), jnp.float32)))  # the router share enters the objective as is
+def _backward(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, target: jax.Array,
+              out: Sent) -> Sent:
+    leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
+    d_layers, dx = jax.tree.unflatten(st.layout.treedef, leaves)((g, jnp.ones((), jnp.float32)))  # router share: as is
     return out._replace(send_b=dx, grads=_acc(out.grads, v, d_layers))
 
 
-def _backward_last(st: Static, local: nnx.State, v: jax.Array, r: jax.Array, x: jax.Array, g: jax.Array, target: jax.Array,
-                   out: Sent) -> Sent:
+def _backward_last(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
+                   target: jax.Array, out: Sent) -> Sent:
     def objective(outside, layers, x):
         return _last(st, _model(st, _replaced(local, outside)), layers, x, target)
 
@@ -323,7 +361,43 @@ def _backward_last(st: Static, local: nnx.State, v: jax.Array, r: jax.Array, x: 
                         stats=jax.tree.map(jnp.add, out.stats, stats))
 
 
-CELLS = (_idle, _forward, _backward, _backward_last)  # IDLE, FORWARD, BACKWARD, BACKWARD_LAST
+def _backward_input(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
+                    target: jax.Array, out: Sent) -> Sent:
+    """Split B: the input gradient only; what W needs of it goes to the stash slot."""
+    leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
+    dx, stash = st.split[0](leaves, (g, jnp.ones((), jnp.float32)))
+    return out._replace(send_b=dx, stash=_put(out.stash, at[1], stash))
+
+
+def _weight(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, target: jax.Array,
+            out: Sent) -> Sent:
+    """Split W: the chunk's weight gradient from its residuals and B's stash."""
+    leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
+    d_layers = st.split[1](leaves, tuple(a[at[1]] for a in out.stash))
+    return out._replace(grads=_acc(out.grads, v, d_layers))
+
+
+def _backward_input_last(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
+                         target: jax.Array, out: Sent) -> Sent:
+    """Split B on the last chunk: its forward (residuals kept for W), the head and loss forward
+    and backward at once (their small weight gradients here), then the chunk's input gradient."""
+    model = _model(st, local)
+    y, residuals, stats, _ = _vjp(st, model, _chunk_of(local, v), x)
+
+    def head(outside, y):
+        loss = cross_entropy(_model(st, _replaced(local, outside)).logits(y), target, st.z_loss) / st.m_count
+        return loss
+
+    lm, (d_rest, dy) = jax.value_and_grad(head, argnums=(0, 1))(_outside(local), y)
+    dx, stash = st.split[0](_pullback_leaves(st, local, v, residuals), (dy, jnp.ones((), jnp.float32)))
+    return out._replace(send_b=dx, grads=_acc(out.grads, v, None, d_rest),
+                        loss=out.loss + lm, stats=jax.tree.map(jnp.add, out.stats, stats),
+                        residuals=_put(out.residuals, at[0], residuals), stash=_put(out.stash, at[1], stash))
+
+
+# Program.branch -> cell: IDLE, FORWARD, BACKWARD, WEIGHT, BACKWARD_LAST; unsplit and split (zb-h1)
+CELLS = (_idle, _forward, _backward, _idle, _backward_last)
+SPLIT_CELLS = (_idle, _forward, _backward_input, _weight, _backward_input_last)
 
 
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
@@ -333,7 +407,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
     v_count = max(cfg.parallel.virtual_stages, 1)
     prog = program(cfg.parallel.schedule, p, m_count, v_count)
     st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, m_count,
-                cfg.model.remat == "full")
+                cfg.model.remat == "full", prog.split)
     ring = v_count > 1
     down = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
     up = [((i + 1) % p, i) for i in range(p if ring else p - 1)]
@@ -342,12 +416,11 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
         s = lax.axis_index(AXIS)
         compute = compute_params(local, st.dtype)  # cast once per step: the cells read it
         act = jax.ShapeDtypeStruct((b, length, cfg.model.d_model), st.dtype)
-        avals, layout = residual_layout(st, compute, act)
-        stc = dataclasses.replace(st, layout=layout)
-        branches = [partial(cell, stc) for cell in CELLS]
+        stc, residuals, stash = residual_layout(st, compute, act)
+        branches = [partial(cell, stc) for cell in (SPLIT_CELLS if prog.split else CELLS)]
 
         def tick(carry, row):
-            kind, m, v, rf, rb, xs, gs, rs = (a[s] for a in row)
+            kind, m, v, rf, rb, xs, gs, rs, ss = (a[s] for a in row)
             inbuf, inbox, out = carry
             recv_f, recv_b = lax.ppermute(out.send_f, AXIS, down), lax.ppermute(out.send_b, AXIS, up)
             slot_f, slot_b = jnp.maximum(rf, 0), jnp.maximum(rb, 0)
@@ -356,7 +429,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
             first = (s == 0) & (v == 0)
             embedded, embed_vjp = jax.vjp(partial(_embed, stc, compute, inputs[m]), compute["embed"])
             x = jnp.where(first, embedded, inbuf[xs])
-            out = lax.switch(kind, branches, compute, v, rs, x, inbox[gs], targets[m], out)
+            out = lax.switch(kind, branches, compute, v, (rs, ss), x, inbox[gs], targets[m], out)
             d_embedded = jnp.where(first & (kind == BACKWARD), out.send_b, jnp.zeros_like(out.send_b))
             grads = _replaced(out.grads, {"embed": jax.tree.map(lambda a, d: a + d.astype(a.dtype),
                                                                 out.grads["embed"], embed_vjp(d_embedded)[0])})
@@ -366,9 +439,10 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
                  Sent(buffer(act.shape, st.dtype), buffer(act.shape, st.dtype),
                       jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), local),
                       jnp.zeros((), jnp.float32), no_stats(cfg.model),
-                      tuple(buffer((prog.residuals, *a.shape), a.dtype) for a in avals)))
+                      tuple(buffer((prog.residuals, *a.shape), a.dtype) for a in residuals),
+                      tuple(buffer((prog.stash, *a.shape), a.dtype) for a in stash)))
         rows = tuple(jnp.asarray(a) for a in (prog.branch, prog.microbatch, prog.chunk, prog.recv_f, prog.recv_b,
-                                              prog.x_slot, prog.g_slot, prog.r_slot))
+                                              prog.x_slot, prog.g_slot, prog.r_slot, prog.s_slot))
         (_, _, out), _ = lax.scan(tick, start, rows)
         summed = jax.tree.map(lambda a: lax.psum(a, AXIS), out.grads)  # embedding, norm, head
         stats = {name: lax.psum(a, AXIS) / (m_count * moe_layers(cfg.model)) for name, a in out.stats.items()}

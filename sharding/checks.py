@@ -33,7 +33,7 @@ from configs.checks import check_values
 
 # The pipeline schedules run by pipeline/one_f_one_b.py (a different cell per stage in one
 # tick), and those with V chunks of layers per stage.
-ONE_F_ONE_B = ("1f1b", "interleaved-1f1b")
+ONE_F_ONE_B = ("1f1b", "interleaved-1f1b", "zb-h1")
 INTERLEAVED = ("interleaved", "interleaved-1f1b")
 
 

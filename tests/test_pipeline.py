@@ -60,6 +60,9 @@ CASES = {  # id: (mesh, overrides)
     "1f1b-p4-m4": ("pp=4", ["parallel.schedule=1f1b", "parallel.microbatches=4"]),
     "1f1b-p2-m2-full": ("pp=2", ["parallel.schedule=1f1b", "parallel.microbatches=2", "model.remat=full"]),
     "1f1b-p4-m8-dots": ("pp=4", ["parallel.schedule=1f1b", "parallel.microbatches=8", "model.remat=dots"]),
+    "zb-h1-p2-m4": ("pp=2", ["parallel.schedule=zb-h1", "parallel.microbatches=4"]),
+    "zb-h1-p4-m8-full": ("pp=4", ["parallel.schedule=zb-h1", "parallel.microbatches=8", "model.remat=full"]),
+    "zb-h1-pp2-dp2-tp2": ("pp=2,dp=2,tp=2", ["parallel.schedule=zb-h1"]),
     "interleaved-1f1b-p2-m4-v2": ("pp=2", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "parallel.microbatches=4"]),
     "interleaved-1f1b-p4-m8-v2": ("pp=4", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "parallel.microbatches=8"]),
     "interleaved-1f1b-p2-m2-v2-full": ("pp=2", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "parallel.microbatches=2", "model.remat=full"]),
@@ -93,7 +96,7 @@ def reference4(corpus):
     return run_steps(small_config("", "model.n_layers=4"), corpus, devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "interleaved-1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "interleaved-1f1b", "zb-h1"])
 def test_pipelined_training_equals_single_device(schedule, reference, reference4, corpus):
     """Five optimizer steps on pp=2,dp=2,tp=2 (the stage-sharded gradients through the update)
     give the single-device losses."""
@@ -261,10 +264,29 @@ def test_1f1b_backward_recomputes_no_forward_unless_remat_full(remat):
     with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
                                                  schedule="1f1b"))(job.state.params, batch=job.batches(0))
-    idle, forward, backward, last = (_dots(branch.jaxpr) for branch in _cells(jaxpr.jaxpr))
-    assert (idle, forward) == (0, 9)  # one layer: q, k, v, o, q·k, p·v, gate, up, down
+    idle, forward, backward, weight, last = (_dots(branch.jaxpr) for branch in _cells(jaxpr.jaxpr))
+    assert (idle, forward, weight) == (0, 9, 0)  # one layer: q, k, v, o, q·k, p·v, gate, up, down
     assert backward == {"none": 18, "dots": 20, "full": 35}[remat]
     assert last == {"none": 30, "dots": 32, "full": 38}[remat]
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_zb_h1_splits_the_backward_without_repeating_work(remat):
+    """zb-h1's B cell holds only the input-gradient chain and its W cell only the 7 weight
+    matmuls (q, k, v, o, gate, up, down): together the unsplit B's matmuls, none twice
+    (pipeline/split_backward.py); remat full recomputes the chunk's forward in B. The last stage's B runs its chunk forward, head and loss
+    (forward and backward) and the chunk's input gradient: 10 + 2 + the chain."""
+    cfg = small_config("pp=2", "parallel.schedule=zb-h1", f"model.remat={remat}")
+    mesh = build_mesh(cfg.parallel, _devices(cfg))
+    job = build(cfg, mesh)
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
+                                                 schedule="zb-h1"))(job.state.params, batch=job.batches(0))
+    idle, forward, backward, weight, last = (_dots(branch.jaxpr) for branch in _cells(jaxpr.jaxpr))
+    unsplit = {"none": 18, "full": 35}[remat]
+    assert (idle, forward, weight) == (0, 9, 7)
+    assert backward + weight == unsplit
+    assert last == 9 + 3 + backward
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

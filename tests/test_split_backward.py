@@ -275,22 +275,24 @@ def test_transformer_blocks_b_and_w_equal_vjp(remat, shrink, w_dots):
 
 
 def test_one_f_one_b_stage_function_splits():
-    """pipeline/one_f_one_b.py's own stage function with has_aux (the model state as the parameters,
-    cast to the compute dtype inside; outputs (y, router share), cotangent (g, 1)) under remat
-    'full': B and W equal its jax.vjp, W is the 7 weight matmuls of the block."""
+    """pipeline/one_f_one_b.py's own chunk function with has_aux (the stacked block states as the
+    parameters; outputs (y, router share), cotangent (g, 1)) under remat 'full' (the whole chunk
+    one checkpoint) and shrink_stash=False, as zb-h1 runs it: B and W equal its jax.vjp, W is the
+    7 weight matmuls of the block."""
     from conftest import small_config
     from model.transformer import Transformer
-    from pipeline.one_f_one_b import Static, _stage
+    from pipeline.one_f_one_b import Static, _chunk
 
     cfg = dataclasses.replace(small_config().model, remat="full", attention="xla")
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-    st = Static(graphdef, cfg, jnp.float32, 0.0, 2)
+    st = Static(graphdef, cfg, jnp.float32, 0.0, 2, whole_chunk_remat=True, split_backward=True)
+    chunk, params = partial(_chunk, st, nnx.merge(graphdef, params)), params["blocks"]
     x = jax.random.normal(jax.random.key(1), (2, 16, cfg.d_model))
-    split = split_vjp(partial(_stage, st), params, x, has_aux=True)  # as its _backward cell calls jax.vjp
+    split = split_vjp(chunk, params, x, has_aux=True, shrink_stash=False)  # as its zb-h1 cells do
     g = (jax.random.normal(jax.random.key(2), x.shape), jnp.ones((), jnp.float32))
     dx, stash = jax.jit(split.b_fn)(split.residuals, g)
     dp = jax.jit(split.w_fn)(split.residuals, stash)
-    (y0, share0), vjp, stats0 = jax.vjp(partial(_stage, st), params, x, has_aux=True)
+    (y0, share0), vjp, stats0 = jax.vjp(chunk, params, x, has_aux=True)
     (y, share), stats = split.y
     np.testing.assert_allclose(y, y0, rtol=1e-6)
     assert jax.tree.structure(stats) == jax.tree.structure(stats0)

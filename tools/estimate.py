@@ -27,9 +27,10 @@ Memory (bytes per device), the terms `memory()` returns:
               table's in-flight peak, all M) plus [M, b, L, D] embeddings, outputs and their
               cotangents; under the 1F1B family (1f1b, interleaved-1f1b, zb-h1) stage 0's
               in-flight peak of its table (pipeline.schedule.in_flight: p (microbatch, chunk)
-              under 1f1b and zb-h1, 2(p-1) + (V-1)p + 1 interleaved) of stashed chunk inputs
-              (T·D each) plus one chunk's X/(pp·V) layers (its backward cell). Per layer and
-              token, in elements:
+              under 1f1b and zb-h1, 2(p-1) + (V-1)p + 1 interleaved) of residual slots, each
+              one chunk's X/(pp·V) layers' residuals by the remat policy (remat full: the chunk
+              input, T·D), plus 3·T·D of inputs and gradients in flight, plus under zb-h1 the
+              in-flight peak of B's stash for W (`zb_stash`). Per layer and token, in elements:
                 remat none  4·D (block inputs, norm outputs) + (N+2K)·H/t (q, k, v)
                             + 2·N·H/t (K, V repeated to N heads by the xla core) + N·H/t (output)
                             + 4·F/t (gate, up, silu, hidden)
@@ -108,12 +109,12 @@ Communication (bytes per device per step), the contract of DESIGN.md:
           the bubble is the lock-step weighted bubble of the schedule's table
           (pipeline.schedule.weighted: every tick lasts as long as its most expensive cell) with
           `cell_costs`: F = 1, B = 2, or split (zb-h1) B = 1 and W = 1; B one more under
-          model.remat=full (the layers' forward recomputed) and one more under 1f1b (its B cell
-          re-runs the stage forward under jax.vjp, pipeline/one_f_one_b.py). gpipe
+          model.remat=full (the layers' forward recomputed) and, for the 1F1B family under
+          remat full, one more (the whole chunk is one checkpoint, pipeline/one_f_one_b.py). gpipe
           (p-1)/(M+p-1), interleaved (p-1)/(V·M+p-1); 1f1b 1 - M(F+B)/(2M·B + (p-1)(F+B) - (B-F))
           (its F ticks last a B); zb-h1 (p-1)/(3M+p-1) (units); interleaved-1f1b from its table
 Time (roofline): compute = hardware FLOPs (model FLOPs, + one more forward under full remat and
-one more under 1f1b, and under capacity dispatch the experts' padded rows: R - T·k' rows per
+one more where the 1F1B family's B recomputes the chunk (remat full), and under capacity dispatch the experts' padded rows: R - T·k' rows per
 MoE layer and microbatch, 6·3·D·F_e/t each; dropless sorts its padding rows out of every group
 of the grouped matmul, so it computes the T·k' routed rows only, on average over devices) /
 dense bf16 peak, or HBM traffic / bandwidth when larger; each axis's bytes / its link: NVLink
@@ -184,12 +185,13 @@ def shape(cfg: RunConfig, sizes: dict[str, int]) -> Shape:
                  moe_layers(cfg.model) // sizes["stage"])
 
 
-def one_f_one_b(cfg: RunConfig, sizes: dict[str, int]) -> bool:
-    """Whether the step runs the 1f1b schedule (flat memory, one more forward per microbatch)."""
-    return sizes["stage"] > 1 and cfg.parallel.schedule == "1f1b"
+STASHING = ("1f1b", "interleaved-1f1b", "zb-h1")  # per-stage vjp cells (pipeline/one_f_one_b.py): residuals stashed
 
 
-STASHING = ("1f1b", "interleaved-1f1b", "zb-h1")  # per-stage backward cells: stage inputs stashed
+def chunk_recompute(cfg: RunConfig, sizes: dict[str, int]) -> bool:
+    """Whether B recomputes the whole chunk's forward: the 1F1B family under model.remat=full
+    (its residual is the chunk input; the layers' own remat recomputes each layer once more)."""
+    return sizes["stage"] > 1 and cfg.parallel.schedule in STASHING and cfg.model.remat == "full"
 
 
 def virtual(cfg: RunConfig) -> int:
@@ -199,9 +201,9 @@ def virtual(cfg: RunConfig) -> int:
 
 def cell_costs(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     """The schedule's cell costs in forwards (module docstring, stage): F 1, B 2 (split: B 1, W 1),
-    B + 1 under model.remat=full, B + 1 under 1f1b."""
+    B + 1 under model.remat=full, B + 1 more where B recomputes the chunk (`chunk_recompute`)."""
     split = cfg.parallel.schedule == "zb-h1"
-    b = (1 if split else 2) + (cfg.model.remat == "full") + one_f_one_b(cfg, sizes)
+    b = (1 if split else 2) + (cfg.model.remat == "full") + chunk_recompute(cfg, sizes)
     return {"F": 1, "B": b, "W": 1}
 
 
@@ -285,6 +287,15 @@ def stack_activations(cfg: RunConfig, sizes: dict[str, int], remat: str) -> floa
     return dense + s.moe * layer_activations(cfg, sizes, remat, moe=True) if s.moe else dense
 
 
+def zb_stash(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """Bytes zb-h1's B leaves for its W per microbatch (pipeline/split_backward.py): each layer's
+    output cotangents of its 7 matmuls and 2 norms, ((N+2K)·H/t + 4·D + 2·F/t) per token, twice
+    that under remat full (the recomputed matmul inputs W reads)."""
+    m, s, tp = cfg.model, shape(cfg, sizes), sizes["tensor"]
+    per_token = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim / tp + 4 * m.d_model + 2 * m.d_ff / tp
+    return (1 + (m.remat == "full")) * s.layers * s.tokens * per_token * DTYPE_BYTES[m.compute_dtype]
+
+
 def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     """The memory terms per device, in bytes, and their peak (module docstring)."""
     m, s = cfg.model, shape(cfg, sizes)
@@ -292,9 +303,12 @@ def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     piped, v = sizes["stage"] > 1, virtual(cfg)
     stashing = piped and cfg.parallel.schedule in STASHING
     table = pipeline_figures(cfg, sizes)
-    if stashing:  # stage 0's in-flight chunk inputs stashed, one chunk's residuals (its B cell)
-        saved = table["in_flight"] * s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype]
-        saved += stack_activations(cfg, sizes, m.remat) / v
+    if stashing:  # stage 0's in-flight residual slots, the inputs/inbox, zb-h1's stash of dy's
+        c = DTYPE_BYTES[m.compute_dtype]
+        chunk = s.tokens * m.d_model * c if m.remat == "full" else stack_activations(cfg, sizes, m.remat) / v
+        saved = table["in_flight"] * chunk + 3 * s.tokens * m.d_model * c
+        if cfg.parallel.schedule == "zb-h1":
+            saved += table["in_flight"] * zb_stash(cfg, sizes)
     elif piped:  # gpipe, interleaved: autodiff keeps every tick's residuals
         saved = table["ticks"] / v * stack_activations(cfg, sizes, m.remat)
         saved += 4 * s.k * s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype]  # [M, b, L, D] in, out, cotangents
@@ -411,7 +425,7 @@ def flops(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     if s.moe and m.moe_dispatch == "capacity":
         rows = sizes.get("expert", 1) * dispatch_rows(cfg, sizes) - s.tokens * m.experts_per_token
         padding = s.k * s.moe * 18 * m.d_model * expert_d_ff(m) / sizes["tensor"] * rows
-    redo = (2 + 1 + (m.remat == "full") + one_f_one_b(cfg, sizes)) / 3  # forward, backward, recomputes
+    redo = (2 + 1 + (m.remat == "full") + chunk_recompute(cfg, sizes)) / 3  # forward, backward, recomputes
     return {"model": model, "model_per_device": per_device, "padding_per_device": padding * redo,
             "hardware_per_device": (per_device + padding) * redo}
 

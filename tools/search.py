@@ -10,8 +10,7 @@ every axis (tools/estimate.link_bandwidth). For
 each, the microbatch is the largest that fits the GPU's memory (fewest microbatches: least
 per-microbatch overhead); under a pipeline, every schedule of SCHEDULES is ranked, each with the
 microbatch count (at least pp) of its shortest fitting step, its bubble the lock-step weighted
-bubble of its table (tools/estimate.py), and the mesh runs the fastest one the config accepts
-(configs/checks.py; a schedule it does not accept yet is ranked and shown, not chosen). gpipe's
+bubble of its table (tools/estimate.py), and the mesh runs the fastest. gpipe's
 and interleaved's memory estimate runs up to 2x low against XLA (tools/estimate.py): they fit
 only if twice their estimate does. A mesh for which not even one sequence per microbatch fits
 is rejected, never ranked. The rest are ranked by the estimated step time with communication overlapped
@@ -25,7 +24,6 @@ import dataclasses
 import itertools
 
 from configs.base import ConfigError, RunConfig
-from configs.checks import CHOICES
 from sharding.checks import batch_ranks, check_run
 from sharding.mesh import AXES
 from tools.estimate import GPU, GPUS_PER_NODE, Links, expert, memory, pipeline_figures, shape, step_time
@@ -83,8 +81,8 @@ def fit(cfg: RunConfig, sizes: dict[str, int], gpu: GPU, links: Links | None = N
 
 def fit_pipeline(cfg: RunConfig, sizes: dict[str, int], gpu: GPU, per_rank: int,
                  links: Links | None = None) -> RunConfig | None:
-    """The fastest schedule the config accepts, of `rank_schedules`, or None when none fits."""
-    return next((row["cfg"] for row in rank_schedules(cfg, sizes, gpu, per_rank, links) if row["runnable"]), None)
+    """The fastest schedule of `rank_schedules`, or None when none fits."""
+    return next((row["cfg"] for row in rank_schedules(cfg, sizes, gpu, per_rank, links)), None)
 
 
 def rank_schedules(cfg: RunConfig, sizes: dict[str, int], gpu: GPU, per_rank: int,
@@ -92,7 +90,7 @@ def rank_schedules(cfg: RunConfig, sizes: dict[str, int], gpu: GPU, per_rank: in
     """Each schedule of SCHEDULES that the mesh takes, with the microbatch count M (>= pp,
     dividing the rank's batch) of its shortest fitting step (more microbatches shrink the bubble
     and the stash), fastest first: {schedule, virtual_stages, microbatches, step_s (overlapped),
-    bubble, memory_gb, runnable (the config accepts the schedule), cfg}. The microbatches are
+    bubble, memory_gb, cfg}. The microbatches are
     the accumulation (sharding/checks.py): train.micro_batch_size is 0."""
     rows = []
     for schedule, v in SCHEDULES:
@@ -110,20 +108,15 @@ def rank_schedules(cfg: RunConfig, sizes: dict[str, int], gpu: GPU, per_rank: in
             seconds, trial = best
             rows.append({"schedule": schedule, "virtual_stages": v, "microbatches": trial.parallel.microbatches,
                          "step_s": seconds, "bubble": pipeline_figures(trial, sizes)["bubble"],
-                         "memory_gb": memory(trial, sizes)["peak"] / 1e9,
-                         "runnable": schedule in CHOICES["parallel.schedule"], "cfg": trial})
+                         "memory_gb": memory(trial, sizes)["peak"] / 1e9, "cfg": trial})
     return sorted(rows, key=lambda r: r["step_s"])
 
 
 def takes(cfg: RunConfig, sizes: dict[str, int], schedule: str, v: int, m: int) -> bool:
     """Whether the step's checks (sharding/checks.py) accept `schedule` with V = v and M = m on
-    `sizes`; a schedule the config does not know yet is checked as the one whose layout it has
-    (interleaved-1f1b as interleaved: pp·V dividing the layers, M a multiple of pp; zb-h1 as
-    1f1b)."""
-    known = schedule if schedule in CHOICES["parallel.schedule"] else {"interleaved-1f1b": "interleaved"}.get(
-        schedule, "1f1b")
+    `sizes`."""
     try:
-        check_run(pipelined(cfg, sizes, m, known, v), sizes)
+        check_run(pipelined(cfg, sizes, m, schedule, v), sizes)
     except ConfigError:
         return False
     return True
@@ -132,9 +125,8 @@ def takes(cfg: RunConfig, sizes: dict[str, int], schedule: str, v: int, m: int) 
 def pipelined(cfg: RunConfig, sizes: dict[str, int], microbatches: int, schedule: str = "1f1b",
               virtual: int = 1) -> RunConfig:
     """cfg as the search runs a pipeline: `schedule` with V = `virtual` and `microbatches`, no
-    accumulation besides them, no tp_overlap (1f1b refuses it), and context parallelism by
-    all-gather (1f1b refuses the ring). Built with dataclasses.replace: the schedules the config
-    does not accept yet (configs/checks.py) are estimated all the same."""
+    accumulation besides them, no tp_overlap (the 1F1B family refuses it), and context parallelism by
+    all-gather (the 1F1B family refuses the ring)."""
     context = "allgather" if sizes["sequence"] > 1 and cfg.parallel.context_impl == "ring" else cfg.parallel.context_impl
     return dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, micro_batch_size=0),
@@ -151,7 +143,7 @@ def search(cfg: RunConfig, gpus: int, gpu: GPU, links: Links | None = None) -> t
         rows = []
         if sizes["stage"] > 1:
             rows = rank_schedules(cfg, sizes, gpu, cfg.train.global_batch_size // batch_ranks(sizes), links)
-            trial = next((row["cfg"] for row in rows if row["runnable"]), None)
+            trial = rows[0]["cfg"] if rows else None
         else:
             trial = fit(cfg, sizes, gpu, links)
         if trial is None:
