@@ -109,6 +109,44 @@ def summarize(run_dir: Path) -> dict:
             "timeline": timeline}
 
 
+def stage_idle(run_dir: Path, stage_of: dict[int, int]) -> dict:
+    """Per pipeline stage, how much of each traced train step it runs none of its own compute
+    ops: `idle` (1 - its compute time / the step) and `waiting`, the part of the step it spends
+    in collectives (collective-permutes, all-reduces) with no compute of its own running; the
+    step = from the first to the last op of that step on any device. `stage_of`: {device
+    ordinal: stage}; a stage's figures are the mean over its devices and the traced steps.
+    Ops a schedule runs on masked inputs (gpipe's idle cells compute on zeros) count as compute."""
+    trace_path, hlo_path = find_trace(run_dir)
+    ops = hlo_ops(hlo_path.read_text())
+    events = json.load(gzip.open(trace_path))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    step_events = [e for e in events if e.get("ph") == "X" and e.get("args", {}).get("hlo_op") in ops
+                   and "train_step" in e["args"].get("hlo_module", "")]
+    spans: dict[object, list[float]] = {}
+    groups: dict[tuple, list] = defaultdict(list)
+    for e in step_events:
+        run, device = e["args"]["run_id"], int(e["args"]["device_ordinal"])
+        a, b = e["ts"], e["ts"] + e["dur"]
+        lo, hi = spans.get(run, (a, b))
+        spans[run] = [min(lo, a), max(hi, b)]
+        kind = "compute" if ops[e["args"]["hlo_op"]][0] == "compute" else "collective"
+        groups[(run, device, kind)].append((a, b))
+    per_stage: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for run, (lo, hi) in spans.items():
+        step = hi - lo
+        for device, stage in stage_of.items():
+            compute = _union(groups[(run, device, "compute")])
+            busy = sum(b - a for a, b in compute)
+            waiting = sum(b - a - _overlap((a, b), compute) for a, b in _union(groups[(run, device, "collective")]))
+            per_stage[stage].append((1 - busy / step if step else 0.0, waiting / step if step else 0.0))
+    stages = sorted(per_stage)
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    return {"trace": str(trace_path), "steps": len(spans),
+            "step_ms": mean([hi - lo for lo, hi in spans.values()]) / 1e3,
+            "idle": [mean([i for i, _ in per_stage[s]]) for s in stages],
+            "waiting": [mean([w for _, w in per_stage[s]]) for s in stages]}
+
+
 def draw(summary: dict, out: Path) -> None:
     """Bars per scope (compute, collectives) and device 0's timeline of one step, as a PNG."""
     import matplotlib
