@@ -81,6 +81,7 @@ from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
 from model.loss import cross_entropy
 from model.moe import no_stats, router_loss
 from sharding.checks import microbatches, moe_layers
+from sharding.rules import constrain
 from model.transformer import Transformer, compute_params
 
 BACKWARD_LAST = WEIGHT + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, WEIGHT, and B of chunk V-1 on stage p-1
@@ -289,6 +290,20 @@ def stash_bytes(cfg: RunConfig, graphdef: nnx.GraphDef, params: nnx.State, micro
             "inbox": prog.inbox * one, "stash_per_microbatch": kept, "stash": prog.stash * kept if kept else 0}
 
 
+def whole_over_fsdp(tree: nnx.State) -> nnx.State:
+    """The parameter-shaped tree with FSDP's split of the weights (their `embed` dimension over
+    fsdp) undone by a sharding constraint: gathered once per step, whole on every fsdp device
+    for the step's ticks (tensor and stage splits kept)."""
+    variables = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    leaves, treedef = jax.tree.flatten(tree)
+    out = []
+    for var, a in zip(variables, leaves, strict=True):
+        names = tuple(var.get_metadata().get("out_sharding") or ())
+        names = (None,) * (a.ndim - len(names)) + tuple(None if n in ("embed", "layers") else n for n in names)
+        out.append(constrain(a, names))
+    return treedef.unflatten(out)
+
+
 def _chunk_of(local: nnx.State, v: jax.Array) -> nnx.State:
     return jax.tree.map(lambda a: a[v], local["blocks"])
 
@@ -414,7 +429,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
 
     def body(local, inputs, targets):
         s = lax.axis_index(AXIS)
-        compute = compute_params(local, st.dtype)  # cast once per step: the cells read it
+        compute = whole_over_fsdp(compute_params(local, st.dtype))  # cast and gathered once per step
         act = jax.ShapeDtypeStruct((b, length, cfg.model.d_model), st.dtype)
         stc, residuals, stash = residual_layout(st, compute, act)
         branches = [partial(cell, stc) for cell in (SPLIT_CELLS if prog.split else CELLS)]
@@ -437,7 +452,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
 
         start = (buffer((prog.inputs, *act.shape), st.dtype), buffer((prog.inbox, *act.shape), st.dtype),
                  Sent(buffer(act.shape, st.dtype), buffer(act.shape, st.dtype),
-                      jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), local),
+                      whole_over_fsdp(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), local)),
                       jnp.zeros((), jnp.float32), no_stats(cfg.model),
                       tuple(buffer((prog.residuals, *a.shape), a.dtype) for a in residuals),
                       tuple(buffer((prog.stash, *a.shape), a.dtype) for a in stash)))

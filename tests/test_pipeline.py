@@ -63,6 +63,7 @@ CASES = {  # id: (mesh, overrides)
     "zb-h1-p2-m4": ("pp=2", ["parallel.schedule=zb-h1", "parallel.microbatches=4"]),
     "zb-h1-p4-m8-full": ("pp=4", ["parallel.schedule=zb-h1", "parallel.microbatches=8", "model.remat=full"]),
     "zb-h1-pp2-dp2-tp2": ("pp=2,dp=2,tp=2", ["parallel.schedule=zb-h1"]),
+    "zb-h1-pp2-fsdp2-tp2-sp": ("pp=2,fsdp=2,tp=2", ["parallel.schedule=zb-h1", "parallel.sequence_parallel=true"]),
     "interleaved-1f1b-p2-m4-v2": ("pp=2", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "parallel.microbatches=4"]),
     "interleaved-1f1b-p4-m8-v2": ("pp=4", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "parallel.microbatches=8"]),
     "interleaved-1f1b-p2-m2-v2-full": ("pp=2", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "parallel.microbatches=2", "model.remat=full"]),
@@ -301,6 +302,19 @@ def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_
     assert not [c for c in ops if c.kind == "all-gather" and "stage" in c.axes]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_1f1b_family_gathers_fsdp_weights_once_per_step(schedule):
+    """pp=2,fsdp=2: the stage's bf16 weights are all-gathered over fsdp once per step, before
+    the tick scan (pipeline.one_f_one_b.whole_over_fsdp), not in every cell that uses them; the
+    gradients are still reduced over fsdp in the cells (README: open)."""
+    from tools.hlo import step_census
+
+    cfg = small_config("pp=2,fsdp=2", f"parallel.schedule={schedule}", "parallel.microbatches=4")
+    found = step_census(cfg, build_mesh(cfg.parallel, _devices(cfg)))
+    gathers = [c for c in found if c.kind == "all-gather" and c.axes == ("fsdp",) and "embedding" not in c.op_name]
+    assert len(gathers) >= 9 and all(c.trips == 1 for c in gathers), [(c.op_name, c.trips) for c in gathers]
+
+
 def test_1f1b_cells_hold_no_collective_across_stages():
     """The devices of different stages run different 1f1b cells (lax.switch) in the same tick,
     so a collective inside a cell may only group devices of one stage, and no collective-permute
@@ -322,11 +336,18 @@ def test_1f1b_cells_hold_no_collective_across_stages():
         ("pp=2", ["model.n_layers=3"], "model.n_layers=3 is not divisible by pp*virtual_stages=2*1=2"),
         ("pp=2", ["parallel.schedule=interleaved", "parallel.virtual_stages=2"], "model.n_layers=2 is not divisible by pp*virtual_stages=2*2=4"),
         ("pp=4", ["model.n_layers=4", "parallel.microbatches=2"], "parallel.microbatches=2 is fewer than the pp=4 stages"),
-        ("pp=2", ["parallel.schedule=zigzag"], "choose one of gpipe, interleaved, 1f1b"),
+        ("pp=2", ["parallel.schedule=zigzag"], "choose one of gpipe, interleaved, 1f1b, interleaved-1f1b, zb-h1"),
         ("pp=2", ["parallel.virtual_stages=2"], "with --set parallel.schedule=interleaved"),
         ("pp=2", ["train.micro_batch_size=4"], "set train.micro_batch_size=0"),
         ("pp=2,tp=2", ["parallel.schedule=1f1b", "parallel.sequence_parallel=true", "parallel.tp_overlap=true"], "set parallel.tp_overlap=false"),
         ("pp=2", ["parallel.microbatches=3"], "parallel.microbatches=3 does not divide the 16 sequences"),
+        ("pp=2", ["parallel.schedule=interleaved-1f1b", "model.n_layers=4"], "--set parallel.virtual_stages=2 (with V=1 it is 1f1b)"),
+        ("pp=4", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "model.n_layers=8",
+                  "train.global_batch_size=12", "parallel.microbatches=6"],
+         "parallel.microbatches=6 with schedule=interleaved-1f1b must be a multiple of pp=4"),
+        ("pp=2", ["parallel.schedule=zb-h1", "parallel.virtual_stages=2", "model.n_layers=4"], "with --set parallel.schedule=interleaved"),
+        ("pp=2,tp=2", ["parallel.schedule=zb-h1", "parallel.sequence_parallel=true", "parallel.tp_overlap=true"], "parallel.tp_overlap=true with parallel.schedule=zb-h1"),
+        ("pp=2,sp=2", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "model.n_layers=4"], "parallel.context_impl=ring with parallel.schedule=interleaved-1f1b"),
     ],
 )
 def test_bad_pipeline_settings_are_clear_errors(mesh, overrides, message):
