@@ -147,21 +147,23 @@ def program(schedule: str, p: int, m_count: int, v_count: int = 1) -> Program:
                 if k == BACKWARD and (s < p - 1 or (src == 0 and v > 0)):
                     arrays["recv_b"][t, s] = slots["inbox"].take((m, v - (s == p - 1)))
             k, item = kind[t, s], (micro[t, s], chunk[t, s])
-            if k == FORWARD and last(s, item[1]):
-                branch[t, s] = IDLE
-            elif k == FORWARD:
-                arrays["x_slot"][t, s] = slots["inputs"].free(item) if (s, item[1]) != (0, 0) else 0
+            if k == FORWARD:
+                if (s, item[1]) == (0, 0):  # stage 0 chunk 0 embeds its input
+                    arrays["x_slot"][t, s] = 0
+                elif last(s, item[1]):  # its output replaces its input in the slot, for the head at B
+                    arrays["x_slot"][t, s] = slots["inputs"].held[item]
+                else:
+                    arrays["x_slot"][t, s] = slots["inputs"].free(item)
                 arrays["r_slot"][t, s] = slots["residuals"].take(item)
-            elif k == BACKWARD and last(s, item[1]):
-                branch[t, s] = BACKWARD_LAST
-                arrays["x_slot"][t, s] = slots["inputs"].free(item)
-                if split:  # its forward's residuals and B's stash wait for W
-                    arrays["r_slot"][t, s] = slots["residuals"].take(item)
-                    arrays["s_slot"][t, s] = slots["stash"].take(item)
             elif k == BACKWARD:
-                take = slots["residuals"].held.get if split else slots["residuals"].free
-                arrays["r_slot"][t, s] = take(item)
-                arrays["g_slot"][t, s] = slots["inbox"].free(item)
+                if last(s, item[1]):
+                    branch[t, s] = BACKWARD_LAST
+                    arrays["x_slot"][t, s] = slots["inputs"].free(item)
+                else:
+                    arrays["g_slot"][t, s] = slots["inbox"].free(item)
+                # split: its forward's residuals wait for W, and so does the stash B leaves
+                kept = slots["residuals"]
+                arrays["r_slot"][t, s] = kept.held[item] if split else kept.free(item)
                 if split:
                     arrays["s_slot"][t, s] = slots["stash"].take(item)
             elif k == WEIGHT:
@@ -230,12 +232,15 @@ def _chunk(st: Static, model: Transformer, layers: nnx.State, x: jax.Array) -> t
     return (jax.checkpoint(run, prevent_cse=False) if st.whole_chunk_remat else run)(layers, x)
 
 
-def _last(st: Static, model: Transformer, layers: nnx.State, x: jax.Array, target: jax.Array) -> tuple[jax.Array, tuple]:
-    """Chunk V-1 on stage p-1, head and loss of one microbatch (target [b, L]), scaled 1/M, plus
-    its router share; as aux (the scaled loss, the router statistics)."""
-    y, stats = model.run_layers(x, layers)
-    loss = cross_entropy(model.logits(y), target, st.z_loss) / st.m_count
-    return loss + _router_share(st, stats), (loss, stats)
+def _head(st: Static, local: nnx.State, y: jax.Array, target: jax.Array) -> tuple[jax.Array, dict, jax.Array]:
+    """Final norm, head and loss of one microbatch on the last chunk's output y [b, L, D] (target
+    [b, L]), scaled 1/M, forward and backward at once: (the scaled loss, the gradients of the
+    parameters outside the blocks, dy)."""
+    def loss(outside, y):
+        return cross_entropy(_model(st, _replaced(local, outside)).logits(y), target, st.z_loss) / st.m_count
+
+    lm, (d_rest, dy) = jax.value_and_grad(loss, argnums=(0, 1))(_outside(local), y)
+    return lm, d_rest, dy
 
 
 def _vjp(st: Static, model: Transformer, layers: nnx.State, x: jax.Array) -> tuple:
@@ -367,13 +372,12 @@ def _backward(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Arra
 
 def _backward_last(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
                    target: jax.Array, out: Sent) -> Sent:
-    def objective(outside, layers, x):
-        return _last(st, _model(st, _replaced(local, outside)), layers, x, target)
-
-    (_, (lm, stats)), (d_rest, d_layers, dx) = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(
-        _outside(local), _chunk_of(local, v), x)
-    return out._replace(send_b=dx, grads=_acc(out.grads, v, d_layers, d_rest), loss=out.loss + lm,
-                        stats=jax.tree.map(jnp.add, out.stats, stats))
+    """B of the last chunk: x is the chunk's output (its F left it in the input slot); the head
+    and loss, then the chunk's vjp from its residuals."""
+    lm, d_rest, dy = _head(st, local, x, target)
+    leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
+    d_layers, dx = jax.tree.unflatten(st.layout.treedef, leaves)((dy, jnp.ones((), jnp.float32)))
+    return out._replace(send_b=dx, grads=_acc(out.grads, v, d_layers, d_rest), loss=out.loss + lm)
 
 
 def _backward_input(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
@@ -394,20 +398,13 @@ def _weight(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array,
 
 def _backward_input_last(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
                          target: jax.Array, out: Sent) -> Sent:
-    """Split B on the last chunk: its forward (residuals kept for W), the head and loss forward
-    and backward at once (their small weight gradients here), then the chunk's input gradient."""
-    model = _model(st, local)
-    y, residuals, stats, _ = _vjp(st, model, _chunk_of(local, v), x)
-
-    def head(outside, y):
-        loss = cross_entropy(_model(st, _replaced(local, outside)).logits(y), target, st.z_loss) / st.m_count
-        return loss
-
-    lm, (d_rest, dy) = jax.value_and_grad(head, argnums=(0, 1))(_outside(local), y)
-    dx, stash = st.split[0](_pullback_leaves(st, local, v, residuals), (dy, jnp.ones((), jnp.float32)))
-    return out._replace(send_b=dx, grads=_acc(out.grads, v, None, d_rest),
-                        loss=out.loss + lm, stats=jax.tree.map(jnp.add, out.stats, stats),
-                        residuals=_put(out.residuals, at[0], residuals), stash=_put(out.stash, at[1], stash))
+    """Split B of the last chunk: the head and loss on its output x (forward and backward at
+    once: their small weight gradients here), then the chunk's input gradient."""
+    lm, d_rest, dy = _head(st, local, x, target)
+    leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
+    dx, stash = st.split[0](leaves, (dy, jnp.ones((), jnp.float32)))
+    return out._replace(send_b=dx, grads=_acc(out.grads, v, None, d_rest), loss=out.loss + lm,
+                        stash=_put(out.stash, at[1], stash))
 
 
 # Program.branch -> cell: IDLE, FORWARD, BACKWARD, WEIGHT, BACKWARD_LAST; unsplit and split (zb-h1)
@@ -445,6 +442,8 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
             embedded, embed_vjp = jax.vjp(partial(_embed, stc, compute, inputs[m]), compute["embed"])
             x = jnp.where(first, embedded, inbuf[xs])
             out = lax.switch(kind, branches, compute, v, (rs, ss), x, inbox[gs], targets[m], out)
+            keep = (kind == FORWARD) & (s == p - 1) & (v == v_count - 1)  # the last chunk's output, for its B
+            inbuf = inbuf.at[xs].set(jnp.where(keep, out.send_f, inbuf[xs]))
             d_embedded = jnp.where(first & (kind == BACKWARD), out.send_b, jnp.zeros_like(out.send_b))
             grads = _replaced(out.grads, {"embed": jax.tree.map(lambda a, d: a + d.astype(a.dtype),
                                                                 out.grads["embed"], embed_vjp(d_embedded)[0])})
