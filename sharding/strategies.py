@@ -59,11 +59,15 @@ class Strategies:
 
     def describe(self) -> str:
         """One line for the log, e.g. 'tensor shard_map+sp, context ring, attention xla, remat full,
-        pipeline 1f1b, experts none'."""
+        pipeline 1f1b, experts none', and where the step accumulates itself e.g. ', accumulation
+        data+fsdp (fsdp gathered once)'."""
         t = self.tensor
         tensor = "+".join([t.impl] + ["sp"] * t.sequence_parallel + ["overlap"] * t.overlap)
-        return (f"tensor {tensor}, context {self.context or 'none'}, attention {self.attention}, remat {self.remat}, "
+        line = (f"tensor {tensor}, context {self.context or 'none'}, attention {self.attention}, remat {self.remat}, "
                 f"pipeline {self.schedule or 'none'}, experts {self.experts or 'none'}")
+        if self.accumulation:
+            line += f", accumulation {'+'.join(self.accumulation)}" + " (fsdp gathered once)" * self.fsdp_gather_once
+        return line
 
 
 def parallelize(cfg: RunConfig, sizes: dict[str, int]) -> Strategies:
