@@ -113,6 +113,13 @@ class ParallelConfig:
     Pipeline parallelism (pipeline/, with stage > 1): `schedule` gpipe | interleaved | 1f1b,
     `microbatches` M per step (0 = the number of stages), `virtual_stages` V chunks of layers
     per device for interleaved.
+
+    Gradient accumulation (training/step.py; k > 1 microbatches, pp = 1, dense, sp = 1): the
+    microbatches' gradients are summed on each device and reduced over the batch axes once per
+    step. `fsdp_gather_once` all-gathers the weights (compute dtype, bf16 by default) over fsdp
+    once per step, before the microbatch loop, and keeps them through it (ZeRO-2 style: the
+    whole weights of the device's tensor shard stay in memory; at k = 1 too); false gathers
+    them again for every microbatch.
     """
 
     stage: int = 1
@@ -128,6 +135,7 @@ class ParallelConfig:
     schedule: str = "gpipe"  # gpipe | interleaved | 1f1b
     microbatches: int = 0  # M; 0 = pp
     virtual_stages: int = 1  # V, interleaved only
+    fsdp_gather_once: bool = False  # fsdp weights gathered once per step, not per microbatch
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ Rules, by what they protect:
                the layers; tp divides the expert (and shared expert) F; a pipeline's stages
                hold whole groups of moe_every layers
   fsdp         fsdp divides D (weights are split on `embed`)
+  accumulation parallel.fsdp_gather_once only where the step accumulates itself (fsdp > 1,
+               pp = 1, dense, sp = 1)
   pipeline     pp·V divides the layers; at least pp microbatches, a multiple of pp when
                interleaved; virtual stages only with interleaved; no train.micro_batch_size
                (the microbatches are the accumulation); no tp_overlap under 1f1b
@@ -46,6 +48,7 @@ def check_run(cfg: RunConfig, sizes: dict[str, int]) -> None:
     check_context(cfg, sizes)
     check_experts(cfg, sizes)
     check_pipeline(cfg, sizes)
+    check_accumulation(cfg, sizes)
 
 
 def check_model(m: ModelConfig) -> None:
@@ -58,6 +61,34 @@ def check_model(m: ModelConfig) -> None:
 def batch_ranks(sizes: dict[str, int]) -> int:
     """The devices the batch is split over: dp·fsdp·ep (`expert` is a data axis to the batch)."""
     return sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1)
+
+
+BATCH_AXES = ("data", "fsdp", "expert")
+
+
+def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
+    """The batch axes (of size > 1) over which the step's microbatch loop runs per device, its
+    gradients summed locally and reduced once per step (training/step.py), when there are k > 1
+    microbatches or parallel.fsdp_gather_once asks for the gathered weights. () where XLA places
+    the reductions: one microbatch (once per step already, and FSDP's weights gathered a layer
+    at a time), pipelines (their own schedule), MoE models (their regions sum the router
+    statistics over the token axes) and sp > 1 (weights replicated over `sequence`)."""
+    if sizes["stage"] > 1 or cfg.model.n_experts or sizes["sequence"] > 1:
+        return ()
+    per_rank = cfg.train.global_batch_size // batch_ranks(sizes)
+    k = per_rank // (cfg.train.micro_batch_size or per_rank)
+    if k == 1 and not (cfg.parallel.fsdp_gather_once and sizes["fsdp"] > 1):
+        return ()
+    return tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+
+
+def check_accumulation(cfg: RunConfig, sizes: dict[str, int]) -> None:
+    """parallel.fsdp_gather_once acts in the step's accumulation region only (accumulation_axes)."""
+    if cfg.parallel.fsdp_gather_once and "fsdp" not in accumulation_axes(cfg, sizes):
+        raise ConfigError(
+            "parallel.fsdp_gather_once=true needs fsdp > 1 and the step's own accumulation loop "
+            "(pp = 1, a dense model, sp = 1); drop it or change the --mesh"
+        )
 
 
 def microbatches(cfg: RunConfig, p: int) -> int:

@@ -5,7 +5,9 @@ each lands on the mesh. A parallelism strategy is a change of this table, not of
 
   batch -> (data, fsdp, expert)  DP and FSDP split the batch; FSDP also splits weights on
                           `embed`, so XLA all-gathers each layer's weights before use (fwd and
-                          bwd) and reduce-scatters its gradients: 3P(N-1)/N per step per device.
+                          bwd) and reduce-scatters its gradients: 3P(N-1)/N per step per device
+                          (with k > 1 microbatches the step gathers and reduces itself, the
+                          gradients once per step: training/step.py).
                           `expert` splits the batch too: to every parameter but the experts'
                           it is one more data axis (gradients reduced over it).
   experts -> expert       E of the MoE layers' expert weights [E, D, F]: each device of the
@@ -114,6 +116,18 @@ def auto_axes() -> list[str]:
     """The axes of the mesh in context that XLA still partitions (not manual in a shard_map)."""
     mesh = jax.sharding.get_abstract_mesh()
     return [] if mesh.empty else [a for a in mesh.axis_names if a not in mesh.manual_axes]
+
+
+def not_manual(axes: Sequence[str]) -> tuple[str, ...]:
+    """`axes` less those already manual in the context (a region nested in the step's
+    accumulation region, which is manual over the batch axes: training/step.py). Nested, the
+    axes of size 1 are left out too: Shardy (jax 0.12) refuses an inner manual axis that comes
+    before an outer one in the mesh (e.g. data of size 1 inside a region over fsdp)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(mesh.manual_axes) & set(axes):  # not nested (or in a pipeline's stage)
+        return tuple(axes)
+    sizes = dict(mesh.shape)
+    return tuple(a for a in axes if a not in mesh.manual_axes and sizes[a] > 1)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

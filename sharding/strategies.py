@@ -5,7 +5,8 @@ strategies of the step, as torchtitan's `parallelize_llama` applies TP, CP, acti
 checkpointing and FSDP in turn. The model takes the result (`Transformer(cfg.model,
 strategies)`), the step takes its schedule. Placement is not decided here: the logical rules
 (sharding/rules.py) put the batch on (data, fsdp), the weights' D on fsdp and the layers on
-stage for every run alike, and XLA derives the data and FSDP collectives from them.
+stage for every run alike, and XLA derives the data and FSDP collectives from them (with k > 1
+microbatches the step writes them, once per step: `accumulation`).
 
   tensor     the Megatron regions (attention, MLP, embedding, head) written with shard_map
              (sharding/tensor_parallel.py), with sequence parallelism and overlap as configured,
@@ -20,6 +21,10 @@ stage for every run alike, and XLA derives the data and FSDP collectives from th
   remat      the policy around each scanned layer (model/remat.py)
   schedule   pp > 1: the pipeline schedule over `stage` (pipeline/); None: the step's k
              microbatches run as a scan (training/step.py)
+  accumulation  the batch axes over which the k microbatches run per device (their gradients
+             summed locally, reduced once per step: training/step.py), and whether fsdp's
+             weights are gathered once per step (parallel.fsdp_gather_once); () = XLA reduces
+             the gradients (one device, k = 1, pipelines, MoE, sp > 1)
   experts    n_experts > 0: how the MoE layers dispatch (dropless | capacity); their region is
              explicit over every token axis and `expert` (sharding/expert_parallel.py) whatever
              the mesh; None: a dense model
@@ -30,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from configs.base import ModelConfig, RunConfig
-from sharding.checks import check_run
+from sharding.checks import accumulation_axes, check_run
 from sharding.tensor_parallel import TensorParallel
 
 
@@ -44,6 +49,8 @@ class Strategies:
     remat: str = "none"
     schedule: str | None = None
     experts: str | None = None
+    accumulation: tuple[str, ...] = ()
+    fsdp_gather_once: bool = False
 
     @classmethod
     def single_device(cls, m: ModelConfig) -> Strategies:
@@ -52,11 +59,15 @@ class Strategies:
 
     def describe(self) -> str:
         """One line for the log, e.g. 'tensor shard_map+sp, context ring, attention xla, remat full,
-        pipeline 1f1b, experts none'."""
+        pipeline 1f1b, experts none', and where the step accumulates itself e.g. ', accumulation
+        data+fsdp (fsdp gathered once)'."""
         t = self.tensor
         tensor = "+".join([t.impl] + ["sp"] * t.sequence_parallel + ["overlap"] * t.overlap)
-        return (f"tensor {tensor}, context {self.context or 'none'}, attention {self.attention}, remat {self.remat}, "
+        line = (f"tensor {tensor}, context {self.context or 'none'}, attention {self.attention}, remat {self.remat}, "
                 f"pipeline {self.schedule or 'none'}, experts {self.experts or 'none'}")
+        if self.accumulation:
+            line += f", accumulation {'+'.join(self.accumulation)}" + " (fsdp gathered once)" * self.fsdp_gather_once
+        return line
 
 
 def parallelize(cfg: RunConfig, sizes: dict[str, int]) -> Strategies:
@@ -73,4 +84,6 @@ def parallelize(cfg: RunConfig, sizes: dict[str, int]) -> Strategies:
         remat=m.remat,
         schedule=p.schedule if sizes["stage"] > 1 else None,
         experts=m.moe_dispatch if m.n_experts else None,
+        accumulation=accumulation_axes(cfg, sizes),
+        fsdp_gather_once=p.fsdp_gather_once and sizes["fsdp"] > 1 and "fsdp" in accumulation_axes(cfg, sizes),
     )

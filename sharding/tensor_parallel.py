@@ -73,7 +73,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from sharding.context_parallel import AXIS as CONTEXT_AXIS
-from sharding.rules import axis_size, logical_to_spec
+from sharding.rules import axis_size, logical_to_spec, not_manual
 
 IMPLS = ("shard_map", "gspmd")
 AXIS = "tensor"
@@ -191,13 +191,14 @@ class TensorParallel:
     def manual_axes(self) -> tuple[str, ...]:
         """The mesh axes the regions are manual over: tensor where it is explicit (shard_map,
         tp > 1); under sequence parallelism or context parallelism the batch axes too (see
-        BATCH_AXES), and `sequence` under context parallelism."""
+        BATCH_AXES), and `sequence` under context parallelism; less the axes an enclosing
+        region has made manual already (the step's accumulation region: the batch axes)."""
         tensor = self.impl == "shard_map" and axis_size(AXIS) > 1
         context = self.context and axis_size(CONTEXT_AXIS) > 1
         manual = (AXIS,) if tensor else ()
         if context or (tensor and self.sequence_parallel):
             manual = (*BATCH_AXES, *manual, *(CONTEXT_AXIS,) * context)
-        return manual
+        return not_manual(manual)
 
     def region(self, fn: Callable, x: jax.Array, weights: Weights, *consts: jax.Array,
                kernel: bool = False) -> jax.Array:
@@ -261,7 +262,7 @@ def vocab_parallel_take(table: jax.Array, tokens: jax.Array, sequence_parallel: 
     gradient there."""
     if axis_size(AXIS) == 1:
         return jnp.take(table, tokens, axis=0)
-    mesh, manual = jax.sharding.get_abstract_mesh(), (*BATCH_AXES, CONTEXT_AXIS, AXIS)  # see below
+    mesh, manual = jax.sharding.get_abstract_mesh(), not_manual((*BATCH_AXES, CONTEXT_AXIS, AXIS))  # see below
 
     def local(rows: jax.Array, ids: jax.Array) -> jax.Array:
         idx = ids - lax.axis_index(AXIS) * rows.shape[0]

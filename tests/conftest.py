@@ -84,7 +84,9 @@ def run_steps(cfg, corpus, devices=None):
     mesh = build_mesh(cfg.parallel, devices)
     job = build(cfg, mesh, corpus=corpus)
     grad_fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
-                                        schedule=job.strategies.schedule))
+                                        schedule=job.strategies.schedule,
+                                        accumulation=job.strategies.accumulation,
+                                        gather_once=job.strategies.fsdp_gather_once))
     with jax.set_mesh(mesh):
         loss, grads, _ = jax.device_get(grad_fn(job.state.params, batch=job.batches(0)))
         state, losses = job.state, []

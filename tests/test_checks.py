@@ -54,6 +54,8 @@ def _all_meshes(n: int):
     (["model.d_model=60"], {"fsdp": 8}, "model.d_model=60 is not divisible by fsdp=8"),
     (["train.micro_batch_size=2"], {"stage": 2, "data": 4}, "train.micro_batch_size=2 with pp=2"),
     (["parallel.virtual_stages=2"], {}, "use 1, or more with --set parallel.schedule=interleaved"),
+    (["parallel.fsdp_gather_once=true"], {"data": 8}, "parallel.fsdp_gather_once=true needs fsdp > 1"),
+    (["parallel.fsdp_gather_once=true"], {"fsdp": 2, "stage": 2}, "parallel.fsdp_gather_once=true needs fsdp > 1"),
 ])
 def test_rules_name_the_field(sets, sizes, message):
     cfg = small_config("", *sets)

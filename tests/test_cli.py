@@ -31,7 +31,8 @@ def test_mesh_dp8_tp8_on_fake_devices(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["parallel"] == {"stage": 1, "data": 8, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 8,
                                   "tp_impl": "shard_map", "sequence_parallel": False, "tp_overlap": False,
-                                  "context_impl": "ring", "schedule": "gpipe", "microbatches": 0, "virtual_stages": 1}
+                                  "context_impl": "ring", "schedule": "gpipe", "microbatches": 0, "virtual_stages": 1,
+                                  "fsdp_gather_once": False}
     assert config["model"]["d_model"] == 64 and config["train"]["steps"] == 3
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [3]

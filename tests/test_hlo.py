@@ -152,6 +152,54 @@ def test_fsdp_gathers_weights_twice_and_reduces_gradients():
     assert len(per_layer) == 2 * 7
 
 
+def reduction_bytes(found) -> dict[str, float]:
+    """Gradient-reduction bytes per step by axes (all-reduce and reduce-scatter)."""
+    rows = summary([c for c in found if c.kind in ("all-reduce", "reduce-scatter")])
+    return {f"{r['kind']}@{r['axes']}": r["bytes_per_device"] for r in rows}
+
+
+def microbatches(b: int, mesh: str, *sets: str):
+    """compiled() of tiny (32 sequences, 4 per rank on 8 batch ranks) in microbatches of b."""
+    found, n_params, cfg = compiled(mesh, *sets, f"train.micro_batch_size={b}")
+    assert make_program(cfg, build_mesh(cfg.parallel)).batch_shape[0] == 4 // b
+    return found
+
+
+def test_data_parallel_accumulation_reduces_once_per_step():
+    """dp=8, k = 1 and k = 4: the same gradient all-reduce bytes per step; at k = 4 each runs
+    once (outside the microbatch loop), not once per microbatch."""
+    one, four = microbatches(4, "dp=8"), microbatches(1, "dp=8")
+    assert reduction_bytes(four) == pytest.approx(reduction_bytes(one), rel=1e-9)
+    assert set(reduction_bytes(four)) == {"all-reduce@data"}
+    assert all(c.trips == 1 for c in four)
+
+
+def test_fsdp_accumulation_reduce_scatters_once_per_step():
+    """dp=4,fsdp=2: with k = 2 and k = 4 microbatches the gradients are reduce-scattered over fsdp
+    and then all-reduced over data once per step, the same bytes (norms, not split, all-reduced
+    over data+fsdp); the weights are all-gathered (whole, outside the layer scan) once per
+    microbatch: twice the bytes at k = 4. Fewer reduction bytes than XLA's own k = 1 program,
+    which on CPU all-reduces whole gradients over data+fsdp and slices them."""
+    one, two, four = (microbatches(b, "dp=4,fsdp=2") for b in (4, 2, 1))
+    assert reduction_bytes(four) == pytest.approx(reduction_bytes(two), rel=1e-9)
+    big = {row for row, moved in reduction_bytes(four).items() if moved > 1024}  # jax 0.12 adds scalars over fsdp
+    assert big == {"all-reduce@data", "reduce-scatter@fsdp", "all-reduce@data+fsdp"}
+    assert all(c.trips == 1 for c in four if c.kind != "all-gather")
+    gathers = [total(found, ("all-gather",), ("fsdp",)) for found in (two, four)]
+    assert gathers[1] == pytest.approx(2 * gathers[0], rel=1e-9) and gathers[0] > 0
+    assert sum(reduction_bytes(four).values()) < sum(reduction_bytes(one).values())
+
+
+def test_fsdp_gather_once_moves_the_same_bytes_whatever_k():
+    """parallel.fsdp_gather_once: the weights are gathered before the microbatch loop, so k = 1
+    and k = 4 move the same bytes per step on every axis and kind, each collective once."""
+    one, four = (microbatches(b, "dp=4,fsdp=2", "parallel.fsdp_gather_once=true") for b in (4, 1))
+    by_kind = lambda found: {(r["kind"], r["axes"]): r["bytes_per_device"] for r in summary(found)}  # noqa: E731
+    assert by_kind(four) == pytest.approx(by_kind(one), rel=1e-9)
+    assert {kind for kind, _ in by_kind(four)} == {"all-gather", "reduce-scatter", "all-reduce"}
+    assert all(c.trips == 1 for c in four + one)
+
+
 def tp_loop_ops(found, cfg, kind):
     return [c for c in found if c.kind == kind and c.axes == ("tensor",) and c.trips == cfg.model.n_layers]
 
@@ -229,7 +277,11 @@ def census_by_axis(found) -> dict[str, float]:
 
 CONTRACT_CASES = [("dp=8",), ("fsdp=8",), ("dp=2,tp=4",), ("dp=2,tp=4", "model.remat=full"),
                   ("dp=2,tp=4", "parallel.sequence_parallel=true"),
-                  ("dp=2,tp=4", "parallel.sequence_parallel=true", "model.remat=full")]
+                  ("dp=2,tp=4", "parallel.sequence_parallel=true", "model.remat=full"),
+                  # gradient accumulation, k = 4 (training/step.py's accumulation region)
+                  ("dp=8", "train.micro_batch_size=1"), ("fsdp=8", "train.micro_batch_size=1"),
+                  ("fsdp=8", "train.micro_batch_size=1", "parallel.fsdp_gather_once=true"),
+                  ("dp=2,tp=4", "train.micro_batch_size=4")]
 
 
 @pytest.mark.parametrize("case", CONTRACT_CASES, ids=[" ".join(c) for c in CONTRACT_CASES])
@@ -238,7 +290,8 @@ def test_census_equals_the_contract_of_tools_estimate_on_every_axis(case):
     2% on data (dp=8) and tensor, 5% on fsdp and on data beside tensor (README). Like with like:
     the CPU buffers of bf16 matmuls are f32 (module docstring), so the contract is evaluated at
     compute_dtype=float32; XLA CPU reduces fsdp gradients with all-reduce + slice, so those count
-    at reduce-scatter volume (half, see test_fsdp_gathers_weights_twice_and_reduces_gradients);
+    at reduce-scatter volume (half, see test_fsdp_gathers_weights_twice_and_reduces_gradients;
+    the accumulation region's own reduce-scatters count whole, its norms' all-reduces half);
     gradients of the weights replicated over tensor (norms) are reduced over data+tensor at
     once, counted with data."""
     from configs import apply_overrides
@@ -251,7 +304,7 @@ def test_census_equals_the_contract_of_tools_estimate_on_every_axis(case):
                                       {a: getattr(cfg.parallel, a) for a in AXES})
     rows = census_by_axis(found)
     census = {"data": rows.get("data", 0) + rows.get("data+tensor", 0), "tensor": rows.get("tensor", 0),
-              "fsdp": total(found, ("all-gather",), ("fsdp",)) + total(found, ("all-reduce", "reduce-scatter"), ("fsdp",)) / 2}
+              "fsdp": total(found, ("all-gather", "reduce-scatter"), ("fsdp",)) + total(found, ("all-reduce",), ("fsdp",)) / 2}
     assert set(rows) <= {"data", "fsdp", "tensor", "data+tensor"}
     assert set(contract) == {a for a in ("data", "fsdp", "tensor") if census[a]}
     tolerance = {"data": 0.02 if mesh == "dp=8" else 0.05, "fsdp": 0.05, "tensor": 0.02}

@@ -74,10 +74,12 @@ def test_estimate_terms_follow_the_mesh():
     assert p == pytest.approx(8.03e9, rel=0.01)
     assert estimate.local_params(cfg, one | {"fsdp": 8}) == pytest.approx(p / 8, rel=0.01)
     k = cfg.train.global_batch_size // 8  # the preset's one sequence per microbatch: 32 per rank
-    dp8 = estimate.communication(cfg, one | {"data": 8})  # reduced in every microbatch, as compiled today
-    assert dp8 == {"data": pytest.approx(k * 2 * 4 * p * 7 / 8)}
-    fsdp8 = estimate.communication(cfg, one | {"fsdp": 8})
-    assert fsdp8 == {"fsdp": pytest.approx(k * (2 * 4 + 4) * p * 7 / 8, rel=1e-3)}  # 3P(N-1)/N, fp32 (norms unsplit)
+    dp8 = estimate.communication(cfg, one | {"data": 8})  # the k microbatches' gradients reduced once
+    assert dp8 == {"data": pytest.approx(2 * 4 * p * 7 / 8)}
+    fsdp8 = estimate.communication(cfg, one | {"fsdp": 8})  # bf16 gathers per microbatch, one fp32 reduce-scatter
+    assert fsdp8 == {"fsdp": pytest.approx((k * 2 + 4) * p * 7 / 8, rel=1e-3)}  # (norms unsplit)
+    once = estimate.communication(apply_overrides(cfg, ["parallel.fsdp_gather_once=true"]), one | {"fsdp": 8})
+    assert once == {"fsdp": pytest.approx((2 + 4) * p * 7 / 8, rel=1e-3)}
     assert estimate.link_bandwidth(one | {"data": 8, "tensor": 8}, "tensor") == estimate.NVLINK
     assert estimate.link_bandwidth(one | {"data": 8, "tensor": 8}, "data") == estimate.INFINIBAND
     k = cfg.train.global_batch_size // 2  # 128 microbatches of one sequence per data rank

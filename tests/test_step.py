@@ -23,6 +23,23 @@ def test_mesh_equals_single_device(mesh, reference, corpus):
     assert_same_run(run_steps(small_config(mesh), corpus), reference)
 
 
+ACCUMULATING = [("dp=4",), ("dp=2,fsdp=2",), ("dp=2,fsdp=2", "parallel.fsdp_gather_once=true"),
+                ("dp=2,tp=2", "train.micro_batch_size=2"), ("dp=2,tp=2", "train.micro_batch_size=2", "parallel.tp_impl=gspmd"),
+                ("fsdp=2,tp=2", "train.micro_batch_size=2", "parallel.sequence_parallel=true"),
+                ("dp=2,tp=2", "train.micro_batch_size=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=true")]
+
+
+@pytest.mark.parametrize("case", ACCUMULATING, ids=[" ".join(c) for c in ACCUMULATING])
+def test_accumulation_on_the_batch_axes_equals_single_device(case, reference, corpus):
+    """k = 4 microbatches per rank (4 devices, 16 sequences), their gradients summed per device
+    and reduced once per step (training/step.py), equal one device's one batch of 16."""
+    mesh, *sets = case
+    cfg = small_config(mesh, "train.micro_batch_size=1", *sets)  # 2 where tp=2 leaves 2 ranks
+    devices = jax.devices()[:4]
+    assert build(cfg, build_mesh(cfg.parallel, devices), corpus=corpus).batches(0)["inputs"].shape[0] == 4
+    assert_same_run(run_steps(cfg, corpus, devices), reference)
+
+
 def test_gradient_accumulation_equals_one_big_batch(corpus):
     """k=4 microbatches of 4 give the loss, gradients and update of one batch of 16."""
     big, acc = small_config(), small_config("", "train.micro_batch_size=4")
@@ -35,7 +52,8 @@ def test_gradient_accumulation_equals_one_big_batch(corpus):
     with jax.set_mesh(mesh):
         for job, batch, cfg in zip(jobs, batches, (big, acc)):
             loss, grads, _ = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
-                                                    schedule=job.strategies.schedule))(
+                                                    schedule=job.strategies.schedule,
+                                                    accumulation=job.strategies.accumulation))(
                 job.state.params, batch=batch
             )
             state, _ = job.step_fn(job.state, batch)
@@ -78,8 +96,8 @@ def test_finite_loss_with_non_finite_gradient_is_skipped(bad, corpus, monkeypatc
 
     real = step_module.loss_and_grads
 
-    def poisoned(params, graphdef, batch, cfg, schedule):  # the real loss and gradients, one element bad
-        loss, grads, stats = real(params, graphdef, batch, cfg, schedule)
+    def poisoned(params, graphdef, batch, cfg, *args):  # the real loss and gradients, one element bad
+        loss, grads, stats = real(params, graphdef, batch, cfg, *args)
         leaves, treedef = jax.tree.flatten(grads)
         leaves[-1] = leaves[-1].at[(0,) * leaves[-1].ndim].set(bad)
         return loss, jax.tree.unflatten(treedef, leaves), stats

@@ -65,12 +65,20 @@ XLA CPU reduces FSDP gradients with an all-reduce + slice (full-size gradient bu
 the CUDA context and NCCL buffers (about 1-2 GiB per GPU): keep a margin.
 
 Communication (bytes per device per step), the contract of DESIGN.md:
-  data    2 · G(N-1)/N              G = fp32 gradient bytes of this device's shard (its E/ep
+  data    2 · G(N-1)/N              once per step (the k microbatches summed first; per
+                                    microbatch, times k, where sharding.checks.accumulation_axes
+                                    is empty: MoE, sp > 1, pipelines);
+                                    G = fp32 gradient bytes of this device's shard (its E/ep
                                     experts included: they are reduced over data), where the
                                     wk, wv that tensor replicates (t does not divide K) count
                                     one kv head: each device's gradient covers the head it uses,
                                     and XLA reduces that slice over data before the tensor sum
-  fsdp    3 · P(N-1)/N              2 all-gathers of the weights (param dtype), 1 reduce-scatter
+  fsdp    (k·c + 4) · P(N-1)/N      P in parameters: an all-gather of the weights in the
+                                    compute dtype per microbatch (c + 4 with
+                                    parallel.fsdp_gather_once: once per step), one
+                                    reduce-scatter of the fp32 gradients per step; where
+                                    accumulation_axes is empty, XLA's per microbatch: 2
+                                    all-gathers (param dtype, p bytes) and a reduce-scatter, k·(2p + 4)
                                     (the device's E/ep experts included)
   expert  2 · G'(ep-1)/ep           G' = G less the routed experts: every other weight treats
                                     `expert` as a data axis (summed per axis, as sequence's)
@@ -135,7 +143,7 @@ from dataclasses import dataclass
 from configs.base import RunConfig
 from pipeline.schedule import in_flight, timetable, weighted
 from sharding.mesh import AXES
-from sharding.checks import batch_ranks, moe_layers, expert_d_ff
+from sharding.checks import accumulation_axes, batch_ranks, moe_layers, expert_d_ff
 from training.metrics import PEAK_FLOPS, flops_per_token
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8
@@ -349,13 +357,17 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     kv_replicated = m.n_kv_heads % sizes["tensor"] != 0
     kv_grads = 2 * 4 * m.d_model * m.n_kv_heads * m.head_dim * kv_replicated
     tensor = s.layers * ((4 + recompute) * 2 * act + 2 * kv_grads) + 2 * 2 * act
-    # the data axis reduces one kv head of the replicated wk, wv per device, not all K
-    shard -= kv_replicated * s.layers * 2 * m.d_model * (m.n_kv_heads - 1) * m.head_dim
+    local = accumulation_axes(cfg, sizes)  # gradients reduced once per step (training/step.py)
+    # XLA's per-microbatch reduction over data takes one kv head of the replicated wk, wv per
+    # device, not all K; the step's once-per-step psum takes the whole (tensor-summed) weights
+    shard -= kv_replicated * (not local) * s.layers * 2 * m.d_model * (m.n_kv_heads - 1) * m.head_dim
     replicated = shard - experts * sizes["fsdp"]  # what `expert` reduces: every weight but the experts
+    reduces = 1 if local else s.k
+    gathers = (1 if cfg.parallel.fsdp_gather_once else s.k) * c if "fsdp" in local else s.k * 2 * param_b
     volume = {
         "stage": 2 * s.k * act / sizes["tensor"] * (sizes["stage"] > 1),
-        "data": s.k * 2 * shard / sizes["fsdp"] * 4 * frac["data"],
-        "fsdp": s.k * (2 * param_b + 4) * shard * frac["fsdp"],
+        "data": reduces * 2 * shard / sizes["fsdp"] * 4 * frac["data"],
+        "fsdp": (gathers + reduces * 4) * shard * frac["fsdp"],
         "expert": s.k * 2 * replicated / sizes["fsdp"] * 4 * frac["expert"] + expert(cfg, sizes),
         "sequence": s.k * 2 * shard / sizes["fsdp"] * 4 * frac["sequence"] + context(cfg, sizes),
         "tensor": s.k * tensor * frac["tensor"],

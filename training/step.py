@@ -6,9 +6,34 @@ multiplies bf16 while gradients arrive in fp32 through the cast. Logits and the 
 are fp32.
 
 Accumulation: a batch is [k, b, L]; a `lax.scan` over the k microbatches sums fp32 gradients
-(held with the parameters' shardings) and divides by k, then one optimizer update is applied.
-Microbatches have equal token counts, so this equals the gradient of one batch of k*b.
+and divides by k, then one optimizer update is applied. Microbatches have equal token counts,
+so this equals the gradient of one batch of k*b.
 
+Where it would otherwise reduce every microbatch's gradients (k > 1; `Strategies.accumulation`
+names the axes, sharding.checks.accumulation_axes decides), the scan runs in one `shard_map`
+manual over the batch axes of size > 1 (data, fsdp, expert; tensor and sequence stay
+automatic, and the model's own regions nested inside are manual over what is left,
+sharding/rules.not_manual). Each device runs the k microbatches of its own rows and sums its
+own fp32 gradients of the whole (fsdp-gathered) weights; after the loop, once per step: a
+reduce-scatter over fsdp (psum_scatter of each weight's `embed` dimension) and an all-reduce
+over data of the shard that is left (weights fsdp does not split, the norms: one all-reduce over
+data and fsdp). Per device per step, G the fp32 gradient bytes of the device's shard and P_c
+the compute-dtype bytes of its weights before fsdp splits them (N the axis size):
+
+  data   all-reduce          2·G·(N-1)/N once (XLA reduced every microbatch: k times that)
+  fsdp   reduce-scatter      4/c·P_c·(N-1)/N once (fp32)
+         all-gather          P_c·(N-1)/N per microbatch, of the whole weight tree in the compute
+                             dtype before the microbatch's forward, kept for its backward (an
+                             optimization barrier keeps XLA from hoisting it out of the loop);
+                             once per step with parallel.fsdp_gather_once
+
+Memory (per device, for the step): the gradient accumulator is fp32 and whole over fsdp, 4 bytes
+per parameter of the device's tensor (and stage) shard, fsdp times what ZeRO-3 holds; the
+gathered weights, P_c, live through each microbatch (with fsdp_gather_once through the whole
+loop), where XLA's ZeRO-3 gathers one layer at a time. With data alone the accumulator is the
+size it always was. At k = 1 (unless fsdp_gather_once) there is nothing to accumulate: the
+step is XLA's, which reduces once and keeps ZeRO-3's memory. Pipelines, MoE models and sp > 1
+keep XLA's placement, a reduction per microbatch.
 Non-finite steps: when the loss or the gradient norm is NaN or inf, the step keeps the old
 parameters and optimizer state (an elementwise select per parameter and moment, which XLA fuses
 into the optimizer's elementwise update) and counts the step in `bad_steps` (in a row) and
@@ -25,19 +50,23 @@ the same layout and shardings, without z-loss or router losses; with pp > 1 it r
 forward of pipeline/circular.py whatever the training schedule, since all of them store the
 layers alike (contiguous per stage) and a forward needs no 1F1B interleaving of backwards.
 
-Collectives are not written here: XLA derives them from the shardings of the parameters
-(sharding/rules.py) and of the batch, e.g. the gradient all-reduce over (data, fsdp).
+Outside the accumulation region collectives are not written here: XLA derives them from the
+shardings of the parameters (sharding/rules.py) and of the batch, e.g. the gradient all-reduce
+over (data, fsdp).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import pipeline
 from pipeline.circular import pipelined_loss
@@ -45,7 +74,10 @@ from configs.base import RunConfig
 from model.loss import cross_entropy
 from model.moe import no_stats, router_loss
 from model.transformer import compute_params
+from sharding.rules import logical_to_spec
 from sharding.strategies import Strategies
+
+FSDP = "fsdp"
 
 
 class TrainState(NamedTuple):
@@ -67,24 +99,98 @@ def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConf
 
 
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig,
-                   schedule: str | None) -> tuple[jax.Array, nnx.State, dict]:
+                   schedule: str | None, accumulation: tuple[str, ...] = (),
+                   gather_once: bool = False) -> tuple[jax.Array, nnx.State, dict]:
     """Mean loss (cross-entropy), gradients (of the objective) and router statistics ({} for a
     dense model) over the k microbatches of `batch` ([k, b, L] leaves).
 
     With a pipeline `schedule` (pp > 1) the k = M microbatches run through pipeline/.
+    `accumulation`: the batch axes over which the microbatch loop runs per device, its gradients
+    reduced once per step (`Strategies.accumulation`, the module docstring); () leaves the
+    reductions to XLA. `gather_once`: fsdp's weights gathered before the loop, not per microbatch.
     """
     if schedule:
         return pipeline.loss_and_grads(params, graphdef, batch, cfg)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = () if mesh.empty else tuple(a for a in accumulation if dict(mesh.shape).get(a, 1) > 1)
+    if not axes:
+        return _accumulate(params, graphdef, batch, cfg)
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    leaves, treedef = jax.tree.flatten(params)
+    specs = [logical_to_spec(v.get_metadata().get("out_sharding") or (None,) * v.ndim, v.shape, mesh, within=axes)
+             for v in jax.tree.leaves(params, is_leaf=is_var)]
+    assert len(specs) == len(leaves)
+    batch_spec = logical_to_spec((None, "batch", None), batch["inputs"].shape, mesh, within=axes)
+    n = math.prod(dict(mesh.shape)[a] for a in axes)
+
+    def local(leaves: list, batch: dict) -> tuple:
+        """One device's k microbatches: its own rows of the batch, its fsdp shard of the weights."""
+        gather = functools.partial(jax.tree.map, _all_gather, specs)
+        weights = compute_params(leaves, cfg.model.compute_dtype)  # the shard, cast before the gather
+        if gather_once:
+            weights = gather(weights)
+        loss, grads, stats = _accumulate(
+            weights, graphdef, batch, cfg, treedef=treedef, prepare=None if gather_once else gather,
+            grad_dtypes=[a.dtype for a in leaves])
+        grads = [_reduce(g, spec, axes) / n for g, spec in zip(grads, specs)]
+        return jax.lax.psum(loss, axes) / n, grads, jax.tree.map(lambda s: jax.lax.psum(s, axes) / n, stats)
+
+    region = jax.shard_map(local, in_specs=(specs, {"inputs": batch_spec, "targets": batch_spec}),
+                           out_specs=(P(), specs, P()), axis_names=set(axes), check_vma=False)
+    loss, grads, stats = region(leaves, batch)
+    return loss, jax.tree.unflatten(treedef, grads), stats
+
+
+def _accumulate(weights, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig, treedef=None,
+                prepare: Callable | None = None, grad_dtypes: list | None = None) -> tuple:
+    """The scan over the k microbatches: (mean loss, mean gradients, mean router statistics).
+    `weights`: the parameter tree, or (in the accumulation region) the flat list of its leaves
+    (`treedef`), passed through `prepare` (fsdp's all-gather) at every microbatch; the gradients
+    are summed in `grad_dtypes` (the parameters' fp32), with the gathered weights' shapes."""
+    as_tree = (lambda w: w) if treedef is None else functools.partial(jax.tree.unflatten, treedef)
+
+    def objective(w, microbatch):
+        return loss_fn(as_tree(w), graphdef, microbatch, cfg)
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
 
     def micro(acc, microbatch):
-        (_, (loss, stats)), grads = grad_fn(params, graphdef, microbatch, cfg)
+        w = weights
+        if prepare:  # tied to the iteration, so that XLA does not hoist the gather out of the loop
+            w, acc = jax.lax.optimization_barrier((w, acc))
+        (_, (loss, stats)), grads = grad_fn(prepare(w) if prepare else w, microbatch)
+        grads = jax.tree.map(lambda a, g: g.astype(a.dtype), acc[1], grads)
         return jax.tree.map(jnp.add, acc, (loss, grads, stats)), None
 
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), no_stats(cfg.model))
+    shapes = jax.eval_shape(prepare, weights) if prepare else weights
+    dtypes = grad_dtypes or [w.dtype for w in jax.tree.leaves(weights)]
+    zero_grads = jax.tree.unflatten(jax.tree.structure(shapes),
+                                    [jnp.zeros(s.shape, d) for s, d in zip(jax.tree.leaves(shapes), dtypes)])
+    zeros = (jnp.zeros((), jnp.float32), zero_grads, no_stats(cfg.model))
     totals, _ = jax.lax.scan(micro, zeros, batch)
     k = batch["inputs"].shape[0]
     return jax.tree.map(lambda t: t / k, totals)
+
+
+def _all_gather(spec: P, w: jax.Array) -> jax.Array:
+    """w whole over fsdp: an all-gather of each dimension that `spec` splits over fsdp."""
+    for dim, axes in enumerate(spec):
+        if axes is not None and FSDP in (axes if isinstance(axes, tuple) else (axes,)):
+            w = jax.lax.all_gather(w, FSDP, axis=dim, tiled=True)
+    return w
+
+
+def _reduce(g: jax.Array, spec: P, axes: tuple[str, ...]) -> jax.Array:
+    """A device's summed gradient of a whole (fsdp-gathered) weight -> its shard of the sum over
+    the batch `axes`: a reduce-scatter over fsdp where `spec` splits the weight over it, then an
+    all-reduce over the other axes of the (smaller) shard."""
+    scattered = ()
+    for dim, dim_axes in enumerate(spec):
+        if dim_axes is not None and FSDP in (dim_axes if isinstance(dim_axes, tuple) else (dim_axes,)):
+            g = jax.lax.psum_scatter(g, FSDP, scatter_dimension=dim, tiled=True)
+            scattered = (FSDP,)
+    rest = tuple(a for a in axes if a not in scattered)
+    return jax.lax.psum(g, rest) if rest else g
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr: optax.Schedule,
@@ -92,7 +198,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
     """(state, batch) -> (state, metrics); jit it with the state's shardings."""
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        loss, grads, stats = loss_and_grads(state.params, graphdef, batch, cfg, strategies.schedule)
+        loss, grads, stats = loss_and_grads(state.params, graphdef, batch, cfg, strategies.schedule,
+                                            strategies.accumulation, strategies.fsdp_gather_once)
         with jax.named_scope("optimizer"):
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
