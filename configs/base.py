@@ -115,11 +115,12 @@ class ParallelConfig:
     per device for interleaved.
 
     Gradient accumulation (training/step.py; k > 1 microbatches, pp = 1, dense, sp = 1): the
-    microbatches' gradients are summed on each device and reduced over the batch axes once per
-    step. `fsdp_gather_once` all-gathers the weights (compute dtype, bf16 by default) over fsdp
-    once per step, before the microbatch loop, and keeps them through it (ZeRO-2 style: the
-    whole weights of the device's tensor shard stay in memory; at k = 1 too); false gathers
-    them again for every microbatch.
+    microbatches' gradients are summed on each device and all-reduced over data once per step;
+    over fsdp XLA's ZeRO-3 gathers and reduce-scatters each layer in every microbatch. With
+    `fsdp_gather_once` the weights are all-gathered (compute dtype, bf16 by default) over fsdp
+    once per step, before the microbatch loop, kept through it, and the summed gradients
+    reduce-scattered once (the memory of whole weights of the device's tensor shard and a whole
+    fp32 gradient accumulator; at k = 1 too).
     """
 
     stage: int = 1

@@ -3,7 +3,8 @@
 The stacked layers [X, ...] are split over `stage` by the rules table ('layers' -> stage):
 stage s holds X/p contiguous layers and never gathers the others. `parallel.schedule` picks
 how the M microbatches of a step (`parallel.microbatches`, default p) travel the stages:
-gpipe and interleaved in pipeline/circular.py, 1f1b in pipeline/one_f_one_b.py; their
+gpipe and interleaved in pipeline/circular.py, the 1F1B family (1f1b, interleaved-1f1b,
+zb-h1) in pipeline/one_f_one_b.py (zb-h1's B/W split: pipeline/split_backward.py); their
 timetables are pipeline/schedule.py. What a pipeline needs of the config (layers divisible by
 p·V, at least p microbatches, ...) is checked in sharding/checks.py.
 
@@ -15,15 +16,17 @@ the whole batch, as without a pipeline.
 
 from __future__ import annotations
 
-import jax
-from flax import nnx
+from typing import TYPE_CHECKING
 
-from configs.base import RunConfig
-from pipeline import circular, one_f_one_b
-from pipeline.stages import stages
 from sharding.checks import ONE_F_ONE_B
 
-__all__ = ["loss_and_grads", "stages"]
+if TYPE_CHECKING:  # importing the package stays jax-free: tools.estimate reads pipeline.schedule
+    import jax
+    from flax import nnx
+
+    from configs.base import RunConfig
+
+__all__ = ["loss_and_grads"]
 
 
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
@@ -32,6 +35,8 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
     statistics (model/moe.py; {} for a dense model) of the [M, b, L] batch, pipelined by
     `parallel.schedule`. Each stage sums the statistics of its MoE layers over the microbatches
     it runs (idle ticks masked out), and the sums meet across `stage` once per step."""
+    from pipeline import circular, one_f_one_b
+
     if cfg.parallel.schedule in ONE_F_ONE_B:
         return one_f_one_b.loss_and_grads(params, graphdef, batch, cfg)
     return circular.loss_and_grads(params, graphdef, batch, cfg)

@@ -1,20 +1,20 @@
-"""The 1F1B family in one SPMD program: 1f1b and interleaved-1f1b. Each stage alternates
-forwards and backwards of different microbatches, with its own per-stage `jax.vjp`; no
-autodiff through the schedule.
+"""The 1F1B family in one SPMD program: 1f1b, interleaved-1f1b and zb-h1. Each stage
+alternates forwards and backwards of different microbatches, with its own per-stage `jax.vjp`;
+no autodiff through the schedule.
 
-Layout (p stages, V chunks per stage, V = 1 for 1f1b, X layers, Lc = X/(p·V)): blocks [X, ...]
--> [V, p·Lc, ...], p·Lc split over stage: device s holds [V, Lc, ...], its chunk v = layers
-(v·p + s)·Lc ... + Lc - 1. V = 1 is the stored layout (no data moves); V > 1 re-lays the stored
-contiguous split every step as the circular schedules do ((V-1)/V of each device's layer
-weights forward, their gradients backward, over `stage`). The embedding, final norm and head
-are replicated over stage and used by stage 0 chunk 0 (embedding) and stage p-1 chunk V-1
-(head and loss) inside the schedule: the backward of microbatch 0 starts before microbatch M-1
-has entered, so each microbatch's loss is computed where its forward ends and its cotangent
-starts there. Their gradients are summed over stage once per step (an all-reduce of the
-embedding, norm and head: 2·(V·D+D)(p-1)/p elements per device).
+Layout (p stages, V chunks per stage, V = 1 but for interleaved-1f1b, X layers, Lc = X/(p·V)):
+blocks [X, ...] -> [V, p·Lc, ...], p·Lc split over stage: device s holds [V, Lc, ...], its
+chunk v = layers (v·p + s)·Lc ... + Lc - 1. V = 1 is the stored layout (no data moves); V > 1
+re-lays the stored contiguous split every step as the circular schedules do ((V-1)/V of each
+device's layer weights forward, their gradients backward, over `stage`). The embedding, final
+norm and head are replicated over stage and used by stage 0 chunk 0 (embedding) and stage p-1
+chunk V-1 (head and loss) inside the schedule: the backward of microbatch 0 starts before
+microbatch M-1 has entered, so each microbatch's loss is computed where its forward ends and
+its cotangent starts there. Their gradients are summed over stage once per step (an
+all-reduce of the embedding, norm and head: 2·(V·D+D)(p-1)/p elements per device).
 
 Tick program (one `lax.scan` over the ticks of pipeline/schedule.py's table; every device runs
-it and picks its own cell with `lax.axis_index`; the slots below are assigned on the host,
+it and picks its own cell with `lax.axis_index`; the buffer slots are assigned on the host,
 `program`):
 
   1. receive: ppermute the forward output sent last tick to s+1, the input gradient to s-1
@@ -22,15 +22,18 @@ it and picks its own cell with `lax.axis_index`; the slots below are assigned on
      two collective-permutes of b·L·D per tick; an arriving value is written to its slot of
      `inputs` (forward) or `inbox` (gradient);
   2. input: stage 0 chunk 0 embeds microbatch m's tokens, the others read their `inputs` slot;
-  3. the cell, a `lax.switch` over `CELLS` (functions of the stage's parameters, chunk v, the
-     input x, the gradient g, the cell's residual slot, the microbatch's targets and the
-     carry's `Sent`):
-     F                 run chunk v's layers under `jax.vjp`, send the output, keep the vjp's
-                       residuals in a `residuals` slot until B
-     F on p-1, V-1     nothing: the input waits in `inputs` for B
-     B                 the vjp from the kept residuals, cotangent g: chunk v's gradients
-                       (fp32, summed in the carry) and dx, sent to s-1
-     B on p-1, V-1     value_and_grad of chunk V-1 + head + loss (scaled 1/M) from the input
+  3. the cell, a `lax.switch` over `CELLS` (`SPLIT_CELLS` for zb-h1), functions of the stage's
+     parameters, chunk v, the cell's slots, the input x, the gradient g, the microbatch's
+     targets and the carry's `Sent`:
+     F      run chunk v's layers under `jax.vjp`, send the output, keep the vjp's residuals in
+            a `residuals` slot until B (the last chunk's output waits in its input slot)
+     B      the vjp from the kept residuals, cotangent g: chunk v's gradients (fp32, summed in
+            the carry) and dx, sent to s-1; on the last chunk first the head and loss (scaled
+            1/M), forward and backward, give its cotangent
+     split (zb-h1, pipeline/split_backward.py): B computes dx only and leaves in a `stash`
+            slot what W needs (each matmul's output cotangent); W, a later tick, the weight
+            gradients from the residuals and the stash. All weight-gradient matmuls stay in W
+            (B + W hold the unsplit B's matmuls, none twice)
   4. embedding backward: the table's gradient from stage 0 chunk 0's dx (zero elsewhere).
 
 Residuals and the remat policy (model.remat): the residuals are exactly what `jax.vjp` keeps,
@@ -39,14 +42,21 @@ none, dots or attn the layers' policy decides them (none: every intermediate; do
 outputs; attn: q, k, v and the attention output; plus each layer's input): B runs only the
 backward, no forward is recomputed. With remat full the whole chunk is one checkpoint, so its
 residual is its input [b, L, D] and B recomputes the chunk's forward (inside which each layer
-is rematerialised again), the schedule's memory floor: 2 extra forwards per microbatch.
+is rematerialised again): the least memory, 2 extra forwards per microbatch.
 
-Memory per stage, flat in M: `inputs` slots x [b, L, D] (arrived, not yet run), `inbox` slots
-x [b, L, D] (gradients not yet used) and `residuals` slots x R (R: one chunk's residuals for
-one microbatch; remat full: b·L·D), slot counts from the table: for 1f1b, residual slots = p
-(stage 0 holds p microbatches between their F and B), 1 input and 1 inbox slot; for
-interleaved-1f1b, residual slots about 2p + (V-2)·p/... as the table gives (`program`). GPipe
-holds the residuals of all M microbatches instead.
+Memory per stage, flat in M (`stash_bytes`; slot counts from the table, the most any stage
+holds at once): `inputs` 2 slots x [b, L, D], `inbox` 1 (2 interleaved) x [b, L, D], and
+`residuals` slots x R (R: one chunk's residuals for one microbatch; remat full: b·L·D):
+p slots for 1f1b (stage 0 between F and B), 2(p-1) + (V-1)p + 1 for interleaved-1f1b once
+M >= 2p (11 at p = 4, V = 2), p for zb-h1 (held until W); zb-h1 adds p `stash` slots of the
+chunk's matmul output cotangents, about ((N+2K)·H/t + 4·D + 2·F/t)·b·L per layer. GPipe holds
+the residuals of all M microbatches instead.
+
+Under fsdp the stage's compute-dtype weights are gathered once per step, before the scan
+(`whole_over_fsdp`), and the gradients accumulate whole: ZeRO-1 style within the step (the
+fp32 master weights and AdamW moments stay split). The gradient's reduction over fsdp still
+runs in each backward cell (XLA reduces the partial sums it sees); reducing once needs the
+batch axes manual here too.
 
 The embedding (2 and 4) runs outside the switch, on every stage every tick: the devices of
 different stages take different branches, so a branch may hold only collectives whose devices
@@ -56,7 +66,7 @@ that took another branch (the tensor-parallel all-reduces, all-gathers and reduc
 inside the stage's layers stay within a stage). The cost is a [b, L, D] gather and
 scatter-add per tick on the stages that do not need them. The head's collectives (the vocab
 split over tensor) stay within the last stage. tp_overlap's rings are collective-permutes too,
-hence refused with this family (sharding/checks.py).
+hence refused with this family (sharding/checks.py), and so is the context-parallel ring.
 """
 
 from __future__ import annotations

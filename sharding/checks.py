@@ -69,7 +69,8 @@ BATCH_AXES = ("data", "fsdp", "expert")
 def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
     """The batch axes (of size > 1) over which the step's microbatch loop runs per device, its
     gradients summed locally and reduced once per step (training/step.py), when there are k > 1
-    microbatches or parallel.fsdp_gather_once asks for the gathered weights. () where XLA places
+    microbatches or parallel.fsdp_gather_once asks for the gathered weights: data, and fsdp only
+    with parallel.fsdp_gather_once (otherwise XLA's ZeRO-3 inside). () where XLA places
     the reductions: one microbatch (once per step already, and FSDP's weights gathered a layer
     at a time), pipelines (their own schedule), MoE models (their regions sum the router
     statistics over the token axes) and sp > 1 (weights replicated over `sequence`)."""
@@ -79,7 +80,11 @@ def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
     k = per_rank // (cfg.train.micro_batch_size or per_rank)
     if k == 1 and not (cfg.parallel.fsdp_gather_once and sizes["fsdp"] > 1):
         return ()
-    return tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    if not cfg.parallel.fsdp_gather_once:  # fsdp stays XLA's (ZeRO-3): a layer's weights gathered
+        # when used and its gradient reduce-scattered per microbatch, so neither is ever whole
+        axes = tuple(a for a in axes if a != "fsdp")
+    return axes
 
 
 def check_accumulation(cfg: RunConfig, sizes: dict[str, int]) -> None:

@@ -76,10 +76,13 @@ def test_estimate_terms_follow_the_mesh():
     k = cfg.train.global_batch_size // 8  # the preset's one sequence per microbatch: 32 per rank
     dp8 = estimate.communication(cfg, one | {"data": 8})  # the k microbatches' gradients reduced once
     assert dp8 == {"data": pytest.approx(2 * 4 * p * 7 / 8)}
-    fsdp8 = estimate.communication(cfg, one | {"fsdp": 8})  # bf16 gathers per microbatch, one fp32 reduce-scatter
-    assert fsdp8 == {"fsdp": pytest.approx((k * 2 + 4) * p * 7 / 8, rel=1e-3)}  # (norms unsplit)
+    fsdp8 = estimate.communication(cfg, one | {"fsdp": 8})  # ZeRO-3 per microbatch: 2 fp32 gathers, 1 reduce-scatter
+    assert fsdp8 == {"fsdp": pytest.approx(k * (2 * 4 + 4) * p * 7 / 8, rel=1e-3)}  # (norms unsplit)
     once = estimate.communication(apply_overrides(cfg, ["parallel.fsdp_gather_once=true"]), one | {"fsdp": 8})
     assert once == {"fsdp": pytest.approx((2 + 4) * p * 7 / 8, rel=1e-3)}
+    whole = estimate.memory(apply_overrides(cfg, ["parallel.fsdp_gather_once=true"]), one | {"fsdp": 8})
+    assert whole["gathered once"] == pytest.approx(p / 8 * 7 * (2 + 4), rel=0.01)  # bf16 weights + fp32 accumulator
+    assert estimate.memory(cfg, one | {"fsdp": 8})["gathered once"] == 0
     assert estimate.link_bandwidth(one | {"data": 8, "tensor": 8}, "tensor") == estimate.NVLINK
     assert estimate.link_bandwidth(one | {"data": 8, "tensor": 8}, "data") == estimate.INFINIBAND
     k = cfg.train.global_batch_size // 2  # 128 microbatches of one sequence per data rank
@@ -294,10 +297,9 @@ def test_measured_links_set_the_step_time(tmp_path):
                                        "data+tensor": {"all-reduce": {"latency_us": 1.0, "busbw_GBps": 1.0}}})
     report = plan(cfg, sizes, estimate.GPUS["h100"], None, load(path))
     datasheet = estimate.step_time(cfg, sizes, estimate.GPUS["h100"])
-    k = cfg.train.global_batch_size // 8  # microbatches of one sequence per data rank
-    g = 4 * estimate.local_params(cfg, sizes)  # fp32 gradient bytes of the device's tensor shard
-    assert report["time"]["comm_s"]["data"] == pytest.approx(100e-6 + k * 2 * g * 7 / 8 / 20e9)
-    assert datasheet["comm_s"]["data"] == pytest.approx(k * 2 * g * 7 / 8 / estimate.INFINIBAND)
+    g = 4 * estimate.local_params(cfg, sizes)  # fp32 gradient bytes of the device's tensor shard, reduced once per step
+    assert report["time"]["comm_s"]["data"] == pytest.approx(100e-6 + 2 * g * 7 / 8 / 20e9)
+    assert datasheet["comm_s"]["data"] == pytest.approx(2 * g * 7 / 8 / estimate.INFINIBAND)
     assert report["time"]["comm_s"]["tensor"] == datasheet["comm_s"]["tensor"]
     assert report["links"] == {"data": f"measured {path} (all-reduce: 100.0 us + bytes / 20 GB/s, on dp=8,tp=8)",
                                "tensor": "datasheet NVLink 450 GB/s"}

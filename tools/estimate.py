@@ -21,6 +21,8 @@ Memory (bytes per device), the terms `memory()` returns:
               gradients (measured on XLA CPU: the optimizer phase holds about 2 gradient copies)
   gathered    FSDP only: the embedding and head gathered whole (V·D/t each, param dtype) and
               their full-size gradients before the reduce: 4 · V·D/t · 4
+  gathered once  parallel.fsdp_gather_once: the rest of the weights whole over fsdp in the
+              compute dtype and a whole fp32 gradient accumulator: P_local·(fsdp-1)·(c + 4)
   saved       activations kept for backward: X/pp layers of one microbatch; under gpipe and
               interleaved every tick's (the ticks of the schedule's table, V·M+p-1, of X/(p·V)
               layers: autodiff through the tick scan keeps the idle ticks' too; at least the
@@ -67,18 +69,18 @@ the CUDA context and NCCL buffers (about 1-2 GiB per GPU): keep a margin.
 Communication (bytes per device per step), the contract of DESIGN.md:
   data    2 · G(N-1)/N              once per step (the k microbatches summed first; per
                                     microbatch, times k, where sharding.checks.accumulation_axes
-                                    is empty: MoE, sp > 1, pipelines);
+                                    is empty: k = 1, MoE, sp > 1, pipelines);
                                     G = fp32 gradient bytes of this device's shard (its E/ep
                                     experts included: they are reduced over data), where the
                                     wk, wv that tensor replicates (t does not divide K) count
                                     one kv head: each device's gradient covers the head it uses,
                                     and XLA reduces that slice over data before the tensor sum
-  fsdp    (k·c + 4) · P(N-1)/N      P in parameters: an all-gather of the weights in the
-                                    compute dtype per microbatch (c + 4 with
-                                    parallel.fsdp_gather_once: once per step), one
-                                    reduce-scatter of the fp32 gradients per step; where
-                                    accumulation_axes is empty, XLA's per microbatch: 2
-                                    all-gathers (param dtype, p bytes) and a reduce-scatter, k·(2p + 4)
+  fsdp    k·(2p + 4) · P(N-1)/N     P in parameters: XLA's ZeRO-3, per microbatch 2 all-gathers
+                                    of each layer's weights (param dtype, p bytes) and a
+                                    reduce-scatter of its fp32 gradient; with
+                                    parallel.fsdp_gather_once (c + 4) · P(N-1)/N: the weights
+                                    gathered whole in the compute dtype once per step, the
+                                    gradients reduce-scattered once
                                     (the device's E/ep experts included)
   expert  2 · G'(ep-1)/ep           G' = G less the routed experts: every other weight treats
                                     `expert` as a data axis (summed per axis, as sequence's)
@@ -335,11 +337,15 @@ def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         "optimizer": 2 * p_local * param_b,
         "gradients": p_local * 4,
         "gathered": 4 * m.vocab_size * m.d_model / sizes["tensor"] * 4 if sizes["fsdp"] > 1 else 0.0,
+        # parallel.fsdp_gather_once: the weights whole in the compute dtype and the whole fp32
+        # gradient accumulator, for the step (training/step.py)
+        "gathered once": p_local * (sizes["fsdp"] - 1) * (DTYPE_BYTES[m.compute_dtype] + 4)
+        if "fsdp" in accumulation_axes(cfg, sizes) else 0.0,
         "update": p_local * 4 if sizes["fsdp"] == 1 else 0.0,
         "saved activations": saved,
         "working": max((1 if m.remat == "none" else 1.5) * layer + piece, logits),
     }
-    fixed = sum(terms[n] for n in ("params", "optimizer", "gradients", "gathered"))
+    fixed = sum(terms[n] for n in ("params", "optimizer", "gradients", "gathered", "gathered once"))
     terms["peak"] = fixed + max(terms["update"], saved + terms["working"])
     return terms
 
@@ -362,12 +368,12 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     # device, not all K; the step's once-per-step psum takes the whole (tensor-summed) weights
     shard -= kv_replicated * (not local) * s.layers * 2 * m.d_model * (m.n_kv_heads - 1) * m.head_dim
     replicated = shard - experts * sizes["fsdp"]  # what `expert` reduces: every weight but the experts
-    reduces = 1 if local else s.k
+    reduces = {axis: 1 if axis in local else s.k for axis in ("data", "fsdp")}
     gathers = (1 if cfg.parallel.fsdp_gather_once else s.k) * c if "fsdp" in local else s.k * 2 * param_b
     volume = {
         "stage": 2 * s.k * act / sizes["tensor"] * (sizes["stage"] > 1),
-        "data": reduces * 2 * shard / sizes["fsdp"] * 4 * frac["data"],
-        "fsdp": (gathers + reduces * 4) * shard * frac["fsdp"],
+        "data": reduces["data"] * 2 * shard / sizes["fsdp"] * 4 * frac["data"],
+        "fsdp": (gathers + reduces["fsdp"] * 4) * shard * frac["fsdp"],
         "expert": s.k * 2 * replicated / sizes["fsdp"] * 4 * frac["expert"] + expert(cfg, sizes),
         "sequence": s.k * 2 * shard / sizes["fsdp"] * 4 * frac["sequence"] + context(cfg, sizes),
         "tensor": s.k * tensor * frac["tensor"],
