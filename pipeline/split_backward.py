@@ -208,23 +208,28 @@ class _Plan:
 
     # -- evaluation
 
+    def _run(self, env: dict, eqns: Sequence[int], split_scan: Callable) -> None:
+        """Evaluate the equations `eqns` into env; a split scan's outputs come from
+        split_scan(index) (None where this side does not compute them)."""
+        for i in eqns:
+            eqn = self.jaxpr.eqns[i]
+            outs = split_scan(i) if i in self.scans else _bind(eqn, [_read(env, v) for v in eqn.invars])
+            for v, o in zip(eqn.outvars, outs):
+                if o is not None:
+                    env[v] = o
+
     def eval_b(self, inputs: dict) -> tuple[list, list]:
         """inputs: invar -> value (at least the inputs B reads). Returns (B outputs, stash)."""
         env = dict(zip(self.jaxpr.constvars, self.consts))
         env.update(inputs)
         inner: list = []
-        for i in self.b_eqns:
-            eqn = self.jaxpr.eqns[i]
-            if i in self.scans:
-                outs, st = self.scans[i].run_b(env)
-                inner += st
-                for v, o in zip(eqn.outvars, outs):
-                    if o is not None:
-                        env[v] = o
-            else:
-                outs = _bind(eqn, [_read(env, v) for v in eqn.invars])
-                for v, o in zip(eqn.outvars, outs):
-                    env[v] = o
+
+        def scan_b(i: int) -> list:
+            outs, stash = self.scans[i].run_b(env)
+            inner.extend(stash)
+            return outs
+
+        self._run(env, self.b_eqns, scan_b)
         outs = [_as_out(_read(env, v), v.aval) for v, b in zip(self.jaxpr.outvars, self.b_out) if b]
         stash = [env[v] for v in self.stash_vars] + inner
         return outs, stash
@@ -242,17 +247,7 @@ class _Plan:
                 inner[i] = list(stash[n:n + k])
                 n += k
         assert n == len(stash), (n, len(stash))
-        for i in self.w_eqns:
-            eqn = self.jaxpr.eqns[i]
-            if i in self.scans:
-                outs = self.scans[i].run_w(env, inner.get(i, []))
-                for v, o in zip(eqn.outvars, outs):
-                    if o is not None:
-                        env[v] = o
-            else:
-                outs = _bind(eqn, [_read(env, v) for v in eqn.invars])
-                for v, o in zip(eqn.outvars, outs):
-                    env[v] = o
+        self._run(env, self.w_eqns, lambda i: self.scans[i].run_w(env, inner.get(i, [])))
         return [_as_out(_read(env, v), v.aval) for v, w in zip(self.jaxpr.outvars, self.w_out) if w]
 
 
@@ -458,19 +453,24 @@ class _ScanSplit:
         iv = self.body_j.invars
         return iv[:self.nc], iv[self.nc:self.nc + self.nk], iv[self.nc + self.nk:]
 
+    def _scan_args(self, env: dict, uses: Sequence[bool], body_uses: Sequence[bool], carries: Any) -> tuple:
+        """What one side's scan reads: (its body consts {var: value}, the body's carry and xs
+        invars, the side's carry indices, its xs indices, the initial carries, the xs)."""
+        c_in, k_in, x_in = self._split_invars()
+        ins = [_read(env, v) if u else None for v, u in zip(self.eqn.invars, uses)]
+        consts = {c_in[j]: ins[j] for j in range(self.nc) if body_uses[j]}
+        ks = sorted(carries)
+        xj = [j for j in range(self.nx) if body_uses[self.nc + self.nk + j]]
+        return (consts, k_in, x_in, ks, xj, [ins[self.nc + k] for k in ks],
+                [ins[self.nc + self.nk + j] for j in xj])
+
     def run_b(self, env: dict) -> tuple[list, list]:
         """The B scan. Returns (the equation's outputs, None where B does not compute them; the
         stacked stash)."""
         eqn, body = self.eqn, self.body
         if not self.has_b:
             return [None] * len(eqn.outvars), []
-        c_in, k_in, x_in = self._split_invars()
-        ins = [_read(env, v) if u else None for v, u in zip(eqn.invars, self.b_in)]
-        consts = {c_in[j]: ins[j] for j in range(self.nc) if body.b_invars[j]}
-        kb = sorted(self.kb)
-        xj = [j for j in range(self.nx) if body.b_invars[self.nc + self.nk + j]]
-        init = [ins[self.nc + k] for k in kb]
-        xs = [ins[self.nc + self.nk + j] for j in xj]
+        consts, k_in, x_in, kb, xj, init, xs = self._scan_args(env, self.b_in, body.b_invars, self.kb)
 
         def step(carry, x):
             inputs = dict(consts)
@@ -492,13 +492,7 @@ class _ScanSplit:
         """The W scan, reading B's stacked stash. Returns the equation's outputs (None where W
         does not compute them)."""
         eqn, body = self.eqn, self.body
-        c_in, k_in, x_in = self._split_invars()
-        ins = [_read(env, v) if u else None for v, u in zip(eqn.invars, self.w_in)]
-        consts = {c_in[j]: ins[j] for j in range(self.nc) if body.w_invars[j]}
-        kw = sorted(self.kw)
-        xj = [j for j in range(self.nx) if body.w_invars[self.nc + self.nk + j]]
-        init = [ins[self.nc + k] for k in kw]
-        xs = [ins[self.nc + self.nk + j] for j in xj]
+        consts, k_in, x_in, kw, xj, init, xs = self._scan_args(env, self.w_in, body.w_invars, self.kw)
 
         def step(carry, x):
             xv, st = x

@@ -250,6 +250,17 @@ def _cells(jaxpr):
     return None
 
 
+def _cell_dots(schedule: str, remat: str) -> list[int]:
+    """Matmuls in each cell of the schedule's switch (IDLE, F, B, W, B of the last chunk), pp=2."""
+    cfg = small_config("pp=2", f"parallel.schedule={schedule}", f"model.remat={remat}")
+    mesh = build_mesh(cfg.parallel, _devices(cfg))
+    job = build(cfg, mesh)
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
+                                                 schedule=schedule))(job.state.params, batch=job.batches(0))
+    return [_dots(branch.jaxpr) for branch in _cells(jaxpr.jaxpr)]
+
+
 @pytest.mark.parametrize("remat", ["none", "dots", "full"])
 def test_1f1b_backward_recomputes_no_forward_unless_remat_full(remat):
     """The B cell runs the vjp from the residuals kept by its F: with remat none it holds
@@ -259,13 +270,7 @@ def test_1f1b_backward_recomputes_no_forward_unless_remat_full(remat):
     remat): 4 per forward matmul, less the one whose result only the discarded forward uses.
     The last chunk's B runs the head and loss forward and backward (3 matmuls), then the same
     backward as any B."""
-    cfg = small_config("pp=2", "parallel.schedule=1f1b", f"model.remat={remat}")
-    mesh = build_mesh(cfg.parallel, _devices(cfg))
-    job = build(cfg, mesh)
-    with jax.set_mesh(mesh):
-        jaxpr = jax.make_jaxpr(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
-                                                 schedule="1f1b"))(job.state.params, batch=job.batches(0))
-    idle, forward, backward, weight, last = (_dots(branch.jaxpr) for branch in _cells(jaxpr.jaxpr))
+    idle, forward, backward, weight, last = _cell_dots("1f1b", remat)
     assert (idle, forward, weight) == (0, 9, 0)  # one layer: q, k, v, o, q·k, p·v, gate, up, down
     assert backward == {"none": 18, "dots": 20, "full": 35}[remat]
     assert last == 3 + backward
@@ -277,13 +282,7 @@ def test_zb_h1_splits_the_backward_without_repeating_work(remat):
     matmuls (q, k, v, o, gate, up, down): together the unsplit B's matmuls, none twice
     (pipeline/split_backward.py); remat full recomputes the chunk's forward in B. The last
     chunk's B runs the head and loss forward and backward (3 matmuls), then the chain."""
-    cfg = small_config("pp=2", "parallel.schedule=zb-h1", f"model.remat={remat}")
-    mesh = build_mesh(cfg.parallel, _devices(cfg))
-    job = build(cfg, mesh)
-    with jax.set_mesh(mesh):
-        jaxpr = jax.make_jaxpr(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
-                                                 schedule="zb-h1"))(job.state.params, batch=job.batches(0))
-    idle, forward, backward, weight, last = (_dots(branch.jaxpr) for branch in _cells(jaxpr.jaxpr))
+    idle, forward, backward, weight, last = _cell_dots("zb-h1", remat)
     unsplit = {"none": 18, "full": 35}[remat]
     assert (idle, forward, weight) == (0, 9, 7)
     assert backward + weight == unsplit

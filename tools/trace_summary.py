@@ -73,14 +73,19 @@ def _overlap(a: tuple[float, float], covered: list[tuple[float, float]]) -> floa
     return sum(max(0.0, min(a[1], b) - max(a[0], s)) for s, b in covered)
 
 
-def summarize(run_dir: Path) -> dict:
-    """Per-step times (ms) per scope and kind, the exposed communication and one step's events."""
+def _step_events(run_dir: Path) -> tuple[Path, dict, list]:
+    """(the trace's path, the HLO's {instruction: (kind, scope)}, the train step's op events)."""
     trace_path, hlo_path = find_trace(run_dir)
     ops = hlo_ops(hlo_path.read_text())
     events = json.load(gzip.open(trace_path))
     events = events["traceEvents"] if isinstance(events, dict) else events
-    step_events = [e for e in events if e.get("ph") == "X" and e.get("args", {}).get("hlo_op") in ops
-                   and "train_step" in e["args"].get("hlo_module", "")]
+    return trace_path, ops, [e for e in events if e.get("ph") == "X" and e.get("args", {}).get("hlo_op") in ops
+                             and "train_step" in e["args"].get("hlo_module", "")]
+
+
+def summarize(run_dir: Path) -> dict:
+    """Per-step times (ms) per scope and kind, the exposed communication and one step's events."""
+    trace_path, ops, step_events = _step_events(run_dir)
     runs = defaultdict(int)
     for e in step_events:
         runs[e["args"]["run_id"]] += 1
@@ -116,12 +121,7 @@ def stage_idle(run_dir: Path, stage_of: dict[int, int]) -> dict:
     step = from the first to the last op of that step on any device. `stage_of`: {device
     ordinal: stage}; a stage's figures are the mean over its devices and the traced steps.
     Ops a schedule runs on masked inputs (gpipe's idle cells compute on zeros) count as compute."""
-    trace_path, hlo_path = find_trace(run_dir)
-    ops = hlo_ops(hlo_path.read_text())
-    events = json.load(gzip.open(trace_path))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    step_events = [e for e in events if e.get("ph") == "X" and e.get("args", {}).get("hlo_op") in ops
-                   and "train_step" in e["args"].get("hlo_module", "")]
+    trace_path, ops, step_events = _step_events(run_dir)
     spans: dict[object, list[float]] = {}
     groups: dict[tuple, list] = defaultdict(list)
     for e in step_events:
