@@ -44,8 +44,12 @@ def over_stages(body: Callable, in_specs: Any, out_specs: Any) -> Callable:
 
 
 def buffer(shape: tuple[int, ...], dtype: DTypeLike) -> jax.Array:
-    """A NaN-filled buffer."""
-    return jnp.full(shape, FILL, dtype)
+    """A NaN-filled buffer (integer ones, e.g. a MoE layer's kept expert ids: the dtype's least
+    value, as far out of any index range; booleans: False)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.full(shape, FILL, dtype)
+    return jnp.full(shape, jnp.iinfo(dtype).min if jnp.issubdtype(dtype, jnp.integer) else False, dtype)
 
 
 def with_part(params: nnx.State, name: str, part: nnx.State) -> nnx.State:

@@ -161,7 +161,7 @@ def test_layer_on_expert_meshes_equals_one_device(mesh):
 
 STEP_CASES = [
     ("fsdp=2,ep=2,tp=2", "model.moe_dispatch=capacity", "model.capacity_factor=4", "train.micro_batch_size=2"),
-    ("pp=2,ep=2",), ("pp=2,dp=2,ep=2", "parallel.schedule=1f1b"),
+    ("pp=2,ep=2",), ("pp=2,dp=2,ep=2", "parallel.schedule=1f1b"), ("pp=2,ep=2", "parallel.schedule=zb-h1"),
 ]
 
 
@@ -171,8 +171,8 @@ def test_train_step_equals_single_device(case, moe_reference, corpus):
     (conftest.assert_same_run: fp32, rtol 2e-5 on losses, atol 1e-6 + rtol 1e-4 on gradients),
     all with two microbatches of 8: experts beside fsdp and tensor with capacity dispatch that
     drops nothing (cf = E/k), and in pipelines: gpipe, where each stage sums its router
-    statistics over its active ticks, and 1f1b beside data, where each B cell's vjp carries its
-    stage's router loss. The layer alone is checked on more meshes above (data, sequence, tensor
+    statistics over its active ticks, 1f1b beside data, where each B cell's vjp carries its
+    stage's router loss, and zb-h1, whose split B and W carry the experts' ragged matmuls. The layer alone is checked on more meshes above (data, sequence, tensor
     with SP, dropless), at a fraction of the compile time."""
     cfg = small_config(case[0], *MOE, *case[1:])
     assert_same_run(run_steps(cfg, corpus, _devices(cfg)), moe_reference)

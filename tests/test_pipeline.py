@@ -63,6 +63,7 @@ CASES = {  # id: (mesh, overrides)
     "zb-h1-p2-m4": ("pp=2", ["parallel.schedule=zb-h1", "parallel.microbatches=4"]),
     "zb-h1-p4-m8-full": ("pp=4", ["parallel.schedule=zb-h1", "parallel.microbatches=8", "model.remat=full"]),
     "zb-h1-pp2-dp2-tp2": ("pp=2,dp=2,tp=2", ["parallel.schedule=zb-h1"]),
+    "interleaved-1f1b-pp2-dp2-tp2-gspmd": ("pp=2,dp=2,tp=2", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "parallel.tp_impl=gspmd"]),
     "zb-h1-pp2-fsdp2-tp2-sp": ("pp=2,fsdp=2,tp=2", ["parallel.schedule=zb-h1", "parallel.sequence_parallel=true"]),
     "interleaved-1f1b-p2-m4-v2": ("pp=2", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "parallel.microbatches=4"]),
     "interleaved-1f1b-p4-m8-v2": ("pp=4", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "parallel.microbatches=8"]),
