@@ -5,8 +5,7 @@
   python -m bench.pipeline --mesh pp=2 --microbatches 2,4 --steps 2 --set model.d_model=64
 
 Cases: each schedule of `SCHEDULES` (gpipe, interleaved V=2, 1f1b, interleaved-1f1b V=2, zb-h1; one
-line each; --schedules picks some; one that pipeline/schedule.py has no timetable for is
-listed as skipped) and each M of --microbatches (default p,2p,4p, resolved from the --mesh,
+line each; --schedules picks some) and each M of --microbatches (default p,2p,4p, resolved from the --mesh,
 whose stage axis p must be 2 or more), on the --mesh (default pp=4): the preset with p·2 layers
 and microbatches of 2 sequences (a global batch of 2·M), then --set on top. Every case is
 checked before jax starts (a bad one is one `error:` line).
@@ -14,8 +13,8 @@ checked before jax starts (a bad one is one `error:` line).
 Per case, compiled ahead of time, run once, then `--steps` timed steps (median, `step_s`;
 `step_cpu_s` the process's CPU time over the step, all threads):
   bubble           the timetable's idle cells (pipeline.schedule.bubble); ticks its length
-  lockstep_bubble  the timetable weighted by cell cost (F 1, B 2; pipeline.schedule.weighted,
-  async_bubble     where pipeline/schedule.py has it): lock-step = what this SPMD tick program
+  lockstep_bubble  the timetable weighted by cell cost (F 1, B 2, split B = W = 1;
+  async_bubble     pipeline.schedule.weighted): lock-step = what this SPMD tick program
                    pays, asynchronous = stages running free
   one_device_s     the reference: the same work (model, global batch, the same M microbatches
                    as gradient accumulation, train.micro_batch_size = batch/M) on a mesh of ONE
@@ -136,16 +135,9 @@ def chosen_schedules(text: str) -> list[str]:
     return names
 
 
-def timetable_knows(schedule: str) -> bool:
-    """Whether pipeline/schedule.py (numpy only, no jax) has a timetable for `schedule`."""
-    from pipeline import schedule as tables
-
-    return schedule in tables.SCHEDULES
-
-
-def cases(args: argparse.Namespace) -> tuple[list[RunConfig], dict[int, RunConfig], list[str]]:
-    """The checked config of every schedule and M, the one-device reference of every M, and the
-    schedules skipped (unknown to pipeline/schedule.py); refuses bad flags before jax."""
+def cases(args: argparse.Namespace) -> tuple[list[RunConfig], dict[int, RunConfig]]:
+    """The checked config of every schedule and M, and the one-device reference of every M;
+    refuses bad flags before jax."""
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps}: time at least one step")
     stages = parse_mesh(args.mesh).stage
@@ -153,15 +145,12 @@ def cases(args: argparse.Namespace) -> tuple[list[RunConfig], dict[int, RunConfi
         raise ConfigError(f"--mesh {args.mesh}: the schedules need a stage axis of 2 or more, e.g. --mesh pp=4")
     ms = microbatch_counts(args.microbatches, stages)
     names = chosen_schedules(args.schedules)
-    run = [n for n in names if timetable_knows(n)]
-    if not run:
-        raise ConfigError(f"--schedules {args.schedules!r}: pipeline/schedule.py has a timetable for none of them")
     preset = get_preset(args.config or "tiny")
     todo = [run_config(args, base=apply_overrides(preset, [
         f"model.n_layers={2 * stages}", f"parallel.schedule={schedule}", f"parallel.microbatches={m}",
         f"train.global_batch_size={SEQUENCES_PER_MICROBATCH * m}", *SCHEDULES[schedule]]))
-        for schedule in run for m in ms]
-    return todo, {m: reference(todo[i], m) for i, m in enumerate(ms)}, [n for n in names if n not in run]
+        for schedule in names for m in ms]
+    return todo, {m: reference(todo[i], m) for i, m in enumerate(ms)}
 
 
 def reference(cfg: RunConfig, m: int) -> RunConfig:
@@ -209,18 +198,16 @@ def run_steps(cfg: RunConfig, mesh: jax.sharding.Mesh, steps: int, trace: Path |
 
 
 def timetable_figures(cfg: RunConfig) -> dict:
-    """The table's bubble and ticks, and its weighted bubbles where pipeline/schedule.py has them."""
+    """The table's bubble and ticks, and its weighted bubbles."""
     from pipeline import schedule as tables
     from sharding.checks import microbatches
 
     par = cfg.parallel
     table = tables.timetable(par.schedule, par.stage, microbatches(cfg, par.stage), par.virtual_stages)
-    out = {"bubble": tables.bubble(table), "ticks": len(table)}
-    if hasattr(tables, "weighted"):  # branch tables: F 1, B 2 (3 where B recomputes the forward)
-        cost = tables.costs(tables.split(table), recompute=cfg.model.remat == "full")
-        w = tables.weighted(table, cost)
-        out |= {"lockstep_bubble": w.bubble, "async_bubble": w.async_bubble, "costs": cost}
-    return out
+    cost = tables.costs(tables.split(table), recompute=cfg.model.remat == "full")  # F 1, B 2 (3 recomputing)
+    w = tables.weighted(table, cost)
+    return {"bubble": tables.bubble(table), "ticks": len(table), "lockstep_bubble": w.bubble,
+            "async_bubble": w.async_bubble, "costs": cost}
 
 
 def cores() -> int:
@@ -255,7 +242,7 @@ HEADER = (f"{'schedule':<17}{'M':>3}{'ticks':>6}{'bubble':>8}{'lockstep':>9}{'st
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    todo, refs, skipped = cases(args)
+    todo, refs = cases(args)
     if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {ONE_THREAD_PER_OP}".strip()
     mesh, mesh_text, _ = bench_mesh(todo[0], request_fake_devices(todo[0]))
@@ -268,8 +255,6 @@ def main(argv: list[str]) -> int:
 
     n = mesh.devices.size
     one = build_mesh(refs[next(iter(refs))].parallel, [jax.devices()[0]])
-    for name in skipped:
-        print(f"{name}: skipped, pipeline/schedule.py has no timetable for it")
     ref_rows = {}
     for m, ref in refs.items():
         r = run_steps(ref, one, args.steps)
@@ -311,7 +296,7 @@ def main(argv: list[str]) -> int:
             "profile.idle / profile.waiting: per stage, the traced step's time with none of the stage's own "
             "compute running / in collectives. On accelerators, one per device, measured_bubble is the real "
             "bubble plus the pipeline's overheads."),
-        "skipped": skipped, "one_device": list(ref_rows.values()), "schedules": rows}
+        "one_device": list(ref_rows.values()), "schedules": rows}
     write_report(report, out)
     return 0
 

@@ -85,7 +85,7 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 from configs.base import ModelConfig, RunConfig
-from pipeline.schedule import BACKWARD, FORWARD, IDLE, WEIGHT, cells, timetable
+from pipeline.schedule import BACKWARD, FORWARD, WEIGHT, cells, timetable
 from pipeline.split_backward import split_vjp
 from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
 from model.loss import cross_entropy

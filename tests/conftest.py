@@ -71,6 +71,14 @@ def corpus():
 STEPS = 5
 
 
+def pipeline_devices(cfg) -> list:
+    """The first devices, as many as cfg's mesh (every axis) needs."""
+    import math
+
+    p = cfg.parallel
+    return jax.devices()[: math.prod(max(n, 1) for n in (p.stage, p.data, p.fsdp, p.expert, p.sequence, p.tensor))]
+
+
 def run_steps(cfg, corpus, devices=None):
     """(loss, grads) of step 0 and the losses of STEPS steps, all on host."""
     import functools

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from conftest import SMALL, run_module
 
 SETS = [a for s in SMALL for a in ("--set", s)]
@@ -32,31 +34,31 @@ def test_tp_benchmark_compares_four_variants(tmp_path):
 
 
 def test_pipeline_benchmark_measures_the_bubble_of_every_schedule(tmp_path):
-    from bench.pipeline import SCHEDULES
-    from pipeline.schedule import SCHEDULES as TABLES
-
+    """Three of the schedules (every one is one row of the same code): gpipe, interleaved, and
+    zb-h1, whose lock-step bubble is its table's."""
     out_file = tmp_path / "pipeline.json"
     sets = [a for s in SMALL if not s.startswith(("model.n_layers", "train.global_batch_size")) for a in ("--set", s)]
     out = run_module("bench.pipeline", *sets, "--mesh", "pp=2", "--microbatches", "2", "--steps", "1",
+                     "--schedules", "gpipe,interleaved,zb-h1",
                      "--profile", str(tmp_path / "profile"), "--out", str(out_file))
     assert out.returncode == 0, out.stderr
     record = json.loads(out_file.read_text())
     assert record["mesh"] == "pp=2" and record["command"].startswith("python -m bench.pipeline")
     assert record["config"]["model"]["n_layers"] == 4  # p·2 layers
     assert record["machine"]["devices"] == 2 and "xla_cpu_multi_thread_eigen=false" in record["machine"]["xla_flags"]
-    expected = [s for s in SCHEDULES if s in TABLES]  # interleaved-1f1b once pipeline/schedule.py has it
-    assert record["skipped"] == [s for s in SCHEDULES if s not in TABLES]
     (ref,) = record["one_device"]
     assert ref["microbatches"] == 2 and ref["micro_batch_size"] == 2 and ref["global_batch_size"] == 4
     rows = {r["schedule"]: r for r in record["schedules"]}
-    assert list(rows) == expected and all(r["microbatches"] == 2 and r["stages"] == 2 for r in rows.values())
-    assert rows["interleaved"]["bubble"] < rows["gpipe"]["bubble"] == rows["1f1b"]["bubble"]
+    assert list(rows) == ["gpipe", "interleaved", "zb-h1"] and all(r["microbatches"] == 2 and r["stages"] == 2 for r in rows.values())
+    assert rows["interleaved"]["bubble"] < rows["gpipe"]["bubble"]
+    zb = rows["zb-h1"]  # (p-1)/(3M+p-1), lock-step as in the table: every cell costs one unit
+    assert zb["bubble"] == pytest.approx(1 / 7) and zb["lockstep_bubble"] == pytest.approx(1 / 7)
     for r in rows.values():
         assert r["temp_bytes"] > 0 and r["step_s"] > 0 and r["compile_s"] > 0
         assert r["one_device_s"] == ref["step_s"] and r["ideal_s"] == ref["step_s"] / 2
         assert abs(r["measured_bubble"] - (1 - r["ideal_s"] / r["step_s"])) < 1e-9
         assert -1.0 < r["measured_bubble"] < 1.0 and 0 < r["work_ratio"] < 50 and 0 < r["cpu_work_ratio"] < 50
-        assert "lockstep_bubble" not in r or 0 <= r["lockstep_bubble"] < 1
+        assert 0 <= r["lockstep_bubble"] < 1
         prof = r["profile"]
         assert prof["steps"] == 1 and len(prof["idle"]) == len(prof["waiting"]) == 2
         assert all(0 <= w <= i <= 1 for i, w in zip(prof["idle"], prof["waiting"]))
