@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from configs.base import ConfigError
-from conftest import pipeline_devices as _devices, run_module, small_config
-from pipeline.schedule import bubble, one_f_one_b, timetable
+from conftest import pipeline_devices as _devices, small_config
 from pipeline.stages import FILL
 from sharding.mesh import build_mesh
 from training.build import make_program, build
@@ -20,28 +19,6 @@ from training.step import loss_and_grads
 
 def test_buffers_start_as_nan():
     assert np.isnan(FILL)
-
-
-@pytest.mark.parametrize("p", [2, 4])
-def test_bubble_from_the_timetable(p):
-    for m in (p, 2 * p, 4 * p):
-        assert bubble(timetable("gpipe", p, m)) == pytest.approx((p - 1) / (m + p - 1))
-        assert bubble(timetable("interleaved", p, m, 2)) == pytest.approx((p - 1) / (2 * m + p - 1))
-        # 1f1b: F and B one tick each, 2(M+p-1) ticks: the same bubble as GPipe's forward+backward
-        table = one_f_one_b(p, m)
-        assert len(table) == 2 * (m + p - 1)
-        assert bubble(table) == pytest.approx((p - 1) / (m + p - 1))
-        for s in range(p):  # every microbatch forward then backward once per stage, in flight <= p - s
-            ops = [row[s] for row in table if row[s] is not None]
-            assert sorted((o.kind, o.microbatch) for o in ops) == sorted((k, i) for k in "FB" for i in range(m))
-            live = np.cumsum([1 if o.kind == "F" else -1 for o in ops])
-            assert live.max() == min(p - s, m)
-
-
-def test_timetable_cli():
-    out = run_module("pipeline.schedule", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8")
-    assert out.returncode == 0, out.stderr
-    assert "1f1b: 22 ticks, bubble 0.2727" in out.stdout and "   4   .  .  . B0" in out.stdout
 
 
 def _compiled(cfg):
