@@ -27,6 +27,7 @@ from cli import add_run_args, check_run_dir, make_run_dir, request_fake_devices,
 from configs import ConfigError, RunConfig
 from sharding.mesh import format_mesh
 from tools.bandwidth import add_bandwidth_arg, load
+from tools.calibration import add_calibration_arg, rated_gpu
 from training.distributed import add_process_args, process_count
 from training.metrics import param_counts
 
@@ -45,6 +46,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gpu", default="h100", help="with --dry-run: GPU to estimate for, h100|h200|a100")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     add_bandwidth_arg(p)
+    add_calibration_arg(p)
     add_process_args(p)
     return p.parse_args(argv)
 
@@ -70,16 +72,18 @@ def check_eval_only(args: argparse.Namespace) -> None:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = resolve_config(args)
-    if args.bandwidth and not args.dry_run:
-        raise ConfigError("--bandwidth is for --dry-run: it sets the links of the plan's step time")
+    for flag, given, what in (("--bandwidth", args.bandwidth, "links"), ("--calibration", args.calibration, "rates")):
+        if given and not args.dry_run:
+            raise ConfigError(f"{flag} is for --dry-run: it sets the {what} of the plan's step time")
     if args.eval_only:
         check_eval_only(args)
     measured = load(args.bandwidth) if args.bandwidth else None
+    gpu = rated_gpu(args.gpu, args.calibration)
     fake = request_fake_devices(cfg, process_count(args))
     if args.dry_run:
         from tools.plan import dry_run
 
-        return dry_run(cfg, args.gpu, args.json, measured)
+        return dry_run(cfg, gpu, args.json, measured)
     run_dir = args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     check_run_dir(run_dir)
 

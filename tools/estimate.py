@@ -126,8 +126,11 @@ Communication (bytes per device per step), the contract of DESIGN.md:
 Time (roofline): compute = hardware FLOPs (model FLOPs, + one more forward under full remat and
 one more where the 1F1B family's B recomputes the chunk (remat full), and under capacity dispatch the experts' padded rows: R - T·k' rows per
 MoE layer and microbatch, 6·3·D·F_e/t each; dropless sorts its padding rows out of every group
-of the grouped matmul, so it computes the T·k' routed rows only, on average over devices) /
-dense bf16 peak, or HBM traffic / bandwidth when larger; each axis's bytes / its link: NVLink
+of the grouped matmul, so it computes the T·k' routed rows only, on average over devices) at
+achievable rates, not the datasheet peak: the attention core's FLOPs at the GPU's attention
+rate, the rest (the weights' matmuls) at its large-GEMM rate (GPU.rates names the published
+figures; `tools.plan --calibration` puts in those a `make gpu-check` record measured), or HBM
+traffic / bandwidth when larger; MFU is still model FLOPs over the datasheet peak; each axis's bytes / its link: NVLink
 450 GB/s per GPU when the axis and the axes inside it fit in one node of 8 GPUs, InfiniBand
 50 GB/s per GPU (400 Gb/s NIC per GPU) otherwise. Two figures: communication not overlapped
 (compute + comm) and fully overlapped (max). Then / (1 - bubble), the schedule's (stage above).
@@ -146,7 +149,7 @@ from configs.base import RunConfig
 from pipeline.schedule import in_flight, timetable, weighted
 from sharding.mesh import AXES
 from sharding.checks import accumulation_axes, batch_ranks, moe_layers, expert_d_ff
-from training.metrics import PEAK_FLOPS, flops_per_token
+from training.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8
 Links = dict[str, tuple[float, float]]  # measured {axis: (latency_s, bytes_per_s)}
@@ -154,18 +157,36 @@ Links = dict[str, tuple[float, float]]  # measured {axis: (latency_s, bytes_per_
 
 @dataclass(frozen=True)
 class GPU:
-    """One accelerator: dense bf16 peak, HBM bytes and bandwidth (NVIDIA SXM datasheets)."""
+    """One accelerator: datasheet figures (dense bf16 peak, HBM bytes and bandwidth: NVIDIA SXM
+    datasheets) and the achievable rates the roofline computes at (module docstring, Time):
+    published or measured figures, `rates` says which (tools/calibration.py puts a `make
+    gpu-check` record's in). best_mfu: the best MFU published for dense transformer training on
+    this GPU; a plan above it says why (tools/plan.py)."""
 
     name: str
     peak_flops: float
     memory: float
     hbm_bandwidth: float
+    matmul_flops: float  # FLOP/s a large bf16 GEMM reaches
+    attention_flops: float  # FLOP/s of the fused causal attention core, in the model's FLOPs
+    best_mfu: float
+    rates: str
 
 
+H100_RATES = ("matmul 798 TFLOP/s: a bf16 8192^3 GEMM measured on an H100 SXM (GPU-NOTES.md; "
+              "81% of peak); attention 406 TFLOP/s: Pallas Mosaic GPU flash attention forward, causal, "
+              "L=4096, h=128 (jax PR#35114), assumed for the backward too; best MFU 56%: Marin's "
+              "dense 2.7B on 8 H100s (marin#6979)")
 GPUS = {
-    "h100": GPU("H100 SXM 80GB", PEAK_FLOPS["H100"], 80e9, 3.35e12),
-    "h200": GPU("H200 SXM 141GB", PEAK_FLOPS["H200"], 141e9, 4.8e12),
-    "a100": GPU("A100 SXM 80GB", PEAK_FLOPS["A100"], 80e9, 2.0e12),
+    "h100": GPU("H100 SXM 80GB", PEAK_FLOPS["H100"], 80e9, 3.35e12, 798e12, 406e12, 0.56, H100_RATES),
+    # the H100's GH100 die and clocks: its rates; more HBM bandwidth only moves the HBM floor
+    "h200": GPU("H200 SXM 141GB", PEAK_FLOPS["H200"], 141e9, 4.8e12, 798e12, 406e12, 0.56,
+                "the H100's (same compute die): " + H100_RATES),
+    "a100": GPU("A100 SXM 80GB", PEAK_FLOPS["A100"], 80e9, 2.0e12, 0.81 * PEAK_FLOPS["A100"],
+                0.5 * PEAK_FLOPS["A100"], 0.72,
+                "matmul 81% of peak (the H100's fraction, assumed: no A100 GEMM measured here); attention "
+                "50%, the low end of FlashAttention-2's 50-73% of A100 peak, and best MFU 72%, its GPT "
+                "training at 225 TFLOP/s (arXiv 2307.08691)"),
 }
 
 
@@ -435,7 +456,8 @@ def flops(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     experts compute every row of their buffers, ep·S = E·C per MoE layer and microbatch where
     the model counts n·k (padded, or dropped): 6·3·D·F_e/t per row of the difference, the
     `padding_per_device` (hardware FLOPs, part of hardware_per_device). Dropless runs the
-    grouped matmul on the routed rows only (model/moe.py), so no padding FLOPs."""
+    grouped matmul on the routed rows only (model/moe.py), so no padding FLOPs.
+    `attention_per_device`: the attention core's share of the hardware FLOPs (the rest are matmuls)."""
     m, t, s = cfg.model, cfg.train, shape(cfg, sizes)
     model = flops_per_token(m, t.seq_len) * t.global_batch_size * t.seq_len
     per_device = model / math.prod(sizes.values())
@@ -444,8 +466,9 @@ def flops(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         rows = sizes.get("expert", 1) * dispatch_rows(cfg, sizes) - s.tokens * m.experts_per_token
         padding = s.k * s.moe * 18 * m.d_model * expert_d_ff(m) / sizes["tensor"] * rows
     redo = (2 + 1 + (m.remat == "full") + chunk_recompute(cfg, sizes)) / 3  # forward, backward, recomputes
+    attention = attention_flops_per_token(m, t.seq_len) * t.global_batch_size * t.seq_len / math.prod(sizes.values())
     return {"model": model, "model_per_device": per_device, "padding_per_device": padding * redo,
-            "hardware_per_device": (per_device + padding) * redo}
+            "hardware_per_device": (per_device + padding) * redo, "attention_per_device": attention * redo}
 
 
 def hbm_bytes(cfg: RunConfig, sizes: dict[str, int]) -> float:
@@ -464,7 +487,9 @@ def step_time(cfg: RunConfig, sizes: dict[str, int], gpu: GPU,
     """Roofline step time (seconds): compute, each axis's communication, bubble, two totals, MFU.
     links: measured {axis: (latency_s, bytes_per_s)}; the datasheet links for the axes it lacks."""
     f = flops(cfg, sizes)
-    compute = max(f["hardware_per_device"] / gpu.peak_flops, hbm_bytes(cfg, sizes) / gpu.hbm_bandwidth)
+    attention = f["attention_per_device"]
+    matmuls = (f["hardware_per_device"] - attention) / gpu.matmul_flops + attention / gpu.attention_flops
+    compute = max(matmuls, hbm_bytes(cfg, sizes) / gpu.hbm_bandwidth)
     comm = {a: comm_time(sizes, a, v, links) for a, v in communication(cfg, sizes).items()}
     bubble = pipeline_figures(cfg, sizes)["bubble"]
     serial = (compute + sum(comm.values())) / (1 - bubble)

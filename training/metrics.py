@@ -65,10 +65,15 @@ def param_counts(m: ModelConfig) -> tuple[int, int]:
     return (base + x_moe * moe_ffn_params(m, active=False), base + x_moe * moe_ffn_params(m, active=True))
 
 
+def attention_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """The attention core's training FLOPs (forward + backward) per token: the scores and the
+    probabilities times V, causal (half of L x L), 3 times the forward."""
+    return 3 * m.n_layers * 4 * seq_len * m.n_heads * m.head_dim / 2
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token."""
-    attention = m.n_layers * 4 * seq_len * m.n_heads * m.head_dim / 2  # causal: half of L x L
-    return 6 * matmul_params(m) + 3 * attention
+    """Training FLOPs (forward + backward) per token: the weights' matmuls and the attention core."""
+    return 6 * matmul_params(m) + attention_flops_per_token(m, seq_len)
 
 
 def peak_flops(device: jax.Device) -> float | None:

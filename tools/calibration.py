@@ -1,0 +1,69 @@
+"""Measured compute rates for the planner: read the record `make gpu-check` writes (--calibration).
+
+The roofline (tools/estimate.py) computes at a GPU's achievable rates, published figures by
+default (estimate.GPUS). A record of `python -m bench.gpu` measured on that GPU replaces them:
+  matmul     stages.ceilings.matmul_tflops: the bf16 8192^3 GEMM
+  attention  stages.attention: the fastest fused core (pallas or cudnn) forward + backward at the
+             record's longest length; the record counts forward + backward as 3.5 forwards (the
+             backward recomputes the scores), the model as 3 (training/metrics.py), so its
+             TFLOP/s times 3/3.5 is the rate in the model's FLOPs
+The record must come from a GPU of the planned kind (its device_kind names it): a CPU smoke
+record or another GPU's is refused with one `error:` line, as is a record missing either stage.
+No jax here: the file is read before jax starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from configs import ConfigError
+from tools.estimate import GPU, GPUS
+
+FUSED = ("pallas", "cudnn")
+
+
+def add_calibration_arg(p: argparse.ArgumentParser) -> None:
+    """--calibration FILE: tools.plan's and train.py --dry-run's measured compute rates."""
+    p.add_argument("--calibration", type=Path, metavar="FILE.json",
+                   help="compute at the matmul and attention rates a `make gpu-check` record measured on "
+                        "this --gpu instead of the published ones")
+
+
+def rated_gpu(name: str, calibration: Path | None = None) -> GPU:
+    """The --gpu entry, with its rates measured by the record at `calibration` when given."""
+    if name not in GPUS:
+        raise ConfigError(f"--gpu {name!r}: choose one of {', '.join(GPUS)}")
+    return GPUS[name] if calibration is None else calibrate(GPUS[name], name, calibration)
+
+
+def calibrate(gpu: GPU, name: str, path: Path) -> GPU:
+    """`gpu` with the matmul and attention rates of the bench.gpu record at `path` (module docstring)."""
+    where = f"--calibration {path}"
+    try:
+        stages = json.loads(path.read_text())["stages"]
+        env = stages["environment"]
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read it ({e.strerror}); pass the JSON record `make gpu-check` "
+                          "writes (bench/results/gpu-*.json)") from None
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"{where}: not a record of python -m bench.gpu (no stages.environment); pass the "
+                          "JSON record `make gpu-check` writes") from None
+    kind = str(env.get("device_kind", "?"))
+    if env.get("backend") != "gpu" or name.upper() not in kind.upper():
+        raise ConfigError(f"{where}: measured on {env.get('backend')} device {kind!r}, not a {name.upper()}; "
+                          f"pass a record made on one, or --gpu of the GPU that record measured")
+    matmul = (stages.get("ceilings") or {}).get("matmul_tflops")
+    rows = [r for r in (stages.get("attention") or {}).get("rows", [])
+            if r.get("core") in FUSED and r.get("forward_backward_tflops")]
+    if not matmul or not rows:
+        missing = "ceilings (matmul_tflops)" if not matmul else "attention (a pallas or cudnn row)"
+        raise ConfigError(f"{where}: the record has no {missing}; run `make gpu-check` with that stage")
+    longest = max(r["length"] for r in rows)
+    best = max((r for r in rows if r["length"] == longest), key=lambda r: r["forward_backward_tflops"])
+    attention = best["forward_backward_tflops"] * 1e12 * 3 / 3.5
+    rates = (f"measured in {path} on {kind}: matmul {matmul:.0f} TFLOP/s (bf16 GEMM), attention "
+             f"{attention / 1e12:.0f} TFLOP/s ({best['core']} forward + backward, L={longest}, in the model's FLOPs)")
+    return dataclasses.replace(gpu, matmul_flops=matmul * 1e12, attention_flops=attention, rates=rates)
