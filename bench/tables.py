@@ -159,7 +159,8 @@ def tp_table(record: dict) -> str:
 def context_table(record: dict) -> str:
     """bench.context: per sp, each way's step time over the baseline way's (2 decimals), temp MiB
     (1 decimal) with its ratio to the smallest sp (2 decimals) and the estimated K/V MiB (1
-    decimal); then how much faster than the baseline each faster way is (whole percent)."""
+    decimal; 0 on the single device); then how much faster than the baseline a way is that is faster
+    at every sp (whole percent)."""
     base, by_sp = record["baseline_impl"], {}
     for r in record["rows"]:
         by_sp.setdefault(r["sp"], []).append(r)
@@ -186,12 +187,13 @@ def context_table(record: dict) -> str:
 def moe_table(record: dict) -> str:
     """bench.moe: per (ep, dp), each dispatch's step time over the first case's (2 decimals; the
     first case's seconds, 2 decimals), temp MiB (1 decimal), all-to-alls per MoE layer and their
-    MiB per step, compiled and estimated (1 decimal); how many times faster capacity is than
-    dropless at the same ep (1 decimal); then the FFN alone (ms 1 decimal, ratios 2 decimals)."""
+    MiB per step, compiled and estimated (1 decimal; "-" and 0 where a case has none); how many
+    times faster capacity is than dropless at the same ep (1 decimal); then the FFN alone (ms 1
+    decimal, ratios 2 decimals)."""
     by_mesh: dict[tuple[int, int], list[dict]] = {}
     for r in record["rows"]:
         by_mesh.setdefault((r["ep"], r["dp"]), []).append(r)
-    dispatches = " / ".join(r["dispatch"] for r in record["rows"] if (r["ep"], r["dp"]) == next(iter(by_mesh)))
+    dispatches = " / ".join(r["dispatch"] for r in next(iter(by_mesh.values())))
     lines = [header("ep, dp", f"step time, ratio to {record['baseline']}: {dispatches}",
                     f"temp MiB per device: {dispatches}", f"all-to-alls per MoE layer (fwd + bwd): {dispatches}",
                     f"all-to-all MiB per step, compiled (estimate): {dispatches}")]
@@ -221,17 +223,14 @@ TABLES = {"bench.pipeline": pipeline_table, "bench.tp": tp_table, "bench.context
           "bench.moe": moe_table}
 
 
-def load(stem: str, results: Path) -> dict:
-    path = results / f"{stem}.json"
-    if not path.is_file():
-        raise ConfigError(f"<!-- figures: {stem} -->: no record {path}")
-    return json.loads(path.read_text())
-
-
 def render(name: str, results: Path) -> str:
     """The table of the marker NAME: its records (one stem, or several by spaces for bench.step)
     rendered by the table of the benchmark that wrote them."""
-    records = [load(stem, results) for stem in name.split()]
+    paths = [results / f"{stem}.json" for stem in name.split()]
+    missing = [str(path) for path in paths if not path.is_file()]
+    if missing:
+        raise ConfigError(f"<!-- figures: {name} -->: no record {', '.join(missing)}")
+    records = [json.loads(path.read_text()) for path in paths]
     module = shlex.split(records[0]["command"])[2]
     if module == "bench.step":
         return step_table(records)
