@@ -221,16 +221,20 @@ def ffn_bench(cfg: RunConfig, tokens: int, rounds: int) -> dict:
                             "ratio_to_grouped": statistics.median(t) / base} for name, t in times.items()}}
 
 
+def per_layer_text(a: dict) -> str:
+    """A case's all-to-alls per MoE layer, '5 (3+2)' (forward + backward), or '-' where it has none."""
+    return f"{a['per_moe_layer']:g} ({a['forward_per_moe_layer']:g}+{a['backward_per_moe_layer']:g})" if a["per_step"] else "-"
+
+
 def print_table(table: list[dict], first: str) -> None:
     mib = 2**20
     print(f"  {'ep':>3} {'dp':>3}  {'dispatch':<9} {'step (median)':>14} {'vs ' + first:>18} {'temp MiB':>9} "
           f"{'peak MiB':>9}  {'a2a/layer (fwd+bwd)':>19} {'a2a MiB':>8} {'estimate':>9}")
     for r in table:
         a = r["all_to_all"]
-        per_layer = f"{a['per_moe_layer']:g} ({a['forward_per_moe_layer']:g}+{a['backward_per_moe_layer']:g})" if a["per_step"] else "-"
         print(f"  {r['ep']:>3} {r['dp']:>3}  {r['dispatch']:<9} {r['step_time_median_s'] * 1e3:>11.1f} ms "
               f"{r['step_ratio']:>17.2f}x {r['temp_bytes'] / mib:>9.1f} {r['static_peak_bytes'] / mib:>9.1f}  "
-              f"{per_layer:>19} {a['bytes_per_device'] / mib:>8.2f} {r['all_to_all_bytes_estimate'] / mib:>9.2f}")
+              f"{per_layer_text(a):>19} {a['bytes_per_device'] / mib:>8.2f} {r['all_to_all_bytes_estimate'] / mib:>9.2f}")
 
 
 def main(argv: list[str]) -> int:

@@ -85,11 +85,16 @@ def compare(base: RunConfig, tp: int, rounds: int) -> dict:
             for name, r in runs.items()}
 
 
+def tensor_collectives(variant: dict) -> list[dict]:
+    """A variant's census rows over the tensor axis alone (bench.tables sums their bytes)."""
+    return [c for c in variant["census"] if c["axes"] == "tensor"]
+
+
 def print_table(results: dict) -> None:
     print(f"  {'tp':>3}  {'variant':<22} {'step (median)':>14} {'vs gspmd':>9}  {'tensor-axis collectives per step'}")
     for tp, variants in results.items():
         for name, r in variants.items():
-            tensor = [c for c in r["census"] if c["axes"] == "tensor"]
+            tensor = tensor_collectives(r)
             text = ", ".join(f"{c['count']} {c['kind']} {c['bytes_per_device'] / 2**20:.1f} MiB" for c in tensor)
             print(f"  {tp:>3}  {name:<22} {r['step_time_median_s'] * 1e3:>11.1f} ms {r['ratio_to_gspmd']:>8.2f}x  {text}")
 

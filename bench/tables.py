@@ -1,0 +1,297 @@
+"""README's figure tables, rendered from the benchmark records in bench/results/.
+
+  python -m bench.tables            rewrite every marked block of README.md from its record
+  python -m bench.tables --check    exit 1 naming each block that differs from its rendering
+
+A block lies between `<!-- figures: NAME ... -->` and `<!-- /figures -->`; each NAME is the stem
+of a record, bench/results/NAME.json (the step table names three). The benchmark that wrote the
+record (its `command`) picks the table; every number comes from the record, rounded as stated
+at each table. README quotes a few records in its prose only: PROSE_ONLY names them and why.
+
+Hand-written because no library renders these records: each benchmark writes its own JSON
+shape, and the tables keep README's columns. Bad input (a record that does not exist, a marker
+never closed) is one `error:` line and exit code 2; README is then left as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+from pathlib import Path
+
+from bench.moe import per_layer_text
+from bench.tp import VARIANTS, tensor_collectives
+from cli import run_cli
+from configs import ConfigError
+from tools.estimate import DTYPE_BYTES
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+OPEN = re.compile(r"<!-- figures: ([\w. -]+?) -->")
+CLOSE = "<!-- /figures -->"
+MIB = 2**20
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# records README names outside any table, and why they have none
+PROSE_ONLY = {
+    "checkpoint-125m-fsdp2": "a few save, restore and step figures, quoted in sentences",
+    "attention-cpu-interpret-smoke": "a smoke run on tiny shapes: README quotes no figure of it",
+    "collectives-cpu-smoke": "a smoke run: README describes its table's layout and trend in words",
+    "gpu-cpu-smoke": "a smoke run of the GPU check on CPU: README quotes no figure of it",
+}
+
+
+def row(*cells: object) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def header(*names: str) -> str:
+    return row(*names) + "\n|" + "---|" * len(names)
+
+
+def joined(values: list, spec: str) -> str:
+    """'a / b / c', each value formatted by `spec`."""
+    return " / ".join(format(v, spec) for v in values)
+
+
+def column(rows: list[dict], key: str, spec: str, unit: float = 1) -> str:
+    """'a / b / c' of the rows' `key`, in `unit`s, each formatted by `spec`."""
+    return joined([r[key] / unit for r in rows], spec)
+
+
+def span(values: list[float], spec: str) -> str:
+    """'lo-hi' of `values`, each formatted by `spec`."""
+    return f"{min(values):{spec}}-{max(values):{spec}}"
+
+
+def xla(memory: dict, name: str) -> int:
+    """XLA's `name` bytes (argument, temp) from a record's memory analysis; records written before
+    training.build.xla_memory shortened the names hold `<name>_size_in_bytes`."""
+    return memory[name] if name in memory else memory[f"{name}_size_in_bytes"]
+
+
+def mib(n: float) -> str:
+    """The step table's MiB: one decimal under 10 MiB, whole above."""
+    return f"{n / MIB:.1f} MiB" if n < 10 * MIB else f"{n / MIB:.0f} MiB"
+
+
+def bench_command(record: dict) -> str:
+    """The record's command without its `--out FILE` (the marker names the file)."""
+    words = shlex.split(record["command"])
+    if "--out" in words:
+        i = words.index("--out")
+        del words[i:i + 2]
+    return shlex.join(words)
+
+
+def step_figure(record: dict, records: list[dict]) -> str:
+    """One bench.step record as README's sentence: compile scaling when it has one, the step and
+    throughput on one device, or the memory beside the same config's one-device record.
+    Seconds: 2 decimals (compile 1); ms and tok/s whole; ratio 2 decimals; MiB as `mib`."""
+    t, env, cfg = record["throughput"], record["environment"], record["config"]
+    mem = t["memory_analysis"]
+    if "compile_scaling" in record:
+        rows = record["compile_scaling"]["rows"]
+        first, last = rows[0]["n_layers"], rows[-1]["n_layers"]
+        dtype = cfg["model"]["param_dtype"]
+        return (f"compile (lower + compile) at {joined([r['n_layers'] for r in rows], 'd')} layers: "
+                f"{joined([r['total_s'] for r in rows], '.2f')} s; **{last} layers = "
+                f"{record['compile_scaling']['ratio_largest_to_smallest']:.2f}x {first} layers** (scanned layers). "
+                f"Step {t['step_time_median_s']:.2f} s, XLA memory per device: arguments {mib(xla(mem, 'argument'))} "
+                f"({t['n_params'] / 1e6:.0f}M params x {3 * DTYPE_BYTES[dtype]} bytes: {SHORT[dtype]} params + "
+                f"two Adam moments), temp {mib(xla(mem, 'temp'))}")
+    if record["mesh"] == "single device":
+        return (f"{t['step_time_median_s'] * 1e3:.0f} ms/step median, {t['tokens_per_s']:,.0f} tok/s, "
+                f"compile {t['compile_s']:.1f} s, temp {mib(xla(mem, 'temp'))} per device")
+    single = next(r for r in records if r["mesh"] == "single device" and r["config"]["name"] == cfg["name"])
+    one_mem, tp = single["throughput"]["memory_analysis"], cfg["parallel"]["tensor"]
+    devices = (f"{env['mesh_devices']} fake devices sharing the {env['cpu_count']} cores" if env["backend"] == "cpu"
+               else f"{env['mesh_devices']} {env['device_kind']} devices")
+    return (f"{t['step_time_median_s'] * 1e3:.0f} ms/step on {devices}; arguments per device "
+            f"{mib(xla(mem, 'argument'))} vs {mib(xla(one_mem, 'argument'))} on one device (tp={tp}: 1/{tp} of the "
+            f"weights and moments per device) and temp {mib(xla(mem, 'temp'))} vs {mib(xla(one_mem, 'temp'))}")
+
+
+def step_table(records: list[dict]) -> str:
+    """bench.step records, one row each: the command and its figures (`step_figure`)."""
+    return "\n".join([header("command", "figure"),
+                      *(row(f"`{bench_command(r)}`", step_figure(r, records)) for r in records)])
+
+
+def pipeline_table(record: dict) -> str:
+    """bench.pipeline: per schedule, its M's bubbles (3 decimals), work ratios (2 decimals) and
+    temp MiB (1 decimal); then the measured bubble of every case (2 decimals)."""
+    by_schedule: dict[str, list[dict]] = {}
+    for r in record["schedules"]:
+        name = r["schedule"] + (f" V={r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
+        by_schedule.setdefault(name, []).append(r)
+    lines = [header("schedule", "M", "bubble: table ; lock-step", "work ratio (step / one device)",
+                    "the same in CPU time", "temp per device (MiB)")]
+    for name, rs in by_schedule.items():
+        lines.append(row(name, column(rs, "microbatches", "g"),
+                         f"{column(rs, 'bubble', '.3f')} ; {column(rs, 'lockstep_bubble', '.3f')}",
+                         column(rs, "work_ratio", ".2f"), column(rs, "cpu_work_ratio", ".2f"),
+                         column(rs, "temp_bytes", ".1f", MIB)))
+    machine = record["machine"]
+    lines += ["", f'The "measured bubble" 1 - (one device / {machine["devices"]}) / step, every case: '
+                  f'{span([r["measured_bubble"] for r in record["schedules"]], ".2f")}; the core floor '
+                  f'1 - cores/devices: {machine["core_floor"]:.2f}.']
+    return "\n".join(lines)
+
+
+def tp_table(record: dict) -> str:
+    """bench.tp: per T, each variant's step time over gspmd's (2 decimals) and MiB over `tensor`
+    (1 decimal); then how many fewer bytes the explicit regions move (whole percent)."""
+    results = record["results"]
+    lines = [header("T", "gspmd", "shard_map", "shard_map + SP", "shard_map + SP + overlap",
+                    "MiB over `tensor` per step (gspmd / shard_map / SP / overlap)")]
+    fewer = []
+    for tp, variants in results.items():
+        tensor = [sum(c["bytes_per_device"] for c in tensor_collectives(variants[v])) for v in VARIANTS]
+        fewer += [100 * (1 - b / tensor[0]) for b in tensor[1:]]
+        lines.append(row(tp, *(f"{variants[v]['ratio_to_gspmd']:.2f}" for v in VARIANTS),
+                         joined([b / MIB for b in tensor], ".1f")))
+    lines += ["", f"The explicit regions move {span(fewer, '.0f')}% fewer bytes over `tensor` "
+                  "than GSPMD's placement."]
+    return "\n".join(lines)
+
+
+def context_table(record: dict) -> str:
+    """bench.context: per sp, each way's step time over the baseline way's (2 decimals), temp MiB
+    (1 decimal) with its ratio to the smallest sp (2 decimals) and the estimated K/V MiB (1
+    decimal; 0 on the single device); then how much faster than the baseline a way is that is faster
+    at every sp (whole percent)."""
+    base, by_sp = record["baseline_impl"], {}
+    for r in record["rows"]:
+        by_sp.setdefault(r["sp"], []).append(r)
+    ways = [r["impl"] for r in record["rows"] if r["sp"] == max(by_sp)]
+    names = " / ".join(ways)
+    lines = [header("sp", "L", f"step time, ratio to {base}: {names}",
+                    f"temp MiB per device: {names} (ratio to {record['temp_ratio_to']})",
+                    f"K/V MiB over `sequence` per step (estimate): {names}")]
+    for sp, rs in by_sp.items():
+        temp = f"{column(rs, 'temp_bytes', '.1f', MIB)} ({column(rs, 'temp_ratio', '.2f')})"
+        if rs[0]["impl"] is None:
+            lines.append(row(sp, rs[0]["seq_len"], "single device", temp, 0))
+        else:
+            lines.append(row(sp, rs[0]["seq_len"], column(rs, "step_ratio", ".2f"), temp,
+                             column(rs, "kv_bytes_estimate", ".1f", MIB)))
+    for way in ways[1:]:
+        ratios = [r["step_ratio"] for r in record["rows"] if r["impl"] == way]
+        if max(ratios) < 1:
+            faster = span([100 * (1 - x) for x in ratios], ".0f")
+            lines += ["", f"At every sp > 1, {way} is {faster}% faster than {base}."]
+    return "\n".join(lines)
+
+
+def moe_table(record: dict) -> str:
+    """bench.moe: per (ep, dp), each dispatch's step time over the first case's (2 decimals; the
+    first case's seconds, 2 decimals), temp MiB (1 decimal), all-to-alls per MoE layer and their
+    MiB per step, compiled and estimated (1 decimal; "-" and 0 where a case has none); how many
+    times faster capacity is than dropless at the same ep (1 decimal); then the FFN alone (ms 1
+    decimal, ratios 2 decimals)."""
+    by_mesh: dict[tuple[int, int], list[dict]] = {}
+    for r in record["rows"]:
+        by_mesh.setdefault((r["ep"], r["dp"]), []).append(r)
+    dispatches = " / ".join(r["dispatch"] for r in next(iter(by_mesh.values())))
+    lines = [header("ep, dp", f"step time, ratio to {record['baseline']}: {dispatches}",
+                    f"temp MiB per device: {dispatches}", f"all-to-alls per MoE layer (fwd + bwd): {dispatches}",
+                    f"all-to-all MiB per step, compiled (estimate): {dispatches}")]
+    first = record["rows"][0]
+    for (ep, dp), rs in by_mesh.items():
+        ratios = [f"{r['step_ratio']:.2f}" + (f" ({r['step_time_median_s']:.2f} s)" if r is first else "")
+                  for r in rs]
+        moved = [f"{r['all_to_all']['bytes_per_device'] / MIB:.1f} ({r['all_to_all_bytes_estimate'] / MIB:.1f})"
+                 if r["all_to_all"]["per_step"] else "0" for r in rs]
+        lines.append(row(f"{ep}, {dp}", " / ".join(ratios), column(rs, "temp_bytes", ".1f", MIB),
+                         " / ".join(per_layer_text(r["all_to_all"]) for r in rs), " / ".join(moved)))
+    speedup = []
+    for rs in by_mesh.values():
+        step = {r["dispatch"]: r["step_time_median_s"] for r in rs}
+        speedup.append(step["dropless"] / step["capacity"])
+    ffn, ways = record["ffn"], record["ffn"]["ways"]
+    grouped_ms = ways["grouped"]["time_median_s"] * 1e3
+    lines += ["", f"Capacity dispatch is {span(speedup, '.1f')}x as fast as dropless at the same ep.",
+              "", f"FFN alone ({ffn['tokens']} tokens x k = {ffn['rows']} rows, {ffn['experts']} experts, "
+                  f"{SHORT[ffn['dtype']]}, {ffn['device'].upper()}): grouped {grouped_ms:.1f} ms, dense loop "
+                  f"{ways['loop']['ratio_to_grouped']:.2f}x, batched {ways['batched']['ratio_to_grouped']:.2f}x."]
+    return "\n".join(lines)
+
+
+# the benchmarks whose table renders one record (bench.step's renders several: step_table)
+TABLES = {"bench.pipeline": pipeline_table, "bench.tp": tp_table, "bench.context": context_table,
+          "bench.moe": moe_table}
+
+
+def render(name: str, results: Path) -> str:
+    """The table of the marker NAME: its records (one stem, or several by spaces for bench.step)
+    rendered by the table of the benchmark that wrote them."""
+    paths = [results / f"{stem}.json" for stem in name.split()]
+    missing = [str(path) for path in paths if not path.is_file()]
+    if missing:
+        raise ConfigError(f"<!-- figures: {name} -->: no record {', '.join(missing)}")
+    records = [json.loads(path.read_text()) for path in paths]
+    module = shlex.split(records[0]["command"])[2]
+    if module == "bench.step":
+        return step_table(records)
+    if module not in TABLES or len(records) > 1:
+        raise ConfigError(f"<!-- figures: {name} -->: a table renders one record of {', '.join(TABLES)} "
+                          f"or several of bench.step")
+    return TABLES[module](records[0])
+
+
+def blocks(text: str) -> list[tuple[str, int, int]]:
+    """(name, start, end) of every marked block: text[start:end] lies between its two markers."""
+    found, opened, offset = [], None, 0
+    for number, line in enumerate(text.splitlines(keepends=True), 1):
+        match = OPEN.fullmatch(line.strip())
+        if match and opened:
+            raise ConfigError(f"line {number}: {match[0]} opens inside <!-- figures: {opened[0]} -->, never closed")
+        if match:
+            opened = (match[1], offset + len(line))
+        elif line.strip() == CLOSE:
+            if not opened:
+                raise ConfigError(f"line {number}: {CLOSE} closes no <!-- figures: NAME --> block")
+            found.append((*opened, offset))
+            opened = None
+        offset += len(line)
+    if opened:
+        raise ConfigError(f"<!-- figures: {opened[0]} --> is never closed by {CLOSE}")
+    return found
+
+
+def regenerate(text: str, results: Path) -> tuple[str, list[str]]:
+    """README's text with every block rendered afresh, and the names of the blocks that changed."""
+    out, stale, last = [], [], 0
+    for name, start, end in blocks(text):
+        fresh = "\n" + render(name, results) + "\n\n"
+        out += [text[last:start], fresh]
+        if text[start:end] != fresh:
+            stale.append(name)
+        last = end
+    return "".join(out + [text[last:]]), stale
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is stale")
+    p.add_argument("--readme", type=Path, default=README,
+                   help="the README (default the checkout's); its records in bench/results/ beside it")
+    args = p.parse_args(argv)
+    if not args.readme.is_file():
+        raise ConfigError(f"--readme {args.readme}: no such file")
+    text = args.readme.read_text()
+    fresh, stale = regenerate(text, args.readme.parent / "bench" / "results")
+    fix = "python -m bench.tables" + ("" if args.readme == README else f" --readme {args.readme}")
+    if args.check:
+        for name in stale:
+            print(f"{args.readme}: <!-- figures: {name} --> differs from its record; run: {fix}")
+        return 1 if stale else 0
+    if stale:
+        args.readme.write_text(fresh)
+    print(f"{args.readme}: {len(stale)} figure block(s) rewritten")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

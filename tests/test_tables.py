@@ -1,0 +1,110 @@
+"""README's figure tables against bench/results/ (bench/tables.py): JSON and text only, no jax.
+
+The first test is README's check that every figure quoted in its tables exists in
+bench/results/: each marked block must equal the rendering of its record, so a figure typed by
+hand, or left behind when a benchmark is re-run, fails it.
+"""
+
+import re
+import shutil
+
+from bench.tables import PROSE_ONLY, blocks, render, xla
+from conftest import ROOT, run_module
+
+README = ROOT / "README.md"
+RESULTS = ROOT / "bench" / "results"
+MARKED = ["pipeline-tiny-pp4", "step-125m-single step-tiny-single step-tiny-dp2_tp2", "tp-tiny", "context-tiny",
+          "moe-tiny", "moe-tiny-mid"]
+
+
+def test_every_readme_figure_block_is_its_records_rendering():
+    text = README.read_text()
+    found = blocks(text)
+    assert [name for name, _, _ in found] == MARKED
+    for name, start, end in found:
+        assert text[start:end] == "\n" + render(name, RESULTS) + "\n\n", f"run python -m bench.tables ({name})"
+
+
+def test_tables_hold_the_records_figures():
+    step = render("step-125m-single step-tiny-single step-tiny-dp2_tp2", RESULTS)
+    assert "3.27 / 3.63 / 3.80 s; **32 layers = 1.16x 2 layers**" in step
+    assert "| 487 ms/step median, 8,413 tok/s, compile 3.4 s, temp 445 MiB per device |" in step
+    assert "arguments per device 4.7 MiB vs 9.4 MiB on one device" in step
+    pipeline = render("pipeline-tiny-pp4", RESULTS)
+    assert "| 1f1b | 4 / 8 / 16 | 0.429 / 0.273 / 0.158 ; 0.500 / 0.400 / 0.333 | 1.67 / 1.42 / 1.29 |" in pipeline
+    assert "every case: 0.81-0.89; the core floor 1 - cores/devices: 0.50." in pipeline
+    tp = render("tp-tiny", RESULTS)
+    assert "| 8 | 1.00 | 0.94 | 0.72 | 0.89 | 84.1 / 63.3 / 63.6 / 63.6 |" in tp
+    assert "move 24-40% fewer bytes" in tp
+    context = render("context-tiny", RESULTS)
+    assert "| 1 | 512 | single device | 129.0 (1.00) | 0 |" in context
+    assert "At every sp > 1, allgather is 5-37% faster than ring." in context
+    moe = render("moe-tiny", RESULTS)
+    assert "| 4, 2 | 1.25 / 0.40 | 158.1 / 70.8 | 5 (3+2) / 4 (2+2) | 24.0 (12.0) / 7.5 (3.8) |" in moe
+    assert "Capacity dispatch is 2.0-3.1x as fast as dropless" in moe
+    assert "grouped 65.1 ms, dense loop 1.03x, batched 0.21x." in moe
+    assert "| 1, 8 | 1.00 (8.34 s) / 0.44 |" in render("moe-tiny-mid", RESULTS)
+
+
+def test_memory_fields_of_old_and_new_records():
+    assert xla({"temp_size_in_bytes": 7}, "temp") == 7
+    assert xla({"temp": 5, "temp_size_in_bytes": 7}, "temp") == 5
+
+
+def test_every_record_readme_names_is_marked_or_prose_only():
+    text = README.read_text()
+    named = {stem for stem in re.findall(r"([\w-]+)\.json", text) if (RESULTS / f"{stem}.json").is_file()}
+    named |= set(re.findall(r"bench/results/([\w-]+)\.json", text))
+    marked = {stem for name, _, _ in blocks(text) for stem in name.split()}
+    assert marked == {"pipeline-tiny-pp4", "step-125m-single", "step-tiny-single", "step-tiny-dp2_tp2", "tp-tiny",
+                      "context-tiny", "moe-tiny", "moe-tiny-mid"}
+    assert named - marked == set(PROSE_ONLY)
+    assert not marked & set(PROSE_ONLY)
+
+
+def copy(tmp_path):
+    """README and the records it quotes, as the checkout lays them out."""
+    shutil.copytree(RESULTS, tmp_path / "bench" / "results")
+    shutil.copy(README, tmp_path / "README.md")
+    return tmp_path / "README.md"
+
+
+def test_check_names_a_stale_block_and_rewriting_fixes_it(tmp_path):
+    readme = copy(tmp_path)
+    assert run_module("bench.tables", "--check", "--readme", str(readme)).returncode == 0
+    stale = README.read_text().replace("| 4, 2 | 1.25 / 0.40 |", "| 4, 2 | 1.26 / 0.40 |")
+    readme.write_text(stale)
+    out = run_module("bench.tables", "--check", "--readme", str(readme))
+    assert out.returncode == 1
+    assert out.stdout.splitlines() == [f"{readme}: <!-- figures: moe-tiny --> differs from its record; "
+                                       f"run: python -m bench.tables --readme {readme}"]
+    assert readme.read_text() == stale
+    out = run_module("bench.tables", "--readme", str(readme))
+    assert out.returncode == 0 and "1 figure block(s) rewritten" in out.stdout
+    assert readme.read_text() == README.read_text()
+
+
+def assert_refused(readme, expected: str) -> None:
+    """Both modes: exit code 2, one `error:` line naming `expected`, README as it was."""
+    before = readme.read_text()
+    for args in (["--check"], []):
+        out = run_module("bench.tables", *args, "--readme", str(readme))
+        assert out.returncode == 2
+        assert out.stderr.splitlines() == [out.stderr.strip()] and out.stderr.startswith("error: ")
+        assert expected in out.stderr and "Traceback" not in out.stderr
+        assert readme.read_text() == before
+
+
+def test_a_missing_record_is_one_error_line(tmp_path):
+    readme = copy(tmp_path)
+    readme.write_text(README.read_text().replace("| 4, 2 | 1.25 / 0.40 |", "| 4, 2 | 1.26 / 0.40 |"))
+    (tmp_path / "bench" / "results" / "tp-tiny.json").unlink()
+    assert_refused(readme, "<!-- figures: tp-tiny -->: no record")
+
+
+def test_an_unclosed_marker_is_one_error_line(tmp_path):
+    readme = copy(tmp_path)
+    text = README.read_text()
+    last = text.rindex("<!-- /figures -->")
+    readme.write_text(text[:last] + text[last + len("<!-- /figures -->"):])
+    assert_refused(readme, "<!-- figures: moe-tiny-mid --> is never closed")
