@@ -197,7 +197,10 @@ def test_plan_cli_search_prints_the_top_five():
 def test_dry_run_llama3_8b_on_64_devices_allocates_no_parameters(tmp_path):
     """train.py --dry-run of llama3-8b (8.03B parameters, 32 GB in fp32) on dp=8,tp=8: the real
     step, default batch (256 x 8192), compiled for 64 fake devices; the process's peak RSS stays
-    far below the model's size."""
+    far below the model's size. The census equals the contract: data once per step (the fp32
+    gradients), tensor 32 microbatches x (32 layers x 5 + 4) all-reduces of B·L·D (remat full
+    recomputes the attention's; the embedding's and head's), the bytes twice the bf16 contract:
+    XLA CPU computes the bf16 matmuls in fp32 and reduces their fp32 results."""
     script = ("import resource, runpy, sys; sys.argv = ['train.py', '--config', 'llama3-8b', '--mesh', "
               "'dp=8,tp=8', '--dry-run', '--json']\ntry:\n    runpy.run_path('train.py', run_name='__main__')\n"
               "except SystemExit as e:\n    code = e.code\n"
@@ -212,6 +215,12 @@ def test_dry_run_llama3_8b_on_64_devices_allocates_no_parameters(tmp_path):
     assert report["xla"]["memory"]["argument"] == pytest.approx(8.03e9 * 12 / 8, rel=0.01)
     assert int(rss) < 0.1 * 8.03e9 * 4, f"peak RSS {int(rss) / 2**30:.2f} GiB"
     assert "fit" in report["verdict"]
+    census = {r["axes"]: r for r in report["xla"]["census"] if r["axes"] in ("data", "tensor")}
+    contract = report["communication"]
+    assert census["data"]["count"] == 1
+    assert census["data"]["bytes_per_device"] == pytest.approx(contract["data"], rel=0.01)
+    assert census["tensor"]["count"] == 32 * (32 * 5 + 4)
+    assert census["tensor"]["bytes_per_device"] == pytest.approx(2 * contract["tensor"], rel=0.01)
 
 
 def test_trace_summary_finds_every_scope(tmp_path):

@@ -117,10 +117,18 @@ def plan(cfg: RunConfig, sizes: dict[str, int], gpu: estimate.GPU, xla: dict | N
         verdict += "; lower --set train.micro_batch_size, use --set model.remat=full, or add fsdp/tp/pp"
     return {"config": cfg.name, "mesh": format_mesh(sizes), "devices": math.prod(sizes.values()),
             "gpu": gpu.name, "memory": mem, "communication": estimate.communication(cfg, sizes),
-            "all_to_all": estimate.expert(cfg, sizes),
+            "all_to_all": estimate.expert(cfg, sizes), "census_note": census_note(cfg, xla),
             "links": link_sources(cfg, sizes, list(time["comm_s"]), measured), "rates": gpu.rates,
             "above_best_mfu": above_best_mfu(time["mfu_overlap"], gpu), "flops": estimate.flops(cfg, sizes),
             "time": time, "xla": xla, "fits": fits, "verdict": verdict}
+
+
+def census_note(cfg: RunConfig, xla: dict | None) -> str:
+    """Why a CPU census of a 16-bit program shows twice the contract on the activations' axes."""
+    if xla is None or xla["platform"] != "cpu" or cfg.model.compute_dtype == "float32":
+        return ""
+    return (f"XLA CPU computes {cfg.model.compute_dtype} matmuls in fp32 and reduces their fp32 results: the census "
+            "of tensor, sequence and stage is twice the contract, which counts the program's dtype")
 
 
 def above_best_mfu(mfu: float, gpu: estimate.GPU) -> str:
@@ -153,6 +161,8 @@ def format_plan(report: dict) -> str:
                      f"{(f'{census[axis] / GiB:.3f} G' if axis in census else '-'):>12}")
     if report.get("all_to_all"):  # the expert axis's dispatch and combine, of its contract above
         lines.append(f"  {'  of which all-to-all':<28}{report['all_to_all'] / GiB:>10.3f} G")
+    if report["census_note"]:
+        lines.append(f"  ({report['census_note']})")
     f = report["flops"]
     lines.append(f"\n  {'FLOPs per device per step':<28}{f['model_per_device']:>12.3e}"
                  f"{(xla or {}).get('flops_per_device') or float('nan'):>12.3e}")
