@@ -4,7 +4,8 @@
   python -m bench.tables --check    exit 1 naming each block that differs from its rendering
 
 A block lies between `<!-- figures: NAME ... -->` and `<!-- /figures -->`; each NAME is the stem
-of a record, bench/results/NAME.json (the step table names three). The benchmark that wrote the
+of a record, bench/results/NAME.json (the step table names three). bench.step records named
+STEM-COMMIT and STEM, in pairs, render as before (at that commit) and after. The benchmark that wrote the
 record (its `command`) picks the table; every number comes from the record, rounded as stated
 at each table. README quotes a few records in its prose only: PROSE_ONLY names them and why.
 
@@ -218,6 +219,22 @@ def moe_table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def step_change_table(pairs: list[tuple[str, dict, dict]]) -> str:
+    """bench.step records of one command before and after a change: (commit of `before`, before,
+    after) per mesh, one row each. Seconds 2 decimals, ratio 2 decimals."""
+    def step(t: dict) -> str:
+        return f"{t['step_time_median_s']:.2f} s ({t['step_time_min_s']:.2f}-{t['step_time_max_s']:.2f})"
+
+    lines = [header("mesh", "step before: median (min-max)", "after", "after / before")]
+    for commit, before, after in pairs:
+        b, a = before["throughput"], after["throughput"]
+        lines.append(row(f"`{after['mesh']}`", f"{step(b)} at {commit}", step(a),
+                         f"{a['step_time_median_s'] / b['step_time_median_s']:.2f}"))
+    return "\n".join(lines)
+
+
+BEFORE = re.compile(r"^(.+)-([0-9a-f]{7,40})$")  # STEM-COMMIT: STEM's record measured at that commit
+
 # the benchmarks whose table renders one record (bench.step's renders several: step_table)
 TABLES = {"bench.pipeline": pipeline_table, "bench.tp": tp_table, "bench.context": context_table,
           "bench.moe": moe_table}
@@ -233,6 +250,11 @@ def render(name: str, results: Path) -> str:
     records = [json.loads(path.read_text()) for path in paths]
     module = shlex.split(records[0]["command"])[2]
     if module == "bench.step":
+        stems = name.split()
+        befores = {m.group(1): (m.group(2), record) for stem, record in zip(stems, records) if (m := BEFORE.match(stem))}
+        if befores and len(befores) * 2 == len(stems) and all(s in befores for s in stems if not BEFORE.match(s)):
+            by_stem = dict(zip(stems, records))
+            return step_change_table([(*befores[s], by_stem[s]) for s in stems if s in befores])
         return step_table(records)
     if module not in TABLES or len(records) > 1:
         raise ConfigError(f"<!-- figures: {name} -->: a table renders one record of {', '.join(TABLES)} "

@@ -13,8 +13,9 @@ from conftest import ROOT, run_module
 
 README = ROOT / "README.md"
 RESULTS = ROOT / "bench" / "results"
-MARKED = ["pipeline-tiny-pp4", "step-125m-single step-tiny-single step-tiny-dp2_tp2", "tp-tiny", "context-tiny",
-          "moe-tiny", "moe-tiny-mid"]
+STEP_CHANGE = "step-issue18-dp8-55231f2 step-issue18-dp8 step-issue18-fsdp4_tp2-55231f2 step-issue18-fsdp4_tp2"
+MARKED = ["pipeline-tiny-pp4", "step-125m-single step-tiny-single step-tiny-dp2_tp2", STEP_CHANGE, "tp-tiny",
+          "context-tiny", "moe-tiny", "moe-tiny-mid"]
 
 
 def test_every_readme_figure_block_is_its_records_rendering():
@@ -30,6 +31,10 @@ def test_tables_hold_the_records_figures():
     assert "3.27 / 3.63 / 3.80 s; **32 layers = 1.16x 2 layers**" in step
     assert "| 487 ms/step median, 8,413 tok/s, compile 3.4 s, temp 445 MiB per device |" in step
     assert "arguments per device 4.7 MiB vs 9.4 MiB on one device" in step
+    change = render(STEP_CHANGE, RESULTS).splitlines()
+    assert change[0] == "| mesh | step before: median (min-max) | after | after / before |"
+    assert change[2] == "| `dp=8` | 2.14 s (2.04-2.93) at 55231f2 | 1.53 s (1.48-1.86) | 0.72 |"
+    assert change[3] == "| `fsdp=4,tp=2` | 1.21 s (1.17-1.28) at 55231f2 | 0.91 s (0.88-0.96) | 0.75 |"
     pipeline = render("pipeline-tiny-pp4", RESULTS)
     assert "| 1f1b | 4 / 8 / 16 | 0.429 / 0.273 / 0.158 ; 0.500 / 0.400 / 0.333 | 1.67 / 1.42 / 1.29 |" in pipeline
     assert "every case: 0.81-0.89; the core floor 1 - cores/devices: 0.50." in pipeline
@@ -57,7 +62,7 @@ def test_every_record_readme_names_is_marked_or_prose_only():
     named |= set(re.findall(r"bench/results/([\w-]+)\.json", text))
     marked = {stem for name, _, _ in blocks(text) for stem in name.split()}
     assert marked == {"pipeline-tiny-pp4", "step-125m-single", "step-tiny-single", "step-tiny-dp2_tp2", "tp-tiny",
-                      "context-tiny", "moe-tiny", "moe-tiny-mid"}
+                      "context-tiny", "moe-tiny", "moe-tiny-mid", *STEP_CHANGE.split()}
     assert named - marked == set(PROSE_ONLY)
     assert not marked & set(PROSE_ONLY)
 

@@ -88,3 +88,49 @@ def test_bad_tensor_parallel_settings_are_clear_errors(mesh, overrides, message)
     assert message in str(err.value)
 
 
+
+
+def equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs in its equations' parameters (jit, scan...)."""
+    for e in jaxpr.eqns:
+        yield e
+        for value in e.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                yield from equations(inner)
+
+
+def test_head_matmul_backward_runs_in_the_compute_dtype_in_the_weight_layout():
+    """head_matmul's backward: in fp32 autodiff's (dx, dW) within 1e-5 (the same products, dW's
+    summed in another order); in bf16 its two matmuls take
+    bf16 operands (autodiff's widen x and W to fp32), accumulate in fp32, and dW leaves its
+    matmul as [D, V] with no transpose, within bf16 rounding of the fp32 gradients."""
+    from sharding.tensor_parallel import head_matmul
+
+    b, length, d, v = 2, 8, 16, 40
+    kx, kw, kt = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(kx, (b, length, d)), jax.random.normal(kw, (d, v)) / 4
+    weights = jax.random.normal(kt, (b, length, v))  # an arbitrary fp32 cotangent of the logits
+
+    def loss(matmul, x, w):
+        return jnp.sum(matmul(x, w) * weights)
+
+    def autodiff(x, w):
+        return jnp.einsum("bld,dv->blv", x, w, preferred_element_type=jnp.float32)
+
+    grads = jax.grad(lambda x, w: loss(head_matmul, x, w), argnums=(0, 1))
+    want = jax.grad(lambda x, w: loss(autodiff, x, w), argnums=(0, 1))(x, w)
+    for got, expected in zip(grads(x, w), want):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+    x16, w16 = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(grads)(x16, w16)
+    eqns = list(equations(jaxpr.jaxpr))
+    dots = [e for e in eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3  # the forward, dx, dW
+    assert all(str(a.aval.dtype) == "bfloat16" for e in dots for a in e.invars)
+    assert sorted(tuple(e.outvars[0].aval.shape) for e in dots) == [(b, length, d), (b, length, v), (d, v)]
+    assert not [e for e in eqns if e.primitive.name == "transpose"]
+    dx, dw = grads(x16, w16)
+    np.testing.assert_allclose(np.float32(dx), want[0], rtol=0.05, atol=0.05)
+    np.testing.assert_allclose(np.float32(dw), want[1], rtol=0.05, atol=0.05)
