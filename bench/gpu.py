@@ -35,6 +35,11 @@ for with jax.block_until_ready. All stages share one process, so `peak_memory_by
 (memory_stats) is the process's peak so far: training cases run smallest first, and XLA's
 static memory analysis of each step is recorded beside it.
 
+On a GPU, with the ceilings, attention and training stages run, the record then holds
+`estimate`: each training case's step time as tools/estimate.py plans it at this record's own
+measured rates, beside the measured one (tools/calibration.py; tests/test_calibration.py holds
+them within 15% once a GPU record is committed).
+
 Without a GPU (and without --cpu-smoke) it prints one line and exits 0. --cpu-smoke runs on
 CPU, pallas interpreted, cudnn recorded as "unavailable on cpu": its figures prove the script,
 not any hardware.
@@ -58,6 +63,7 @@ from cli import run_cli
 from configs import ConfigError
 from sharding.xla_flags import with_flags
 from tools.measure import RESULTS, environment, median_seconds, run_record, write_report
+from tools.calibration import case_config, estimate_vs_measured
 from tools.oom import is_out_of_memory
 
 STAGES = ("environment", "ceilings", "correctness", "attention", "training", "profile")
@@ -312,14 +318,6 @@ def stage_attention(sizes: Sizes) -> dict:
 
 # --- stage 5: training speed --------------------------------------------------------------------
 
-def case_config(preset: str, overrides: tuple[str, ...], extra: list[str], n_devices: int):
-    """The preset with overrides; the global batch times the device count (weak scaling over dp)."""
-    from configs import apply_overrides, get_preset
-
-    cfg = apply_overrides(get_preset(preset), [*overrides, *extra])
-    return apply_overrides(cfg, [f"train.global_batch_size={cfg.train.global_batch_size * n_devices}"])
-
-
 def training_case(preset: str, remat: str, overrides: tuple[str, ...], sizes: Sizes) -> dict:
     import jax
 
@@ -539,8 +537,26 @@ def main(argv: list[str]) -> int:
             print("\n".join(summary_lines(name, result)), flush=True)
         except (KeyError, TypeError, ValueError) as err:  # a table bug must not stop the stages
             print(f"    (no table: {error_text(err)}; see {out})")
+    if backend == "gpu" and {"ceilings", "attention", "training"} <= set(stages):
+        report["estimate"] = estimate_rows(out)
+        write_report(report, out, announce=False)
     print(f"wrote {out} ({time.perf_counter() - start:.0f} s)")
     return 0
+
+
+def estimate_rows(out: Path) -> dict:
+    """The planner's estimate of each training case at this record's measured rates, beside the
+    measured step (tools.calibration.estimate_vs_measured; the target is within 15%), printed."""
+    try:
+        rows = estimate_vs_measured(out)
+    except (ConfigError, KeyError, TypeError, ValueError) as err:  # a stage that failed leaves no rates
+        print(f"    estimate vs measured: none ({error_text(err)})")
+        return {"error": error_text(err)}
+    for r in rows:
+        print(f"    estimate {r['preset']:<5} remat {r['remat']:<4}  {r['estimate_s'] * 1e3:8.1f} ms vs measured "
+              f"{r['measured_s'] * 1e3:8.1f} ms: {r['ratio']:.2f}x")
+    return {"note": "tools.estimate at this record's measured rates (tools/calibration.py); target within 15%",
+            "rows": rows}
 
 
 if __name__ == "__main__":

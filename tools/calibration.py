@@ -19,7 +19,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from configs import ConfigError
+from configs import ConfigError, RunConfig, apply_overrides, get_preset
 from tools.estimate import GPU, GPUS
 
 FUSED = ("pallas", "cudnn")
@@ -67,3 +67,37 @@ def calibrate(gpu: GPU, name: str, path: Path) -> GPU:
     rates = (f"measured in {path} on {kind}: matmul {matmul:.0f} TFLOP/s (bf16 GEMM), attention "
              f"{attention / 1e12:.0f} TFLOP/s ({best['core']} forward + backward, L={longest}, in the model's FLOPs)")
     return dataclasses.replace(gpu, matmul_flops=matmul * 1e12, attention_flops=attention, rates=rates)
+
+
+def case_config(preset: str, overrides: tuple[str, ...], extra: list[str], n_devices: int) -> RunConfig:
+    """A bench.gpu training case: the preset with its overrides, the global batch times the
+    device count (weak scaling over dp)."""
+    cfg = apply_overrides(get_preset(preset), [*overrides, *extra])
+    return apply_overrides(cfg, [f"train.global_batch_size={cfg.train.global_batch_size * n_devices}"])
+
+
+def estimate_vs_measured(path: Path) -> list[dict]:
+    """The training stage of the bench.gpu record at `path` against the roofline at that
+    record's own measured rates: per case (preset, remat, devices) the measured median step,
+    tools.estimate's overlapped step time on the same config and mesh (data over the record's
+    devices), and their ratio. Reads the GPU kind from the record; refuses what `calibrate`
+    refuses."""
+    from sharding.mesh import AXES
+    from tools.estimate import step_time
+
+    stages = json.loads(path.read_text())["stages"]
+    kind = str(stages["environment"].get("device_kind", "?")).lower()
+    name = next((n for n in GPUS if n in kind), None)
+    if name is None:
+        raise ConfigError(f"--calibration {path}: device {kind!r} is none of {', '.join(GPUS)}")
+    gpu, rows = rated_gpu(name, path), []
+    for case in stages.get("training", {}).get("rows", []):
+        if case.get("status") != "ok":
+            continue
+        cfg = case_config(case["preset"], tuple(case["overrides"]),
+                          [f"model.remat={case['remat']}", f"model.attention={case['attention']}"], case["devices"])
+        estimate = step_time(cfg, {a: 1 for a in AXES} | {"data": case["devices"]}, gpu)["overlap_s"]
+        measured = case["step_time_median_s"]
+        rows.append({"preset": case["preset"], "remat": case["remat"], "devices": case["devices"],
+                     "measured_s": measured, "estimate_s": estimate, "ratio": estimate / measured})
+    return rows
