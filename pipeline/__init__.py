@@ -29,14 +29,16 @@ if TYPE_CHECKING:  # importing the package stays jax-free: tools.estimate reads 
 __all__ = ["loss_and_grads"]
 
 
-def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
-                   cfg: RunConfig) -> tuple[jax.Array, nnx.State, dict]:
+def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig,
+                   accumulation: tuple[str, ...] = ()) -> tuple[jax.Array, nnx.State, dict]:
     """Mean loss, gradients (of the loss plus the router losses of a MoE model) and the router
     statistics (model/moe.py; {} for a dense model) of the [M, b, L] batch, pipelined by
     `parallel.schedule`. Each stage sums the statistics of its MoE layers over the microbatches
-    it runs (idle ticks masked out), and the sums meet across `stage` once per step."""
+    it runs (idle ticks masked out), and the sums meet across `stage` once per step.
+    `accumulation`: the batch axes the 1F1B family runs manual over, reducing its gradients over
+    them once per step (sharding.checks.accumulation_axes: data, or none)."""
     from pipeline import circular, one_f_one_b
 
     if cfg.parallel.schedule in ONE_F_ONE_B:
-        return one_f_one_b.loss_and_grads(params, graphdef, batch, cfg)
+        return one_f_one_b.loss_and_grads(params, graphdef, batch, cfg, accumulation)
     return circular.loss_and_grads(params, graphdef, batch, cfg)

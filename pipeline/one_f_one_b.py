@@ -72,6 +72,7 @@ hence refused with this family (sharding/checks.py), and so is the context-paral
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
@@ -422,10 +423,13 @@ CELLS = (_idle, _forward, _backward, _idle, _backward_last)
 SPLIT_CELLS = (_idle, _forward, _backward_input, _weight, _backward_input_last)
 
 
-def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
-                   cfg: RunConfig) -> tuple[jax.Array, nnx.State, dict]:
-    """Mean loss, fp32 gradients and router statistics of the [M, b, L] batch by the schedule."""
-    p, (m_count, b, length) = stages(), batch["inputs"].shape
+def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig,
+                   batch_axes: tuple[str, ...] = ()) -> tuple[jax.Array, nnx.State, dict]:
+    """Mean loss, fp32 gradients and router statistics of the [M, b, L] batch by the schedule.
+    `batch_axes` (data, or none): the engine runs manual over them too, each device its own b
+    rows of every microbatch, and sums its gradients over the whole schedule before one psum
+    over them per step (without them XLA reduces each backward cell's weight gradients)."""
+    p, (m_count, _, length) = stages(), batch["inputs"].shape
     v_count = max(cfg.parallel.virtual_stages, 1)
     prog = program(cfg.parallel.schedule, p, m_count, v_count)
     st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, m_count,
@@ -437,7 +441,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
     def body(local, inputs, targets):
         s = lax.axis_index(AXIS)
         compute = whole_over_fsdp(compute_params(local, st.dtype))  # cast and gathered once per step
-        act = jax.ShapeDtypeStruct((b, length, cfg.model.d_model), st.dtype)
+        act = jax.ShapeDtypeStruct((inputs.shape[1], length, cfg.model.d_model), st.dtype)  # this device's b rows
         stc, residuals, stash = residual_layout(st, compute, act)
         branches = [partial(cell, stc) for cell in (SPLIT_CELLS if prog.split else CELLS)]
 
@@ -468,14 +472,18 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
         rows = tuple(jnp.asarray(a) for a in (prog.branch, prog.microbatch, prog.chunk, prog.recv_f, prog.recv_b,
                                               prog.x_slot, prog.g_slot, prog.r_slot, prog.s_slot))
         (_, _, out), _ = lax.scan(tick, start, rows)
-        summed = jax.tree.map(lambda a: lax.psum(a, AXIS), out.grads)  # embedding, norm, head
-        stats = {name: lax.psum(a, AXIS) / (m_count * moe_layers(cfg.model)) for name, a in out.stats.items()}
-        return lax.psum(out.loss, AXIS), with_part(summed, "blocks", out.grads["blocks"]), stats
+        n = math.prod(lax.axis_size(a) for a in batch_axes)
+        over_batch = (lambda a: lax.psum(a, batch_axes) / n) if batch_axes else (lambda a: a)  # noqa: E731
+        grads = jax.tree.map(over_batch, out.grads)  # once per step
+        summed = jax.tree.map(lambda a: lax.psum(a, AXIS), grads)  # embedding, norm, head
+        stats = {name: over_batch(lax.psum(a, AXIS)) / (m_count * moe_layers(cfg.model)) for name, a in out.stats.items()}
+        return over_batch(lax.psum(out.loss, AXIS)), with_part(summed, "blocks", grads["blocks"]), stats
 
     chunked = with_part(params, "blocks", jax.tree.map(lambda a: a.reshape(v_count, -1, *a.shape[1:]), params["blocks"]))
     specs = with_part(jax.tree.map(lambda _: P(), params), "blocks",
                       jax.tree.map(lambda _: P(None, AXIS), params["blocks"]))
-    run = over_stages(body, (specs, P(), P()), (P(), specs, P()))
+    rows = P(None, batch_axes) if batch_axes else P()  # [M, b, L]: each device its b rows
+    run = over_stages(body, (specs, rows, rows), (P(), specs, P()), batch_axes)
     loss, grads, stats = run(chunked, batch["inputs"], batch["targets"])
     blocks = jax.tree.map(lambda g, a: g.reshape(a.shape), grads["blocks"], params["blocks"])
     return loss, with_part(grads, "blocks", blocks), stats

@@ -28,8 +28,10 @@ def stages() -> int:
     return axis_size(AXIS)
 
 
-def over_stages(body: Callable, in_specs: Any, out_specs: Any) -> Callable:
-    """`body` as a shard_map manual over `stage` only (the other axes stay automatic).
+def over_stages(body: Callable, in_specs: Any, out_specs: Any, batch_axes: tuple[str, ...] = ()) -> Callable:
+    """`body` as a shard_map manual over `stage` and `batch_axes` (the 1F1B family's accumulation
+    axes: its batch split over them, its gradients reduced over them by the body); the other
+    axes stay automatic.
 
     Unchecked (check_vma=False): the tensor-parallel regions inside the stages are shard_maps of
     their own, and jax 0.10 types the residuals of a nested, checked shard_map with every axis
@@ -40,7 +42,8 @@ def over_stages(body: Callable, in_specs: Any, out_specs: Any) -> Callable:
     sum (1f1b's gradients and loss) is an explicit psum, and gpipe's autodiff transposes only
     ppermutes and the edges.
     """
-    return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS}, check_vma=False)
+    return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS, *batch_axes},
+                         check_vma=False)
 
 
 def buffer(shape: tuple[int, ...], dtype: DTypeLike) -> jax.Array:

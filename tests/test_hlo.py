@@ -199,6 +199,26 @@ def test_fsdp_gather_once_moves_the_same_bytes_whatever_k():
     assert all(c.trips == 1 for c in four + one)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_one_f_one_b_reduces_over_data_once_per_step(schedule):
+    """pp=2,dp=4 (tiny: 32 sequences, 8 per data rank), M = 4 and 8 microbatches: the 1F1B
+    family's engine sums each device's gradients over the whole schedule and all-reduces them
+    over data once: one all-reduce of the stage's parameters (the embedding, norm and head
+    replicated over stage, 2 of the 4 layers: 4 bytes each; XLA combines the loss's scalars into
+    it), the same bytes at both M."""
+    four, eight = (compiled("pp=2,dp=4", f"parallel.schedule={schedule}", f"parallel.microbatches={m}")[0]
+                   for m in (4, 8))
+    for found in (four, eight):
+        data = [c for c in found if "data" in c.axes]
+        assert [(c.kind, c.axes, c.trips) for c in data] == [("all-reduce", ("data",), 1)]
+    _, n_params, cfg = compiled("pp=2,dp=4", f"parallel.schedule={schedule}", "parallel.microbatches=4")
+    m = cfg.model
+    block = (n_params - 2 * m.vocab_size * m.d_model - m.d_model) // m.n_layers
+    stage_params = n_params - block * m.n_layers // 2
+    assert total(four, ("all-reduce",), ("data",)) == pytest.approx(2 * 4 * stage_params * 3 / 4, rel=1e-5)
+    assert total(eight, ("all-reduce",), ("data",)) == total(four, ("all-reduce",), ("data",))
+
+
 def tp_loop_ops(found, cfg, kind):
     return [c for c in found if c.kind == kind and c.axes == ("tensor",) and c.trips == cfg.model.n_layers]
 

@@ -69,7 +69,8 @@ the CUDA context and NCCL buffers (about 1-2 GiB per GPU): keep a margin.
 Communication (bytes per device per step), the contract of DESIGN.md:
   data    2 · G(N-1)/N              once per step (the k microbatches summed first; per
                                     microbatch, times k, where sharding.checks.accumulation_axes
-                                    is empty: k = 1, MoE, sp > 1, pipelines);
+                                    is empty: k = 1, MoE, sp > 1, gpipe and interleaved;
+                                    the 1F1B family reduces over data once per step);
                                     G = fp32 gradient bytes of this device's shard (its E/ep
                                     experts included: they are reduced over data), where the
                                     wk, wv that tensor replicates (t does not divide K) count

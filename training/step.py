@@ -109,10 +109,10 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     reduced once per step (`Strategies.accumulation`, the module docstring); () leaves the
     reductions to XLA. `gather_once`: fsdp's weights gathered before the loop, not per microbatch.
     """
-    if schedule:
-        return pipeline.loss_and_grads(params, graphdef, batch, cfg)
     mesh = jax.sharding.get_abstract_mesh()
     axes = () if mesh.empty else tuple(a for a in accumulation if dict(mesh.shape).get(a, 1) > 1)
+    if schedule:
+        return pipeline.loss_and_grads(params, graphdef, batch, cfg, axes)
     if not axes:
         return _accumulate(params, graphdef, batch, cfg)
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
