@@ -32,8 +32,10 @@ per parameter of the device's tensor (and stage) shard, fsdp times what ZeRO-3 h
 gathered weights, P_c, live through each microbatch (with fsdp_gather_once through the whole
 loop), where XLA's ZeRO-3 gathers one layer at a time. With data alone the accumulator is the
 size it always was. At k = 1 (unless fsdp_gather_once) there is nothing to accumulate: the
-step is XLA's, which reduces once and keeps ZeRO-3's memory. Pipelines, MoE models and sp > 1
-keep XLA's placement, a reduction per microbatch.
+step is XLA's, which reduces once and keeps ZeRO-3's memory. The 1F1B family's pipeline
+engine takes the data axis the same way (pipeline/one_f_one_b.py: manual over data, one
+all-reduce per step); gpipe and interleaved, MoE models and sp > 1 keep XLA's placement, a
+reduction per microbatch (per tick in gpipe and interleaved).
 Non-finite steps: when the loss or the gradient norm is NaN or inf, the step keeps the old
 parameters and optimizer state (an elementwise select per parameter and moment, which XLA fuses
 into the optimizer's elementwise update) and counts the step in `bad_steps` (in a row) and
