@@ -92,7 +92,8 @@ from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
 from model.loss import cross_entropy
 from model.moe import no_stats, router_loss
 from sharding.checks import microbatches, moe_layers
-from sharding.rules import constrain
+from sharding.accumulation import FSDP, gather, reduce
+from sharding.rules import constrain, logical_to_spec
 from model.transformer import Transformer, compute_params
 
 BACKWARD_LAST = WEIGHT + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, WEIGHT, and B of chunk V-1 on stage p-1
@@ -320,6 +321,23 @@ def whole_over_fsdp(tree: nnx.State) -> nnx.State:
     return treedef.unflatten(out)
 
 
+def _specs(params: nnx.State, fsdp: bool) -> nnx.State:
+    """The engine's in_spec of each weight: the blocks' [V, X/V, ...] layers over stage, and with
+    `fsdp` (manual here) its fsdp split (the `embed` dimension), each device then holding its
+    shard; everything else replicated."""
+    mesh = jax.sharding.get_abstract_mesh()
+
+    def spec(var: nnx.Variable, chunked: bool) -> P:
+        names = tuple(var.get_metadata().get("out_sharding") or (None,) * var.ndim)
+        split = tuple(logical_to_spec(names, var.shape, mesh, within=(FSDP,))) if fsdp else ()
+        split = (split + (None,) * var.ndim)[:var.ndim]
+        return P(None, AXIS, *split[1:]) if chunked else P(*split)
+
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    return with_part(jax.tree.map(lambda v: spec(v, False), params, is_leaf=is_var), "blocks",
+                     jax.tree.map(lambda v: spec(v, True), params["blocks"], is_leaf=is_var))
+
+
 def _chunk_of(local: nnx.State, v: jax.Array) -> nnx.State:
     return jax.tree.map(lambda a: a[v], local["blocks"])
 
@@ -438,9 +456,29 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     down = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
     up = [((i + 1) % p, i) for i in range(p if ring else p - 1)]
 
+    chunked = with_part(params, "blocks", jax.tree.map(lambda a: a.reshape(v_count, -1, *a.shape[1:]), params["blocks"]))
+    specs = _specs(params, FSDP in batch_axes)
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+
+    def whole(tree: nnx.State) -> nnx.State:
+        """The stage's weights whole over fsdp, once per step: gathered by hand where fsdp is
+        manual here, else by a sharding constraint (XLA's gather)."""
+        if FSDP not in batch_axes:
+            return whole_over_fsdp(tree)
+        leaves, treedef = jax.tree.flatten(tree)
+        return treedef.unflatten([gather(spec, a) for spec, a in zip(flat_specs, leaves, strict=True)])
+
+    def reduced(grads: nnx.State) -> nnx.State:
+        """The summed gradients -> their shard of the mean over the batch axes, once per step."""
+        if not batch_axes:
+            return grads
+        n = math.prod(lax.axis_size(a) for a in batch_axes)
+        leaves, treedef = jax.tree.flatten(grads)
+        return treedef.unflatten([reduce(g, spec, batch_axes) / n for spec, g in zip(flat_specs, leaves, strict=True)])
+
     def body(local, inputs, targets):
         s = lax.axis_index(AXIS)
-        compute = whole_over_fsdp(compute_params(local, st.dtype))  # cast and gathered once per step
+        compute = whole(compute_params(local, st.dtype))  # cast and gathered once per step
         act = jax.ShapeDtypeStruct((inputs.shape[1], length, cfg.model.d_model), st.dtype)  # this device's b rows
         stc, residuals, stash = residual_layout(st, compute, act)
         branches = [partial(cell, stc) for cell in (SPLIT_CELLS if prog.split else CELLS)]
@@ -465,7 +503,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
 
         start = (buffer((prog.inputs, *act.shape), st.dtype), buffer((prog.inbox, *act.shape), st.dtype),
                  Sent(buffer(act.shape, st.dtype), buffer(act.shape, st.dtype),
-                      whole_over_fsdp(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), local)),
+                      jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), compute),
                       jnp.zeros((), jnp.float32), no_stats(cfg.model),
                       tuple(buffer((prog.residuals, *a.shape), a.dtype) for a in residuals),
                       tuple(buffer((prog.stash, *a.shape), a.dtype) for a in stash)))
@@ -474,14 +512,11 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         (_, _, out), _ = lax.scan(tick, start, rows)
         n = math.prod(lax.axis_size(a) for a in batch_axes)
         over_batch = (lambda a: lax.psum(a, batch_axes) / n) if batch_axes else (lambda a: a)  # noqa: E731
-        grads = jax.tree.map(over_batch, out.grads)  # once per step
+        grads = reduced(out.grads)  # once per step
         summed = jax.tree.map(lambda a: lax.psum(a, AXIS), grads)  # embedding, norm, head
         stats = {name: over_batch(lax.psum(a, AXIS)) / (m_count * moe_layers(cfg.model)) for name, a in out.stats.items()}
         return over_batch(lax.psum(out.loss, AXIS)), with_part(summed, "blocks", grads["blocks"]), stats
 
-    chunked = with_part(params, "blocks", jax.tree.map(lambda a: a.reshape(v_count, -1, *a.shape[1:]), params["blocks"]))
-    specs = with_part(jax.tree.map(lambda _: P(), params), "blocks",
-                      jax.tree.map(lambda _: P(None, AXIS), params["blocks"]))
     rows = P(None, batch_axes) if batch_axes else P()  # [M, b, L]: each device its b rows
     run = over_stages(body, (specs, rows, rows), (P(), specs, P()), batch_axes)
     loss, grads, stats = run(chunked, batch["inputs"], batch["targets"])

@@ -74,13 +74,14 @@ def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
     the reductions: one microbatch (once per step already, and FSDP's weights gathered a layer
     at a time), pipelines (their own schedule), MoE models (their regions sum the router
     statistics over the token axes) and sp > 1 (weights replicated over `sequence`). The 1F1B
-    family's engine (pipeline/one_f_one_b.py) runs its M microbatches per device the same way:
-    manual over data too, its gradients summed over the schedule and reduced over data once per
-    step (data only: fsdp stays XLA's inside the stages); gpipe and interleaved are autodiff's."""
+    family's engine (pipeline/one_f_one_b.py) runs its M microbatches per device the same way,
+    manual over data and fsdp: it holds each stage's weights whole for the step anyway, so its
+    gradients are summed over the schedule and reduced once per step on both; gpipe and
+    interleaved are autodiff's."""
     if cfg.model.n_experts or sizes["sequence"] > 1:
         return ()
     if sizes["stage"] > 1:
-        return ("data",) if cfg.parallel.schedule in ONE_F_ONE_B and sizes["data"] > 1 else ()
+        return tuple(a for a in ("data", "fsdp") if sizes[a] > 1) if cfg.parallel.schedule in ONE_F_ONE_B else ()
     per_rank = cfg.train.global_batch_size // batch_ranks(sizes)
     k = per_rank // (cfg.train.micro_batch_size or per_rank)
     if k == 1 and not (cfg.parallel.fsdp_gather_once and sizes["fsdp"] > 1):

@@ -200,23 +200,29 @@ def test_fsdp_gather_once_moves_the_same_bytes_whatever_k():
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_one_f_one_b_reduces_over_data_once_per_step(schedule):
-    """pp=2,dp=4 (tiny: 32 sequences, 8 per data rank), M = 4 and 8 microbatches: the 1F1B
-    family's engine sums each device's gradients over the whole schedule and all-reduces them
-    over data once: one all-reduce of the stage's parameters (the embedding, norm and head
-    replicated over stage, 2 of the 4 layers: 4 bytes each; XLA combines the loss's scalars into
-    it), the same bytes at both M."""
-    four, eight = (compiled("pp=2,dp=4", f"parallel.schedule={schedule}", f"parallel.microbatches={m}")[0]
-                   for m in (4, 8))
-    for found in (four, eight):
-        data = [c for c in found if "data" in c.axes]
-        assert [(c.kind, c.axes, c.trips) for c in data] == [("all-reduce", ("data",), 1)]
-    _, n_params, cfg = compiled("pp=2,dp=4", f"parallel.schedule={schedule}", "parallel.microbatches=4")
-    m = cfg.model
-    block = (n_params - 2 * m.vocab_size * m.d_model - m.d_model) // m.n_layers
-    stage_params = n_params - block * m.n_layers // 2
-    assert total(four, ("all-reduce",), ("data",)) == pytest.approx(2 * 4 * stage_params * 3 / 4, rel=1e-5)
-    assert total(eight, ("all-reduce",), ("data",)) == total(four, ("all-reduce",), ("data",))
+def test_one_f_one_b_gathers_and_reduces_once_per_step(schedule):
+    """pp=2,dp=2,fsdp=2 (tiny, fp32: 32 sequences, 8 per batch rank), M = 4 and 8 microbatches:
+    the 1F1B family's engine, manual over data and fsdp, gathers each stage's weights over fsdp
+    once, sums its gradients over the whole schedule, reduce-scatters them over fsdp once and
+    all-reduces the shard over data once: every collective on those axes runs once per step,
+    the same bytes at both M, equal to `tools.estimate.communication` (the stage's parameters:
+    the embedding, norm and head replicated over stage, 2 of the 4 layers)."""
+    from tools import estimate
+
+    runs = [compiled("pp=2,dp=2,fsdp=2", f"parallel.schedule={schedule}", f"parallel.microbatches={m}",
+                     "model.compute_dtype=float32") for m in (4, 8)]
+    (four, _, cfg), (eight, _, _) = runs
+    on_batch = lambda found: {(r["kind"], r["axes"]): r["bytes_per_device"] for r in summary(found)  # noqa: E731
+                              if "data" in r["axes"] or "fsdp" in r["axes"]}
+    assert on_batch(eight) == pytest.approx(on_batch(four), rel=1e-9)
+    assert all(c.trips == 1 for c in four if {"data", "fsdp"} & set(c.axes))
+    assert {kind for kind, _ in on_batch(four)} == {"all-gather", "reduce-scatter", "all-reduce"}
+    sizes = {a: getattr(cfg.parallel, a) for a in ("stage", "data", "fsdp", "expert", "sequence", "tensor")}
+    contract = estimate.communication(cfg, sizes)
+    fsdp = total(four, ("all-gather", "reduce-scatter"), ("fsdp",))
+    data = total(four, ("all-reduce",), ("data",)) + total(four, ("all-reduce",), ("data", "fsdp"))
+    assert fsdp == pytest.approx(contract["fsdp"], rel=0.01)
+    assert data == pytest.approx(contract["data"], rel=0.01)
 
 
 def tp_loop_ops(found, cfg, kind):

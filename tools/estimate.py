@@ -21,8 +21,9 @@ Memory (bytes per device), the terms `memory()` returns:
               gradients (measured on XLA CPU: the optimizer phase holds about 2 gradient copies)
   gathered    FSDP only: the embedding and head gathered whole (V·D/t each, param dtype) and
               their full-size gradients before the reduce: 4 · V·D/t · 4
-  gathered once  parallel.fsdp_gather_once: the rest of the weights whole over fsdp in the
-              compute dtype and a whole fp32 gradient accumulator: P_local·(fsdp-1)·(c + 4)
+  gathered once  parallel.fsdp_gather_once, and the 1F1B family under fsdp: the rest of the
+              weights whole over fsdp in the compute dtype and a whole fp32 gradient
+              accumulator: P_local·(fsdp-1)·(c + 4)
   saved       activations kept for backward: X/pp layers of one microbatch; under gpipe and
               interleaved every tick's (the ticks of the schedule's table, V·M+p-1, of X/(p·V)
               layers: autodiff through the tick scan keeps the idle ticks' too; at least the
@@ -81,7 +82,8 @@ Communication (bytes per device per step), the contract of DESIGN.md:
                                     reduce-scatter of its fp32 gradient; with
                                     parallel.fsdp_gather_once (c + 4) · P(N-1)/N: the weights
                                     gathered whole in the compute dtype once per step, the
-                                    gradients reduce-scattered once
+                                    gradients reduce-scattered once; so too under the 1F1B
+                                    family (pipeline/one_f_one_b.py), manual over fsdp
                                     (the device's E/ep experts included)
   expert  2 · G'(ep-1)/ep           G' = G less the routed experts: every other weight treats
                                     `expert` as a data axis (summed per axis, as sequence's)
@@ -391,7 +393,8 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     shard -= kv_replicated * (not local) * s.layers * 2 * m.d_model * (m.n_kv_heads - 1) * m.head_dim
     replicated = shard - experts * sizes["fsdp"]  # what `expert` reduces: every weight but the experts
     reduces = {axis: 1 if axis in local else s.k for axis in ("data", "fsdp")}
-    gathers = (1 if cfg.parallel.fsdp_gather_once else s.k) * c if "fsdp" in local else s.k * 2 * param_b
+    once = cfg.parallel.fsdp_gather_once or sizes["stage"] > 1  # the 1F1B family gathers once per step
+    gathers = (1 if once else s.k) * c if "fsdp" in local else s.k * 2 * param_b
     volume = {
         "stage": 2 * s.k * act / sizes["tensor"] * (sizes["stage"] > 1),
         "data": reduces["data"] * 2 * shard / sizes["fsdp"] * 4 * frac["data"],

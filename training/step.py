@@ -76,10 +76,10 @@ from configs.base import RunConfig
 from model.loss import cross_entropy
 from model.moe import no_stats, router_loss
 from model.transformer import compute_params
+from sharding.accumulation import gather as fsdp_gather, reduce as batch_reduce
 from sharding.rules import logical_to_spec
 from sharding.strategies import Strategies
 
-FSDP = "fsdp"
 
 
 class TrainState(NamedTuple):
@@ -127,14 +127,14 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
 
     def local(leaves: list, batch: dict) -> tuple:
         """One device's k microbatches: its own rows of the batch, its fsdp shard of the weights."""
-        gather = functools.partial(jax.tree.map, _all_gather, specs)
+        gather = functools.partial(jax.tree.map, fsdp_gather, specs)
         weights = compute_params(leaves, cfg.model.compute_dtype)  # the shard, cast before the gather
         if gather_once:
             weights = gather(weights)
         loss, grads, stats = _accumulate(
             weights, graphdef, batch, cfg, treedef=treedef, prepare=None if gather_once else gather,
             grad_dtypes=[a.dtype for a in leaves])
-        grads = [_reduce(g, spec, axes) / n for g, spec in zip(grads, specs)]
+        grads = [batch_reduce(g, spec, axes) / n for g, spec in zip(grads, specs)]
         return jax.lax.psum(loss, axes) / n, grads, jax.tree.map(lambda s: jax.lax.psum(s, axes) / n, stats)
 
     region = jax.shard_map(local, in_specs=(specs, {"inputs": batch_spec, "targets": batch_spec}),
@@ -172,27 +172,6 @@ def _accumulate(weights, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig, tr
     totals, _ = jax.lax.scan(micro, zeros, batch)
     k = batch["inputs"].shape[0]
     return jax.tree.map(lambda t: t / k, totals)
-
-
-def _all_gather(spec: P, w: jax.Array) -> jax.Array:
-    """w whole over fsdp: an all-gather of each dimension that `spec` splits over fsdp."""
-    for dim, axes in enumerate(spec):
-        if axes is not None and FSDP in (axes if isinstance(axes, tuple) else (axes,)):
-            w = jax.lax.all_gather(w, FSDP, axis=dim, tiled=True)
-    return w
-
-
-def _reduce(g: jax.Array, spec: P, axes: tuple[str, ...]) -> jax.Array:
-    """A device's summed gradient of a whole (fsdp-gathered) weight -> its shard of the sum over
-    the batch `axes`: a reduce-scatter over fsdp where `spec` splits the weight over it, then an
-    all-reduce over the other axes of the (smaller) shard."""
-    scattered = ()
-    for dim, dim_axes in enumerate(spec):
-        if dim_axes is not None and FSDP in (dim_axes if isinstance(dim_axes, tuple) else (dim_axes,)):
-            g = jax.lax.psum_scatter(g, FSDP, scatter_dimension=dim, tiled=True)
-            scattered = (FSDP,)
-    rest = tuple(a for a in axes if a not in scattered)
-    return jax.lax.psum(g, rest) if rest else g
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr: optax.Schedule,
