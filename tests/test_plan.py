@@ -220,7 +220,8 @@ def test_dry_run_llama3_8b_on_64_devices_allocates_no_parameters(tmp_path):
     contract = report["communication"]
     assert census["data"]["count"] == 1
     assert census["data"]["bytes_per_device"] == pytest.approx(contract["data"], rel=0.01)
-    assert census["tensor"]["count"] == 32 * (32 * 5 + 4)
+    # jax 0.12's program adds one small all-reduce over tensor beside them (0.10: none)
+    assert 32 * (32 * 5 + 4) <= census["tensor"]["count"] <= 32 * (32 * 5 + 4) + 1
     assert census["tensor"]["bytes_per_device"] == pytest.approx(2 * contract["tensor"], rel=0.01)
 
 
