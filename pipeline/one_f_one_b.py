@@ -338,6 +338,24 @@ def _specs(params: nnx.State, fsdp: bool) -> nnx.State:
                      jax.tree.map(lambda v: spec(v, True), params["blocks"], is_leaf=is_var))
 
 
+def _whole(tree: nnx.State, flat_specs: list[P], batch_axes: tuple[str, ...]) -> nnx.State:
+    """The stage's weights whole over fsdp, once per step: gathered by hand where fsdp is manual
+    in the engine, else by a sharding constraint (XLA's gather)."""
+    if FSDP not in batch_axes:
+        return whole_over_fsdp(tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef.unflatten([gather(spec, a) for spec, a in zip(flat_specs, leaves, strict=True)])
+
+
+def _reduced(grads: nnx.State, flat_specs: list[P], batch_axes: tuple[str, ...]) -> nnx.State:
+    """The summed gradients -> their shard of the mean over the batch axes, once per step."""
+    if not batch_axes:
+        return grads
+    n = math.prod(lax.axis_size(a) for a in batch_axes)
+    leaves, treedef = jax.tree.flatten(grads)
+    return treedef.unflatten([reduce(g, spec, batch_axes) / n for spec, g in zip(flat_specs, leaves, strict=True)])
+
+
 def _chunk_of(local: nnx.State, v: jax.Array) -> nnx.State:
     return jax.tree.map(lambda a: a[v], local["blocks"])
 
@@ -460,25 +478,9 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     specs = _specs(params, FSDP in batch_axes)
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
 
-    def whole(tree: nnx.State) -> nnx.State:
-        """The stage's weights whole over fsdp, once per step: gathered by hand where fsdp is
-        manual here, else by a sharding constraint (XLA's gather)."""
-        if FSDP not in batch_axes:
-            return whole_over_fsdp(tree)
-        leaves, treedef = jax.tree.flatten(tree)
-        return treedef.unflatten([gather(spec, a) for spec, a in zip(flat_specs, leaves, strict=True)])
-
-    def reduced(grads: nnx.State) -> nnx.State:
-        """The summed gradients -> their shard of the mean over the batch axes, once per step."""
-        if not batch_axes:
-            return grads
-        n = math.prod(lax.axis_size(a) for a in batch_axes)
-        leaves, treedef = jax.tree.flatten(grads)
-        return treedef.unflatten([reduce(g, spec, batch_axes) / n for spec, g in zip(flat_specs, leaves, strict=True)])
-
     def body(local, inputs, targets):
         s = lax.axis_index(AXIS)
-        compute = whole(compute_params(local, st.dtype))  # cast and gathered once per step
+        compute = _whole(compute_params(local, st.dtype), flat_specs, batch_axes)  # cast and gathered once per step
         act = jax.ShapeDtypeStruct((inputs.shape[1], length, cfg.model.d_model), st.dtype)  # this device's b rows
         stc, residuals, stash = residual_layout(st, compute, act)
         branches = [partial(cell, stc) for cell in (SPLIT_CELLS if prog.split else CELLS)]
@@ -512,7 +514,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         (_, _, out), _ = lax.scan(tick, start, rows)
         n = math.prod(lax.axis_size(a) for a in batch_axes)
         over_batch = (lambda a: lax.psum(a, batch_axes) / n) if batch_axes else (lambda a: a)  # noqa: E731
-        grads = reduced(out.grads)  # once per step
+        grads = _reduced(out.grads, flat_specs, batch_axes)  # once per step
         summed = jax.tree.map(lambda a: lax.psum(a, AXIS), grads)  # embedding, norm, head
         stats = {name: over_batch(lax.psum(a, AXIS)) / (m_count * moe_layers(cfg.model)) for name, a in out.stats.items()}
         return over_batch(lax.psum(out.loss, AXIS)), with_part(summed, "blocks", grads["blocks"]), stats
