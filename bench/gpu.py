@@ -10,24 +10,28 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
   ceilings     bf16 8192^3 matmul TFLOP/s, and a 1 GiB fp32 `x + 1` pass as the copy
                bandwidth (GB/s, read + write counted); both as fractions of the datasheet
                peak (training/metrics.py)                                         (~15 s)
-  correctness  pallas and cudnn cores against the xla core, out and dq/dk/dv, bf16 and fp32,
-               causal GQA (N=8, K=2, H=128), L = 1024, 4096 and a ragged 1500, with the
-               tolerances of tests/test_flash_attention.py; fp32 cases run under
+  correctness  pallas and cudnn cores against the xla core, out and dq/dk/dv, causal GQA
+               (N=8, K=2, H=128): bf16 at L = 1024, 4096 and a ragged 1500, fp32 at 1500,
+               with the tolerances of tests/test_flash_attention.py; fp32 runs under
                jax.default_matmul_precision('highest') so TF32 does not stand in for fp32
-               (cuDNN's fused attention takes fp16/bf16 only: its fp32 cases are 'n/a');
-               then one train step of the tiny preset per core, loss against xla's  (~90 s)
+               (cuDNN's fused attention takes fp16/bf16 only: its fp32 cases are 'n/a').
+               Pallas in fp32 at that precision compiles for about 2 minutes on an H100
+               (measured: 115-124 s at each L), hence one fp32 length. Then one train step
+               of the tiny preset per core, loss against xla's                    (~3 min)
   attention    bench/attention.py `measure` for pallas, cudnn, xla at H=128, N=32, K=8,
                L = 2k, 4k, 8k, causal, bf16: forward and forward+backward TFLOP/s (causal
-               FLOPs halved), also as fractions of the matmul ceiling and the peak   (~90 s)
-  training     bench/step.py `measure_steps` for 125m and 1b (attention=cudnn), remat full
-               then none, dp over every GPU: tokens/s, TFLOP/s per device, MFU, peak memory;
-               an out-of-memory case is recorded as "oom" and the run goes on     (~3 min)
+               FLOPs halved), also as fractions of the matmul ceiling and the peak   (~50 s)
+  training     bench/step.py `measure_steps` for 125m and 1b (attention=cudnn), remat full,
+               dots, then none, dp over every GPU: tokens/s, TFLOP/s per device, MFU, peak
+               memory; an out-of-memory case is recorded as "oom" and the run goes on (~70 s)
   profile      three steps of 1b with steps 2..3 traced (training/profiling.py), summed by
                tools/trace_summary.py (scopes) and here by op kind: top ops, and the
-               fractions in attention kernels, matmuls, collectives, elementwise/other (~60 s)
+               fractions in attention kernels, matmuls, collectives, copies, elementwise/other;
+               a kernel run inside a CUDA graph is kinded by its name (trace_summary) (~15 s)
 
-Stage times above are estimates (nothing here has run on a GPU yet). --budget (default 480 s)
-is checked before each stage: a stage that would start after it is recorded as skipped.
+Stage times above were measured on one H100 (2026-11-24, bench/results/gpu-h100-*.json). The
+--budget (default 480 s) is checked before each stage: a stage that would start after it is
+recorded as skipped.
 Each stage runs inside try/except: an error is recorded as {"error": ...} under its name and
 the next stage runs; the JSON is rewritten after every stage, so a run cut short keeps what it
 measured. Timing: compile and run once, then the median of several timed runs, each waited
@@ -80,7 +84,8 @@ class Sizes:
     matmul_n: int
     copy_bytes: int
     timed_runs: int
-    check_lengths: tuple[int, ...]
+    check_lengths: tuple[int, ...]  # bf16
+    check_fp32_lengths: tuple[int, ...]
     check_heads: tuple[int, int, int]  # N, K, H
     tiny_sets: tuple[str, ...]  # overrides of the tiny preset for the per-core train step
     bench_lengths: tuple[int, ...]
@@ -101,17 +106,17 @@ def _batch(micro: int, accum: int, seq: int) -> tuple[str, ...]:
 
 GPU = Sizes(
     matmul_n=8192, copy_bytes=2**30, timed_runs=10,
-    check_lengths=(1024, 4096, 1500), check_heads=(8, 2, 128), tiny_sets=(),
+    check_lengths=(1024, 4096, 1500), check_fp32_lengths=(1500,), check_heads=(8, 2, 128), tiny_sets=(),
     bench_lengths=(2048, 4096, 8192), bench_heads=(32, 8, 128), bench_tokens=16384,
-    train_cases=(("125m", "full", _batch(16, 2, 1024)), ("125m", "none", _batch(16, 2, 1024)),
-                 ("1b", "full", _batch(8, 2, 2048)), ("1b", "none", _batch(8, 2, 2048))),
+    train_cases=tuple((preset, remat, batch) for preset, batch in (("125m", _batch(16, 2, 1024)), ("1b", _batch(8, 2, 2048)))
+                      for remat in ("full", "dots", "none")),
     train_core="cudnn", train_steps=5,
     profile_case=("1b", _batch(8, 2, 2048)),
 )
 _TINY = ("model.n_layers=2", "train.seq_len=64", "train.global_batch_size=8")
 SMOKE = Sizes(
     matmul_n=256, copy_bytes=2**22, timed_runs=3,
-    check_lengths=(128, 100), check_heads=(4, 2, 32), tiny_sets=_TINY,
+    check_lengths=(128, 100), check_fp32_lengths=(128, 100), check_heads=(4, 2, 32), tiny_sets=_TINY,
     bench_lengths=(128,), bench_heads=(4, 2, 32), bench_tokens=256,
     train_cases=(("tiny", "full", _TINY + _batch(4, 2, 64)), ("tiny", "none", _TINY + _batch(4, 2, 64))),
     train_core="xla", train_steps=2,
@@ -187,8 +192,11 @@ def stage_ceilings(sizes: Sizes) -> dict:
     x = jnp.zeros(sizes.copy_bytes // 4, jnp.float32)
     copy_s = median_seconds(jax.jit(lambda x: x + 1), (x,), sizes.timed_runs, inner=10)
     tflops, peak = 2 * n**3 / matmul_s / 1e12, peak_flops(jax.devices()[0])
+    hlo = jax.jit(jnp.matmul).lower(a, b).compile().as_text()
+    target = re.search(r'custom_call_target="([^"]+)"', hlo)
     return {
         "matmul": f"bf16 [{n},{n}] @ [{n},{n}], 2*n^3 FLOPs, random normal data",
+        "matmul_kernel": target.group(1) if target else ("triton gemm" if "triton_gemm" in hlo else "xla fusion"),
         "matmul_ms": matmul_s * 1e3, "matmul_tflops": tflops,
         "matmul_fraction_of_peak": tflops * 1e12 / peak if peak else None,
         "copy": f"fp32 x + 1 over {sizes.copy_bytes} bytes: read + write counted",
@@ -216,31 +224,41 @@ def relative_errors(got, want) -> dict:
     return errors
 
 
-def check_core(core: str, dtype: str, length: int, heads: tuple[int, int, int]) -> dict:
-    """One point: `core` against xla on causal GQA attention, value and gradients."""
+def check_point(dtype: str, length: int, heads: tuple[int, int, int]) -> list[dict]:
+    """One point: pallas and cudnn against xla (computed once) on causal GQA attention, value and
+    gradients; one row per core."""
     import jax
     import jax.numpy as jnp
 
     from bench.attention import core_fn
 
-    row = {"core": core, "dtype": dtype, "length": length, "heads": heads[0], "kv_heads": heads[1],
+    row = {"dtype": dtype, "length": length, "heads": heads[0], "kv_heads": heads[1],
            "head_dim": heads[2], "causal": True, "tolerance": TOLERANCE[dtype]}
-    if core == "cudnn" and jax.default_backend() != "gpu":
-        return row | {"status": "unavailable on cpu"}
-    if core == "cudnn" and dtype == "float32":
-        return row | {"status": "n/a: cuDNN fused attention takes fp16/bf16 only"}
     n, kv, h = heads
     keys = jax.random.split(jax.random.key(length), 4)
     shapes = [(1, length, n, h), (1, length, kv, h), (1, length, kv, h), (1, length, n, h)]
     q, k, v, d_out = (jax.random.normal(key, s, jnp.float32).astype(dtype) for key, s in zip(keys, shapes))
-    try:
-        with jax.default_matmul_precision("highest" if dtype == "float32" else "default"):
-            want = jax.jit(lambda *a: _out_and_grads(core_fn("xla", True), *a))(q, k, v, d_out)
-            got = jax.jit(lambda *a: _out_and_grads(core_fn(core, True), *a))(q, k, v, d_out)
-        errors = relative_errors(got, want)
-    except Exception as err:  # noqa: BLE001
-        return row | {"status": "error", "error": error_text(err)}
-    return row | {"errors": errors, "status": "pass" if max(errors.values()) < TOLERANCE[dtype] else "fail"}
+    want, rows = None, []
+    for core in ("pallas", "cudnn"):
+        if core == "cudnn" and jax.default_backend() != "gpu":
+            rows.append({"core": core} | row | {"status": "unavailable on cpu"})
+            continue
+        if core == "cudnn" and dtype == "float32":
+            rows.append({"core": core} | row | {"status": "n/a: cuDNN fused attention takes fp16/bf16 only"})
+            continue
+        start = time.perf_counter()
+        try:
+            with jax.default_matmul_precision("highest" if dtype == "float32" else "default"):
+                if want is None:
+                    want = jax.jit(lambda *a: _out_and_grads(core_fn("xla", True), *a))(q, k, v, d_out)
+                got = jax.jit(lambda *a, c=core: _out_and_grads(core_fn(c, True), *a))(q, k, v, d_out)
+            errors = relative_errors(got, want)
+        except Exception as err:  # noqa: BLE001
+            rows.append({"core": core} | row | {"status": "error", "error": error_text(err)})
+            continue
+        rows.append({"core": core} | row | {"errors": errors, "seconds": time.perf_counter() - start,
+                                              "status": "pass" if max(errors.values()) < TOLERANCE[dtype] else "fail"})
+    return rows
 
 
 def train_one_step(core: str, sizes: Sizes) -> dict:
@@ -283,8 +301,8 @@ def train_steps_check(sizes: Sizes) -> list[dict]:
 
 
 def stage_correctness(sizes: Sizes) -> dict:
-    cases = [check_core(core, dtype, length, sizes.check_heads)
-             for dtype in ("bfloat16", "float32") for length in sizes.check_lengths for core in ("pallas", "cudnn")]
+    points = [("bfloat16", n) for n in sizes.check_lengths] + [("float32", n) for n in sizes.check_fp32_lengths]
+    cases = [row for dtype, length in points for row in check_point(dtype, length, sizes.check_heads)]
     steps = train_steps_check(sizes)
     judged = [r["status"] for r in cases + steps if r["status"] in ("pass", "fail", "error")]
     return {"tolerance": TOLERANCE, "cases": cases, "train_step": steps,
@@ -351,7 +369,7 @@ _XLA_CORE = ("blnh,bmnh->bnlm", "bnlm,bmnh->blnh")
 
 
 def op_kinds(hlo_text: str) -> dict[str, str]:
-    """{instruction: attention kernel | matmul | collective | elementwise/other} of compiled HLO.
+    """{instruction: attention kernel | matmul | collective | copy | elementwise/other} of compiled HLO.
 
     Attention kernel: a cuDNN fmha or Pallas (Triton/Mosaic) custom call, or a dot of the xla
     core's einsums. Matmul: any other dot, cuBLAS custom call, or fusion around a dot."""
@@ -382,43 +400,44 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
             kinds[name] = "attention kernel"
         elif dot or any(t in target for t in ("gemm", "matmul", "cublas")):
             kinds[name] = "matmul"
+        elif opcode == "copy":
+            kinds[name] = "copy"
         else:
             kinds[name] = "elementwise/other"
     return kinds
 
 
 def op_breakdown(run_dir: Path, top: int = 10) -> dict:
-    """Per step and device: ms per op kind, their fractions, and the `top` ops by time. Steps are
-    counted as tools/trace_summary.py does (run ids holding at least half the most ops)."""
-    from tools.trace_summary import find_trace, hlo_ops
+    """Per step and device: ms per op kind, their fractions, and the `top` ops by time. The op
+    events and their steps as tools/trace_summary.py reads them (CPU ops, GPU kernels; a GPU
+    kernel that names no instruction is kinded by its name, `kernel_kind`)."""
+    from tools.hlo import KINDS
+    from tools.trace_summary import find_trace, hlo_ops, kernel_kind, op_events, whole_steps
 
     trace_path, hlo_path = find_trace(run_dir)
     hlo = hlo_path.read_text()
     kinds, scopes = op_kinds(hlo), hlo_ops(hlo)
     events = json.load(gzip.open(trace_path))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    on_device = {pid for pid, name in names.items() if name.startswith("/device:")}
-    ops = [e for e in events if e.get("ph") == "X" and "train_step" in e.get("args", {}).get("hlo_module", "")
-           and kinds.get(e["args"].get("hlo_op"), "control flow") != "control flow"
-           and (not on_device or e["pid"] in on_device)]
-    runs = defaultdict(int)
-    for e in ops:
-        runs[e["args"].get("run_id")] += 1
-    whole = {r for r, n in runs.items() if n >= max(runs.values()) / 2}
-    ops, steps = [e for e in ops if e["args"].get("run_id") in whole], max(len(whole), 1)
-    devices = len({(e["pid"], e["args"].get("device_ordinal")) for e in ops}) or 1
+    found = [e for e in op_events(events["traceEvents"] if isinstance(events, dict) else events, scopes)
+             if kinds.get(e.op) != "control flow"]
+    for e in found:
+        if e.op not in kinds:
+            kind = kernel_kind(e.op)
+            kinds[e.op] = "collective" if kind in KINDS else kind
+    steps = whole_steps(found) if found else []
+    devices = len({e.device for e in found}) or 1
     per_op = defaultdict(float)
-    for e in ops:
-        per_op[e["args"]["hlo_op"]] += e["dur"] / 1e3 / steps / devices  # us -> ms per step per device
+    for e in found:
+        if e.step in steps:
+            per_op[e.op] += e.dur / 1e3 / len(steps) / devices  # us -> ms per step per device
     by_kind = defaultdict(float)
     for name, ms in per_op.items():
         by_kind[kinds[name]] += ms
     total = sum(by_kind.values())
     ranked = sorted(per_op.items(), key=lambda kv: -kv[1])[:top]
-    return {"steps": steps, "devices": devices, "total_ms": total, "kinds_ms": dict(by_kind),
+    return {"steps": len(steps), "devices": devices, "total_ms": total, "kinds_ms": dict(by_kind),
             "fractions": {k: v / total for k, v in by_kind.items()} if total else {},
-            "top_ops": [{"op": n, "kind": kinds[n], "scope": scopes.get(n, ("", "other"))[1], "ms": ms}
+            "top_ops": [{"op": n, "kind": kinds[n], "scope": scopes.get(n, ("", "unattributed"))[1], "ms": ms}
                         for n, ms in ranked]}
 
 

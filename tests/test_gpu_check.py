@@ -51,3 +51,39 @@ def test_without_gpu_says_so_in_one_line(tmp_path):
     assert done.returncode == 0, done.stderr
     assert len(done.stdout.strip().splitlines()) == 1 and "no GPU" in done.stdout
     assert not (tmp_path / "x.json").exists()
+
+
+def h100_run_dir(tmp_path):
+    """A run directory holding a real H100 trace: one step of 1b (remat full, cudnn core, 2
+    microbatches of 8 x 2048 tokens) traced by train.py --profile-steps 2:3 on 2026-11-24."""
+    import gzip
+    import shutil
+
+    data = ROOT / "tests" / "data" / "h100-profile"
+    profile = tmp_path / "plugins" / "profile"
+    (profile / "2026_11_24_08_27_06").mkdir(parents=True)
+    shutil.copy(data / "perfetto_trace.json.gz", profile / "2026_11_24_08_27_06")
+    (profile / "train_step.hlo.txt").write_bytes(gzip.decompress((data / "train_step.hlo.txt.gz").read_bytes()))
+    return tmp_path
+
+
+def test_an_h100_trace_is_summed_by_kernel(tmp_path):
+    """GPU kernels carry no step and, inside CUDA graphs, name the graph: trace_summary assigns
+    them to the step launched before them and finds fusions by kernel name; bench.gpu kinds the
+    library kernels (cuBLAS nvjet, cuDNN attention, memcpy) by their names. Every kernel of the
+    step is counted once: 520.7 ms, the sum of the trace's kernel durations."""
+    from bench.gpu import op_breakdown
+    from tools.trace_summary import summarize
+
+    run_dir = h100_run_dir(tmp_path)
+    s = summarize(run_dir)
+    assert (s["steps"], s["devices"]) == (1, 1)
+    assert abs(s["compute_ms"] - 520.66) < 0.05 and s["collective_ms"] == 0
+    assert {"attention", "mlp", "head", "optimizer", "unattributed"} <= set(s["scopes_ms"])
+    assert s["scopes_ms"]["mlp"]["compute"] > 100  # the MLP's fusions and Triton GEMMs, by kernel name
+
+    ops = op_breakdown(run_dir)
+    assert abs(ops["total_ms"] - s["compute_ms"]) < 1e-6
+    kinds = {k: round(v, 1) for k, v in ops["kinds_ms"].items()}
+    assert kinds == {"matmul": 333.4, "attention kernel": 69.1, "copy": 11.7, "elementwise/other": 106.4}, kinds
+    assert ops["top_ops"][0]["kind"] == "matmul" and ops["top_ops"][0]["op"].startswith("nvjet")

@@ -5,10 +5,19 @@
 
 Reads the newest RUN_DIR/plugins/profile/*/perfetto_trace.json.gz (Chrome trace JSON, written
 beside the .xplane.pb by training/profiling.py) and RUN_DIR/plugins/profile/train_step.hlo.txt
-(the compiled step's HLO). Every op event of the train step carries its HLO instruction name and
-device; the HLO gives that instruction's opcode and its op_name metadata, whose path holds the
-named scopes of the model and step (embedding, attention, mlp, head, optimizer; forward and its
-transpose alike). Per step, averaged over the traced steps and the devices:
+(the compiled step's HLO). On CPU every op event of the train step carries its HLO instruction
+name, device and step (run_id). On a GPU the events are kernels on the /device:GPU:N process,
+with no step: a kernel belongs to the step whose launch on the host (`... Execute
+(jit_train_step)`) last began before the host's launch call of that kernel (cuLaunchKernel,
+cuGraphLaunch: the event with the kernel's correlation id; the host runs ahead of the GPU). A kernel
+launched inside a command buffer (CUDA graph) names the buffer, not its instruction: a fusion's
+kernel is then found by its own name (the instruction's, '.' written '_'), and a library kernel
+(cuBLAS, cuDNN, NCCL) is counted under the scope `unattributed`, its kind read from its name
+(`kernel_kind`). XLA_FLAGS=--xla_gpu_enable_command_buffer= turns the buffers off, so that
+every kernel names its instruction. The HLO gives each instruction's opcode and its op_name
+metadata, whose path holds the named scopes of the model and step (embedding, attention, mlp,
+head, optimizer; forward and its transpose alike). Per step, averaged over the traced steps and
+the devices:
 
   scope table   op time per scope, split into compute and collectives; 'other' = no scope
                 (the loss, gradient accumulation, copies between scan iterations)
@@ -24,10 +33,12 @@ copies, so read the split, not the absolute times.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from configs import ConfigError
@@ -73,40 +84,104 @@ def _overlap(a: tuple[float, float], covered: list[tuple[float, float]]) -> floa
     return sum(max(0.0, min(a[1], b) - max(a[0], s)) for s, b in covered)
 
 
-def _step_events(run_dir: Path) -> tuple[Path, dict, list]:
+@dataclass(frozen=True)
+class OpEvent:
+    """One op (CPU) or kernel (GPU) of the train step: its step, device, HLO instruction (or, for
+    an unattributed GPU kernel, the kernel's name) and its span in us."""
+
+    step: object
+    device: int
+    op: str
+    ts: float
+    dur: float
+
+
+# Library kernels by name (lower case): (kind, substrings); NCCL's by the collective in its name.
+LIBRARY_KERNELS = (("attention kernel", ("sdpa", "fmha", "flash", "cudnn")),
+                   ("matmul", ("nvjet", "gemm", "cublas", "cutlass", "xmma")), ("copy", ("memcpy", "memset")))
+NCCL_KINDS = {"allreduce": "all-reduce", "allgather": "all-gather", "reducescatter": "reduce-scatter",
+              "alltoall": "all-to-all", "sendrecv": "collective-permute"}
+
+
+def kernel_kind(name: str) -> str:
+    """A GPU kernel's kind from its name: a collective kind (KINDS) for NCCL's, else attention
+    kernel, matmul, copy, or elementwise/other."""
+    low = name.lower().replace("_", "")
+    if "nccl" in low:
+        return next((kind for key, kind in NCCL_KINDS.items() if key in low), "collective-permute")
+    return next((kind for kind, keys in LIBRARY_KERNELS if any(k in low for k in keys)), "elementwise/other")
+
+
+def op_events(events: list, ops: dict) -> list[OpEvent]:
+    """The train step's op events of a trace (module docstring: CPU and GPU)."""
+    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    fused = {re.sub(r"[.\-]", "_", name): name for name in ops}
+    launches = sorted(e["ts"] for e in events
+                      if e.get("ph") == "X" and e.get("name", "").endswith("Execute (jit_train_step)"))
+    # the host's launch call of each GPU kernel (cuLaunchKernel, cuGraphLaunch), by correlation id
+    launched = {e["args"]["correlation_id"]: e["ts"] for e in events if e.get("ph") == "X"
+                and "correlation_id" in e.get("args", {}) and not processes.get(e["pid"], "").startswith("/device:")}
+    found = []
+    for e in events:
+        args = e.get("args", {})
+        if e.get("ph") != "X" or "train_step" not in args.get("hlo_module", ""):
+            continue
+        if "run_id" in args:  # CPU
+            if args.get("hlo_op") in ops:
+                found.append(OpEvent(args["run_id"], int(args["device_ordinal"]), args["hlo_op"], e["ts"], e["dur"]))
+            continue
+        gpu = re.match(r"/device:GPU:(\d+)", processes.get(e["pid"], ""))
+        if gpu:
+            op = args.get("hlo_op") if args.get("hlo_op") in ops else fused.get(e["name"], e["name"])
+            at = launched.get(args.get("correlation_id"), e["ts"])
+            found.append(OpEvent(bisect.bisect_right(launches, at) - 1, int(gpu.group(1)), op, e["ts"], e["dur"]))
+    return found
+
+
+def whole_steps(found: list[OpEvent]) -> list:
+    """The steps of the trace holding at least half the ops of the fullest (a step cut by the
+    trace's window holds fewer)."""
+    runs = defaultdict(int)
+    for e in found:
+        runs[e.step] += 1
+    return [r for r, n in runs.items() if n >= max(runs.values()) / 2]
+
+
+def _step_events(run_dir: Path) -> tuple[Path, dict, list[OpEvent]]:
     """(the trace's path, the HLO's {instruction: (kind, scope)}, the train step's op events)."""
     trace_path, hlo_path = find_trace(run_dir)
     ops = hlo_ops(hlo_path.read_text())
     events = json.load(gzip.open(trace_path))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    return trace_path, ops, [e for e in events if e.get("ph") == "X" and e.get("args", {}).get("hlo_op") in ops
-                             and "train_step" in e["args"].get("hlo_module", "")]
+    found = op_events(events["traceEvents"] if isinstance(events, dict) else events, ops)
+    if not found:
+        raise ConfigError(f"{trace_path}: no op of the train step in the trace; trace steps after the first "
+                          "(--profile-steps 2:4) so that the step is compiled before the trace starts")
+    for e in found:
+        if e.op not in ops:  # an unattributed GPU kernel
+            kind = kernel_kind(e.op)
+            ops[e.op] = (kind if kind in KINDS else "compute", "unattributed")
+    return trace_path, ops, found
 
 
 def summarize(run_dir: Path) -> dict:
     """Per-step times (ms) per scope and kind, the exposed communication and one step's events."""
     trace_path, ops, step_events = _step_events(run_dir)
-    runs = defaultdict(int)
-    for e in step_events:
-        runs[e["args"]["run_id"]] += 1
-    steps = [r for r, n in runs.items() if n >= max(runs.values()) / 2]  # whole steps only
-    devices = sorted({e["args"]["device_ordinal"] for e in step_events})
+    steps = whole_steps(step_events)
+    devices = sorted({e.device for e in step_events})
     per = len(steps) * len(devices) * 1e3  # trace times are in us: ms per step per device
     scopes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     by_device: dict[tuple, list] = defaultdict(list)
     for e in step_events:
-        if e["args"]["run_id"] not in steps:
+        if e.step not in steps:
             continue
-        kind, scope = ops[e["args"]["hlo_op"]]
+        kind, scope = ops[e.op]
         group = "compute" if kind == "compute" else "collective"
-        scopes[scope][group] += e["dur"] / per
-        by_device[(e["args"]["device_ordinal"], group)].append((e["ts"], e["ts"] + e["dur"]))
+        scopes[scope][group] += e.dur / per
+        by_device[(e.device, group)].append((e.ts, e.ts + e.dur))
     comm = sum(s["collective"] for s in scopes.values())
     exposed = sum(b - a - _overlap((a, b), _union(by_device[(d, "compute")]))
                   for d in devices for a, b in _union(by_device[(d, "collective")])) / per
-    first = steps[0] if steps else None
-    timeline = [(e["ts"], e["dur"], *ops[e["args"]["hlo_op"]]) for e in step_events
-                if e["args"]["run_id"] == first and e["args"]["device_ordinal"] == devices[0]]
+    timeline = [(e.ts, e.dur, *ops[e.op]) for e in step_events if e.step == steps[0] and e.device == devices[0]]
     return {"trace": str(trace_path), "steps": len(steps), "devices": len(devices),
             "scopes_ms": {s: dict(v) for s, v in sorted(scopes.items())},
             "compute_ms": sum(s["compute"] for s in scopes.values()), "collective_ms": comm,
@@ -125,11 +200,11 @@ def stage_idle(run_dir: Path, stage_of: dict[int, int]) -> dict:
     spans: dict[object, list[float]] = {}
     groups: dict[tuple, list] = defaultdict(list)
     for e in step_events:
-        run, device = e["args"]["run_id"], int(e["args"]["device_ordinal"])
-        a, b = e["ts"], e["ts"] + e["dur"]
+        run, device = e.step, e.device
+        a, b = e.ts, e.ts + e.dur
         lo, hi = spans.get(run, (a, b))
         spans[run] = [min(lo, a), max(hi, b)]
-        kind = "compute" if ops[e["args"]["hlo_op"]][0] == "compute" else "collective"
+        kind = "compute" if ops[e.op][0] == "compute" else "collective"
         groups[(run, device, kind)].append((a, b))
     per_stage: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for run, (lo, hi) in spans.items():
