@@ -3,6 +3,8 @@
 The roofline (tools/estimate.py) computes at a GPU's achievable rates, published figures by
 default (estimate.GPUS). A record of `python -m bench.gpu` measured on that GPU replaces them:
   matmul     stages.ceilings.matmul_tflops: the bf16 8192^3 GEMM
+  copies     stages.ceilings.copy_gbps: a 1 GiB fp32 x + 1, read + write counted (the rate of
+             the memory-bound kernels); a record without it keeps the published copy rate
   attention  stages.attention: the fastest fused core (pallas or cudnn) forward + backward at the
              record's longest length; the record counts forward + backward as 3.5 forwards (the
              backward recomputes the scores), the model as 3 (training/metrics.py), so its
@@ -64,9 +66,13 @@ def calibrate(gpu: GPU, name: str, path: Path) -> GPU:
     longest = max(r["length"] for r in rows)
     best = max((r for r in rows if r["length"] == longest), key=lambda r: r["forward_backward_tflops"])
     attention = best["forward_backward_tflops"] * 1e12 * 3 / 3.5
+    copy = (stages.get("ceilings") or {}).get("copy_gbps")
+    copy = copy * 1e9 if copy else gpu.copy_bandwidth
     rates = (f"measured in {path} on {kind}: matmul {matmul:.0f} TFLOP/s (bf16 GEMM), attention "
-             f"{attention / 1e12:.0f} TFLOP/s ({best['core']} forward + backward, L={longest}, in the model's FLOPs)")
-    return dataclasses.replace(gpu, matmul_flops=matmul * 1e12, attention_flops=attention, rates=rates)
+             f"{attention / 1e12:.0f} TFLOP/s ({best['core']} forward + backward, L={longest}, in the model's FLOPs), "
+             f"copies {copy / 1e12:.2f} TB/s")
+    return dataclasses.replace(gpu, matmul_flops=matmul * 1e12, attention_flops=attention, copy_bandwidth=copy,
+                               rates=rates)
 
 
 def case_config(preset: str, overrides: tuple[str, ...], extra: list[str], n_devices: int) -> RunConfig:

@@ -126,14 +126,29 @@ Communication (bytes per device per step), the contract of DESIGN.md:
           remat full, one more (the whole chunk is one checkpoint, pipeline/one_f_one_b.py). gpipe
           (p-1)/(M+p-1), interleaved (p-1)/(V·M+p-1); 1f1b 1 - M(F+B)/(2M·B + (p-1)(F+B) - (B-F))
           (its F ticks last a B); zb-h1 (p-1)/(3M+p-1) (units); interleaved-1f1b from its table
-Time (roofline): compute = hardware FLOPs (model FLOPs, + one more forward under full remat and
-one more where the 1F1B family's B recomputes the chunk (remat full), and under capacity dispatch the experts' padded rows: R - T·k' rows per
-MoE layer and microbatch, 6·3·D·F_e/t each; dropless sorts its padding rows out of every group
-of the grouped matmul, so it computes the T·k' routed rows only, on average over devices) at
-achievable rates, not the datasheet peak: the attention core's FLOPs at the GPU's attention
-rate, the rest (the weights' matmuls) at its large-GEMM rate (GPU.rates names the published
-figures; `tools.plan --calibration` puts in those a `make gpu-check` record measured), or HBM
-traffic / bandwidth when larger; MFU is still model FLOPs over the datasheet peak; each axis's bytes / its link: NVLink
+Time (roofline): compute = the step's kernels one after another, each kind at an achievable
+rate, not the datasheet peak (GPU.rates names the published figures; `tools.plan
+--calibration` puts in those a `make gpu-check` record measured):
+  matmuls    hardware FLOPs (model FLOPs, + one more forward under full remat and one more
+             where the 1F1B family's B recomputes the chunk (remat full), and under capacity
+             dispatch the experts' padded rows: R - T·k' rows per MoE layer and microbatch,
+             6·3·D·F_e/t each; dropless sorts its padding rows out of every group of the
+             grouped matmul, so it computes the T·k' routed rows only, on average over
+             devices) less the attention core's, at the GPU's large-GEMM rate
+  attention  the attention core's FLOPs at its attention rate
+  memory     the memory-bound kernels between them (norms, rope, SiLU, residual adds, the
+             loss, the optimizer) at the GPU's copy bandwidth, `memory_bound_bytes`: per
+             microbatch, every activation the layers would keep under remat none written once
+             and read once by the forward and again by the backward's gradients, and once more
+             by each recomputed forward (remat other than none; the 1F1B family's chunk
+             recompute), plus the fp32 logits [T, V/t] four times (written, read by the loss,
+             their gradient written and read); per step the optimizer's 7 x 4 bytes per
+             parameter (AdamW reads params, gradients and two moments, writes three). On one
+             H100, 1b at remat full: the profile's elementwise and copy kernels took 118 ms a
+             step, this counts 126 ms (bench/results/gpu-h100-2026-11-24.json). Under remat
+             none the measured step is slower than this model (the layer scan's copies of its
+             stacked residuals: tests/test_calibration.py holds the gap).
+MFU is still model FLOPs over the datasheet peak. Each axis's bytes / its link: NVLink
 450 GB/s per GPU when the axis and the axes inside it fit in one node of 8 GPUs, InfiniBand
 50 GB/s per GPU (400 Gb/s NIC per GPU) otherwise. Two figures: communication not overlapped
 (compute + comm) and fully overlapped (max). Then / (1 - bubble), the schedule's (stage above).
@@ -170,6 +185,7 @@ class GPU:
     peak_flops: float
     memory: float
     hbm_bandwidth: float
+    copy_bandwidth: float  # bytes/s a device-to-device copy reaches, read + write counted
     matmul_flops: float  # FLOP/s a large bf16 GEMM reaches
     attention_flops: float  # FLOP/s of the fused causal attention core, in the model's FLOPs
     best_mfu: float
@@ -180,16 +196,18 @@ H100_RATES = ("matmul 798 TFLOP/s: a bf16 8192^3 GEMM measured on an H100 SXM (G
               "81% of peak); attention 406 TFLOP/s: Pallas Mosaic GPU flash attention forward, causal, "
               "L=4096, h=128 (jax PR#35114), assumed for the backward too; best MFU 56%: Marin's "
               "dense 2.7B on 8 H100s (marin#6979)")
+COPY_RATES = "copies {:.1f} TB/s: a device-to-device copy measured on an {} (read + write; GPU-NOTES.md)"
 GPUS = {
-    "h100": GPU("H100 SXM 80GB", PEAK_FLOPS["H100"], 80e9, 3.35e12, 798e12, 406e12, 0.56, H100_RATES),
-    # the H100's GH100 die and clocks: its rates; more HBM bandwidth only moves the HBM floor
-    "h200": GPU("H200 SXM 141GB", PEAK_FLOPS["H200"], 141e9, 4.8e12, 798e12, 406e12, 0.56,
-                "the H100's (same compute die): " + H100_RATES),
-    "a100": GPU("A100 SXM 80GB", PEAK_FLOPS["A100"], 80e9, 2.0e12, 0.81 * PEAK_FLOPS["A100"],
+    "h100": GPU("H100 SXM 80GB", PEAK_FLOPS["H100"], 80e9, 3.35e12, 3.0e12, 798e12, 406e12, 0.56,
+                H100_RATES + "; " + COPY_RATES.format(3.0, "H100")),
+    # the H100's GH100 die and clocks: its compute rates; its own HBM's copy rate
+    "h200": GPU("H200 SXM 141GB", PEAK_FLOPS["H200"], 141e9, 4.8e12, 4.3e12, 798e12, 406e12, 0.56,
+                "the H100's (same compute die): " + H100_RATES + "; " + COPY_RATES.format(4.3, "H200")),
+    "a100": GPU("A100 SXM 80GB", PEAK_FLOPS["A100"], 80e9, 2.0e12, 0.9 * 2.0e12, 0.81 * PEAK_FLOPS["A100"],
                 0.5 * PEAK_FLOPS["A100"], 0.72,
-                "matmul 81% of peak (the H100's fraction, assumed: no A100 GEMM measured here); attention "
-                "50%, the low end of FlashAttention-2's 50-73% of A100 peak, and best MFU 72%, its GPT "
-                "training at 225 TFLOP/s (arXiv 2307.08691)"),
+                "matmul 81% of peak and copies 90% of the HBM bandwidth (the H100's fractions, assumed: "
+                "nothing measured on an A100 here); attention 50%, the low end of FlashAttention-2's "
+                "50-73% of A100 peak, and best MFU 72%, its GPT training at 225 TFLOP/s (arXiv 2307.08691)"),
 }
 
 
@@ -475,15 +493,12 @@ def flops(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
             "hardware_per_device": (per_device + padding) * redo, "attention_per_device": attention * redo}
 
 
-def hbm_bytes(cfg: RunConfig, sizes: dict[str, int]) -> float:
-    """HBM traffic per device per step, a floor: weights read 3 times per microbatch (forward,
-    2 in backward; 4 under full remat) in the compute dtype, the optimizer reading and writing
-    params, moments and gradients (7 x 4 bytes per parameter), activations written and read."""
+def memory_bound_bytes(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """HBM bytes per device per step of the memory-bound kernels (module docstring, Time: memory)."""
     m, s = cfg.model, shape(cfg, sizes)
-    p = local_params(cfg, sizes) * sizes["fsdp"]  # weights are gathered before use
-    reads = (4 if m.remat == "full" else 3) * s.k * p * DTYPE_BYTES[m.compute_dtype]
-    acts = 2 * s.k * stack_activations(cfg, sizes, "none")
-    return reads + 7 * 4 * local_params(cfg, sizes) + acts
+    passes = 4 + 2 * (m.remat != "none") + 2 * chunk_recompute(cfg, sizes)
+    logits = 4 * s.tokens * m.vocab_size / sizes["tensor"] * 4
+    return s.k * (passes * stack_activations(cfg, sizes, "none") + logits) + 7 * 4 * local_params(cfg, sizes)
 
 
 def step_time(cfg: RunConfig, sizes: dict[str, int], gpu: GPU,
@@ -492,13 +507,15 @@ def step_time(cfg: RunConfig, sizes: dict[str, int], gpu: GPU,
     links: measured {axis: (latency_s, bytes_per_s)}; the datasheet links for the axes it lacks."""
     f = flops(cfg, sizes)
     attention = f["attention_per_device"]
-    matmuls = (f["hardware_per_device"] - attention) / gpu.matmul_flops + attention / gpu.attention_flops
-    compute = max(matmuls, hbm_bytes(cfg, sizes) / gpu.hbm_bandwidth)
+    kernels = {"matmul_s": (f["hardware_per_device"] - attention) / gpu.matmul_flops,
+               "attention_s": attention / gpu.attention_flops,
+               "memory_s": memory_bound_bytes(cfg, sizes) / gpu.copy_bandwidth}
+    compute = sum(kernels.values())
     comm = {a: comm_time(sizes, a, v, links) for a, v in communication(cfg, sizes).items()}
     bubble = pipeline_figures(cfg, sizes)["bubble"]
     serial = (compute + sum(comm.values())) / (1 - bubble)
     overlapped = max(compute, *comm.values()) / (1 - bubble) if comm else compute / (1 - bubble)
     mfu = {name: f["model_per_device"] / (gpu.peak_flops * t) for name, t in
            (("no_overlap", serial), ("overlap", overlapped))}
-    return {"compute_s": compute, "comm_s": comm, "bubble": bubble, "no_overlap_s": serial,
+    return {"compute_s": compute, **kernels, "comm_s": comm, "bubble": bubble, "no_overlap_s": serial,
             "overlap_s": overlapped, "mfu_no_overlap": mfu["no_overlap"], "mfu_overlap": mfu["overlap"]}
