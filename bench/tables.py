@@ -39,6 +39,7 @@ PROSE_ONLY = {
     "attention-cpu-interpret-smoke": "a smoke run on tiny shapes: README quotes no figure of it",
     "collectives-cpu-smoke": "a smoke run: README describes its table's layout and trend in words",
     "gpu-cpu-smoke": "a smoke run of the GPU check on CPU: README quotes no figure of it",
+    "moe-h100-1gpu": "one GPU at ep=1, quoted in a sentence: its table would hold one row",
 }
 
 
@@ -219,6 +220,45 @@ def moe_table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def gpu_table(record: dict) -> str:
+    """bench.gpu on a GPU: the ceilings (TFLOP/s 0 decimals, TB/s 2) and the correctness verdict;
+    attention TFLOP/s per length and core, forward / forward + backward (0 decimals); training
+    per case: tokens/s (0 decimals), TFLOP/s per device (0), MFU (% 1 decimal), the measured and
+    estimated step (ms 0 decimals) and their ratio (2 decimals); the profile's kernel time by
+    kind (% 0 decimals)."""
+    st = record["stages"]
+    env, c, check = st["environment"], st["ceilings"], st["correctness"]
+    judged = [r for r in check["cases"] + check["train_step"] if r["status"] in ("pass", "fail", "error")]
+    lines = [f"{env['device_kind']}, jax {env['versions']['jax']}, cuDNN {env['cuda_versions']['cudnn']}: bf16 "
+             f"8192³ GEMM {c['matmul_tflops']:.0f} TFLOP/s ({100 * c['matmul_fraction_of_peak']:.0f}% of peak, "
+             f"{c['matmul_kernel']}), copy {c['copy_gbps'] / 1e3:.2f} TB/s; correctness {check['verdict']} "
+             f"({len(judged)} checks).", ""]
+    rows = st["attention"]["rows"]
+    cores = list(dict.fromkeys(r["core"] for r in rows))
+    lines.append(header("L", *[f"{core}: fwd / fwd+bwd TFLOP/s" for core in cores]))
+    for length in dict.fromkeys(r["length"] for r in rows):
+        at = {r["core"]: r for r in rows if r["length"] == length}
+        lines.append(row(length, *[f"{at[k]['forward_tflops']:.0f} / {at[k]['forward_backward_tflops']:.0f}"
+                                   for k in cores]))
+    estimate = {(r["preset"], r["remat"]): r for r in record.get("estimate", {}).get("rows", [])}
+    lines += ["", header("preset, remat", "tokens/s", "TFLOP/s per device", "MFU", "step measured / estimated",
+                         "estimate / measured")]
+    for r in st["training"]["rows"]:
+        if r["status"] != "ok":
+            lines.append(row(f"{r['preset']}, {r['remat']}", r["status"], "", "", "", ""))
+            continue
+        e = estimate.get((r["preset"], r["remat"]))
+        lines.append(row(f"{r['preset']}, {r['remat']}", f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_device']:.0f}",
+                         f"{100 * r['mfu']:.1f}%", f"{1e3 * r['step_time_median_s']:.0f} / "
+                         + (f"{1e3 * e['estimate_s']:.0f} ms" if e else "-"), f"{e['ratio']:.2f}" if e else "-"))
+    profile = st.get("profile", {})
+    if "ops" in profile:
+        kinds = sorted(profile["ops"]["fractions"].items(), key=lambda kv: -kv[1])
+        lines += ["", f"Profile ({profile['preset']}, {profile['ops']['steps']} steps): "
+                      + ", ".join(f"{name} {100 * f:.0f}%" for name, f in kinds) + " of the kernel time."]
+    return "\n".join(lines)
+
+
 def step_change_table(pairs: list[tuple[str, dict, dict]]) -> str:
     """bench.step records of one command before and after a change: (commit of `before`, before,
     after) per mesh, one row each. Seconds 2 decimals, ratio 2 decimals."""
@@ -237,7 +277,7 @@ BEFORE = re.compile(r"^(.+)-([0-9a-f]{7,40})$")  # STEM-COMMIT: STEM's record me
 
 # the benchmarks whose table renders one record (bench.step's renders several: step_table)
 TABLES = {"bench.pipeline": pipeline_table, "bench.tp": tp_table, "bench.context": context_table,
-          "bench.moe": moe_table}
+          "bench.moe": moe_table, "bench.gpu": gpu_table}
 
 
 def render(name: str, results: Path) -> str:

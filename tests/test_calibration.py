@@ -179,3 +179,19 @@ def test_estimate_rows_rebuild_each_case_of_a_record(tmp_path):
     expected = estimate.step_time(cfg, {a: 1 for a in AXES}, rated_gpu("h100", path))["overlap_s"]
     assert row == {"preset": "125m", "remat": "full", "devices": 1, "measured_s": 0.5,
                    "estimate_s": pytest.approx(expected), "ratio": pytest.approx(expected / 0.5)}
+
+
+def test_a_plan_with_the_xla_core_says_to_take_a_fused_one():
+    """llama3-8b at L = 8192 with the preset's xla core: the [N, L, L] scores make the
+    memory-bound kernels outweigh the matmuls, and the verdict names the fix; with cudnn it
+    does not, and the plan splits compute into its three parts."""
+    h100 = estimate.GPUS["h100"]
+    cfg, sizes = llama8b("fsdp=8")
+    xla = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="xla"))
+    slow, fast = plan(xla, sizes, h100, None), plan(cfg, sizes, h100, None)
+    assert slow["time"]["memory_s"] > slow["time"]["matmul_s"] > fast["time"]["memory_s"]
+    assert "--set model.attention=cudnn (or pallas)" in slow["verdict"]
+    assert "model.attention" not in fast["verdict"]
+    t = fast["time"]
+    assert (f"compute {t['compute_s'] * 1e3:.0f} ms (matmuls {t['matmul_s'] * 1e3:.0f}, attention "
+            f"{t['attention_s'] * 1e3:.0f}, memory-bound {t['memory_s'] * 1e3:.0f})") in format_plan(fast)

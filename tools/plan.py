@@ -115,6 +115,9 @@ def plan(cfg: RunConfig, sizes: dict[str, int], gpu: estimate.GPU, xla: dict | N
                f"step time dominated by {max(costs, key=costs.get)}")
     if not fits:
         verdict += "; lower --set train.micro_batch_size, use --set model.remat=full, or add fsdp/tp/pp"
+    if cfg.model.attention == "xla" and time["memory_s"] > time["matmul_s"]:
+        verdict += ("; the xla core writes its [N, L, L] scores to HBM, so memory-bound kernels outweigh the "
+                    "matmuls: on a GPU --set model.attention=cudnn (or pallas)")
     return {"config": cfg.name, "mesh": format_mesh(sizes), "devices": math.prod(sizes.values()),
             "gpu": gpu.name, "memory": mem, "communication": estimate.communication(cfg, sizes),
             "all_to_all": estimate.expert(cfg, sizes), "census_note": census_note(cfg, xla),
@@ -136,8 +139,8 @@ def above_best_mfu(mfu: float, gpu: estimate.GPU) -> str:
     if mfu <= gpu.best_mfu:
         return ""
     return (f"MFU {100 * mfu:.0f}% overlapped is above the best published on {gpu.name} ({100 * gpu.best_mfu:.0f}%): "
-            "the roofline counts matmuls and attention at their best rates, communication fully hidden, and no "
-            "elementwise work, kernel launches or host gaps; read it as a bound")
+            "the roofline counts matmuls, attention and memory-bound kernels at their best rates, communication "
+            "fully hidden, and no kernel launches or host gaps; read it as a bound")
 
 
 def format_plan(report: dict) -> str:
@@ -172,7 +175,9 @@ def format_plan(report: dict) -> str:
     comm = ", ".join(f"{a} {s * 1e3:.0f} ms" for a, s in t["comm_s"].items()) or "none"
     lines.append("\n  links: " + ("; ".join(f"{a} {src}" for a, src in report["links"].items()) or "none"))
     lines += [f"  rates: {report['rates']}",
-              f"  compute {t['compute_s'] * 1e3:.0f} ms; communication {comm}; bubble {100 * t['bubble']:.0f}%",
+              f"  compute {t['compute_s'] * 1e3:.0f} ms (matmuls {t['matmul_s'] * 1e3:.0f}, attention "
+              f"{t['attention_s'] * 1e3:.0f}, memory-bound {t['memory_s'] * 1e3:.0f}); communication {comm}; "
+              f"bubble {100 * t['bubble']:.0f}%",
               f"  step time {t['no_overlap_s']:.2f} s not overlapped, {t['overlap_s']:.2f} s overlapped; "
               f"MFU {100 * t['mfu_no_overlap']:.1f}% / {100 * t['mfu_overlap']:.1f}%"]
     if report["above_best_mfu"]:
