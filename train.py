@@ -134,6 +134,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def core_hint(cfg: RunConfig, backend: str) -> str:
+    """A note when a GPU run takes the xla attention core (the presets' default, which runs
+    anywhere): the fused core that is faster there, by the H100 record of `make gpu-check`."""
+    if backend != "gpu" or cfg.model.attention != "xla":
+        return ""
+    fused = "pallas" if cfg.parallel.sequence > 1 else "cudnn"  # cudnn's block output has no log-sum-exp
+    return (f"note: model.attention=xla on a GPU writes its [N, L, L] scores to HBM; on one H100 the fused "
+            f"cudnn core ran attention forward + backward 8.6x as fast (L = 8192: 496 against 57 TFLOP/s, "
+            f"bench/results/gpu-nvidia-h100-80gb-hbm3-20261124.json): --set model.attention={fused}")
+
+
 def build_and_train(cfg: RunConfig, mesh, program, corpus, run_dir: Path, checkpoints) -> tuple[list[dict], object]:
     """Build the job (restoring the latest checkpoint), save and print the config, train."""
     import jax
@@ -147,6 +158,8 @@ def build_and_train(cfg: RunConfig, mesh, program, corpus, run_dir: Path, checkp
         (run_dir / "config.json").write_text(text + "\n")
         print(f"config ({run_dir / 'config.json'}):\n{text}")
         print(f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')}  (python -m sharding.xla_flags says why)")
+        if hint := core_hint(cfg, jax.default_backend()):
+            print(hint)
     k, b, length = job.batches.shape
     active = f" ({param_counts(cfg.model)[1] / 1e6:.2f}M active)" if cfg.model.n_experts else ""
     print(

@@ -195,3 +195,18 @@ def test_a_plan_with_the_xla_core_says_to_take_a_fused_one():
     t = fast["time"]
     assert (f"compute {t['compute_s'] * 1e3:.0f} ms (matmuls {t['matmul_s'] * 1e3:.0f}, attention "
             f"{t['attention_s'] * 1e3:.0f}, memory-bound {t['memory_s'] * 1e3:.0f})") in format_plan(fast)
+
+
+def test_a_gpu_run_on_the_xla_core_is_told_the_faster_core_the_record_measured():
+    """train.py's note on a GPU with the xla core quotes the committed H100 record's attention
+    figures at L = 8192 (cudnn against xla, forward + backward), and names pallas where sp > 1."""
+    from train import core_hint
+
+    record = json.loads((ROOT / "bench" / "results" / "gpu-nvidia-h100-80gb-hbm3-20261124.json").read_text())
+    at = {r["core"]: r["forward_backward_tflops"] for r in record["stages"]["attention"]["rows"] if r["length"] == 8192}
+    cfg = get_preset("tiny")
+    hint = core_hint(cfg, "gpu")
+    assert f"{at['cudnn'] / at['xla']:.1f}x as fast" in hint and f"{at['cudnn']:.0f} against {at['xla']:.0f}" in hint
+    assert hint.endswith("--set model.attention=cudnn")
+    assert core_hint(apply_overrides(cfg, ["parallel.sequence=2"]), "gpu").endswith("--set model.attention=pallas")
+    assert core_hint(cfg, "cpu") == "" and core_hint(apply_overrides(cfg, ["model.attention=cudnn"]), "gpu") == ""
