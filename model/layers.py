@@ -32,26 +32,16 @@ def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str | None], std
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale over D, computed in fp32. scale: [D] ('norm').
-
-    Recomputed in the backward (jax.checkpoint): autodiff would otherwise keep two fp32 copies
-    of x, [B, L, D] each, plus the fp32 rsqrt, where this keeps x in its own (compute) dtype.
-    Under remat none that is 4 of the layer's [B, L, D] fp32 residuals per layer; the 1b step
-    on an H100 stacked and copied them (tests/test_model.py holds the residuals)."""
+    """x / rms(x) * scale over D, computed in fp32. scale: [D] ('norm')."""
 
     def __init__(self, d: int, eps: float, dtype: jnp.dtype, *, rngs: nnx.Rngs):
         self.scale = param(rngs, (d,), ("norm",), 0.0, dtype)
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _rms_norm(x, self.scale[...], self.eps)
-
-
-@jax.checkpoint
-def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
 class Embed(nnx.Module):
