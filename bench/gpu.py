@@ -53,8 +53,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
-import json
 import os
 import re
 import time
@@ -108,7 +106,8 @@ GPU = Sizes(
     matmul_n=8192, copy_bytes=2**30, timed_runs=10,
     check_lengths=(1024, 4096, 1500), check_fp32_lengths=(1500,), check_heads=(8, 2, 128), tiny_sets=(),
     bench_lengths=(2048, 4096, 8192), bench_heads=(32, 8, 128), bench_tokens=16384,
-    train_cases=tuple((preset, remat, batch) for preset, batch in (("125m", _batch(16, 2, 1024)), ("1b", _batch(8, 2, 2048)))
+    train_cases=tuple((preset, remat, batch)
+                      for preset, batch in (("125m", _batch(16, 2, 1024)), ("1b", _batch(8, 2, 2048)))
                       for remat in ("full", "dots", "none")),
     train_core="cudnn", train_steps=5,
     profile_case=("1b", _batch(8, 2, 2048)),
@@ -188,11 +187,12 @@ def stage_ceilings(sizes: Sizes) -> dict:
 
     n = sizes.matmul_n
     a, b = (jax.random.normal(k, (n, n), jnp.float32).astype(jnp.bfloat16) for k in jax.random.split(jax.random.key(0)))
-    matmul_s = median_seconds(jax.jit(jnp.matmul), (a, b), sizes.timed_runs, inner=10)
+    matmul = jax.jit(jnp.matmul).lower(a, b).compile()
+    matmul_s = median_seconds(matmul, (a, b), sizes.timed_runs, inner=10)
     x = jnp.zeros(sizes.copy_bytes // 4, jnp.float32)
     copy_s = median_seconds(jax.jit(lambda x: x + 1), (x,), sizes.timed_runs, inner=10)
     tflops, peak = 2 * n**3 / matmul_s / 1e12, peak_flops(jax.devices()[0])
-    hlo = jax.jit(jnp.matmul).lower(a, b).compile().as_text()
+    hlo = matmul.as_text()
     target = re.search(r'custom_call_target="([^"]+)"', hlo)
     return {
         "matmul": f"bf16 [{n},{n}] @ [{n},{n}], 2*n^3 FLOPs, random normal data",
@@ -412,14 +412,11 @@ def op_breakdown(run_dir: Path, top: int = 10) -> dict:
     events and their steps as tools/trace_summary.py reads them (CPU ops, GPU kernels; a GPU
     kernel that names no instruction is kinded by its name, `kernel_kind`)."""
     from tools.hlo import KINDS
-    from tools.trace_summary import find_trace, hlo_ops, kernel_kind, op_events, whole_steps
+    from tools.trace_summary import hlo_ops, kernel_kind, read_profile, whole_steps
 
-    trace_path, hlo_path = find_trace(run_dir)
-    hlo = hlo_path.read_text()
+    _, hlo, found = read_profile(run_dir)
     kinds, scopes = op_kinds(hlo), hlo_ops(hlo)
-    events = json.load(gzip.open(trace_path))
-    found = [e for e in op_events(events["traceEvents"] if isinstance(events, dict) else events, scopes)
-             if kinds.get(e.op) != "control flow"]
+    found = [e for e in found if kinds.get(e.op) != "control flow"]
     for e in found:
         if e.op not in kinds:
             kind = kernel_kind(e.op)

@@ -175,8 +175,8 @@ Links = dict[str, tuple[float, float]]  # measured {axis: (latency_s, bytes_per_
 
 @dataclass(frozen=True)
 class GPU:
-    """One accelerator: datasheet figures (dense bf16 peak, HBM bytes and bandwidth: NVIDIA SXM
-    datasheets) and the achievable rates the roofline computes at (module docstring, Time):
+    """One accelerator: datasheet figures (dense bf16 peak and HBM bytes: NVIDIA SXM datasheets)
+    and the achievable rates the roofline computes at (module docstring, Time):
     published or measured figures, `rates` says which (tools/calibration.py puts a `make
     gpu-check` record's in). best_mfu: the best MFU published for dense transformer training on
     this GPU; a plan above it says why (tools/plan.py)."""
@@ -184,7 +184,6 @@ class GPU:
     name: str
     peak_flops: float
     memory: float
-    hbm_bandwidth: float
     copy_bandwidth: float  # bytes/s a device-to-device copy reaches, read + write counted
     matmul_flops: float  # FLOP/s a large bf16 GEMM reaches
     attention_flops: float  # FLOP/s of the fused causal attention core, in the model's FLOPs
@@ -198,14 +197,14 @@ H100_RATES = ("matmul 798 TFLOP/s: a bf16 8192^3 GEMM measured on an H100 SXM (G
               "dense 2.7B on 8 H100s (marin#6979)")
 COPY_RATES = "copies {:.1f} TB/s: a device-to-device copy measured on an {} (read + write; GPU-NOTES.md)"
 GPUS = {
-    "h100": GPU("H100 SXM 80GB", PEAK_FLOPS["H100"], 80e9, 3.35e12, 3.0e12, 798e12, 406e12, 0.56,
+    "h100": GPU("H100 SXM 80GB", PEAK_FLOPS["H100"], 80e9, 3.0e12, 798e12, 406e12, 0.56,
                 H100_RATES + "; " + COPY_RATES.format(3.0, "H100")),
     # the H100's GH100 die and clocks: its compute rates; its own HBM's copy rate
-    "h200": GPU("H200 SXM 141GB", PEAK_FLOPS["H200"], 141e9, 4.8e12, 4.3e12, 798e12, 406e12, 0.56,
+    "h200": GPU("H200 SXM 141GB", PEAK_FLOPS["H200"], 141e9, 4.3e12, 798e12, 406e12, 0.56,
                 "the H100's (same compute die): " + H100_RATES + "; " + COPY_RATES.format(4.3, "H200")),
-    "a100": GPU("A100 SXM 80GB", PEAK_FLOPS["A100"], 80e9, 2.0e12, 0.9 * 2.0e12, 0.81 * PEAK_FLOPS["A100"],
+    "a100": GPU("A100 SXM 80GB", PEAK_FLOPS["A100"], 80e9, 0.9 * 2.0e12, 0.81 * PEAK_FLOPS["A100"],
                 0.5 * PEAK_FLOPS["A100"], 0.72,
-                "matmul 81% of peak and copies 90% of the HBM bandwidth (the H100's fractions, assumed: "
+                "matmul 81% of peak and copies 90% of its 2.0 TB/s HBM (the H100's fractions, assumed: "
                 "nothing measured on an A100 here); attention 50%, the low end of FlashAttention-2's "
                 "50-73% of A100 peak, and best MFU 72%, its GPT training at 225 TFLOP/s (arXiv 2307.08691)"),
 }

@@ -147,15 +147,22 @@ def whole_steps(found: list[OpEvent]) -> list:
     return [r for r, n in runs.items() if n >= max(runs.values()) / 2]
 
 
-def _step_events(run_dir: Path) -> tuple[Path, dict, list[OpEvent]]:
-    """(the trace's path, the HLO's {instruction: (kind, scope)}, the train step's op events)."""
+def read_profile(run_dir: Path) -> tuple[Path, str, list[OpEvent]]:
+    """(the trace's path, the compiled step's HLO text, the train step's op events)."""
     trace_path, hlo_path = find_trace(run_dir)
-    ops = hlo_ops(hlo_path.read_text())
+    hlo = hlo_path.read_text()
     events = json.load(gzip.open(trace_path))
-    found = op_events(events["traceEvents"] if isinstance(events, dict) else events, ops)
+    found = op_events(events["traceEvents"] if isinstance(events, dict) else events, hlo_ops(hlo))
     if not found:
         raise ConfigError(f"{trace_path}: no op of the train step in the trace; trace steps after the first "
                           "(--profile-steps 2:4) so that the step is compiled before the trace starts")
+    return trace_path, hlo, found
+
+
+def _step_events(run_dir: Path) -> tuple[Path, dict, list[OpEvent]]:
+    """(the trace's path, {op: (kind, scope)} with the unattributed GPU kernels, the op events)."""
+    trace_path, hlo, found = read_profile(run_dir)
+    ops = hlo_ops(hlo)
     for e in found:
         if e.op not in ops:  # an unattributed GPU kernel
             kind = kernel_kind(e.op)
