@@ -25,6 +25,7 @@ from typing import NoReturn
 
 from cli import add_run_args, check_run_dir, make_run_dir, request_fake_devices, run_cli, run_config, saved_config
 from configs import ConfigError, RunConfig
+from sharding.cores import choose_core, device_capability
 from sharding.mesh import format_mesh
 from tools.bandwidth import add_bandwidth_arg, load
 from tools.calibration import add_calibration_arg, rated_gpu
@@ -134,15 +135,16 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def core_hint(cfg: RunConfig, backend: str) -> str:
-    """A note when a GPU run takes the xla attention core (the presets' default, which runs
-    anywhere): the fused core that is faster there, by the H100 record of `make gpu-check`."""
-    if backend != "gpu" or cfg.model.attention != "xla":
+def core_hint(cfg: RunConfig, platform: str, capability: tuple[int, int] | None) -> str:
+    """A note when a GPU run is set to the xla attention core where model.attention=auto (the
+    default) would fuse it: the speed-up the H100 record of `make gpu-check` measured."""
+    m, context = cfg.model, cfg.parallel.sequence > 1 and cfg.parallel.context_impl != "gspmd"
+    fused = choose_core("auto", platform, capability, m.compute_dtype, m.head_dim, context)
+    if m.attention != "xla" or fused == "xla":
         return ""
-    fused = "pallas" if cfg.parallel.sequence > 1 else "cudnn"  # cudnn's block output has no log-sum-exp
     return (f"note: model.attention=xla on a GPU writes its [N, L, L] scores to HBM; on one H100 the fused "
             f"cudnn core ran attention forward + backward 8.6x as fast (L = 8192: 496 against 57 TFLOP/s, "
-            f"bench/results/gpu-nvidia-h100-80gb-hbm3-20261124.json): --set model.attention={fused}")
+            f"bench/results/gpu-nvidia-h100-80gb-hbm3-20261124.json): --set model.attention=auto ({fused} here)")
 
 
 def build_and_train(cfg: RunConfig, mesh, program, corpus, run_dir: Path, checkpoints) -> tuple[list[dict], object]:
@@ -158,7 +160,7 @@ def build_and_train(cfg: RunConfig, mesh, program, corpus, run_dir: Path, checkp
         (run_dir / "config.json").write_text(text + "\n")
         print(f"config ({run_dir / 'config.json'}):\n{text}")
         print(f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')}  (python -m sharding.xla_flags says why)")
-        if hint := core_hint(cfg, jax.default_backend()):
+        if hint := core_hint(cfg, jax.default_backend(), device_capability()):
             print(hint)
     k, b, length = job.batches.shape
     active = f" ({param_counts(cfg.model)[1] / 1e6:.2f}M active)" if cfg.model.n_experts else ""

@@ -31,7 +31,7 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    attention: str = "xla"  # xla (reference) | cudnn (GPU) | pallas (model/kernels)
+    attention: str = "auto"  # auto (by device: sharding/cores.py) | xla (reference) | cudnn (GPU) | pallas
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
     remat: str = "none"  # none | full | dots | attn (model/remat.py POLICIES)

@@ -13,7 +13,7 @@ rows and the core is a ring of K/V blocks or one all-gather (sharding/context_pa
 with the rotary tables in the same zigzag order as the rows; with context_impl=gspmd XLA
 all-gathers K and V over `sequence` in every layer instead.
 
-Cores (`model.attention`):
+Cores (`model.attention`; auto, the default, picks one by device: sharding/cores.py):
   xla    plain einsum + fp32 softmax, the reference. It repeats K/V heads to N (G = N/K times)
          and materialises the [B, N, L, L] scores: memory O(L^2) per head.
   cudnn  jax.nn.dot_product_attention(implementation='cudnn'): fused, GQA without repeats;
@@ -35,12 +35,11 @@ from jax.ad_checkpoint import checkpoint_name
 from configs.base import ConfigError, ModelConfig
 from model.kernels.flash_attention import flash_block_backward, flash_block_forward
 from model.kernels.sharded import sharded_flash_attention
-from sharding.context_parallel import BlockCore, allgather_attention, ring_attention
 from model.layers import apply_rotary, param
+from sharding.context_parallel import BlockCore, allgather_attention, ring_attention
+from sharding.cores import core_problem, device_capability
 from sharding.rules import constrain
 from sharding.tensor_parallel import Local, Sharded, TensorParallel
-
-CORES = ("xla", "cudnn", "pallas")
 
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = True,
@@ -64,48 +63,13 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
-def core_problem(name: str, platform: str, capability: tuple[int, int] | None, dtype: str,
-                 head_dim: int) -> str | None:
-    """Why core `name` cannot run on this device (None if it can). platform is jax's backend
-    ('cpu', 'gpu', ...), capability the CUDA compute capability of an NVIDIA GPU.
-
-    cudnn: jax's cuDNN flash attention takes float16/bfloat16 only, head dims that are multiples
-    of 8 up to 128 (256 from Hopper, 9.0), on Ampere (8.0) or later. pallas: interpreted on CPU;
-    on GPUs Triton lowers its bf16 dots from Ampere on."""
-    if name not in CORES:
-        return f"unknown core; choose one of {', '.join(CORES)}"
-    gpu = platform == "gpu" and capability is not None
-    if name == "cudnn":
-        if not gpu:
-            return f"needs an NVIDIA GPU (this backend is {platform}); use model.attention=xla"
-        if capability < (8, 0):
-            return f"needs compute capability 8.0 or later (this GPU has {capability[0]}.{capability[1]}); use xla"
-        if dtype not in ("bfloat16", "float16"):
-            return "cuDNN attention takes bfloat16/float16 only; set model.compute_dtype=bfloat16 or use xla"
-        limit = 256 if capability >= (9, 0) else 128
-        if head_dim % 8 or head_dim > limit:
-            return (f"cuDNN needs model.head_dim a multiple of 8 and at most {limit} (got {head_dim}); "
-                    "use pallas or xla")
-    if name == "pallas":
-        if platform not in ("cpu", "gpu") or (platform == "gpu" and not gpu):
-            return f"runs on NVIDIA GPUs (Triton) or interpreted on CPU, not on {platform}; use xla"
-        if gpu and capability < (8, 0):
-            return f"needs compute capability 8.0 or later (this GPU has {capability[0]}.{capability[1]}); use xla"
-    return None
-
-
-def _capability() -> tuple[int, int] | None:
-    """The first device's CUDA compute capability, e.g. (9, 0) on an H100; None off NVIDIA."""
-    text = getattr(jax.devices()[0], "compute_capability", None)
-    return tuple(int(x) for x in text.split(".")[:2]) if text else None
-
-
 def attention_core(name: str, cfg: ModelConfig, context: str | None = None):
-    """The core function `name`, or a ConfigError saying why it cannot run here. Under context
+    """The core function `name` (a concrete core: sharding/strategies.py resolves auto through
+    sharding/cores.py), or a ConfigError saying why it cannot run here. Under context
     parallelism (`context` ring | allgather) the core runs per block of the sequence axis, inside
     the attention region (sharding/context_parallel.py): xla, or the Pallas kernel's block
     forward and backward."""
-    problem = core_problem(name, jax.default_backend(), _capability(), cfg.compute_dtype, cfg.head_dim)
+    problem = core_problem(name, jax.default_backend(), device_capability(), cfg.compute_dtype, cfg.head_dim)
     if problem:
         raise ConfigError(f"--set model.attention={name}: {problem}")
     if context:

@@ -16,8 +16,9 @@ microbatches the step writes them, once per step: `accumulation`).
   context    sp > 1: attention over the `sequence` axis written out, a ring of K/V blocks or one
              all-gather (sharding/context_parallel.py), the sequence laid out in zigzag order
              at the input; None: one device's sequence, or XLA's all-gather (context_impl=gspmd)
-  attention  the per-device core: xla | cudnn | pallas (model/attention.py says where each
-             runs and refuses the others); under context parallelism, the core of each block
+  attention  the per-device core: xla | cudnn | pallas, model.attention=auto resolved for this
+             device and mesh (sharding/cores.py; model/attention.py refuses a core where it cannot
+             run); under context parallelism, the core of each block
   remat      the policy around each scanned layer (model/remat.py)
   schedule   pp > 1: the pipeline schedule over `stage` (pipeline/); None: the step's k
              microbatches run as a scan (training/step.py)
@@ -34,7 +35,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import jax
+
 from configs.base import ModelConfig, RunConfig
+from sharding.cores import choose_core, device_capability
 from sharding.checks import accumulation_axes, check_run
 from sharding.tensor_parallel import TensorParallel
 
@@ -55,7 +59,8 @@ class Strategies:
     @classmethod
     def single_device(cls, m: ModelConfig) -> Strategies:
         """A model on one device (tests, tools): its own core and remat, nothing to split."""
-        return cls(attention=m.attention, remat=m.remat, experts=m.moe_dispatch if m.n_experts else None)
+        return cls(attention=device_core(m, context=False), remat=m.remat,
+                   experts=m.moe_dispatch if m.n_experts else None)
 
     def describe(self) -> str:
         """One line for the log, e.g. 'tensor shard_map+sp, context ring, attention xla, remat full,
@@ -76,14 +81,20 @@ def parallelize(cfg: RunConfig, sizes: dict[str, int]) -> Strategies:
     check_run(cfg, sizes)
     p, m = cfg.parallel, cfg.model
     context = p.context_impl if sizes["sequence"] > 1 and p.context_impl != "gspmd" else None
+    core = device_core(m, context=context is not None)
     return Strategies(
-        tensor=TensorParallel(p.tp_impl, p.sequence_parallel, p.tp_overlap, check_vma=m.attention != "pallas",
+        tensor=TensorParallel(p.tp_impl, p.sequence_parallel, p.tp_overlap, check_vma=core != "pallas",
                               context=context is not None),
         context=context,
-        attention=m.attention,
+        attention=core,
         remat=m.remat,
         schedule=p.schedule if sizes["stage"] > 1 else None,
         experts=m.moe_dispatch if m.n_experts else None,
         accumulation=accumulation_axes(cfg, sizes),
         fsdp_gather_once=p.fsdp_gather_once and sizes["fsdp"] > 1 and "fsdp" in accumulation_axes(cfg, sizes),
     )
+
+
+def device_core(m: ModelConfig, context: bool) -> str:
+    """model.attention on the devices this process runs on (auto chosen by sharding/cores.py)."""
+    return choose_core(m.attention, jax.default_backend(), device_capability(), m.compute_dtype, m.head_dim, context)

@@ -17,10 +17,9 @@ from training.metrics import attention_flops_per_token, flops_per_token
 
 
 def llama8b(mesh: str):
-    """llama3-8b as on a GPU: the cudnn core (the preset's xla core, for CPUs, materializes the
-    [N, L, L] scores, whose memory-bound kernels would dominate these plans)."""
-    cfg = apply_overrides(get_preset("llama3-8b"), ["model.attention=cudnn"])
-    cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh))
+    """llama3-8b as the preset plans on a GPU: model.attention=auto, which fuses the core there
+    (cudnn; the xla core's [N, L, L] scores would make memory-bound kernels dominate)."""
+    cfg = dataclasses.replace(get_preset("llama3-8b"), parallel=parse_mesh(mesh))
     return cfg, {a: getattr(cfg.parallel, a) for a in AXES}
 
 
@@ -182,31 +181,37 @@ def test_estimate_rows_rebuild_each_case_of_a_record(tmp_path):
 
 
 def test_a_plan_with_the_xla_core_says_to_take_a_fused_one():
-    """llama3-8b at L = 8192 with the preset's xla core: the [N, L, L] scores make the
-    memory-bound kernels outweigh the matmuls, and the verdict names the fix; with cudnn it
-    does not, and the plan splits compute into its three parts."""
+    """llama3-8b at L = 8192 with model.attention=xla: the [N, L, L] scores make the
+    memory-bound kernels outweigh the matmuls, and the verdict names the fix; the preset's auto
+    takes cudnn on the GPU (the plan says so) and the verdict is silent; auto in float32 takes
+    xla, and the fix is the compute dtype. The plan splits compute into its three parts."""
     h100 = estimate.GPUS["h100"]
     cfg, sizes = llama8b("fsdp=8")
-    xla = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="xla"))
-    slow, fast = plan(xla, sizes, h100, None), plan(cfg, sizes, h100, None)
+    slow, fast = plan(apply_overrides(cfg, ["model.attention=xla"]), sizes, h100, None), plan(cfg, sizes, h100, None)
+    assert (slow["attention"], fast["attention"]) == ("xla", "cudnn")
     assert slow["time"]["memory_s"] > slow["time"]["matmul_s"] > fast["time"]["memory_s"]
-    assert "--set model.attention=cudnn (or pallas)" in slow["verdict"]
+    assert slow["verdict"].endswith("--set model.attention=auto (cudnn; pallas under sp > 1)")
     assert "model.attention" not in fast["verdict"]
+    fp32 = plan(apply_overrides(cfg, ["model.compute_dtype=float32"]), sizes, h100, None)
+    assert fp32["attention"] == "xla" and "--set model.compute_dtype=bfloat16" in fp32["verdict"]
     t = fast["time"]
     assert (f"compute {t['compute_s'] * 1e3:.0f} ms (matmuls {t['matmul_s'] * 1e3:.0f}, attention "
             f"{t['attention_s'] * 1e3:.0f}, memory-bound {t['memory_s'] * 1e3:.0f})") in format_plan(fast)
+    assert "(8 x H100 SXM 80GB; attention cudnn)" in format_plan(fast)
 
 
 def test_a_gpu_run_on_the_xla_core_is_told_the_faster_core_the_record_measured():
-    """train.py's note on a GPU with the xla core quotes the committed H100 record's attention
-    figures at L = 8192 (cudnn against xla, forward + backward), and names pallas where sp > 1."""
+    """train.py's note on a GPU set to the xla core quotes the committed H100 record's attention
+    figures at L = 8192 (cudnn against xla, forward + backward) and names what auto would take:
+    cudnn, pallas where sp > 1; nothing where auto runs xla too (CPU, float32) or is already set."""
     from train import core_hint
 
     record = json.loads((ROOT / "bench" / "results" / "gpu-nvidia-h100-80gb-hbm3-20261124.json").read_text())
     at = {r["core"]: r["forward_backward_tflops"] for r in record["stages"]["attention"]["rows"] if r["length"] == 8192}
-    cfg = get_preset("tiny")
-    hint = core_hint(cfg, "gpu")
+    cfg = apply_overrides(get_preset("tiny"), ["model.attention=xla"])
+    hint = core_hint(cfg, "gpu", (9, 0))
     assert f"{at['cudnn'] / at['xla']:.1f}x as fast" in hint and f"{at['cudnn']:.0f} against {at['xla']:.0f}" in hint
-    assert hint.endswith("--set model.attention=cudnn")
-    assert core_hint(apply_overrides(cfg, ["parallel.sequence=2"]), "gpu").endswith("--set model.attention=pallas")
-    assert core_hint(cfg, "cpu") == "" and core_hint(apply_overrides(cfg, ["model.attention=cudnn"]), "gpu") == ""
+    assert hint.endswith("--set model.attention=auto (cudnn here)")
+    assert core_hint(apply_overrides(cfg, ["parallel.sequence=2"]), "gpu", (9, 0)).endswith("(pallas here)")
+    assert core_hint(cfg, "cpu", None) == "" == core_hint(get_preset("tiny"), "gpu", (9, 0))
+    assert core_hint(apply_overrides(cfg, ["model.compute_dtype=float32"]), "gpu", (9, 0)) == ""

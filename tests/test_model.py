@@ -9,8 +9,9 @@ import pytest
 from flax import nnx
 
 from configs import PRESETS, ConfigError, get_preset
-from model.attention import core_problem
+from conftest import small_config
 from model.transformer import Transformer, count_params
+from sharding.cores import choose_core, core_problem
 from training.step import loss_fn
 
 
@@ -32,8 +33,6 @@ def test_published_parameter_counts(name, billions):
 
 
 def small_model(**changes):
-    from conftest import small_config
-
     cfg = small_config().model
     return dataclasses.replace(cfg, **changes)
 
@@ -49,8 +48,6 @@ def test_causal_future_tokens_do_not_change_past_logits():
 
 @pytest.mark.parametrize("policy", ["full", "dots", "attn"])
 def test_remat_policies_change_memory_not_numbers(policy):
-    from conftest import small_config
-
     cfg = small_config()
     tokens = jax.random.randint(jax.random.key(2), (4, 33), 0, 256)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -66,8 +63,6 @@ def test_remat_policies_change_memory_not_numbers(policy):
 
 
 def test_bf16_compute_stays_close_to_fp32():
-    from conftest import small_config
-
     cfg = small_config()
     tokens = jax.random.randint(jax.random.key(3), (4, 33), 0, 256)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -117,9 +112,54 @@ def test_cudnn_core_off_gpu_says_so():
         ("pallas", "gpu", (7, 5), "bfloat16", 128, "compute capability 8.0"),
         ("pallas", "tpu", None, "bfloat16", 128, "not on tpu"),
         ("xla", "tpu", None, "float32", 64, None),
-        ("flash", "gpu", (9, 0), "bfloat16", 64, "choose one of xla, cudnn, pallas"),
+        ("auto", "cpu", None, "bfloat16", 64, None),
+        ("flash", "gpu", (9, 0), "bfloat16", 64, "choose one of auto, xla, cudnn, pallas"),
     ],
 )
 def test_core_refused_where_it_cannot_run(core, platform, capability, dtype, head_dim, expected):
     problem = core_problem(core, platform, capability, dtype, head_dim)
     assert problem is None if expected is None else expected in problem
+
+
+@pytest.mark.parametrize(
+    "name, platform, capability, dtype, head_dim, context, expected",
+    [
+        ("auto", "gpu", (9, 0), "bfloat16", 128, False, "cudnn"),  # the H100 record's fastest
+        ("auto", "gpu", (8, 0), "float16", 64, False, "cudnn"),
+        ("auto", "gpu", (9, 0), "bfloat16", 128, True, "pallas"),  # ring blocks need the lse
+        ("auto", "gpu", (8, 0), "bfloat16", 256, False, "pallas"),  # cuDNN's head-dim limit before Hopper
+        ("auto", "gpu", (9, 0), "bfloat16", 60, False, "pallas"),
+        ("auto", "gpu", (9, 0), "float32", 128, False, "xla"),
+        ("auto", "gpu", (7, 0), "bfloat16", 128, False, "xla"),
+        ("auto", "cpu", None, "bfloat16", 128, False, "xla"),
+        ("auto", "tpu", None, "bfloat16", 128, True, "xla"),
+        ("pallas", "cpu", None, "float32", 64, True, "pallas"),  # a named core is kept
+        ("xla", "gpu", (9, 0), "bfloat16", 128, False, "xla"),
+    ],
+)
+def test_auto_takes_the_fastest_core_that_runs(name, platform, capability, dtype, head_dim, context, expected):
+    """model.attention=auto by device (sharding/cores.py); what it picks can always run there."""
+    core = choose_core(name, platform, capability, dtype, head_dim, context)
+    assert core == expected
+    assert core_problem(core, platform, capability, dtype, head_dim) is None or name != "auto"
+
+
+def test_the_build_resolves_auto_for_its_devices(monkeypatch):
+    """parallelize hands the model a concrete core: xla on these CPU devices; on a faked H100
+    (platform and capability) cudnn, and under sp > 1 pallas, with the tensor regions' typing
+    off around it."""
+    from sharding import strategies
+    from sharding.mesh import AXES
+
+    def resolved(mesh: str) -> strategies.Strategies:
+        cfg = small_config(mesh, "model.compute_dtype=bfloat16")
+        return strategies.parallelize(cfg, {a: getattr(cfg.parallel, a) for a in AXES})
+
+    assert resolved("dp=2,tp=2").attention == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(strategies, "device_capability", lambda: (9, 0))
+    on_gpu = resolved("dp=2,tp=2")
+    assert on_gpu.attention == "cudnn" and on_gpu.tensor.check_vma and "attention cudnn" in on_gpu.describe()
+    ring = resolved("dp=2,sp=2,tp=2")
+    assert (ring.attention, ring.context, ring.tensor.check_vma) == ("pallas", "ring", False)
+    assert strategies.Strategies.single_device(small_config().model).attention == "xla"  # fp32

@@ -30,7 +30,7 @@ def _apply(cfg, suggestion: str, sizes: dict):
 @pytest.mark.parametrize(
     "preset, sets, mesh, fix",
     [
-        ("125m", ["model.remat=none"], ONE, "--set model.remat=full"),
+        ("125m", ["model.remat=none", "model.attention=xla"], ONE, "--set model.remat=full"),  # its scores
         ("llama3-8b", ["train.micro_batch_size=0"], ONE | {"fsdp": 8}, "--set train.micro_batch_size="),
         ("llama3-8b", ["train.micro_batch_size=0"], ONE | {"data": 8}, "--mesh "),
     ],

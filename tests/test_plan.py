@@ -67,6 +67,22 @@ def test_census_beside_the_contract_formulas():
     assert report["fits"] and "fits" in report["verdict"]
 
 
+def test_a_dry_run_on_cpu_compiles_the_core_that_runs_there():
+    """model.attention=cudnn planned from a laptop: the CPU compile takes auto's core there (xla)
+    instead of failing, the estimate models the GPU's cudnn, and the verdict does not judge XLA's
+    memory against it; in fp32 auto is xla on both, and XLA's memory is judged."""
+    cfg = small_config("dp=8", "model.attention=cudnn", "model.compute_dtype=bfloat16")
+    xla = xla_figures(cfg, build_mesh(cfg.parallel))
+    report = plan(cfg, sizes_of(cfg), estimate.GPUS["h100"], xla)
+    assert (xla["attention"], report["attention"]) == ("xla", "cudnn")
+    assert ("(cpu's fp32 buffers of a bf16 program and its xla core where the GPU takes cudnn: not judged)"
+            in report["verdict"])
+    assert "(8 x H100 SXM 80GB; attention cudnn)" in format_plan(report)
+    fp32 = small_config("dp=8")
+    report = plan(fp32, sizes_of(fp32), estimate.GPUS["h100"], xla_figures(fp32, build_mesh(fp32.parallel)))
+    assert report["attention"] == report["xla"]["attention"] == "xla" and "not judged" not in report["verdict"]
+
+
 def test_estimate_terms_follow_the_mesh():
     cfg = get_preset("llama3-8b")
     one = dict(zip(AXES, (1, 1, 1, 1, 1, 1)))

@@ -37,7 +37,8 @@ Memory (bytes per device), the terms `memory()` returns:
                 remat none  4·D (block inputs, norm outputs) + (N+2K)·H/t (q, k, v)
                             + 2·N·H/t (K, V repeated to N heads by the xla core) + N·H/t (output)
                             + 4·F/t (gate, up, silu, hidden)
-                            + 3·N/t·L (scores, masked scores, probs: fp32, xla core only)
+                            + 3·N/t·L (scores, masked scores, probs: fp32, xla core only;
+                            model.attention=auto is resolved as on the GPU: `core`)
                 context parallel (ring, allgather): q, k, v, out and the fp32 lse only,
                             (2N+2K)·H/t + 4·N/t bytes: its custom_vjp saves no scores
                 MoE layer   the dense layer's terms with 4·n_shared·F_e/t for the MLP's,
@@ -165,6 +166,7 @@ from dataclasses import dataclass
 
 from configs.base import RunConfig
 from pipeline.schedule import in_flight, timetable, weighted
+from sharding.cores import choose_core
 from sharding.mesh import AXES
 from sharding.checks import accumulation_axes, batch_ranks, moe_layers, expert_d_ff
 from training.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token
@@ -234,6 +236,16 @@ def shape(cfg: RunConfig, sizes: dict[str, int]) -> Shape:
     b = per_rank // k
     return Shape(k, b, b * t.seq_len // sizes["sequence"], cfg.model.n_layers // sizes["stage"],
                  moe_layers(cfg.model) // sizes["stage"])
+
+
+def core(cfg: RunConfig, sizes: dict[str, int]) -> str:
+    """The attention core the run takes on an NVIDIA GPU (sharding/cores.py). Only xla against a
+    fused core changes a term here, and every GPU of GPUS (8.0+) fuses bf16/fp16 under auto, so
+    Hopper's capability stands for them all (A100 differs only in cudnn's head-dim limit, and
+    pallas is fused too)."""
+    m = cfg.model
+    context = sizes["sequence"] > 1 and cfg.parallel.context_impl != "gspmd"
+    return choose_core(m.attention, "gpu", (9, 0), m.compute_dtype, m.head_dim, context)
 
 
 STASHING = ("1f1b", "interleaved-1f1b", "zb-h1")  # per-stage vjp cells (pipeline/one_f_one_b.py): residuals stashed
@@ -323,7 +335,7 @@ def layer_activations(cfg: RunConfig, sizes: dict[str, int], remat: str, moe: bo
         rows = sizes.get("expert", 1) * dispatch_rows(cfg, sizes)
         routed = rows * (4 * m.d_model + 4 * fe / tp) * c + s.tokens * 2 * m.n_experts * 4
     heads = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim + 3 * m.n_heads * m.head_dim
-    scores = 3 * m.n_heads / tp * cfg.train.seq_len * 4 if m.attention == "xla" else 0
+    scores = 3 * m.n_heads / tp * cfg.train.seq_len * 4 if core(cfg, sizes) == "xla" else 0
     if sizes["sequence"] > 1 and cfg.parallel.context_impl != "gspmd":  # keeps q, k, v, out, lse
         heads, scores = (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim, m.n_heads / tp * 4
     per_token = 4 * m.d_model + heads / tp + mlp
@@ -369,7 +381,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * 4
     # context parallel with the xla core: one block piece's fp32 scores, probs and their
     # gradient [b, N/t, L/sp, L/sp] at a time (a flash core tiles them away)
-    blockwise_xla = sizes["sequence"] > 1 and cfg.parallel.context_impl != "gspmd" and m.attention == "xla"
+    blockwise_xla = sizes["sequence"] > 1 and cfg.parallel.context_impl != "gspmd" and core(cfg, sizes) == "xla"
     piece = 3 * s.b * m.n_heads / sizes["tensor"] * (cfg.train.seq_len / sizes["sequence"]) ** 2 * 4 * blockwise_xla
     kinds = [moe for moe, count in ((False, s.layers - s.moe), (True, s.moe)) if count]  # the device's layers
     layer = max(layer_activations(cfg, sizes, "none", moe) for moe in kinds)

@@ -67,20 +67,27 @@ def with_batch_tokens(cfg: RunConfig, tokens: int | None) -> RunConfig:
 
 
 def xla_figures(cfg: RunConfig, mesh) -> dict:
-    """Compile the real step (pipelined too) on abstract inputs: memory, FLOPs and census per device."""
+    """Compile the real step (pipelined too) on abstract inputs: memory, FLOPs and census per
+    device, and the attention core compiled. A core this backend cannot run (cudnn on a
+    laptop's CPU) is compiled as model.attention=auto: the plan says so beside XLA's memory."""
     import jax
 
+    from sharding.cores import core_problem, device_capability
     from tools.hlo import census, summary
     from training.build import make_program, compile_step, xla_memory
 
+    m = cfg.model
+    if core_problem(m.attention, jax.default_backend(), device_capability(), m.compute_dtype, m.head_dim):
+        cfg = apply_overrides(cfg, ["model.attention=auto"])
     program = make_program(cfg, mesh)  # outside set_mesh (see its docstring)
     compiled, _, _ = compile_step(program.step_fn, mesh, program.state, program.abstract_batch())
-    m = xla_memory(compiled)
-    mem = {k: m[k] for k in ("argument", "output", "alias", "temp")} | {"peak": m["static_peak"]}
+    memory = xla_memory(compiled)
+    mem = {k: memory[k] for k in ("argument", "output", "alias", "temp")} | {"peak": memory["static_peak"]}
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     rows = summary(census(compiled.as_text(), dict(mesh.shape)))
-    return {"platform": jax.default_backend(), "memory": mem, "flops_per_device": cost.get("flops"), "census": rows}
+    return {"platform": jax.default_backend(), "attention": program.strategies.attention, "memory": mem,
+            "flops_per_device": cost.get("flops"), "census": rows}
 
 
 def links_of(cfg: RunConfig, measured: Measured | None) -> estimate.Links | None:
@@ -102,24 +109,32 @@ def plan(cfg: RunConfig, sizes: dict[str, int], gpu: estimate.GPU, xla: dict | N
     (measured when `measured` covers it, else the datasheet) and the verdict."""
     mem = estimate.memory(cfg, sizes)
     time = estimate.step_time(cfg, sizes, gpu, links_of(cfg, measured))
+    core = estimate.core(cfg, sizes)
     terms = {k: v for k, v in mem.items() if k != "peak"}
     # XLA's memory is a GPU figure when compiled for a GPU, or like with like in fp32 on CPU
-    # (XLA CPU keeps a bf16 program's matmuls in fp32 buffers: up to twice a GPU's)
-    judged = xla is not None and (xla["platform"] == "gpu" or cfg.model.compute_dtype == "float32")
+    # (XLA CPU keeps a bf16 program's matmuls in fp32 buffers: up to twice a GPU's), and only
+    # when it compiled the attention core the GPU runs
+    unlike = [] if xla is None else (
+        [f"{xla['platform']}'s fp32 buffers of a bf16 program"] * (xla["platform"] != "gpu" and
+                                                                  cfg.model.compute_dtype != "float32")
+        + [f"its {xla['attention']} core where the GPU takes {core}"] * (xla["attention"] != core))
+    judged = xla is not None and not unlike
     fits = mem["peak"] <= gpu.memory and (not judged or xla["memory"]["peak"] <= gpu.memory)
     costs = {"compute": time["compute_s"], **{f"{a} communication": s for a, s in time["comm_s"].items()}}
     xla_text = "" if xla is None else f", {xla['memory']['peak'] / GiB:.1f} GiB XLA" + (
-        "" if judged else f" ({xla['platform']}'s fp32 buffers of a bf16 program: not judged)")
+        "" if judged else f" ({' and '.join(unlike)}: not judged)")
     verdict = (f"{'fits' if fits else 'does NOT fit'} on {gpu.name} ({mem['peak'] / GiB:.1f} GiB estimated"
                f"{xla_text}, of {gpu.memory / GiB:.0f} GiB); memory dominated by {max(terms, key=terms.get)}; "
                f"step time dominated by {max(costs, key=costs.get)}")
     if not fits:
         verdict += "; lower --set train.micro_batch_size, use --set model.remat=full, or add fsdp/tp/pp"
-    if cfg.model.attention == "xla" and time["memory_s"] > time["matmul_s"]:
+    if core == "xla" and time["memory_s"] > time["matmul_s"]:
+        fix = ("--set model.compute_dtype=bfloat16: in float32 model.attention=auto takes xla"
+               if cfg.model.attention == "auto" else "--set model.attention=auto (cudnn; pallas under sp > 1)")
         verdict += ("; the xla core writes its [N, L, L] scores to HBM, so memory-bound kernels outweigh the "
-                    "matmuls: on a GPU --set model.attention=cudnn (or pallas)")
+                    f"matmuls: {fix}")
     return {"config": cfg.name, "mesh": format_mesh(sizes), "devices": math.prod(sizes.values()),
-            "gpu": gpu.name, "memory": mem, "communication": estimate.communication(cfg, sizes),
+            "gpu": gpu.name, "attention": core, "memory": mem, "communication": estimate.communication(cfg, sizes),
             "all_to_all": estimate.expert(cfg, sizes), "census_note": census_note(cfg, xla),
             "links": link_sources(cfg, sizes, list(time["comm_s"]), measured), "rates": gpu.rates,
             "above_best_mfu": above_best_mfu(time["mfu_overlap"], gpu), "flops": estimate.flops(cfg, sizes),
@@ -145,7 +160,8 @@ def above_best_mfu(mfu: float, gpu: estimate.GPU) -> str:
 
 def format_plan(report: dict) -> str:
     xla, mem, t = report["xla"], report["memory"], report["time"]
-    lines = [f"plan: {report['config']} on {report['mesh']} ({report['devices']} x {report['gpu']})"]
+    lines = [f"plan: {report['config']} on {report['mesh']} ({report['devices']} x {report['gpu']}; "
+             f"attention {report['attention']})"]
     lines.append(f"\n  {'memory per device':<28}{'estimate':>12}{'XLA':>12}")
     xmem = xla["memory"] if xla else {}
     for name, value in mem.items():
