@@ -2,6 +2,7 @@
 # make test  install (first time) and run the test suite on 8 fake CPU devices, JOBS processes
 # make gpu-check              the GPU check (bench/gpu.py) with the venv's python
 # make gpu-check PY=python    the same with an installed python (GPU machine: pip install -e . --no-deps)
+# make gpu-tune [PY=python]   tune the Pallas attention kernel's tiles at H = 128 and 64 (bench/tune_attention.py)
 # PYTHON picks the interpreter, VENV the folder, PIP_PINS extra requirements (e.g. the jax floor):
 #   make test PYTHON=python3.12 VENV=.venv-newest           newest jax (needs Python >= 3.12)
 #   make test PIP_PINS="jax==0.10.2 jaxlib==0.10.2"         the oldest jax meshtrain supports
@@ -35,4 +36,8 @@ test: install
 gpu-check: $(if $(PY),,install)
 	$(if $(PY),$(PY),$(VENV)/bin/python) -m bench.gpu
 
-.PHONY: install run test gpu-check
+gpu-tune: $(if $(PY),,install)
+	$(if $(PY),$(PY),$(VENV)/bin/python) -m bench.tune_attention --head-dim 128
+	$(if $(PY),$(PY),$(VENV)/bin/python) -m bench.tune_attention --head-dim 64
+
+.PHONY: install run test gpu-check gpu-tune

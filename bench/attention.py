@@ -11,6 +11,12 @@ forward, so forward + backward is 3.5 x. The forward is `core(q, k, v)`, forward
 gradient of `sum(core(q, k, v))` for q, k and v; each is compiled, run once, then timed over
 --steps calls (median, each waited for with `jax.block_until_ready`).
 
+References (`--cores`, not run by default): jax's own Pallas GPU attention kernels,
+jax.experimental.pallas.ops.gpu: `jax-triton` (`attention.mha`, Triton lowering; no GQA, so K
+and V are repeated to N heads first) and `jax-mgpu` (`attention_mgpu.attention`, FlashAttention-3
+in Mosaic GPU, Hopper only; q scaled by 1/sqrt(H) first, as it applies no scale; its backward
+has no causal mask yet). They say what each lowering reaches at the same shapes as ours.
+
 A core that cannot run (cudnn off an NVIDIA GPU, xla's [B, N, L, L] scores out of memory) gets
 its error in its row and the run goes on. On CPU pallas runs in interpret mode: a loop of HLO
 slices, orders of magnitude slower than a compiled kernel; such a run proves the script works
@@ -28,12 +34,14 @@ from configs import ConfigError
 from tools.measure import RESULTS, environment, median_seconds, run_record, write_report
 
 CORES = ("pallas", "cudnn", "xla")
+REFERENCES = ("jax-triton", "jax-mgpu")
+PASSES = ("forward", "forward_backward")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
-    p.add_argument("--cores", default=",".join(CORES), help="comma-separated, of pallas,cudnn,xla")
+    p.add_argument("--cores", default=",".join(CORES), help=f"comma-separated, of {','.join(CORES + REFERENCES)}")
     p.add_argument("--lengths", type=ints, default=[1024, 4096, 8192, 16384], help="L values")
     p.add_argument("--head-dims", type=ints, default=[64, 128], help="H values")
     p.add_argument("--heads", type=int, default=16, help="N query heads (default 16)")
@@ -46,29 +54,47 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.cores = [c for c in args.cores.split(",") if c]
     args.masks = [m for m in args.masks.split(",") if m]
-    if set(args.cores) - set(CORES) or set(args.masks) - {"causal", "full"} or args.steps < 1:
-        raise ConfigError(f"--cores from {','.join(CORES)}, --masks from causal,full, --steps >= 1")
+    if set(args.cores) - set(CORES + REFERENCES) or set(args.masks) - {"causal", "full"} or args.steps < 1:
+        raise ConfigError(f"--cores from {','.join(CORES + REFERENCES)}, --masks from causal,full, --steps >= 1")
     return args
 
 
 def core_fn(name: str, causal: bool):
-    """core(q, k, v) -> out for one of CORES and one mask."""
+    """core(q, k, v) -> out for one of CORES or REFERENCES and one mask."""
     import jax
+    import jax.numpy as jnp
 
     from model.attention import xla_attention
     from model.kernels.flash_attention import flash_attention
 
     if name == "pallas":
         return lambda q, k, v: flash_attention(q, k, v, causal=causal)
+    if name in ("cudnn", *REFERENCES) and jax.default_backend() != "gpu":
+        raise ConfigError(f"{name} needs an NVIDIA GPU (this backend is {jax.default_backend()})")
     if name == "cudnn":
-        if jax.default_backend() != "gpu":
-            raise ConfigError(f"cudnn needs an NVIDIA GPU (this backend is {jax.default_backend()})")
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    if name == "jax-triton":
+        from jax.experimental.pallas.ops.gpu import attention as triton_attention
+
+        def mha(q, k, v):
+            groups = q.shape[2] // k.shape[2]
+            k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+            return triton_attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal)
+
+        return mha
+    if name == "jax-mgpu":
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+        config = attention_mgpu.TuningConfig(block_q=128, block_kv=128, max_concurrent_steps=2, causal=causal,
+                                             block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+        return lambda q, k, v: attention_mgpu.attention((q * q.shape[-1] ** -0.5).astype(q.dtype), k, v, config)
     return lambda q, k, v: xla_attention(q, k, v, causal)
 
 
-def measure(core: str, causal: bool, length: int, head_dim: int, args: argparse.Namespace) -> dict:
-    """One row: shapes, forward and forward+backward time and TFLOP/s (or the error)."""
+def measure(core: str, make_fn, causal: bool, length: int, head_dim: int, args: argparse.Namespace,
+            passes: tuple[str, ...] = PASSES) -> dict:
+    """One row: shapes, the time and TFLOP/s of each of `passes` (forward, forward_backward) of
+    the core make_fn() returns (or the error, make_fn's too)."""
     import jax
     import jax.numpy as jnp
 
@@ -80,9 +106,11 @@ def measure(core: str, causal: bool, length: int, head_dim: int, args: argparse.
     shapes = [(batch, length, n, head_dim) for n in (args.heads, kv_heads, kv_heads)]
     q, k, v = (jax.random.normal(key, s, jnp.float32).astype(args.dtype) for key, s in zip(keys, shapes))
     try:
-        fn = core_fn(core, causal)
+        fn = make_fn()
         grad = jax.grad(lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
         for name, program, flops in (("forward", fn, forward_flops), ("forward_backward", grad, 3.5 * forward_flops)):
+            if name not in passes:
+                continue
             seconds = median_seconds(jax.jit(program), (q, k, v), args.steps)
             row |= {f"{name}_ms": seconds * 1e3, f"{name}_tflops": flops / seconds / 1e12}
     except Exception as err:  # noqa: BLE001 -- a core that cannot run here is a result, not a crash
@@ -110,7 +138,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     import jax
 
-    rows = [measure(core, mask == "causal", length, h, args)
+    rows = [measure(core, lambda: core_fn(core, mask == "causal"), mask == "causal", length, h, args)
             for length in args.lengths for h in args.head_dims for mask in args.masks for core in args.cores]
     print_rows(rows)
     env = environment(jax.devices()[:1])  # one device: no sharding here

@@ -314,7 +314,7 @@ def stage_correctness(sizes: Sizes) -> dict:
 def stage_attention(sizes: Sizes) -> dict:
     import jax
 
-    from bench.attention import measure
+    from bench.attention import core_fn, measure
     from training.metrics import peak_flops
 
     n, kv, h = sizes.bench_heads
@@ -326,7 +326,7 @@ def stage_attention(sizes: Sizes) -> dict:
                 rows.append({"core": core, "causal": True, "length": length, "head_dim": h,
                              "status": "unavailable on cpu"})
                 continue
-            row = measure(core, True, length, h, ns)
+            row = measure(core, lambda c=core: core_fn(c, True), True, length, h, ns)
             if peak and "forward_tflops" in row:
                 row["forward_fraction_of_peak"] = row["forward_tflops"] * 1e12 / peak
                 row["forward_backward_fraction_of_peak"] = row["forward_backward_tflops"] * 1e12 / peak

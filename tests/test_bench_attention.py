@@ -1,19 +1,53 @@
-"""bench/attention.py runs end to end on tiny shapes and writes a complete record (no timing asserted)."""
+"""bench/attention.py and bench/tune_attention.py run end to end on tiny shapes and write
+complete records (no timing asserted: the kernels are interpreted on CPU)."""
 
 import json
 
+import pytest
+
 from bench.attention import main
+from bench.tune_attention import main as tune, parse_args
+from configs import ConfigError
 
 
 def test_attention_benchmark_writes_json(tmp_path):
     out_file = tmp_path / "attention.json"
     argv = ["--lengths", "64", "--head-dims", "16", "--heads", "2", "--kv-heads", "1", "--tokens", "64",
-            "--masks", "causal", "--steps", "1", "--out", str(out_file)]
+            "--masks", "causal", "--steps", "1", "--cores", "pallas,cudnn,xla,jax-triton,jax-mgpu", "--out", str(out_file)]
     assert main(argv) == 0
     record = json.loads(out_file.read_text())
     rows = {r["core"]: r for r in record["rows"]}
-    assert set(rows) == {"pallas", "cudnn", "xla"}
+    assert set(rows) == {"pallas", "cudnn", "xla", "jax-triton", "jax-mgpu"}
     for core in ("pallas", "xla"):
         assert rows[core]["forward_tflops"] > 0 and rows[core]["forward_backward_tflops"] > 0
-    assert "NVIDIA GPU" in rows["cudnn"]["error"]  # the tests run on CPU
+    assert all("NVIDIA GPU" in rows[c]["error"] for c in ("cudnn", "jax-triton", "jax-mgpu"))  # the tests run on CPU
     assert record["interpret_mode"] and record["command"].startswith("python -m bench.attention")
+
+
+def test_tune_attention_sweeps_each_kernel_and_keeps_the_fastest(tmp_path):
+    """bench/tune_attention.py at tiny shapes (interpreted): every tile of the grid for each
+    kernel in turn, the tuned tiling made of each kernel's fastest tile, then default and tuned
+    side by side with the references (cudnn: an error on CPU)."""
+    out_file = tmp_path / "tune.json"
+    argv = ["--length", "64", "--head-dim", "16", "--heads", "2", "--kv-heads", "1", "--tokens", "64",
+            "--blocks", "32", "--warps", "4,8", "--stages", "2", "--steps", "1", "--references", "cudnn",
+            "--out", str(out_file)]
+    assert tune(argv) == 0
+    record = json.loads(out_file.read_text())
+    assert [r["kernel"] for r in record["sweep"]] == ["forward"] * 2 + ["dq"] * 2 + ["dkv"] * 2
+    for kernel, timed in (("forward", "forward"), ("dq", "forward_backward"), ("dkv", "forward_backward")):
+        rows = [r for r in record["sweep"] if r["kernel"] == kernel]
+        assert all(r[f"{timed}_tflops"] > 0 for r in rows)
+        fastest = min(rows, key=lambda r: r[f"{timed}_ms"])
+        assert record["tuned"][kernel] == {k: fastest[k] for k in ("block_q", "block_k", "warps", "stages")}
+    compare = {r["core"]: r for r in record["compare"]}
+    assert list(compare) == ["pallas-default", "pallas-tuned", "cudnn"] and "NVIDIA GPU" in compare["cudnn"]["error"]
+    assert all(compare[c]["forward_backward_tflops"] > 0 for c in ("pallas-default", "pallas-tuned"))
+    assert record["interpret_mode"] and record["tuned_line"].startswith("Tiling(Tile(32, 32, ")
+
+
+def test_tune_attention_refuses_a_bad_grid():
+    with pytest.raises(ConfigError, match="powers of two"):
+        parse_args(["--blocks", "48"])
+    with pytest.raises(ConfigError, match="--references"):
+        parse_args(["--references", "flash"])

@@ -6,8 +6,8 @@ x B = 1, 3: every value of each axis meets every value of every other axis at le
 = 1000 (no multiple of the blocks: padded and masked) runs in both dtypes under both masks.
 `grid()` picks the points greedily, cheapest first on ties: 8 points instead of the 96 of the
 full product (a full product would take several minutes of the suite's 15 on a 2-core CPU;
-the random shapes and padded-key cases below cover the rest). Blocks are the defaults
-(`default_blocks`): 128 x 128 at H = 64, 128 x 64 at H = 128, so L = 384 and 1000 take several
+the random shapes and padded-key cases below cover the rest). Tiles are the defaults
+(`default_tiling`): 128 x 128 at H = 64, 128 x 64 at H = 128, so L = 384 and 1000 take several
 q and kv blocks, bq != bk is covered, and L = 1000 ends in a ragged block.
 
 Tolerances, on max |pallas - xla| / max |xla| per output (max |xla| floored at 1e-3):
@@ -25,7 +25,7 @@ from hypothesis import Phase, given, settings, strategies as st
 
 from configs import ConfigError
 from model.attention import xla_attention
-from model.kernels.flash_attention import flash_attention
+from model.kernels.flash_attention import Tile, Tiling, flash_attention
 from model.kernels.sharded import sharded_flash_attention
 from sharding.mesh import build_mesh, parse_mesh
 
@@ -45,13 +45,12 @@ def out_and_grads(core, q, k, v, d_out):
     return (out, *vjp(d_out))
 
 
-def both(causal, blocks, q, k, v, d_out):
+def both(causal, tiling, q, k, v, d_out):
     """(pallas, xla) out, dq, dk, dv, in one jitted program (one compile per case)."""
-    bq, bk = blocks
 
     @jax.jit
     def run(q, k, v, d_out):
-        pallas = lambda q, k, v: flash_attention(q, k, v, causal=causal, block_q=bq, block_k=bk)  # noqa: E731
+        pallas = lambda q, k, v: flash_attention(q, k, v, causal=causal, tiling=tiling)  # noqa: E731
         return (out_and_grads(pallas, q, k, v, d_out),
                 out_and_grads(lambda q, k, v: xla_attention(q, k, v, causal), q, k, v, d_out))
 
@@ -96,7 +95,7 @@ def grid() -> list:
 def test_matches_reference(dtype, causal, heads, h, length, batch):
     (n, kv_heads), dt = heads, jnp.dtype(dtype)
     q, k, v, d_out = inputs((batch, length, n, h), kv_heads, dt)
-    pallas, xla = both(causal, (None, None), q, k, v, d_out)
+    pallas, xla = both(causal, None, q, k, v, d_out)
     assert_close(pallas, xla, dtype)
 
 
@@ -108,7 +107,7 @@ def test_matches_reference(dtype, causal, heads, h, length, batch):
 )
 def test_random_small_shapes(batch, length, kv_heads, groups, h, causal, blocks):
     q, k, v, d_out = inputs((batch, length, kv_heads * groups, h), kv_heads, jnp.float32, seed=length)
-    pallas, xla = both(causal, blocks, q, k, v, d_out)
+    pallas, xla = both(causal, Tiling.uniform(*blocks), q, k, v, d_out)
     assert_close(pallas, xla, "float32")
 
 
@@ -120,19 +119,24 @@ def test_random_small_shapes(batch, length, kv_heads, groups, h, causal, blocks)
 #   L=40,  16 x 64 (bq < bk), GQA, B=2: one kv block, 24 of its 64 keys padding.
 # Full attention is where the padding mask works; one causal case checks that the causal mask
 # alone hides the padded keys (as the grid's fp32 L = 1000 causal points do at default blocks).
-PADDED = [pytest.param(100, (32, 32), (2, 2), 1, False, id="L100-full"),
-          pytest.param(70, (64, 16), (2, 1), 1, False, id="L70-full"),
-          pytest.param(40, (16, 64), (4, 2), 2, False, id="L40-full-GQA"),
-          pytest.param(70, (64, 16), (2, 1), 1, True, id="L70-causal")]
+# The mixed cases give the three kernels different tiles (forward 64 x 16, dq 16 x 32, dk/dv
+# 32 x 64): L = 70 pads to 128, a multiple of every block, and each kernel sweeps its own grid.
+MIXED = Tiling(Tile(64, 16), Tile(16, 32), Tile(32, 64))
+PADDED = [pytest.param(100, Tiling.uniform(32, 32), (2, 2), 1, False, id="L100-full"),
+          pytest.param(70, Tiling.uniform(64, 16), (2, 1), 1, False, id="L70-full"),
+          pytest.param(40, Tiling.uniform(16, 64), (4, 2), 2, False, id="L40-full-GQA"),
+          pytest.param(70, Tiling.uniform(64, 16), (2, 1), 1, True, id="L70-causal"),
+          pytest.param(70, MIXED, (4, 2), 1, False, id="L70-full-GQA-mixed"),
+          pytest.param(70, MIXED, (4, 2), 1, True, id="L70-causal-GQA-mixed")]
 
 
-@pytest.mark.parametrize("length, blocks, heads, batch, causal", PADDED)
-def test_padded_keys_fp32(length, blocks, heads, batch, causal):
+@pytest.mark.parametrize("length, tiling, heads, batch, causal", PADDED)
+def test_padded_keys_fp32(length, tiling, heads, batch, causal):
     """out, dq, dk, dv at a length that is no multiple of the blocks, against xla in fp32 (1e-5):
     the forward and dq sweeps' padding mask, and the dk/dv sweep's reliance on dO = 0 rows."""
     (n, kv_heads), h = heads, 16
     q, k, v, d_out = inputs((batch, length, n, h), kv_heads, jnp.float32, seed=length)
-    pallas, xla = both(causal, blocks, q, k, v, d_out)
+    pallas, xla = both(causal, tiling, q, k, v, d_out)
     assert_close(pallas, xla, "float32")
 
 
@@ -169,9 +173,9 @@ def test_causal_skips_blocks_above_the_diagonal(monkeypatch, blocks):
 
     def grad(causal):
         return jax.jit(jax.grad(lambda q, k, v: flash_attention(
-            q, k, v, causal=causal, block_q=bq, block_k=bk).sum(), argnums=(0, 1, 2)))
+            q, k, v, causal=causal, tiling=Tiling.uniform(bq, bk)).sum(), argnums=(0, 1, 2)))
 
-    forward = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, block_q=bq, block_k=bk))
+    forward = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, tiling=Tiling.uniform(bq, bk)))
     assert visited_tiles(monkeypatch, forward, q, k, v) == dict.fromkeys(needed, 1)
     assert visited_tiles(monkeypatch, grad(True), q, k, v) == dict.fromkeys(needed, 3)
     assert visited_tiles(monkeypatch, grad(False), q, k, v) == dict.fromkeys(tiles, 3)
@@ -198,7 +202,7 @@ def test_no_length_squared_intermediate():
     xla core's does (the detector works), and the kernel's [bq, bk] score tile is there."""
     length, (bq, bk) = 1000, (128, 64)
     q, k, v, _ = inputs((1, length, 2, 64), 2, jnp.float32)
-    pallas = lambda q, k, v: flash_attention(q, k, v, block_q=bq, block_k=bk)  # noqa: E731
+    pallas = lambda q, k, v: flash_attention(q, k, v, tiling=Tiling.uniform(bq, bk))  # noqa: E731
 
     def grad(core):
         return jax.grad(lambda q, k, v: core(q, k, v).sum(), argnums=(0, 1, 2))
@@ -214,8 +218,8 @@ def test_no_length_squared_intermediate():
 
 def test_bad_block_size_says_power_of_two():
     q, k, v, _ = inputs((1, 64, 2, 16), 2, jnp.float32)
-    with pytest.raises(ConfigError, match="power of two"):
-        flash_attention(q, k, v, block_q=48)
+    with pytest.raises(ConfigError, match="the dq tile's block_k=48 must be a power of two"):
+        flash_attention(q, k, v, tiling=Tiling(Tile(64, 64), Tile(64, 48), Tile(64, 64)))
 
 
 @pytest.mark.parametrize("mesh", ["dp=2,tp=2", "fsdp=2,tp=4", "tp=8"])

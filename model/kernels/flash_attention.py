@@ -28,14 +28,24 @@ are masked in the forward and dq sweeps; in the dk/dv sweep they need no mask (o
 discarded, dk/dv rows see them). Padded query rows get dO = 0, so they add nothing to dk/dv.
 Under the causal mask, padded keys lie after every real query and are masked already.
 
+Tiling: each of the three kernels has its own `Tile` (block_q, block_k, Triton's warps and
+pipeline stages): the forward and dq own a q block and sweep kv blocks, dk/dv owns a kv block and
+sweeps q blocks, so each may want its own shape. q, k, v are padded to a multiple of every block
+of the call. `default_tiling` gives them by head dim; `python -m bench.tune_attention` measures
+them on a GPU, one kernel at a time.
+
 Backend (`_launch`): on CPU the kernels run with `interpret=True` (HLO loops; this is how the
-tests run). On NVIDIA GPUs they compile with the Pallas Triton backend, chosen explicitly by its
-CompilerParams (see `_launch` for why). Not yet compiled or measured on a GPU.
+tests run; warps and stages are ignored). On NVIDIA GPUs they compile with the Pallas Triton
+backend, chosen explicitly by its CompilerParams (see `_launch` for why). On one H100 (jax
+0.11.2) they compile and match xla; the forward ran at 287 TFLOP/s at L = 4096 (H = 128) and the
+forward + backward at 0.44x cudnn with the untuned default tiling
+(bench/results/gpu-nvidia-h100-80gb-hbm3-20261124.json).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -45,33 +55,56 @@ from configs.base import ConfigError
 from model.kernels.flash_kernels import Plan, dkv_kernel, dq_kernel, forward_kernel
 
 
-def default_blocks(head_dim: int) -> tuple[int, int]:
-    """(block_q, block_k): larger heads take smaller kv tiles so a program's tiles stay in SRAM."""
-    if head_dim <= 64:
-        return 128, 128
-    if head_dim <= 128:
-        return 128, 64
-    return 64, 32
+@dataclass(frozen=True)
+class Tile:
+    """One kernel's launch: its [block_q, block_k] score tile (powers of two, clamped to the
+    padded length) and, on a GPU, Triton's num_warps and num_stages."""
+
+    block_q: int
+    block_k: int
+    warps: int = 4
+    stages: int = 2
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """The tiles of the forward, dq and dk/dv kernels."""
+
+    forward: Tile
+    dq: Tile
+    dkv: Tile
+
+    @classmethod
+    def uniform(cls, block_q: int, block_k: int, warps: int = 4, stages: int = 2) -> Tiling:
+        tile = Tile(block_q, block_k, warps, stages)
+        return cls(tile, tile, tile)
+
+
+def default_tiling(head_dim: int) -> Tiling:
+    """By head dim, the same tile for all three kernels (not yet tuned on a GPU): larger heads
+    take smaller kv tiles so a program's tiles stay in SRAM; 8 warps above 64 x 128 tiles."""
+    block_q, block_k = (128, 128) if head_dim <= 64 else (128, 64) if head_dim <= 128 else (64, 32)
+    return Tiling.uniform(block_q, block_k, 4 if block_q * block_k <= 64 * 128 else 8, 2)
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
-                    block_q: int | None = None, block_k: int | None = None) -> jax.Array:
+                    tiling: Tiling | None = None) -> jax.Array:
     """Attention of q [B, L, N, H] over k/v [B, L, K, H] -> [B, L, N, H] (K divides N).
 
-    Blocks default per head dim (`default_blocks`), are clamped to the length and must be powers
-    of two; L needs no relation to them (it is padded).
+    tiling: the three kernels' tiles, default `default_tiling(H)`; blocks must be powers of two
+    and are clamped to the length, which needs no relation to them (it is padded).
     """
-    plan = _plan(q, k, causal, block_q, block_k)
-    return _attention(plan, *_pad(plan, q, k, v))[:, :plan.length]
+    plans = _plans(q, k, causal, tiling)
+    return _attention(plans, *_pad(plans, q, k, v))[:, :plans[0].length]
 
 
 def flash_block_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
                         ) -> tuple[jax.Array, jax.Array]:
     """The forward kernel alone, no custom_vjp: out [B, L, N, H] and lse fp32 [B, N, L], for
     callers that merge blocks of attention by their log-sum-exp (sharding/context_parallel.py)."""
-    plan = _plan(q, k, causal, None, None)
-    out, lse = _forward(plan, *_pad(plan, q, k, v))
-    return out[:, :plan.length], lse[..., :plan.length]
+    plans = _plans(q, k, causal, None)
+    out, lse = _forward(plans[0], *_pad(plans, q, k, v))
+    return out[:, :plans[0].length], lse[..., :plans[0].length]
 
 
 def flash_block_backward(q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array, lse: jax.Array,
@@ -79,53 +112,60 @@ def flash_block_backward(q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Ar
     """dq, dk, dv of one block given the softmax statistics of the whole row: lse and delta fp32
     [B, N, L] may come from more keys than this block's (p = exp(s - lse) is then the block's
     share of the row's probabilities). Padded rows get lse = delta = 0 and dO = 0: no effect."""
-    plan = _plan(q, k, causal, None, None)
-    stats = [(0, 0), (0, 0), (0, _padded(plan) - plan.length)]
-    dq, dk, dv = _backward(plan, *_pad(plan, q, k, v, d_out), jnp.pad(lse, stats), jnp.pad(delta, stats))
-    return dq[:, :plan.length], dk[:, :plan.length], dv[:, :plan.length]
+    plans = _plans(q, k, causal, None)
+    length = plans[0].length
+    stats = [(0, 0), (0, 0), (0, _padded(plans) - length)]
+    dq, dk, dv = _backward(plans, *_pad(plans, q, k, v, d_out), jnp.pad(lse, stats), jnp.pad(delta, stats))
+    return dq[:, :length], dk[:, :length], dv[:, :length]
 
 
-def _plan(q: jax.Array, k: jax.Array, causal: bool, block_q: int | None, block_k: int | None) -> Plan:
+Plans = tuple[Plan, Plan, Plan]  # forward, dq, dk/dv
+
+
+def _plans(q: jax.Array, k: jax.Array, causal: bool, tiling: Tiling | None) -> Plans:
     (_, length, n, h), kv_heads = q.shape, k.shape[2]
     if k.shape[1] != length:
         raise ValueError(f"flash attention: q has {length} rows, k and v {k.shape[1]}; they must be equal")
     if n % kv_heads:
         raise ConfigError(f"flash attention: n_heads={n} is not a multiple of n_kv_heads={kv_heads}")
-    default_q, default_k = default_blocks(h)
+    tiling = tiling or default_tiling(h)
     cap = pl.next_power_of_2(length)  # a block longer than the padded sequence is wasted work
-    bq, bk = min(block_q or default_q, cap), min(block_k or default_k, cap)
-    for name, size in (("block_q", bq), ("block_k", bk)):
-        if size < 1 or size & (size - 1):
-            raise ConfigError(f"flash attention: {name}={size} must be a power of two")
-    return Plan(causal, length, bq, bk, n // kv_heads)
+    plans = []
+    for kernel, tile in (("forward", tiling.forward), ("dq", tiling.dq), ("dkv", tiling.dkv)):
+        for name, size in (("block_q", tile.block_q), ("block_k", tile.block_k)):
+            if size < 1 or size & (size - 1):
+                raise ConfigError(f"flash attention: the {kernel} tile's {name}={size} must be a power of two")
+        plans.append(Plan(causal, length, min(tile.block_q, cap), min(tile.block_k, cap), n // kv_heads,
+                          tile.warps, tile.stages))
+    return tuple(plans)
 
 
-def _padded(plan: Plan) -> int:
-    """L rounded up to a multiple of both blocks (powers of two: a multiple of the larger)."""
-    block = max(plan.block_q, plan.block_k)
-    return -(-plan.length // block) * block
+def _padded(plans: Plans) -> int:
+    """L rounded up to a multiple of every block (powers of two: a multiple of the largest)."""
+    block = max(max(p.block_q, p.block_k) for p in plans)
+    return -(-plans[0].length // block) * block
 
 
-def _pad(plan: Plan, *xs: jax.Array) -> list[jax.Array]:
-    """[B, L, N or K, H] zero-padded along L to `_padded(plan)`."""
-    return [jnp.pad(x, [(0, 0), (0, _padded(plan) - plan.length), (0, 0), (0, 0)]) for x in xs]
+def _pad(plans: Plans, *xs: jax.Array) -> list[jax.Array]:
+    """[B, L, N or K, H] zero-padded along L to `_padded(plans)`."""
+    return [jnp.pad(x, [(0, 0), (0, _padded(plans) - plans[0].length), (0, 0), (0, 0)]) for x in xs]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan: Plan, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    return _forward(plan, q, k, v)[0]
+def _attention(plans: Plans, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    return _forward(plans[0], q, k, v)[0]
 
 
-def _attention_fwd(plan: Plan, q, k, v):
-    out, lse = _forward(plan, q, k, v)
+def _attention_fwd(plans: Plans, q, k, v):
+    out, lse = _forward(plans[0], q, k, v)
     return out, (q, k, v, out, lse)
 
 
-def _attention_bwd(plan: Plan, residuals, d_out):
+def _attention_bwd(plans: Plans, residuals, d_out):
     q, k, v, out, lse = residuals
     # delta_i = sum_h dO_ih out_ih = sum_j p_ij dp_ij: the softmax Jacobian's row term.
     delta = jnp.einsum("blnh,blnh->bnl", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    return (*_backward(plan, q, k, v, d_out, lse, delta),)
+    return (*_backward(plans, q, k, v, d_out, lse, delta),)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -152,8 +192,7 @@ def _launch(kernel, plan: Plan, grid, in_specs, out_specs, out_shape):
         head_dim = jax.tree.leaves(out_shape)[0].shape[-1]  # every first output is [B, L, heads, H]
         if head_dim < 16 or head_dim & (head_dim - 1):  # Triton: power-of-two tiles, dots >= 16
             raise ConfigError(f"flash attention on GPU: head_dim={head_dim} must be a power of two >= 16")
-        warps = 4 if plan.block_q * plan.block_k <= 64 * 128 else 8
-        options = {"compiler_params": pltriton.CompilerParams(num_warps=warps, num_stages=2)}
+        options = {"compiler_params": pltriton.CompilerParams(num_warps=plan.warps, num_stages=plan.stages)}
     return pl.pallas_call(functools.partial(kernel, plan=plan), grid=grid, in_specs=in_specs,
                           out_specs=out_specs, out_shape=out_shape, **options)
 
@@ -195,16 +234,18 @@ def _forward(plan: Plan, q, k, v) -> tuple[jax.Array, jax.Array]:
                    out_shape)(q, k, v)
 
 
-def _backward(plan: Plan, q, k, v, d_out, lse, delta) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _backward(plans: Plans, q, k, v, d_out, lse, delta) -> tuple[jax.Array, jax.Array, jax.Array]:
+    _, dq_plan, dkv_plan = plans
     b, padded, n, h = q.shape
-    tile_q, tile_k, stat = _tile(plan.block_q, h), _tile(plan.block_k, h), _stat_tile(plan.block_q)
-    kv = _kv_of_head(padded, h, plan.groups)
-    dq = _launch(dq_kernel, plan, (b, n, padded // plan.block_q),
+    tile_q, stat = _tile(dq_plan.block_q, h), _stat_tile(dq_plan.block_q)
+    kv = _kv_of_head(padded, h, dq_plan.groups)
+    dq = _launch(dq_kernel, dq_plan, (b, n, padded // dq_plan.block_q),
                  [tile_q, kv, kv, tile_q, stat, stat], tile_q,
                  jax.ShapeDtypeStruct(q.shape, q.dtype))(q, k, v, d_out, lse, delta)
-    heads, stats = _heads_of_kv(padded, h, plan.groups), _stat_heads_of_kv(padded, plan.groups)
+    tile_k = _tile(dkv_plan.block_k, h)
+    heads, stats = _heads_of_kv(padded, h, dkv_plan.groups), _stat_heads_of_kv(padded, dkv_plan.groups)
     kv_shapes = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
-    dk, dv = _launch(dkv_kernel, plan, (b, k.shape[2], padded // plan.block_k),
+    dk, dv = _launch(dkv_kernel, dkv_plan, (b, k.shape[2], padded // dkv_plan.block_k),
                      [heads, tile_k, tile_k, heads, stats, stats], [tile_k, tile_k], kv_shapes,
                      )(q, k, v, d_out, lse, delta)
     return dq, dk, dv

@@ -20,13 +20,16 @@ from jax.experimental import pallas as pl
 
 @dataclass(frozen=True)
 class Plan:
-    """Static shape of one call: mask, real length, blocks, grouping (hashable for custom_vjp)."""
+    """Static shape of one kernel launch: mask, real length, blocks, grouping, and Triton's warps
+    and stages on a GPU (hashable for custom_vjp)."""
 
     causal: bool
-    length: int  # real L; arrays are padded to a multiple of both blocks
+    length: int  # real L; arrays are padded to a multiple of every block of the call
     block_q: int
     block_k: int
     groups: int  # G = N / K
+    warps: int
+    stages: int
 
 
 NT = ((1,), (1,))  # a @ b.T
