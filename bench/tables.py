@@ -62,8 +62,9 @@ def column(rows: list[dict], key: str, spec: str, unit: float = 1) -> str:
 
 
 def span(values: list[float], spec: str) -> str:
-    """'lo-hi' of `values`, each formatted by `spec`."""
-    return f"{min(values):{spec}}-{max(values):{spec}}"
+    """'lo-hi' of `values`, each formatted by `spec`; one figure where they print alike."""
+    lo, hi = f"{min(values):{spec}}", f"{max(values):{spec}}"
+    return lo if lo == hi else f"{lo}-{hi}"
 
 
 def xla(memory: dict, name: str) -> int:

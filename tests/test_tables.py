@@ -8,7 +8,7 @@ hand, or left behind when a benchmark is re-run, fails it.
 import re
 import shutil
 
-from bench.tables import PROSE_ONLY, blocks, render, xla
+from bench.tables import PROSE_ONLY, blocks, render, span, xla
 from conftest import ROOT, run_module
 
 README = ROOT / "README.md"
@@ -117,3 +117,7 @@ def test_an_unclosed_marker_is_one_error_line(tmp_path):
     last = text.rindex("<!-- /figures -->")
     readme.write_text(text[:last] + text[last + len("<!-- /figures -->"):])
     assert_refused(readme, f"<!-- figures: {MARKED[-1]} --> is never closed")
+
+
+def test_a_span_that_prints_as_one_figure_is_one_figure():
+    assert span([1.21, 1.24], ".1f") == "1.2" and span([1.0, 2.04], ".1f") == "1.0-2.0"
