@@ -25,7 +25,7 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
                dots, then none, dp over every GPU: tokens/s, TFLOP/s per device, MFU, peak
                memory; an out-of-memory case is recorded as "oom" and the run goes on (~70 s)
   profile      three steps of 1b with steps 2..3 traced (training/profiling.py), summed by
-               tools/trace_summary.py (scopes) and here by op kind: top ops, and the
+               tools/trace_summary.py (scopes) and tools/op_kinds.py (op kinds): top ops, and the
                fractions in attention kernels, matmuls, collectives, copies, elementwise/other;
                a kernel run inside a CUDA graph is kinded by its name (trace_summary) (~15 s)
 
@@ -57,7 +57,6 @@ import os
 import re
 import time
 import traceback
-from collections import defaultdict
 from pathlib import Path
 
 from bench.common import error_text
@@ -364,84 +363,11 @@ def stage_training(sizes: Sizes) -> dict:
 
 # --- stage 6: profile ---------------------------------------------------------------------------
 
-# The xla core's two einsums (model/attention.py), forward and transposed.
-_XLA_CORE = ("blnh,bmnh->bnlm", "bnlm,bmnh->blnh")
-
-
-def op_kinds(hlo_text: str) -> dict[str, str]:
-    """{instruction: attention kernel | matmul | collective | copy | elementwise/other} of compiled HLO.
-
-    Attention kernel: a cuDNN fmha or Pallas (Triton/Mosaic) custom call, or a dot of the xla
-    core's einsums. Matmul: any other dot, cuBLAS custom call, or fusion around a dot."""
-    from tools.hlo import HEADER, INSTRUCTION, KINDS
-
-    with_dot, lines, current = set(), [], None
-    for line in hlo_text.splitlines():
-        head, m = HEADER.match(line), INSTRUCTION.match(line)
-        if head and "(" in line:
-            current = head.group(1)
-        elif m:
-            name, _, opcode, rest = m.groups()
-            lines.append((name, opcode, rest))
-            if opcode in ("dot", "convolution"):
-                with_dot.add(current)
-    kinds = {}
-    for name, opcode, rest in lines:
-        base = re.sub(r"-(start|done|update)$", "", opcode)
-        target = re.search(r'custom_call_target="([^"]+)"', rest)
-        target = target.group(1).lower() if target else ""
-        calls = re.search(r"calls=%?([\w.\-]+)", rest)
-        dot = opcode in ("dot", "convolution") or (opcode == "fusion" and calls and calls.group(1) in with_dot)
-        if opcode in ("while", "conditional", "call"):
-            kinds[name] = "control flow"  # its event spans its body's ops: not counted
-        elif base in KINDS:
-            kinds[name] = "collective"
-        elif any(t in target for t in ("fmha", "triton", "mosaic")) or (dot and any(e in rest for e in _XLA_CORE)):
-            kinds[name] = "attention kernel"
-        elif dot or any(t in target for t in ("gemm", "matmul", "cublas")):
-            kinds[name] = "matmul"
-        elif opcode == "copy":
-            kinds[name] = "copy"
-        else:
-            kinds[name] = "elementwise/other"
-    return kinds
-
-
-def op_breakdown(run_dir: Path, top: int = 10) -> dict:
-    """Per step and device: ms per op kind, their fractions, and the `top` ops by time. The op
-    events and their steps as tools/trace_summary.py reads them (CPU ops, GPU kernels; a GPU
-    kernel that names no instruction is kinded by its name, `kernel_kind`)."""
-    from tools.hlo import KINDS
-    from tools.trace_summary import hlo_ops, kernel_kind, read_profile, whole_steps
-
-    _, hlo, found = read_profile(run_dir)
-    kinds, scopes = op_kinds(hlo), hlo_ops(hlo)
-    found = [e for e in found if kinds.get(e.op) != "control flow"]
-    for e in found:
-        if e.op not in kinds:
-            kind = kernel_kind(e.op)
-            kinds[e.op] = "collective" if kind in KINDS else kind
-    steps = whole_steps(found) if found else []
-    devices = len({e.device for e in found}) or 1
-    per_op = defaultdict(float)
-    for e in found:
-        if e.step in steps:
-            per_op[e.op] += e.dur / 1e3 / len(steps) / devices  # us -> ms per step per device
-    by_kind = defaultdict(float)
-    for name, ms in per_op.items():
-        by_kind[kinds[name]] += ms
-    total = sum(by_kind.values())
-    ranked = sorted(per_op.items(), key=lambda kv: -kv[1])[:top]
-    return {"steps": len(steps), "devices": devices, "total_ms": total, "kinds_ms": dict(by_kind),
-            "fractions": {k: v / total for k, v in by_kind.items()} if total else {},
-            "top_ops": [{"op": n, "kind": kinds[n], "scope": scopes.get(n, ("", "unattributed"))[1], "ms": ms}
-                        for n, ms in ranked]}
-
-
 def stage_profile(sizes: Sizes, run_dir: Path) -> dict:
     import jax
 
     from sharding.mesh import build_mesh, mesh_config
+    from tools.op_kinds import op_breakdown
     from tools.trace_summary import summarize
     from training.build import build
     from training.loop import train

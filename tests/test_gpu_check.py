@@ -69,10 +69,10 @@ def h100_run_dir(tmp_path):
 
 def test_an_h100_trace_is_summed_by_kernel(tmp_path):
     """GPU kernels carry no step and, inside CUDA graphs, name the graph: trace_summary assigns
-    them to the step launched before them and finds fusions by kernel name; bench.gpu kinds the
+    them to the step launched before them and finds fusions by kernel name; tools.op_kinds kinds the
     library kernels (cuBLAS nvjet, cuDNN attention, memcpy) by their names. Every kernel of the
     step is counted once: 520.7 ms, the sum of the trace's kernel durations."""
-    from bench.gpu import op_breakdown
+    from tools.op_kinds import op_breakdown
     from tools.trace_summary import summarize
 
     run_dir = h100_run_dir(tmp_path)
@@ -87,3 +87,12 @@ def test_an_h100_trace_is_summed_by_kernel(tmp_path):
     kinds = {k: round(v, 1) for k, v in ops["kinds_ms"].items()}
     assert kinds == {"matmul": 333.4, "attention kernel": 69.1, "copy": 11.7, "elementwise/other": 106.4}, kinds
     assert ops["top_ops"][0]["kind"] == "matmul" and ops["top_ops"][0]["op"].startswith("nvjet")
+
+
+def test_op_kinds_prints_the_breakdown(tmp_path, capsys):
+    from tools.op_kinds import main
+
+    assert main([str(h100_run_dir(tmp_path)), "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "520.66 ms of kernels per step per device" in out and "matmul                  333.39 ms   64.0%" in out
+    assert out.count(" ms  matmul") + out.count(" ms  attention kernel") + out.count(" ms  elementwise") == 3
