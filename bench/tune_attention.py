@@ -12,7 +12,9 @@ block_k from --blocks, x --warps, x --stages (Triton's num_warps and num_stages)
   dq       forward + backward, the tuned forward and the default dk/dv tile, dq's tile varied;
   dkv      forward + backward, the tuned forward and dq, dk/dv's tile varied.
 A tile that does not compile or run (Triton out of shared memory, a block above the length)
-records its error and the sweep goes on. Then the default and the tuned tiling side by side
+records its error and the sweep goes on. Each kernel's sweep starts from the tile it has now
+and gets its share of --budget (default 480 s, so that the run fits a 10-minute slot with the
+comparison); tiles past it are recorded as skipped. Then the default and the tuned tiling side by side
 and, at the same shape, the references of bench.attention (cudnn, and jax's own Pallas
 kernels: jax-triton, jax-mgpu), which say whether a gap to cudnn is this kernel's or its
 lowering's (Triton against Mosaic GPU).
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import time
 from pathlib import Path
 
 from bench.attention import REFERENCES, core_fn, measure
@@ -51,6 +54,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warps", type=ints, default=[4, 8], help="Triton num_warps values")
     p.add_argument("--stages", type=ints, default=[2, 3], help="Triton num_stages values")
     p.add_argument("--steps", type=int, default=10, help="timed calls per measurement (default 10)")
+    p.add_argument("--budget", type=float, default=480, help="seconds for the sweep; later tiles are "
+                   "recorded as skipped, each kernel keeps its best so far (default 480)")
     p.add_argument("--references", default=",".join(("cudnn", *REFERENCES)),
                    help=f"comma-separated of cudnn,{','.join(REFERENCES)}, or none")
     p.add_argument("--out", type=Path, help="JSON report (default bench/results/tune-attention-<device>-h<H>.json)")
@@ -65,26 +70,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def sweep(kernel: str, base, args: argparse.Namespace) -> tuple[list[dict], object]:
-    """Rows of every tile of `kernel` in the grid, the others as in `base`; and the best tiling
-    (base itself when no tile ran)."""
+def sweep(kernel: str, base, args: argparse.Namespace, deadline: float) -> tuple[list[dict], object]:
+    """Rows of the tiles of `kernel` in the grid, base's own tile first, the other kernels as in
+    `base`; and the best tiling (base itself when no tile ran). Tiles left when time.perf_counter()
+    passes `deadline` are recorded as skipped."""
     import dataclasses
 
     from model.kernels.flash_attention import Tile, flash_attention
 
     passes = ("forward",) if kernel == "forward" else ("forward_backward",)
+    grid = [Tile(*t) for t in itertools.product(args.blocks, args.blocks, args.warps, args.stages)]
+    first = getattr(base, kernel)
     rows, best, best_ms = [], base, float("inf")
-    for bq, bk, warps, stages in itertools.product(args.blocks, args.blocks, args.warps, args.stages):
-        tile = Tile(bq, bk, warps, stages)
+    for tile in [first] * (first in grid) + [t for t in grid if t != first]:
+        row = {"kernel": kernel, **dataclasses.asdict(tile)}
+        if time.perf_counter() > deadline:
+            rows.append(row | {"status": "skipped: past --budget"})
+            continue
         tiling = dataclasses.replace(base, **{kernel: tile})
         fn = lambda q, k, v, t=tiling: flash_attention(q, k, v, causal=not args.full, tiling=t)  # noqa: E731
-        row = {"kernel": kernel, **dataclasses.asdict(tile)}
         row |= measure("pallas", lambda fn=fn: fn, not args.full, args.length, args.head_dim, args, passes)
         rows.append(row)
         ms = row.get(f"{passes[0]}_ms", float("inf"))
         if "error" not in row and ms < best_ms:
             best, best_ms = tiling, ms
-        print(f"  {kernel:<8} {bq:>4} x {bk:<4} warps {warps} stages {stages}  "
+        print(f"  {kernel:<8} {tile.block_q:>4} x {tile.block_k:<4} warps {tile.warps} stages {tile.stages}  "
               + (row["error"][:80] if "error" in row else f"{ms:9.3f} ms  {row[f'{passes[0]}_tflops']:7.1f} TFLOP/s"),
               flush=True)
     return rows, best
@@ -108,9 +118,11 @@ def main(argv: list[str]) -> int:
                   "batch": max(1, args.tokens // args.length), "dtype": args.dtype, "causal": causal},
         "flops": "forward 4*B*N*L^2*H (halved if causal); forward+backward 3.5x forward",
         "default": {k: dataclasses.asdict(getattr(default, k)) for k in KERNELS}, "sweep": []}
-    tuned = default
+    tuned, start = default, time.perf_counter()
     for kernel in KERNELS:  # the record is written after each kernel: a crash keeps what ran
-        rows, tuned = sweep(kernel, tuned, args)
+        left = args.budget - (time.perf_counter() - start)  # shared by this kernel and those after it
+        deadline = time.perf_counter() + left / (len(KERNELS) - KERNELS.index(kernel))
+        rows, tuned = sweep(kernel, tuned, args, deadline)
         report["sweep"] += rows
         report["tuned"] = {k: dataclasses.asdict(getattr(tuned, k)) for k in KERNELS}
         write_report(report, out)

@@ -46,6 +46,17 @@ def test_tune_attention_sweeps_each_kernel_and_keeps_the_fastest(tmp_path):
     assert record["interpret_mode"] and record["tuned_line"].startswith("Tiling(Tile(32, 32, ")
 
 
+def test_tune_attention_past_its_budget_keeps_the_default(tmp_path):
+    out_file = tmp_path / "tune.json"
+    assert tune(["--length", "64", "--head-dim", "16", "--heads", "2", "--kv-heads", "1", "--tokens", "64",
+                 "--blocks", "32", "--warps", "4", "--stages", "2", "--steps", "1", "--references", "none",
+                 "--budget", "0", "--out", str(out_file)]) == 0
+    record = json.loads(out_file.read_text())
+    assert [r["status"] for r in record["sweep"]] == ["skipped: past --budget"] * 3
+    assert record["tuned"] == record["default"] and [r["core"] for r in record["compare"]] == ["pallas-default",
+                                                                                                "pallas-tuned"]
+
+
 def test_tune_attention_refuses_a_bad_grid():
     with pytest.raises(ConfigError, match="powers of two"):
         parse_args(["--blocks", "48"])
