@@ -16,7 +16,9 @@ causal, H = 128, N = 32, K = 8, bf16, forward + backward TFLOP/s):
 
   NVIDIA GPU (8.0+), bf16/fp16    cudnn; pallas where cudnn cannot run (a head dim cuDNN
                                   refuses) or under context parallelism (ring/allgather),
-                                  whose blocks need the log-sum-exp cudnn does not return
+                                  whose blocks need the log-sum-exp cudnn does not return;
+                                  xla where neither runs (pallas: a head dim that is no
+                                  power of two >= 16)
   NVIDIA GPU, float32 compute     xla: cuDNN takes bf16/fp16 only, and the Pallas kernel in
                                   fp32 runs its dots at 'highest' precision, which took
                                   115-124 s to compile per length on the H100 and was not timed
@@ -36,7 +38,8 @@ def core_problem(name: str, platform: str, capability: tuple[int, int] | None, d
 
     cudnn: jax's cuDNN flash attention takes float16/bfloat16 only, head dims that are multiples
     of 8 up to 128 (256 from Hopper, 9.0), on Ampere (8.0) or later. pallas: interpreted on CPU;
-    on GPUs Triton lowers its bf16 dots from Ampere on. auto: runs everywhere (`choose_core`)."""
+    on GPUs Triton lowers its bf16 dots from Ampere on, with power-of-two tiles of at least 16
+    along the head dim. auto: runs everywhere (`choose_core`)."""
     if name not in CORES:
         return f"unknown core; choose one of {', '.join(CORES)}"
     gpu = platform == "gpu" and capability is not None
@@ -56,6 +59,8 @@ def core_problem(name: str, platform: str, capability: tuple[int, int] | None, d
             return f"runs on NVIDIA GPUs (Triton) or interpreted on CPU, not on {platform}; use xla"
         if gpu and capability < (8, 0):
             return f"needs compute capability 8.0 or later (this GPU has {capability[0]}.{capability[1]}); use xla"
+        if gpu and (head_dim < 16 or head_dim & (head_dim - 1)):
+            return f"Triton needs model.head_dim a power of two >= 16 (got {head_dim}); use cudnn or xla"
     return None
 
 
@@ -68,9 +73,8 @@ def choose_core(name: str, platform: str, capability: tuple[int, int] | None, dt
         return name
     if platform != "gpu" or capability is None or capability < (8, 0) or dtype not in FUSED_DTYPES:
         return "xla"
-    if context or core_problem("cudnn", platform, capability, dtype, head_dim):
-        return "pallas"
-    return "cudnn"
+    fused = ["pallas"] if context else ["cudnn", "pallas"]
+    return next((c for c in fused if not core_problem(c, platform, capability, dtype, head_dim)), "xla")
 
 
 def device_capability() -> tuple[int, int] | None:

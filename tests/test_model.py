@@ -110,6 +110,7 @@ def test_cudnn_core_off_gpu_says_so():
         ("pallas", "cpu", None, "float32", 64, None),
         ("pallas", "gpu", (9, 0), "bfloat16", 128, None),
         ("pallas", "gpu", (7, 5), "bfloat16", 128, "compute capability 8.0"),
+        ("pallas", "gpu", (9, 0), "bfloat16", 96, "power of two >= 16"),
         ("pallas", "tpu", None, "bfloat16", 128, "not on tpu"),
         ("xla", "tpu", None, "float32", 64, None),
         ("auto", "cpu", None, "bfloat16", 64, None),
@@ -128,7 +129,8 @@ def test_core_refused_where_it_cannot_run(core, platform, capability, dtype, hea
         ("auto", "gpu", (8, 0), "float16", 64, False, "cudnn"),
         ("auto", "gpu", (9, 0), "bfloat16", 128, True, "pallas"),  # ring blocks need the lse
         ("auto", "gpu", (8, 0), "bfloat16", 256, False, "pallas"),  # cuDNN's head-dim limit before Hopper
-        ("auto", "gpu", (9, 0), "bfloat16", 60, False, "pallas"),
+        ("auto", "gpu", (9, 0), "bfloat16", 264, False, "xla"),  # neither cuDNN nor Triton takes it
+        ("auto", "gpu", (9, 0), "bfloat16", 96, True, "xla"),  # the ring's pallas blocks: Triton refuses 96
         ("auto", "gpu", (9, 0), "float32", 128, False, "xla"),
         ("auto", "gpu", (7, 0), "bfloat16", 128, False, "xla"),
         ("auto", "cpu", None, "bfloat16", 128, False, "xla"),
@@ -151,8 +153,8 @@ def test_the_build_resolves_auto_for_its_devices(monkeypatch):
     from sharding import strategies
     from sharding.mesh import AXES
 
-    def resolved(mesh: str) -> strategies.Strategies:
-        cfg = small_config(mesh, "model.compute_dtype=bfloat16")
+    def resolved(mesh: str, head_dim: int = 16) -> strategies.Strategies:
+        cfg = small_config(mesh, "model.compute_dtype=bfloat16", f"model.head_dim={head_dim}")
         return strategies.parallelize(cfg, {a: getattr(cfg.parallel, a) for a in AXES})
 
     assert resolved("dp=2,tp=2").attention == "xla"
@@ -162,4 +164,5 @@ def test_the_build_resolves_auto_for_its_devices(monkeypatch):
     assert on_gpu.attention == "cudnn" and on_gpu.tensor.check_vma and "attention cudnn" in on_gpu.describe()
     ring = resolved("dp=2,sp=2,tp=2")
     assert (ring.attention, ring.context, ring.tensor.check_vma) == ("pallas", "ring", False)
+    assert resolved("dp=2,sp=2,tp=2", head_dim=8).attention == "xla"  # Triton's tiles need H >= 16
     assert strategies.Strategies.single_device(small_config().model).attention == "xla"  # fp32
