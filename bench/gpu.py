@@ -21,7 +21,8 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
   attention    bench/attention.py `measure` for pallas, cudnn, xla at H=128, N=32, K=8,
                L = 2k, 4k, 8k, causal, bf16: forward and forward+backward TFLOP/s (causal
                FLOPs halved), also as fractions of the matmul ceiling and the peak   (~50 s)
-  training     bench/step.py `measure_steps` for 125m and 1b (attention=cudnn), remat full,
+  training     bench/step.py `measure_steps` for 125m and 1b (model.attention=auto: the
+               core it takes is recorded, cudnn on an H100), remat full,
                dots, then none, dp over every GPU: tokens/s, TFLOP/s per device, MFU, peak
                memory; an out-of-memory case is recorded as "oom" and the run goes on (~70 s)
   profile      three steps of 1b with steps 2..3 traced (training/profiling.py), summed by
@@ -89,7 +90,6 @@ class Sizes:
     bench_heads: tuple[int, int, int]  # N, K, H
     bench_tokens: int
     train_cases: tuple[tuple[str, str, tuple[str, ...]], ...]  # (preset, remat, overrides)
-    train_core: str
     train_steps: int
     profile_case: tuple[str, tuple[str, ...]]
 
@@ -108,7 +108,7 @@ GPU = Sizes(
     train_cases=tuple((preset, remat, batch)
                       for preset, batch in (("125m", _batch(16, 2, 1024)), ("1b", _batch(8, 2, 2048)))
                       for remat in ("full", "dots", "none")),
-    train_core="cudnn", train_steps=5,
+    train_steps=5,
     profile_case=("1b", _batch(8, 2, 2048)),
 )
 _TINY = ("model.n_layers=2", "train.seq_len=64", "train.global_batch_size=8")
@@ -117,7 +117,7 @@ SMOKE = Sizes(
     check_lengths=(128, 100), check_fp32_lengths=(128, 100), check_heads=(4, 2, 32), tiny_sets=_TINY,
     bench_lengths=(128,), bench_heads=(4, 2, 32), bench_tokens=256,
     train_cases=(("tiny", "full", _TINY + _batch(4, 2, 64)), ("tiny", "none", _TINY + _batch(4, 2, 64))),
-    train_core="xla", train_steps=2,
+    train_steps=2,
     profile_case=("tiny", _TINY + _batch(4, 2, 64)),
 )
 
@@ -340,10 +340,11 @@ def training_case(preset: str, remat: str, overrides: tuple[str, ...], sizes: Si
 
     from bench.step import measure_steps
     from sharding.mesh import build_mesh, mesh_config
+    from sharding.strategies import device_core
 
-    cfg = case_config(preset, overrides, [f"model.remat={remat}", f"model.attention={sizes.train_core}"],
-                      jax.device_count())
-    row = {"preset": preset, "remat": remat, "attention": sizes.train_core, "overrides": list(overrides)}
+    cfg = case_config(preset, overrides, [f"model.remat={remat}"], jax.device_count())
+    row = {"preset": preset, "remat": remat, "attention": device_core(cfg.model, context=False),
+           "overrides": list(overrides)}
     try:
         mesh = build_mesh(cfg.parallel)
         cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
@@ -367,20 +368,21 @@ def stage_profile(sizes: Sizes, run_dir: Path) -> dict:
     import jax
 
     from sharding.mesh import build_mesh, mesh_config
+    from sharding.strategies import device_core
     from tools.op_kinds import op_breakdown
     from tools.trace_summary import summarize
     from training.build import build
     from training.loop import train
 
     preset, overrides = sizes.profile_case
-    extra = [f"model.attention={sizes.train_core}", "train.steps=4", "train.profile_steps=2:4",
+    extra = ["train.steps=4", "train.profile_steps=2:4",
              "train.checkpoint_every=0", "train.log_every=1000", "train.eval_every=0"]
     cfg = case_config(preset, overrides, extra, jax.device_count())
     mesh = build_mesh(cfg.parallel)
     job = build(dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel)), mesh)
     run_dir.mkdir(parents=True, exist_ok=True)
     train(job, run_dir)
-    result = {"run_dir": str(run_dir), "preset": preset, "attention": sizes.train_core}
+    result = {"run_dir": str(run_dir), "preset": preset, "attention": device_core(cfg.model, context=False)}
     try:
         result["scopes"] = {k: v for k, v in summarize(run_dir).items() if k != "timeline"}
     except Exception as err:  # noqa: BLE001 -- the op breakdown below may still work
