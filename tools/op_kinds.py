@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from tools.hlo import HEADER, INSTRUCTION, KINDS
-from tools.trace_summary import hlo_ops, kernel_kind, read_profile, whole_steps
+from tools.trace_summary import kernel_kind, read_profile, whole_steps
 
 # The xla core's two einsums (model/attention.py), forward and transposed.
 _XLA_CORE = ("blnh,bmnh->bnlm", "bnlm,bmnh->blnh")
@@ -69,8 +69,8 @@ def op_breakdown(run_dir: Path, top: int = 10) -> dict:
     """Per step and device: ms per op kind, their fractions, and the `top` ops by time. The op
     events and their steps as tools/trace_summary.py reads them (CPU ops, GPU kernels; a GPU
     kernel that names no instruction is kinded by its name, `kernel_kind`)."""
-    _, hlo, found = read_profile(run_dir)
-    kinds, scopes = op_kinds(hlo), hlo_ops(hlo)
+    _, hlo, scopes, found = read_profile(run_dir)
+    kinds = op_kinds(hlo)
     found = [e for e in found if kinds.get(e.op) != "control flow"]
     for e in found:
         if e.op not in kinds:

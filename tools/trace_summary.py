@@ -147,22 +147,23 @@ def whole_steps(found: list[OpEvent]) -> list:
     return [r for r, n in runs.items() if n >= max(runs.values()) / 2]
 
 
-def read_profile(run_dir: Path) -> tuple[Path, str, list[OpEvent]]:
-    """(the trace's path, the compiled step's HLO text, the train step's op events)."""
+def read_profile(run_dir: Path) -> tuple[Path, str, dict[str, tuple[str, str]], list[OpEvent]]:
+    """(the trace's path, the compiled step's HLO text, its {instruction: (kind, scope)}
+    (`hlo_ops`), the train step's op events)."""
     trace_path, hlo_path = find_trace(run_dir)
     hlo = hlo_path.read_text()
+    ops = hlo_ops(hlo)
     events = json.load(gzip.open(trace_path))
-    found = op_events(events["traceEvents"] if isinstance(events, dict) else events, hlo_ops(hlo))
+    found = op_events(events["traceEvents"] if isinstance(events, dict) else events, ops)
     if not found:
         raise ConfigError(f"{trace_path}: no op of the train step in the trace; trace steps after the first "
                           "(--profile-steps 2:4) so that the step is compiled before the trace starts")
-    return trace_path, hlo, found
+    return trace_path, hlo, ops, found
 
 
 def _step_events(run_dir: Path) -> tuple[Path, dict, list[OpEvent]]:
     """(the trace's path, {op: (kind, scope)} with the unattributed GPU kernels, the op events)."""
-    trace_path, hlo, found = read_profile(run_dir)
-    ops = hlo_ops(hlo)
+    trace_path, _, ops, found = read_profile(run_dir)
     for e in found:
         if e.op not in ops:  # an unattributed GPU kernel
             kind = kernel_kind(e.op)
