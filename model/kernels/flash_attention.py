@@ -53,6 +53,7 @@ from jax.experimental import pallas as pl
 
 from configs.base import ConfigError
 from model.kernels.flash_kernels import Plan, dkv_kernel, dq_kernel, forward_kernel
+from sharding.cores import core_problem, device_capability
 
 
 @dataclass(frozen=True)
@@ -189,9 +190,9 @@ def _launch(kernel, plan: Plan, grid, in_specs, out_specs, out_shape):
     else:
         from jax.experimental.pallas import triton as pltriton
 
-        head_dim = jax.tree.leaves(out_shape)[0].shape[-1]  # every first output is [B, L, heads, H]
-        if head_dim < 16 or head_dim & (head_dim - 1):  # Triton: power-of-two tiles, dots >= 16
-            raise ConfigError(f"flash attention on GPU: head_dim={head_dim} must be a power of two >= 16")
+        first = jax.tree.leaves(out_shape)[0]  # every first output is [B, L, heads, H]
+        if problem := core_problem("pallas", "gpu", device_capability(), str(first.dtype), first.shape[-1]):
+            raise ConfigError(f"flash attention on this GPU: {problem}")
         options = {"compiler_params": pltriton.CompilerParams(num_warps=plan.warps, num_stages=plan.stages)}
     return pl.pallas_call(functools.partial(kernel, plan=plan), grid=grid, in_specs=in_specs,
                           out_specs=out_specs, out_shape=out_shape, **options)
