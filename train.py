@@ -25,6 +25,7 @@ from typing import NoReturn
 
 from cli import add_run_args, check_run_dir, make_run_dir, request_fake_devices, run_cli, run_config, saved_config
 from configs import ConfigError, RunConfig
+from sharding.checks import explicit_context
 from sharding.cores import choose_core, device_capability
 from sharding.mesh import format_mesh
 from tools.bandwidth import add_bandwidth_arg, load
@@ -138,7 +139,7 @@ def main(argv: list[str]) -> int:
 def core_hint(cfg: RunConfig, platform: str, capability: tuple[int, int] | None) -> str:
     """A note when a GPU run is set to the xla attention core where model.attention=auto (the
     default) would fuse it: the speed-up the H100 record of `make gpu-check` measured."""
-    m, context = cfg.model, cfg.parallel.sequence > 1 and cfg.parallel.context_impl != "gspmd"
+    m, context = cfg.model, explicit_context(cfg, cfg.parallel.sequence) is not None
     fused = choose_core("auto", platform, capability, m.compute_dtype, m.head_dim, context)
     if m.attention != "xla" or fused == "xla":
         return ""

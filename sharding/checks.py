@@ -132,11 +132,18 @@ def check_batch(cfg: RunConfig, sizes: dict[str, int]) -> None:
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by sp={sizes['sequence']}")
 
 
+def explicit_context(cfg: RunConfig, sp: int) -> str | None:
+    """The context parallelism written out over a `sequence` axis of sp devices (ring or
+    allgather: sharding/context_parallel.py); None at sp = 1, or where XLA all-gathers K and V
+    (context_impl=gspmd)."""
+    return cfg.parallel.context_impl if sp > 1 and cfg.parallel.context_impl != "gspmd" else None
+
+
 def check_context(cfg: RunConfig, sizes: dict[str, int]) -> None:
     """Context parallelism (ring or allgather over `sequence`): the zigzag layout cuts L into
     2·sp chunks; the per-block cores are xla and pallas."""
-    sp, impl = sizes["sequence"], cfg.parallel.context_impl
-    if sp == 1 or impl == "gspmd":
+    sp, impl = sizes["sequence"], explicit_context(cfg, sizes["sequence"])
+    if impl is None:
         return
     if cfg.train.seq_len % (2 * sp):
         raise ConfigError(

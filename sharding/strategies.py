@@ -39,7 +39,7 @@ import jax
 
 from configs.base import ModelConfig, RunConfig
 from sharding.cores import choose_core, device_capability
-from sharding.checks import accumulation_axes, check_run
+from sharding.checks import accumulation_axes, check_run, explicit_context
 from sharding.tensor_parallel import TensorParallel
 
 
@@ -80,7 +80,7 @@ def parallelize(cfg: RunConfig, sizes: dict[str, int]) -> Strategies:
     cannot run, through sharding/checks.py."""
     check_run(cfg, sizes)
     p, m = cfg.parallel, cfg.model
-    context = p.context_impl if sizes["sequence"] > 1 and p.context_impl != "gspmd" else None
+    context = explicit_context(cfg, sizes["sequence"])
     core = device_core(m, context=context is not None)
     return Strategies(
         tensor=TensorParallel(p.tp_impl, p.sequence_parallel, p.tp_overlap, check_vma=core != "pallas",

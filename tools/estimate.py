@@ -168,7 +168,7 @@ from configs.base import RunConfig
 from pipeline.schedule import in_flight, timetable, weighted
 from sharding.cores import choose_core
 from sharding.mesh import AXES
-from sharding.checks import accumulation_axes, batch_ranks, moe_layers, expert_d_ff
+from sharding.checks import accumulation_axes, batch_ranks, explicit_context, moe_layers, expert_d_ff
 from training.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8
@@ -243,8 +243,7 @@ def core(cfg: RunConfig, sizes: dict[str, int]) -> str:
     fused core changes a term here, and every GPU of GPUS (8.0+) fuses bf16/fp16 under auto, so
     Hopper's capability stands for them all (A100 differs only in cudnn's head-dim limit, and
     pallas is fused too)."""
-    m = cfg.model
-    context = sizes["sequence"] > 1 and cfg.parallel.context_impl != "gspmd"
+    m, context = cfg.model, explicit_context(cfg, sizes["sequence"]) is not None
     return choose_core(m.attention, "gpu", (9, 0), m.compute_dtype, m.head_dim, context)
 
 
@@ -336,7 +335,7 @@ def layer_activations(cfg: RunConfig, sizes: dict[str, int], remat: str, moe: bo
         routed = rows * (4 * m.d_model + 4 * fe / tp) * c + s.tokens * 2 * m.n_experts * 4
     heads = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim + 3 * m.n_heads * m.head_dim
     scores = 3 * m.n_heads / tp * cfg.train.seq_len * 4 if core(cfg, sizes) == "xla" else 0
-    if sizes["sequence"] > 1 and cfg.parallel.context_impl != "gspmd":  # keeps q, k, v, out, lse
+    if explicit_context(cfg, sizes["sequence"]):  # keeps q, k, v, out, lse
         heads, scores = (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim, m.n_heads / tp * 4
     per_token = 4 * m.d_model + heads / tp + mlp
     return s.tokens * (per_token * c + scores) + routed
@@ -381,7 +380,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * 4
     # context parallel with the xla core: one block piece's fp32 scores, probs and their
     # gradient [b, N/t, L/sp, L/sp] at a time (a flash core tiles them away)
-    blockwise_xla = sizes["sequence"] > 1 and cfg.parallel.context_impl != "gspmd" and core(cfg, sizes) == "xla"
+    blockwise_xla = explicit_context(cfg, sizes["sequence"]) is not None and core(cfg, sizes) == "xla"
     piece = 3 * s.b * m.n_heads / sizes["tensor"] * (cfg.train.seq_len / sizes["sequence"]) ** 2 * 4 * blockwise_xla
     kinds = [moe for moe, count in ((False, s.layers - s.moe), (True, s.moe)) if count]  # the device's layers
     layer = max(layer_activations(cfg, sizes, "none", moe) for moe in kinds)
