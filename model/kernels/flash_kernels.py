@@ -4,6 +4,13 @@ Each kernel sees its refs as the blocks that flash_attention.py's BlockSpecs cut
 squeezed dimensions dropped: q, dO, out tiles [bq, H]; k, v rows [L, H] (forward, dq) or tiles
 [bk, H] (dk/dv); the G q heads of one kv head [L, G, H] (dk/dv); lse, delta [bq] or [G, L].
 Scores, softmax statistics and every accumulator are fp32; matmul inputs keep the input dtype.
+
+Base 2 inside: the logits are q k^T log2(e) / sqrt(H) (`_scale`), so every exponential is
+exp2(x) = e^(x ln 2). On NVIDIA GPUs the Triton lowering maps fp32 `exp` to libdevice's accurate
+__nv_expf (a range reduction around the hardware's ex2) and `exp2` to __nv_exp2f (the ex2 unit
+itself), and the exponentials of the [bq, bk] tiles, not the matmuls, bound these kernels' inner
+loops; jax's own Pallas Triton attention makes the same move. The lse read and written stays in
+natural-log units (context parallelism merges blocks by it); the kernels convert it per row.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ class Plan:
     stages: int
 
 
+LOG2E, LN2 = math.log2(math.e), math.log(2.0)
+
 NT = ((1,), (1,))  # a @ b.T
 NN = ((1,), (0,))  # a @ b
 TN = ((0,), (0,))  # a.T @ b
@@ -41,9 +50,16 @@ def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
     return lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
 
 
+def _scale(h: int) -> float:
+    """The factor that turns q k^T into base-2 logits: softmax(q k^T / sqrt(H)) = 2^x / sum 2^x
+    with x = q k^T log2(e) / sqrt(H). Kernels apply it as x = s * scale - m, one fused multiply-add
+    per score (the form of Triton's own tutorial), rather than scaling s and subtracting apart."""
+    return LOG2E / math.sqrt(h)
+
+
 def _scores(plan: Plan, q, k, q_start, k_start, masked: bool) -> jax.Array:
-    """s = q k^T / sqrt(H), fp32 [bq, bk]; -inf where a key is hidden (causal, or padding)."""
-    s = _dot(q, k, NT) * (1.0 / math.sqrt(q.shape[-1]))
+    """s = q k^T, fp32 [bq, bk], unscaled; -inf where a key is hidden (causal, or padding)."""
+    s = _dot(q, k, NT)
     if not masked:
         return s
     rows = q_start + lax.broadcasted_iota(jnp.int32, s.shape, 0)
@@ -84,32 +100,32 @@ def _q_ranges(plan: Plan, j, n_q: int):
 
 def forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan: Plan):
     i, bq, bk = pl.program_id(2), plan.block_q, plan.block_k
-    q = q_ref[...]
+    q, scale = q_ref[...], _scale(q_ref.shape[-1])
 
-    def step(j, carry, masked):
+    def step(j, carry, masked):  # m: the running max of the base-2 logits
         m, l, acc = carry
         k, v = k_ref[pl.ds(j * bk, bk), :], v_ref[pl.ds(j * bk, bk), :]
         s = _scores(plan, q, k, i * bq, j * bk, masked)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        p = jnp.exp(s - m_new[:, None])
-        rescale = jnp.exp(m - m_new)  # 0 on the first block (m = -inf), where acc and l are 0
+        m_new = jnp.maximum(m, s.max(axis=1) * scale)
+        p = jnp.exp2(s * scale - m_new[:, None])
+        rescale = jnp.exp2(m - m_new)  # 0 on the first block (m = -inf), where acc and l are 0
         return m_new, rescale * l + p.sum(axis=1), rescale[:, None] * acc + _dot(p.astype(v.dtype), v, NN)
 
     init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
             jnp.zeros(q.shape, jnp.float32))
     m, l, acc = _sweep(step, _kv_ranges(plan, i, k_ref.shape[0] // bk), init)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log(l)
+    lse_ref[...] = m * LN2 + jnp.log(l)  # m is base 2, lse natural
 
 
 def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, plan: Plan):
     i, bq, bk = pl.program_id(2), plan.block_q, plan.block_k
-    q, do = q_ref[...], do_ref[...]
-    lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
+    q, do, scale = q_ref[...], do_ref[...], _scale(q_ref.shape[-1])
+    lse, delta = lse_ref[...][:, None] * LOG2E, delta_ref[...][:, None]
 
     def step(j, dq, masked):
         k, v = k_ref[pl.ds(j * bk, bk), :], v_ref[pl.ds(j * bk, bk), :]
-        p = jnp.exp(_scores(plan, q, k, i * bq, j * bk, masked) - lse)
+        p = jnp.exp2(_scores(plan, q, k, i * bq, j * bk, masked) * scale - lse)
         ds = p * (_dot(do, v, NT) - delta)
         return dq + _dot(ds.astype(k.dtype), k, NN)
 
@@ -119,13 +135,13 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, plan: 
 
 def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, plan: Plan):
     j, bq, bk = pl.program_id(2), plan.block_q, plan.block_k
-    k, v = k_ref[...], v_ref[...]
+    k, v, scale = k_ref[...], v_ref[...], _scale(k_ref.shape[-1])
 
     def step(i, carry, masked, g):
         dk, dv = carry
         rows = pl.ds(i * bq, bq)
         q, do = q_ref[rows, g, :], do_ref[rows, g, :]
-        p = jnp.exp(_scores(plan, q, k, i * bq, j * bk, masked) - lse_ref[g, rows][:, None])
+        p = jnp.exp2(_scores(plan, q, k, i * bq, j * bk, masked) * scale - lse_ref[g, rows][:, None] * LOG2E)
         ds = p * (_dot(do, v, NT) - delta_ref[g, rows][:, None])
         return dk + _dot(ds.astype(q.dtype), q, TN), dv + _dot(p.astype(do.dtype), do, TN)
 
