@@ -1,4 +1,5 @@
-"""The Pallas flash attention kernel (interpret mode on CPU) against the xla reference core.
+"""The Pallas flash attention kernel (interpret mode on CPU) against the xla reference core, and
+its GPU path lowered to Triton on the CPU (`test_lowers_to_triton_with_each_kernels_tile`).
 
 Grid (`test_matches_reference`): out, dq, dk, dv against xla on an all-pairs design over dtype
 (fp32, bf16) x causal/full x (N, K) = (4, 4) and GQA (8, 2) x H = 64, 128 x L = 128, 384, 1000
@@ -214,6 +215,49 @@ def test_no_length_squared_intermediate():
         assert not [s for s in shapes if sum(d >= length for d in s) >= 2]
     reference = array_shapes(jax.jit(xla_attention).lower(q, k, v).as_text())
     assert max(np.prod(s) for s in reference) >= length * length
+
+
+def triton_launches(fn, *args) -> dict[str, dict]:
+    """fn(*args) lowered for CUDA on this CPU machine, as it lowers on one H100: {kernel name:
+    its Triton launch (grid, warps, stages, and whether its IR calls libdevice's expf / exp2f)}.
+    Only lowering (jax -> Triton IR): compiling the IR to PTX needs XLA's GPU compiler."""
+    import re
+    from unittest import mock
+
+    from model.kernels import flash_attention as fa
+
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    with (mock.patch.object(fa.jax, "default_backend", lambda: "gpu"),
+          mock.patch.object(fa, "device_capability", lambda: (9, 0)),
+          jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100))):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    launches = {}
+    for call in re.findall(r"custom_call @__gpu\$xla\.gpu\.triton.*", text):
+        number = {key: int(re.search(rf"{key} = (\d+)", call).group(1))
+                  for key in ("grid_x", "grid_y", "grid_z", "num_warps", "num_stages")}
+        ir = re.search(r'ir = "(.*?)", name', call).group(1)
+        launches[re.search(r'name = "(\w+)"', call).group(1)] = {
+            "grid": (number["grid_x"], number["grid_y"], number["grid_z"]), "warps": number["num_warps"],
+            "stages": number["num_stages"], "expf": "__nv_expf" in ir, "exp2f": "__nv_exp2f" in ir}
+    return launches
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_lowers_to_triton_with_each_kernels_tile(causal):
+    """The GPU path without a GPU: value and gradient lower to three Triton kernels (forward, dq,
+    dk/dv), each launched with its own tile's grid, warps and stages: grid (B, heads, L / block)
+    with the q heads for forward and dq and the kv heads for dk/dv. Every exponential is exp2
+    (libdevice's exp2f, never its range-reduced expf: flash_kernels.py's docstring)."""
+    b, length, n, kv_heads, h = 2, 512, 4, 2, 128
+    q, k, v, _ = inputs((b, length, n, h), kv_heads, jnp.bfloat16)
+    tiling = Tiling(forward=Tile(128, 64, 8, 3), dq=Tile(64, 32, 4, 2), dkv=Tile(32, 128, 8, 4))
+    loss = lambda q, k, v: flash_attention(q, k, v, causal=causal, tiling=tiling).astype(jnp.float32).sum()  # noqa: E731
+    launches = triton_launches(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+    assert launches == {
+        "forward_kernel": {"grid": (b, n, length // 128), "warps": 8, "stages": 3, "expf": False, "exp2f": True},
+        "dq_kernel": {"grid": (b, n, length // 64), "warps": 4, "stages": 2, "expf": False, "exp2f": True},
+        "dkv_kernel": {"grid": (b, kv_heads, length // 128), "warps": 8, "stages": 4, "expf": False, "exp2f": True},
+    }
 
 
 def test_bad_block_size_says_power_of_two():
