@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pipeline.split_backward import count_prims, split_vjp, stash_bytes
+from pipeline.jaxpr_eval import count_prims
+from pipeline.split_backward import split_vjp, stash_bytes
 
 L, B, D, H = 3, 4, 8, 16  # layers, batch, width, hidden
 POLICIES = {"none": None, "nothing": jax.checkpoint_policies.nothing_saveable,
