@@ -15,7 +15,7 @@ all-reduce of the embedding, norm and head: 2·(V·D+D)(p-1)/p elements per devi
 
 Tick program (one `lax.scan` over the ticks of pipeline/schedule.py's table; every device runs
 it and picks its own cell with `lax.axis_index`; the buffer slots are assigned on the host,
-`program`):
+pipeline/tick_program.py; the cells are pipeline/cells.py):
 
   1. receive: ppermute the forward output sent last tick to s+1, the input gradient to s-1
      (with V > 1 both are rings: stage p-1's chunk v feeds stage 0's chunk v+1, and back);
@@ -71,221 +71,25 @@ hence refused with this family (sharding/checks.py), and so is the context-paral
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from jax.typing import DTypeLike
 
-from configs.base import ModelConfig, RunConfig
-from pipeline.schedule import BACKWARD, FORWARD, WEIGHT, cells, timetable
-from pipeline.split_backward import split_vjp
+from configs.base import RunConfig
+from model.moe import no_stats
+from model.transformer import compute_params
+from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed, replaced, residual_layout
+from pipeline.schedule import BACKWARD, FORWARD
 from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
-from model.loss import cross_entropy
-from model.moe import no_stats, router_loss
-from sharding.checks import microbatches, moe_layers
+from pipeline.tick_program import program
 from sharding.accumulation import FSDP, gather, reduce
+from sharding.checks import microbatches, moe_layers
 from sharding.rules import constrain, logical_to_spec
-from model.transformer import Transformer, compute_params
-
-BACKWARD_LAST = WEIGHT + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, WEIGHT, and B of chunk V-1 on stage p-1
-
-
-class Program(NamedTuple):
-    """The table as int32 arrays [ticks, p] that the tick program indexes with (tick, stage):
-    each cell, and the buffer slots it and the arriving values use (-1: nothing arrives)."""
-
-    branch: np.ndarray  # the cell, an index into CELLS
-    microbatch: np.ndarray  # the cell's microbatch (0 when idle)
-    chunk: np.ndarray  # the cell's chunk v (0 when idle)
-    recv_f: np.ndarray  # `inputs` slot for the forward value arriving from s-1, -1 none
-    recv_b: np.ndarray  # `inbox` slot for the gradient arriving from s+1, -1 none
-    x_slot: np.ndarray  # `inputs` slot of the cell's input (F, B on p-1 chunk V-1)
-    g_slot: np.ndarray  # `inbox` slot of the cell's output gradient (B)
-    r_slot: np.ndarray  # `residuals` slot the F writes and its B (split: its W) reads
-    s_slot: np.ndarray  # split backward: `stash` slot the B writes and its W reads
-    inputs: int  # slots per buffer
-    inbox: int
-    residuals: int
-    stash: int
-    split: bool  # the table splits B (input gradient) and W (weight gradient): zb-h1
-
-
-class _Slots:
-    """Slots of one buffer on one stage: the lowest free slot to each value as it arrives."""
-
-    def __init__(self) -> None:
-        self.held: dict[tuple[int, int], int] = {}
-        self.most = 1
-
-    def take(self, item: tuple[int, int]) -> int:
-        slot = min(set(range(len(self.held) + 1)) - set(self.held.values()))
-        self.held[item] = slot
-        self.most = max(self.most, slot + 1)
-        return slot
-
-    def free(self, item: tuple[int, int]) -> int:
-        return self.held.pop(item)
-
-
-def program(schedule: str, p: int, m_count: int, v_count: int = 1) -> Program:
-    """The tick program of a 1F1B-family schedule: the table's cells, what arrives where, and
-    the slot of every value in the stage's buffers (assigned on the host, checked here)."""
-    kind, micro, chunk = cells(timetable(schedule, p, m_count, v_count))
-    ticks, split = len(kind), bool((kind == WEIGHT).any())
-    last = lambda s, v: s == p - 1 and v == v_count - 1  # noqa: E731  (head and loss)
-    branch = kind.copy()
-    arrays = {name: np.full((ticks, p), -1, np.int32) for name in ("recv_f", "recv_b")}
-    arrays |= {name: np.zeros((ticks, p), np.int32) for name in ("x_slot", "g_slot", "r_slot", "s_slot")}
-    sizes = dict.fromkeys(("inputs", "inbox", "residuals", "stash"), 1)
-    for s in range(p):
-        slots = {name: _Slots() for name in sizes}
-        for t in range(ticks):
-            if t > 0:  # what the neighbours sent last tick
-                src = (s - 1) % p
-                k, m, v = kind[t - 1, src], micro[t - 1, src], chunk[t - 1, src]
-                if k == FORWARD and not last(src, v) and (s > 0 or (src == p - 1 and v_count > 1)):
-                    arrays["recv_f"][t, s] = slots["inputs"].take((m, v + (s == 0)))
-                src = (s + 1) % p
-                k, m, v = kind[t - 1, src], micro[t - 1, src], chunk[t - 1, src]
-                if k == BACKWARD and (s < p - 1 or (src == 0 and v > 0)):
-                    arrays["recv_b"][t, s] = slots["inbox"].take((m, v - (s == p - 1)))
-            k, item = kind[t, s], (micro[t, s], chunk[t, s])
-            if k == FORWARD:
-                if (s, item[1]) == (0, 0):  # stage 0 chunk 0 embeds its input
-                    arrays["x_slot"][t, s] = 0
-                elif last(s, item[1]):  # its output replaces its input in the slot, for the head at B
-                    arrays["x_slot"][t, s] = slots["inputs"].held[item]
-                else:
-                    arrays["x_slot"][t, s] = slots["inputs"].free(item)
-                arrays["r_slot"][t, s] = slots["residuals"].take(item)
-            elif k == BACKWARD:
-                if last(s, item[1]):
-                    branch[t, s] = BACKWARD_LAST
-                    arrays["x_slot"][t, s] = slots["inputs"].free(item)
-                else:
-                    arrays["g_slot"][t, s] = slots["inbox"].free(item)
-                # split: its forward's residuals wait for W, and so does the stash B leaves
-                kept = slots["residuals"]
-                arrays["r_slot"][t, s] = kept.held[item] if split else kept.free(item)
-                if split:
-                    arrays["s_slot"][t, s] = slots["stash"].take(item)
-            elif k == WEIGHT:
-                arrays["r_slot"][t, s] = slots["residuals"].free(item)
-                arrays["s_slot"][t, s] = slots["stash"].free(item)
-        assert not any(b.held for b in slots.values()), f"stage {s} ends holding values"
-        for name, b in slots.items():
-            sizes[name] = max(sizes[name], b.most)
-    return Program(branch, micro, chunk, **arrays, **sizes, split=split)
-
-
-@dataclass(frozen=True)
-class Static:
-    """What the cells take besides arrays: the model's structure and config (its router losses'
-    weights), the compute dtype, the loss's z-loss weight, M (each microbatch's loss counts
-    1/M), whether a chunk is one checkpoint (remat full), whether B and W are split (zb-h1),
-    and, once traced (`residual_layout`), the residuals' layout and the split's (b_fn, w_fn)."""
-
-    graphdef: nnx.GraphDef
-    model: ModelConfig
-    dtype: DTypeLike
-    z_loss: float
-    m_count: int
-    whole_chunk_remat: bool
-    split_backward: bool = False
-    layout: Any = None
-    split: Any = None
-
-
-class Layout(NamedTuple):
-    """Where a chunk's vjp closure keeps what: its tree structure, and for each leaf the index of
-    the chunk parameter it is (re-supplied at B) or -1 (a residual, kept in a slot)."""
-
-    treedef: Any
-    params_at: tuple[int, ...]
-
-
-class Sent(NamedTuple):
-    """What a cell leaves in the carry."""
-
-    send_f: jax.Array  # [b, L, D] the stage's output, for s+1 at the next tick
-    send_b: jax.Array  # [b, L, D] the gradient of the stage's input, for s-1 at the next tick
-    grads: nnx.State  # fp32 gradients of the stage's parameters ([V, Lc, ...] blocks), summed so far
-    loss: jax.Array  # the loss summed so far (stage p-1)
-    stats: dict  # the router statistics of the stage's MoE layers, summed over its B cells so far
-    residuals: tuple  # the residuals [slots, ...] (F writes its slot, B or W reads it)
-    stash: tuple  # split backward: what W needs of B [slots, ...] (B writes its slot, W reads it)
-
-
-def _model(st: Static, local: nnx.State) -> Transformer:
-    return nnx.merge(st.graphdef, local)
-
-
-def _router_share(st: Static, stats: dict) -> jax.Array:
-    """This chunk's part of one microbatch's router losses in the objective: its MoE layers'
-    summed losses over all MoE layers and M (0 for a dense model)."""
-    return jnp.asarray(router_loss(stats, st.model), jnp.float32) / (st.m_count * max(moe_layers(st.model), 1))
-
-
-def _chunk(st: Static, model: Transformer, layers: nnx.State, x: jax.Array) -> tuple[tuple[jax.Array, jax.Array], dict]:
-    """(chunk output [b, L, D], its router share), and its router statistics as aux."""
-    def run(layers, x):
-        y, stats = model.run_layers(x, layers)
-        return (y, _router_share(st, stats)), stats
-
-    return (jax.checkpoint(run, prevent_cse=False) if st.whole_chunk_remat else run)(layers, x)
-
-
-def _head(st: Static, local: nnx.State, y: jax.Array, target: jax.Array) -> tuple[jax.Array, dict, jax.Array]:
-    """Final norm, head and loss of one microbatch on the last chunk's output y [b, L, D] (target
-    [b, L]), scaled 1/M, forward and backward at once: (the scaled loss, the gradients of the
-    parameters outside the blocks, dy)."""
-    def loss(outside, y):
-        return cross_entropy(_model(st, _replaced(local, outside)).logits(y), target, st.z_loss) / st.m_count
-
-    lm, (d_rest, dy) = jax.value_and_grad(loss, argnums=(0, 1))(_outside(local), y)
-    return lm, d_rest, dy
-
-
-def _vjp(st: Static, model: Transformer, layers: nnx.State, x: jax.Array) -> tuple:
-    """Chunk forward under vjp: (output, residual leaves, router stats, the closure's Layout)."""
-    (y, _), pullback, stats = jax.vjp(partial(_chunk, st, model), layers, x, has_aux=True)
-    leaves, treedef = jax.tree.flatten(pullback)
-    params = jax.tree.leaves(layers)
-    at = tuple(next((i for i, a in enumerate(params) if leaf is a), -1) for leaf in leaves)
-    return y, tuple(leaf for leaf, i in zip(leaves, at) if i < 0), stats, Layout(treedef, at)
-
-
-def residual_layout(st: Static, compute: nnx.State, act: jax.ShapeDtypeStruct) -> tuple[Static, tuple, tuple]:
-    """From an abstract trace of the chunk's vjp (`compute` the stage's compute parameters,
-    [V, Lc, ...] blocks; act the chunk input [b, L, D]): `st` with the vjp closure's Layout (and,
-    split_backward, the split's b_fn and w_fn: pipeline/split_backward.py), the shapes of one
-    microbatch's residuals of a chunk (what a `residuals` slot holds) and of its stash (what a
-    `stash` slot holds; () unsplit)."""
-    found = {}
-
-    def shapes(compute, x):
-        model, layers = _model(st, compute), _chunk_of(compute, 0)
-        y, residuals, _, found["layout"] = _vjp(st, model, layers, x)
-        if not st.split_backward:
-            return residuals, ()
-        # shrink_stash=False: every weight gradient stays in W. Moving dW = x^T dy into B frees
-        # dy from the stash whenever tokens > the matmul's input width, i.e. at every real size,
-        # and would leave W nothing to fill the bubbles with.
-        split = split_vjp(partial(_chunk, st, model), layers, x, has_aux=True, shrink_stash=False)
-        found["split"] = split.b_fn, split.w_fn
-        return residuals, split.b_fn(split.residuals, (y, jnp.ones((), jnp.float32)))[1]
-
-    residuals, stash = jax.eval_shape(shapes, compute, act)
-    return dataclasses.replace(st, layout=found["layout"], split=found.get("split")), residuals, stash
 
 
 def stash_bytes(cfg: RunConfig, graphdef: nnx.GraphDef, params: nnx.State, micro_batch: int) -> dict[str, int]:
@@ -356,109 +160,6 @@ def _reduced(grads: nnx.State, flat_specs: list[P], batch_axes: tuple[str, ...])
     return treedef.unflatten([reduce(g, spec, batch_axes) / n for spec, g in zip(flat_specs, leaves, strict=True)])
 
 
-def _chunk_of(local: nnx.State, v: jax.Array) -> nnx.State:
-    return jax.tree.map(lambda a: a[v], local["blocks"])
-
-
-def _acc(grads: nnx.State, v: jax.Array, d_layers: nnx.State | None, d_rest: dict | None = None) -> nnx.State:
-    """grads + chunk v's layer gradients (and those of the parameters outside the blocks,
-    d_rest {name: part}: the head's and final norm's), in fp32."""
-    add = lambda a, d: a + d.astype(a.dtype)  # noqa: E731
-    parts = {name: jax.tree.map(add, grads[name], part) for name, part in (d_rest or {}).items()}
-    if d_layers is not None:
-        parts["blocks"] = jax.tree.map(lambda a, d: a.at[v].add(d.astype(a.dtype)), grads["blocks"], d_layers)
-    return _replaced(grads, parts)
-
-
-def _replaced(tree: nnx.State, parts: dict) -> nnx.State:
-    """A copy of the parameter tree with the subtrees {name: part} replaced."""
-    for name, part in parts.items():
-        tree = with_part(tree, name, part)
-    return tree
-
-
-def _outside(local: nnx.State) -> dict:
-    """The parameters outside the blocks {name: part}: embedding, final norm, head."""
-    return {name: local[name] for name in local if name != "blocks"}
-
-
-# The cells, one per Program.branch: (static, the stage's compute parameters, chunk v, the
-# cell's (residuals, stash) slots, input x [b, L, D], output gradient g, the microbatch's
-# targets [b, L], what the carry holds) -> what the carry holds next.
-
-
-def _idle(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, target: jax.Array,
-          out: Sent) -> Sent:
-    return out
-
-
-def _put(buffers: tuple, slot: jax.Array, values: tuple) -> tuple:
-    return tuple(a.at[slot].set(k) for a, k in zip(buffers, values))
-
-
-def _pullback_leaves(st: Static, local: nnx.State, v: jax.Array, kept: Any) -> list:
-    """The chunk's vjp closure leaves: its parameters re-supplied, the others from `kept`."""
-    params, kept = jax.tree.leaves(_chunk_of(local, v)), iter(kept)
-    return [params[i] if i >= 0 else next(kept) for i in st.layout.params_at]
-
-
-def _forward(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, target: jax.Array,
-             out: Sent) -> Sent:
-    y, residuals, stats, layout = _vjp(st, _model(st, local), _chunk_of(local, v), x)
-    assert layout.params_at == st.layout.params_at, "the chunk's vjp closure changed between traces"
-    return out._replace(send_f=y, residuals=_put(out.residuals, at[0], residuals),
-                        stats=jax.tree.map(jnp.add, out.stats, stats))
-
-
-def _backward(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, target: jax.Array,
-              out: Sent) -> Sent:
-    leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
-    d_layers, dx = jax.tree.unflatten(st.layout.treedef, leaves)((g, jnp.ones((), jnp.float32)))  # router share: as is
-    return out._replace(send_b=dx, grads=_acc(out.grads, v, d_layers))
-
-
-def _backward_last(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
-                   target: jax.Array, out: Sent) -> Sent:
-    """B of the last chunk: x is the chunk's output (its F left it in the input slot); the head
-    and loss, then the chunk's vjp from its residuals."""
-    lm, d_rest, dy = _head(st, local, x, target)
-    leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
-    d_layers, dx = jax.tree.unflatten(st.layout.treedef, leaves)((dy, jnp.ones((), jnp.float32)))
-    return out._replace(send_b=dx, grads=_acc(out.grads, v, d_layers, d_rest), loss=out.loss + lm)
-
-
-def _backward_input(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
-                    target: jax.Array, out: Sent) -> Sent:
-    """Split B: the input gradient only; what W needs of it goes to the stash slot."""
-    leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
-    dx, stash = st.split[0](leaves, (g, jnp.ones((), jnp.float32)))
-    return out._replace(send_b=dx, stash=_put(out.stash, at[1], stash))
-
-
-def _weight(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, target: jax.Array,
-            out: Sent) -> Sent:
-    """Split W: the chunk's weight gradient from its residuals and B's stash."""
-    leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
-    d_layers = st.split[1](leaves, tuple(a[at[1]] for a in out.stash))
-    return out._replace(grads=_acc(out.grads, v, d_layers))
-
-
-def _backward_input_last(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
-                         target: jax.Array, out: Sent) -> Sent:
-    """Split B of the last chunk: the head and loss on its output x (forward and backward at
-    once: their small weight gradients here), then the chunk's input gradient."""
-    lm, d_rest, dy = _head(st, local, x, target)
-    leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
-    dx, stash = st.split[0](leaves, (dy, jnp.ones((), jnp.float32)))
-    return out._replace(send_b=dx, grads=_acc(out.grads, v, None, d_rest), loss=out.loss + lm,
-                        stash=_put(out.stash, at[1], stash))
-
-
-# Program.branch -> cell: IDLE, FORWARD, BACKWARD, WEIGHT, BACKWARD_LAST; unsplit and split (zb-h1)
-CELLS = (_idle, _forward, _backward, _idle, _backward_last)
-SPLIT_CELLS = (_idle, _forward, _backward_input, _weight, _backward_input_last)
-
-
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig,
                    batch_axes: tuple[str, ...] = ()) -> tuple[jax.Array, nnx.State, dict]:
     """Mean loss, fp32 gradients and router statistics of the [M, b, L] batch by the schedule.
@@ -493,13 +194,13 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
             inbuf = inbuf.at[slot_f].set(jnp.where(rf >= 0, recv_f, inbuf[slot_f]))
             inbox = inbox.at[slot_b].set(jnp.where(rb >= 0, recv_b, inbox[slot_b]))
             first = (s == 0) & (v == 0)
-            embedded, embed_vjp = jax.vjp(partial(_embed, stc, compute, inputs[m]), compute["embed"])
+            embedded, embed_vjp = jax.vjp(partial(embed, stc, compute, inputs[m]), compute["embed"])
             x = jnp.where(first, embedded, inbuf[xs])
             out = lax.switch(kind, branches, compute, v, (rs, ss), x, inbox[gs], targets[m], out)
             keep = (kind == FORWARD) & (s == p - 1) & (v == v_count - 1)  # the last chunk's output, for its B
             inbuf = inbuf.at[xs].set(jnp.where(keep, out.send_f, inbuf[xs]))
             d_embedded = jnp.where(first & (kind == BACKWARD), out.send_b, jnp.zeros_like(out.send_b))
-            grads = _replaced(out.grads, {"embed": jax.tree.map(lambda a, d: a + d.astype(a.dtype),
+            grads = replaced(out.grads, {"embed": jax.tree.map(lambda a, d: a + d.astype(a.dtype),
                                                                 out.grads["embed"], embed_vjp(d_embedded)[0])})
             return (inbuf, inbox, out._replace(grads=grads)), None
 
@@ -524,8 +225,3 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     loss, grads, stats = run(chunked, batch["inputs"], batch["targets"])
     blocks = jax.tree.map(lambda g, a: g.reshape(a.shape), grads["blocks"], params["blocks"])
     return loss, with_part(grads, "blocks", blocks), stats
-
-
-def _embed(st: Static, compute: nnx.State, tokens: jax.Array, table: jax.Array) -> jax.Array:
-    """Stage 0's input: tokens [b, L] looked up in `table` (the embedding, vocab-parallel)."""
-    return _model(st, with_part(compute, "embed", table)).embed_tokens(tokens, vocab_parallel=True)

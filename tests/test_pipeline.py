@@ -95,7 +95,7 @@ def test_1f1b_stash_holds_at_most_p_microbatches(temp_memory):
     B), 2 input slots, 1 gradient slot; in the compiled step at pp=2, M = 16 no array holds more
     than p = 2 activations [b, L, D] = [2, 32, 64] (an M-sized stash would hold 16); gpipe's
     step holds M + 1 (the detector sees them)."""
-    from pipeline.one_f_one_b import program
+    from pipeline.tick_program import program
 
     for p in (2, 3, 4):
         for m in (4, 8, 16):
@@ -122,7 +122,7 @@ def _dots(jaxpr) -> int:
 
 def _cells(jaxpr):
     """The 1f1b program's cell switch (a cond with one branch per pipeline.one_f_one_b.CELLS)."""
-    from pipeline.one_f_one_b import CELLS
+    from pipeline.cells import CELLS
 
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "cond" and len(eqn.params["branches"]) == len(CELLS):

@@ -282,7 +282,7 @@ def test_one_f_one_b_stage_function_splits():
     7 weight matmuls of the block."""
     from conftest import small_config
     from model.transformer import Transformer
-    from pipeline.one_f_one_b import Static, _chunk
+    from pipeline.cells import Static, _chunk
 
     cfg = dataclasses.replace(small_config().model, remat="full", attention="xla")
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))

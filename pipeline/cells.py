@@ -1,0 +1,236 @@
+"""The cells of the 1F1B family's tick program (pipeline/one_f_one_b.py), one per
+`Program.branch`: F runs a chunk under `jax.vjp` and keeps its residuals in a slot; B (or, for
+zb-h1, B and later W: pipeline/split_backward.py) runs its backward from them; the last chunk's B
+first runs the head and loss. A cell is a function of the static `Static`, the stage's compute
+parameters ([V, Lc, ...] blocks), chunk v, the cell's (residuals, stash) slots, its input x [b,
+L, D], output gradient g, the microbatch's targets [b, L] and the carry's `Sent`, and returns the
+next `Sent`. Layouts, slot counts and memory are in one_f_one_b.py's docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.typing import DTypeLike
+
+from configs.base import ModelConfig
+from model.loss import cross_entropy
+from model.moe import router_loss
+from model.transformer import Transformer
+from pipeline.split_backward import split_vjp
+from pipeline.stages import with_part
+from sharding.checks import moe_layers
+
+@dataclass(frozen=True)
+class Static:
+    """What the cells take besides arrays: the model's structure and config (its router losses'
+    weights), the compute dtype, the loss's z-loss weight, M (each microbatch's loss counts
+    1/M), whether a chunk is one checkpoint (remat full), whether B and W are split (zb-h1),
+    and, once traced (`residual_layout`), the residuals' layout and the split's (b_fn, w_fn)."""
+
+    graphdef: nnx.GraphDef
+    model: ModelConfig
+    dtype: DTypeLike
+    z_loss: float
+    m_count: int
+    whole_chunk_remat: bool
+    split_backward: bool = False
+    layout: Any = None
+    split: Any = None
+
+
+class Layout(NamedTuple):
+    """Where a chunk's vjp closure keeps what: its tree structure, and for each leaf the index of
+    the chunk parameter it is (re-supplied at B) or -1 (a residual, kept in a slot)."""
+
+    treedef: Any
+    params_at: tuple[int, ...]
+
+
+class Sent(NamedTuple):
+    """What a cell leaves in the carry."""
+
+    send_f: jax.Array  # [b, L, D] the stage's output, for s+1 at the next tick
+    send_b: jax.Array  # [b, L, D] the gradient of the stage's input, for s-1 at the next tick
+    grads: nnx.State  # fp32 gradients of the stage's parameters ([V, Lc, ...] blocks), summed so far
+    loss: jax.Array  # the loss summed so far (stage p-1)
+    stats: dict  # the router statistics of the stage's MoE layers, summed over its B cells so far
+    residuals: tuple  # the residuals [slots, ...] (F writes its slot, B or W reads it)
+    stash: tuple  # split backward: what W needs of B [slots, ...] (B writes its slot, W reads it)
+
+
+def model_of(st: Static, local: nnx.State) -> Transformer:
+    return nnx.merge(st.graphdef, local)
+
+
+def _router_share(st: Static, stats: dict) -> jax.Array:
+    """This chunk's part of one microbatch's router losses in the objective: its MoE layers'
+    summed losses over all MoE layers and M (0 for a dense model)."""
+    return jnp.asarray(router_loss(stats, st.model), jnp.float32) / (st.m_count * max(moe_layers(st.model), 1))
+
+
+def _chunk(st: Static, model: Transformer, layers: nnx.State, x: jax.Array) -> tuple[tuple[jax.Array, jax.Array], dict]:
+    """(chunk output [b, L, D], its router share), and its router statistics as aux."""
+    def run(layers, x):
+        y, stats = model.run_layers(x, layers)
+        return (y, _router_share(st, stats)), stats
+
+    return (jax.checkpoint(run, prevent_cse=False) if st.whole_chunk_remat else run)(layers, x)
+
+
+def _head(st: Static, local: nnx.State, y: jax.Array, target: jax.Array) -> tuple[jax.Array, dict, jax.Array]:
+    """Final norm, head and loss of one microbatch on the last chunk's output y [b, L, D] (target
+    [b, L]), scaled 1/M, forward and backward at once: (the scaled loss, the gradients of the
+    parameters outside the blocks, dy)."""
+    def loss(outside, y):
+        return cross_entropy(model_of(st, replaced(local, outside)).logits(y), target, st.z_loss) / st.m_count
+
+    lm, (d_rest, dy) = jax.value_and_grad(loss, argnums=(0, 1))(_outside(local), y)
+    return lm, d_rest, dy
+
+
+def _vjp(st: Static, model: Transformer, layers: nnx.State, x: jax.Array) -> tuple:
+    """Chunk forward under vjp: (output, residual leaves, router stats, the closure's Layout)."""
+    (y, _), pullback, stats = jax.vjp(partial(_chunk, st, model), layers, x, has_aux=True)
+    leaves, treedef = jax.tree.flatten(pullback)
+    params = jax.tree.leaves(layers)
+    at = tuple(next((i for i, a in enumerate(params) if leaf is a), -1) for leaf in leaves)
+    return y, tuple(leaf for leaf, i in zip(leaves, at) if i < 0), stats, Layout(treedef, at)
+
+
+def residual_layout(st: Static, compute: nnx.State, act: jax.ShapeDtypeStruct) -> tuple[Static, tuple, tuple]:
+    """From an abstract trace of the chunk's vjp (`compute` the stage's compute parameters,
+    [V, Lc, ...] blocks; act the chunk input [b, L, D]): `st` with the vjp closure's Layout (and,
+    split_backward, the split's b_fn and w_fn: pipeline/split_backward.py), the shapes of one
+    microbatch's residuals of a chunk (what a `residuals` slot holds) and of its stash (what a
+    `stash` slot holds; () unsplit)."""
+    found = {}
+
+    def shapes(compute, x):
+        model, layers = model_of(st, compute), chunk_of(compute, 0)
+        y, residuals, _, found["layout"] = _vjp(st, model, layers, x)
+        if not st.split_backward:
+            return residuals, ()
+        # shrink_stash=False: every weight gradient stays in W. Moving dW = x^T dy into B frees
+        # dy from the stash whenever tokens > the matmul's input width, i.e. at every real size,
+        # and would leave W nothing to fill the bubbles with.
+        split = split_vjp(partial(_chunk, st, model), layers, x, has_aux=True, shrink_stash=False)
+        found["split"] = split.b_fn, split.w_fn
+        return residuals, split.b_fn(split.residuals, (y, jnp.ones((), jnp.float32)))[1]
+
+    residuals, stash = jax.eval_shape(shapes, compute, act)
+    return dataclasses.replace(st, layout=found["layout"], split=found.get("split")), residuals, stash
+
+
+def chunk_of(local: nnx.State, v: jax.Array) -> nnx.State:
+    return jax.tree.map(lambda a: a[v], local["blocks"])
+
+
+def _acc(grads: nnx.State, v: jax.Array, d_layers: nnx.State | None, d_rest: dict | None = None) -> nnx.State:
+    """grads + chunk v's layer gradients (and those of the parameters outside the blocks,
+    d_rest {name: part}: the head's and final norm's), in fp32."""
+    add = lambda a, d: a + d.astype(a.dtype)  # noqa: E731
+    parts = {name: jax.tree.map(add, grads[name], part) for name, part in (d_rest or {}).items()}
+    if d_layers is not None:
+        parts["blocks"] = jax.tree.map(lambda a, d: a.at[v].add(d.astype(a.dtype)), grads["blocks"], d_layers)
+    return replaced(grads, parts)
+
+
+def replaced(tree: nnx.State, parts: dict) -> nnx.State:
+    """A copy of the parameter tree with the subtrees {name: part} replaced."""
+    for name, part in parts.items():
+        tree = with_part(tree, name, part)
+    return tree
+
+
+def _outside(local: nnx.State) -> dict:
+    """The parameters outside the blocks {name: part}: embedding, final norm, head."""
+    return {name: local[name] for name in local if name != "blocks"}
+
+
+# The cells, one per Program.branch: (static, the stage's compute parameters, chunk v, the
+# cell's (residuals, stash) slots, input x [b, L, D], output gradient g, the microbatch's
+# targets [b, L], what the carry holds) -> what the carry holds next.
+
+
+def _idle(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, target: jax.Array,
+          out: Sent) -> Sent:
+    return out
+
+
+def _put(buffers: tuple, slot: jax.Array, values: tuple) -> tuple:
+    return tuple(a.at[slot].set(k) for a, k in zip(buffers, values))
+
+
+def _pullback_leaves(st: Static, local: nnx.State, v: jax.Array, kept: Any) -> list:
+    """The chunk's vjp closure leaves: its parameters re-supplied, the others from `kept`."""
+    params, kept = jax.tree.leaves(chunk_of(local, v)), iter(kept)
+    return [params[i] if i >= 0 else next(kept) for i in st.layout.params_at]
+
+
+def _forward(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, target: jax.Array,
+             out: Sent) -> Sent:
+    y, residuals, stats, layout = _vjp(st, model_of(st, local), chunk_of(local, v), x)
+    assert layout.params_at == st.layout.params_at, "the chunk's vjp closure changed between traces"
+    return out._replace(send_f=y, residuals=_put(out.residuals, at[0], residuals),
+                        stats=jax.tree.map(jnp.add, out.stats, stats))
+
+
+def _backward(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, target: jax.Array,
+              out: Sent) -> Sent:
+    leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
+    d_layers, dx = jax.tree.unflatten(st.layout.treedef, leaves)((g, jnp.ones((), jnp.float32)))  # router share: as is
+    return out._replace(send_b=dx, grads=_acc(out.grads, v, d_layers))
+
+
+def _backward_last(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
+                   target: jax.Array, out: Sent) -> Sent:
+    """B of the last chunk: x is the chunk's output (its F left it in the input slot); the head
+    and loss, then the chunk's vjp from its residuals."""
+    lm, d_rest, dy = _head(st, local, x, target)
+    leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
+    d_layers, dx = jax.tree.unflatten(st.layout.treedef, leaves)((dy, jnp.ones((), jnp.float32)))
+    return out._replace(send_b=dx, grads=_acc(out.grads, v, d_layers, d_rest), loss=out.loss + lm)
+
+
+def _backward_input(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
+                    target: jax.Array, out: Sent) -> Sent:
+    """Split B: the input gradient only; what W needs of it goes to the stash slot."""
+    leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
+    dx, stash = st.split[0](leaves, (g, jnp.ones((), jnp.float32)))
+    return out._replace(send_b=dx, stash=_put(out.stash, at[1], stash))
+
+
+def _weight(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, target: jax.Array,
+            out: Sent) -> Sent:
+    """Split W: the chunk's weight gradient from its residuals and B's stash."""
+    leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
+    d_layers = st.split[1](leaves, tuple(a[at[1]] for a in out.stash))
+    return out._replace(grads=_acc(out.grads, v, d_layers))
+
+
+def _backward_input_last(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
+                         target: jax.Array, out: Sent) -> Sent:
+    """Split B of the last chunk: the head and loss on its output x (forward and backward at
+    once: their small weight gradients here), then the chunk's input gradient."""
+    lm, d_rest, dy = _head(st, local, x, target)
+    leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
+    dx, stash = st.split[0](leaves, (dy, jnp.ones((), jnp.float32)))
+    return out._replace(send_b=dx, grads=_acc(out.grads, v, None, d_rest), loss=out.loss + lm,
+                        stash=_put(out.stash, at[1], stash))
+
+
+# Program.branch -> cell: IDLE, FORWARD, BACKWARD, WEIGHT, BACKWARD_LAST; unsplit and split (zb-h1)
+CELLS = (_idle, _forward, _backward, _idle, _backward_last)
+SPLIT_CELLS = (_idle, _forward, _backward_input, _weight, _backward_input_last)
+
+
+def embed(st: Static, compute: nnx.State, tokens: jax.Array, table: jax.Array) -> jax.Array:
+    """Stage 0's input: tokens [b, L] looked up in `table` (the embedding, vocab-parallel)."""
+    return model_of(st, with_part(compute, "embed", table)).embed_tokens(tokens, vocab_parallel=True)
