@@ -52,11 +52,12 @@ M >= 2p (11 at p = 4, V = 2), p for zb-h1 (held until W); zb-h1 adds p `stash` s
 chunk's matmul output cotangents, about ((N+2K)·H/t + 4·D + 2·F/t)·b·L per layer. GPipe holds
 the residuals of all M microbatches instead.
 
-Under fsdp the stage's compute-dtype weights are gathered once per step, before the scan
-(`whole_over_fsdp`), and the gradients accumulate whole: ZeRO-1 style within the step (the
-fp32 master weights and AdamW moments stay split). The gradient's reduction over fsdp still
-runs in each backward cell (XLA reduces the partial sums it sees); reducing once needs the
-batch axes manual here too.
+Under fsdp the stage's compute-dtype weights are gathered once per step, before the scan, and
+the gradients accumulate whole: ZeRO-1 style within the step (the fp32 master weights and AdamW
+moments stay split). With the batch axes manual (`batch_axes`, data and fsdp where > 1:
+sharding.checks.accumulation_axes) the gather is by hand and the summed gradients are reduced
+once per step (`_whole`, `_reduced`). Where they are not (MoE models, sp > 1) the gather is a
+sharding constraint (`whole_over_fsdp`) and XLA reduces each backward cell's partial sums.
 
 The embedding (2 and 4) runs outside the switch, on every stage every tick: the devices of
 different stages take different branches, so a branch may hold only collectives whose devices
