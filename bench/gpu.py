@@ -25,6 +25,12 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
                core it takes is recorded, cudnn on an H100), remat full,
                dots, then none, dp over every GPU: tokens/s, TFLOP/s per device, MFU, peak
                memory; an out-of-memory case is recorded as "oom" and the run goes on (~70 s)
+  flags        XLA options on and off, each compiled for the same training case in this process
+               (compile options over XLA_FLAGS): 1b under remat none with
+               xla_gpu_enable_dynamic_slice_fusion (a GPU default, sharding/xla_flags.py: the
+               1b profile under none spent 96 ms of a step in memcpy and 32 ms in
+               dynamic-update-slice, against 12 and 0 under full); step time off / on
+               (not yet timed on a GPU)
   profile      three steps of 1b with steps 2..3 traced (training/profiling.py), summed by
                tools/trace_summary.py (scopes) and tools/op_kinds.py (op kinds): top ops, and the
                fractions in attention kernels, matmuls, collectives, copies, elementwise/other;
@@ -69,7 +75,7 @@ from tools.measure import RESULTS, environment, median_seconds, run_record, writ
 from tools.calibration import case_config, estimate_vs_measured
 from tools.oom import is_out_of_memory
 
-STAGES = ("environment", "ceilings", "correctness", "attention", "training", "profile")
+STAGES = ("environment", "ceilings", "correctness", "attention", "training", "flags", "profile")
 CORES = ("pallas", "cudnn", "xla")
 ENV_PREFIXES = ("XLA_", "JAX_", "NCCL_", "CUDA_", "TF_", "NVIDIA_")
 
@@ -90,6 +96,7 @@ class Sizes:
     bench_tokens: int
     train_cases: tuple[tuple[str, str, tuple[str, ...]], ...]  # (preset, remat, overrides)
     train_steps: int
+    flag_cases: tuple[tuple[str, str, tuple[str, ...], str], ...]  # (preset, remat, overrides, XLA option)
     profile_case: tuple[str, tuple[str, ...]]
 
 
@@ -108,6 +115,7 @@ GPU = Sizes(
                       for preset, batch in (("125m", _batch(16, 2, 1024)), ("1b", _batch(8, 2, 2048)))
                       for remat in ("full", "dots", "none")),
     train_steps=5,
+    flag_cases=(("1b", "none", _batch(8, 2, 2048), "xla_gpu_enable_dynamic_slice_fusion"),),
     profile_case=("1b", _batch(8, 2, 2048)),
 )
 _TINY = ("model.n_layers=2", "train.seq_len=64", "train.global_batch_size=8")
@@ -117,6 +125,7 @@ SMOKE = Sizes(
     bench_lengths=(128,), bench_heads=(4, 2, 32), bench_tokens=256,
     train_cases=(("tiny", "full", _TINY + _batch(4, 2, 64)), ("tiny", "none", _TINY + _batch(4, 2, 64))),
     train_steps=2,
+    flag_cases=(("tiny", "none", _TINY + _batch(4, 2, 64), "xla_gpu_enable_dynamic_slice_fusion"),),
     profile_case=("tiny", _TINY + _batch(4, 2, 64)),
 )
 
@@ -235,7 +244,8 @@ def stage_attention(sizes: Sizes) -> dict:
 
 # --- stage 5: training speed --------------------------------------------------------------------
 
-def training_case(preset: str, remat: str, overrides: tuple[str, ...], sizes: Sizes) -> dict:
+def training_case(preset: str, remat: str, overrides: tuple[str, ...], sizes: Sizes,
+                  compiler_options: dict | None = None) -> dict:
     import jax
 
     from bench.step import measure_steps
@@ -248,7 +258,7 @@ def training_case(preset: str, remat: str, overrides: tuple[str, ...], sizes: Si
     try:
         mesh = build_mesh(cfg.parallel)
         cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
-        t = measure_steps(cfg, mesh, sizes.train_steps)
+        t = measure_steps(cfg, mesh, sizes.train_steps, compiler_options)
     except Exception as err:  # noqa: BLE001 -- an OOM is a result; the next case runs
         return row | {"status": "oom" if is_out_of_memory(err) else "error", "error": error_text(err)}
     keep = ("n_params", "batch_shape", "tokens_per_step", "compile_s", "step_time_median_s", "tokens_per_s",
@@ -262,7 +272,21 @@ def stage_training(sizes: Sizes) -> dict:
             "rows": rows}
 
 
-# --- stage 6: profile ---------------------------------------------------------------------------
+# --- stage 6: XLA options on and off ------------------------------------------------------------
+
+def stage_flags(sizes: Sizes) -> dict:
+    rows = []
+    for preset, remat, overrides, option in sizes.flag_cases:
+        on, off = (training_case(preset, remat, overrides, sizes, {option: value}) for value in (True, False))
+        row = {"preset": preset, "remat": remat, "option": option, "on": on, "off": off}
+        if on["status"] == off["status"] == "ok":
+            row["ratio_off_to_on"] = off["step_time_median_s"] / on["step_time_median_s"]
+        rows.append(row)
+    return {"note": "each case compiled twice in this process, the option on and off (compile options over "
+                    "XLA_FLAGS); ratio_off_to_on > 1: the option pays", "rows": rows}
+
+
+# --- stage 7: profile ---------------------------------------------------------------------------
 
 def stage_profile(sizes: Sizes, run_dir: Path) -> dict:
     import jax
@@ -335,6 +359,11 @@ def summary_lines(name: str, r: dict) -> list[str]:
             + (f" peak {x['peak_memory_bytes_per_device'] / 2**30:.1f} GiB"
                if x["peak_memory_bytes_per_device"] else "")
             if x["status"] == "ok" else f"{x['status']}: {x['error']}") for x in r["rows"]]
+    if name == "flags":
+        return [f"    {x['preset']:<5}remat={x['remat']:<5}{x['option']}: " + (
+            f"off / on {x['ratio_off_to_on']:.3f} ({x['off']['step_time_median_s'] * 1e3:.1f} ms vs "
+            f"{x['on']['step_time_median_s'] * 1e3:.1f} ms)" if "ratio_off_to_on" in x
+            else f"on {x['on']['status']}, off {x['off']['status']}") for x in r["rows"]]
     if name == "profile":
         return [f"    {k:<18}{100 * v:5.1f}%" for k, v in sorted(r["ops"]["fractions"].items(), key=lambda kv: -kv[1])]
     return []

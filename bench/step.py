@@ -62,8 +62,9 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, list[int]]:
     return cfg, layers
 
 
-def measure_steps(cfg: RunConfig, mesh: jax.sharding.Mesh, steps: int) -> dict:
-    """Compile, first step and `steps` timed steps of the real job."""
+def measure_steps(cfg: RunConfig, mesh: jax.sharding.Mesh, steps: int, compiler_options: dict | None = None) -> dict:
+    """Compile, first step and `steps` timed steps of the real job (`compiler_options`: XLA options
+    for this compile, training.build.compile_step)."""
     import jax
 
     from training.build import build, compile_step, xla_memory
@@ -73,7 +74,7 @@ def measure_steps(cfg: RunConfig, mesh: jax.sharding.Mesh, steps: int) -> dict:
     k, b, length = job.batches.shape
     with jax.set_mesh(mesh):
         batch = jax.block_until_ready(job.batches(0))
-        compiled, lower_s, compile_s = compile_step(job.step_fn, mesh, job.state, batch)
+        compiled, lower_s, compile_s = compile_step(job.step_fn, mesh, job.state, batch, compiler_options)
         (state, metrics), first_run_s = timed(compiled, job.state, batch)  # donates job.state
         first_loss, times = float(metrics["loss"]), []
         for step in range(1, steps + 1):

@@ -36,6 +36,11 @@ def test_cpu_smoke_writes_real_numbers(tmp_path):
     assert {r["remat"] for r in training} == {"none", "full"}
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in training), training
 
+    flags = stages["flags"]["rows"]
+    assert [(r["preset"], r["remat"], r["option"]) for r in flags] == [("tiny", "none", "xla_gpu_enable_dynamic_slice_fusion")]
+    assert all(r["on"]["status"] == r["off"]["status"] == "ok" and r["ratio_off_to_on"] > 0 for r in flags), flags
+    assert flags[0]["on"]["loss_first"] == flags[0]["off"]["loss_first"]  # the same step, compiled twice
+
     profile = stages["profile"]
     assert {"attention", "mlp"} <= set(profile["scopes"]["scopes_ms"])
     assert profile["ops"]["total_ms"] > 0 and profile["ops"]["top_ops"]

@@ -147,15 +147,18 @@ def build(cfg: RunConfig, mesh: Mesh, corpus: Corpus | None = None,
                program.eval_fn, eval_batches)
 
 
-def compile_step(step_fn: Callable, mesh: Mesh, state, batch) -> tuple[jax.stages.Compiled, float, float]:
+def compile_step(step_fn: Callable, mesh: Mesh, state, batch, compiler_options: dict | None = None
+                 ) -> tuple[jax.stages.Compiled, float, float]:
     """Lower and compile `step_fn` for (state, batch) on `mesh`: (compiled, lower s, compile s).
     With a program's abstract state and batch (`Program.state`, `abstract_batch()`) nothing is
-    allocated, so any preset compiles for any mesh of fake devices."""
+    allocated, so any preset compiles for any mesh of fake devices. `compiler_options`: XLA
+    debug options for this compile only, over XLA_FLAGS (e.g. {"xla_gpu_enable_dynamic_slice_fusion":
+    False}; an unknown name is an error)."""
     with jax.set_mesh(mesh):
         start = time.perf_counter()
         lowered = step_fn.lower(state, batch)
         lowered_at = time.perf_counter()
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options)
     return compiled, lowered_at - start, time.perf_counter() - lowered_at
 
 
