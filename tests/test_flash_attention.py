@@ -151,9 +151,9 @@ def visited_tiles(monkeypatch, fn, *args) -> dict:
 
     seen, scores = Counter(), flash_kernels._scores
 
-    def counting(plan, q, k, q_start, k_start, masked):
+    def counting(plan, q, k, q_start, k_start, masked, **layout):
         jax.debug.callback(lambda i, j: seen.update([(int(i), int(j))]), q_start, k_start)
-        return scores(plan, q, k, q_start, k_start, masked)
+        return scores(plan, q, k, q_start, k_start, masked, **layout)
 
     monkeypatch.setattr(flash_kernels, "_scores", counting)
     jax.block_until_ready(fn(*args))

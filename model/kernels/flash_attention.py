@@ -40,7 +40,8 @@ backend, chosen explicitly by its CompilerParams (see `_launch` for why). On one
 0.11.2) they compile and match xla; the forward ran at 287 TFLOP/s at L = 4096 (H = 128) and the
 forward + backward at 0.44x cudnn with the untuned default tiling
 (bench/results/gpu-nvidia-h100-80gb-hbm3-20261124.json). The kernels have since moved to base-2
-exponentials (flash_kernels.py), not yet measured on a GPU.
+exponentials and the dk/dv kernel to transposed [bk, bq] tiles (flash_kernels.py), not yet
+measured on a GPU.
 """
 
 from __future__ import annotations

@@ -43,7 +43,6 @@ LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 
 NT = ((1,), (1,))  # a @ b.T
 NN = ((1,), (0,))  # a @ b
-TN = ((0,), (0,))  # a.T @ b
 
 
 def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
@@ -57,14 +56,15 @@ def _scale(h: int) -> float:
     return LOG2E / math.sqrt(h)
 
 
-def _scores(plan: Plan, q, k, q_start, k_start, masked: bool) -> jax.Array:
-    """s = q k^T, fp32 [bq, bk], unscaled; -inf where a key is hidden (causal, or padding)."""
-    s = _dot(q, k, NT)
+def _scores(plan: Plan, q, k, q_start, k_start, masked: bool, keys_first: bool = False) -> jax.Array:
+    """s = q k^T, fp32 [bq, bk], unscaled (keys_first: its transpose k q^T, [bk, bq]); -inf where
+    a key is hidden (causal, or padding)."""
+    s = _dot(k, q, NT) if keys_first else _dot(q, k, NT)
     if not masked:
         return s
-    rows = q_start + lax.broadcasted_iota(jnp.int32, s.shape, 0)
-    cols = k_start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    visible = cols <= rows if plan.causal else cols < plan.length
+    query = q_start + lax.broadcasted_iota(jnp.int32, s.shape, 1 if keys_first else 0)
+    key = k_start + lax.broadcasted_iota(jnp.int32, s.shape, 0 if keys_first else 1)
+    visible = key <= query if plan.causal else key < plan.length
     return jnp.where(visible, s, -jnp.inf)
 
 
@@ -134,6 +134,10 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, plan: 
 
 
 def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, plan: Plan):
+    """Works on the transposed tiles [bk, bq] (keys on rows: p^T = exp(k q^T - lse), dp^T = v dO^T),
+    so that dv += p^T dO and dk += ds^T q are plain products of a computed tile and a loaded one:
+    the [bq, bk] tiles would need a transposed computed operand in both (a register transpose per
+    step on a GPU). The formulation of Triton's fused-attention tutorial."""
     j, bq, bk = pl.program_id(2), plan.block_q, plan.block_k
     k, v, scale = k_ref[...], v_ref[...], _scale(k_ref.shape[-1])
 
@@ -141,9 +145,10 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, 
         dk, dv = carry
         rows = pl.ds(i * bq, bq)
         q, do = q_ref[rows, g, :], do_ref[rows, g, :]
-        p = jnp.exp2(_scores(plan, q, k, i * bq, j * bk, masked) * scale - lse_ref[g, rows][:, None] * LOG2E)
-        ds = p * (_dot(do, v, NT) - delta_ref[g, rows][:, None])
-        return dk + _dot(ds.astype(q.dtype), q, TN), dv + _dot(p.astype(do.dtype), do, TN)
+        s_t = _scores(plan, q, k, i * bq, j * bk, masked, keys_first=True)
+        p_t = jnp.exp2(s_t * scale - lse_ref[g, rows][None, :] * LOG2E)
+        ds_t = p_t * (_dot(v, do, NT) - delta_ref[g, rows][None, :])
+        return dk + _dot(ds_t.astype(q.dtype), q, NN), dv + _dot(p_t.astype(do.dtype), do, NN)
 
     def head(g, carry):  # the G q heads of this kv head add into the same dk, dv
         return _sweep(functools.partial(step, g=g), _q_ranges(plan, j, q_ref.shape[0] // bq), carry)
