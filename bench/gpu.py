@@ -24,13 +24,15 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
   training     bench/step.py `measure_steps` for 125m and 1b (model.attention=auto: the
                core it takes is recorded, cudnn on an H100), remat full,
                dots, then none, dp over every GPU: tokens/s, TFLOP/s per device, MFU, peak
-               memory; an out-of-memory case is recorded as "oom" and the run goes on (~70 s)
+               memory; an out-of-memory case is recorded as "oom" and the run goes on (~70 s);
+               then 1b under none with model.scan_layers=false (the layers unrolled: no stacks
+               of activations, model/transformer.py), not yet timed on a GPU
   flags        XLA options on and off, each compiled for the same training case in this process
                (compile options over XLA_FLAGS): 1b under remat none with
-               xla_gpu_enable_dynamic_slice_fusion (a GPU default, sharding/xla_flags.py: the
-               1b profile under none spent 96 ms of a step in memcpy and 32 ms in
-               dynamic-update-slice, against 12 and 0 under full); step time off / on
-               (not yet timed on a GPU)
+               xla_gpu_enable_dynamic_slice_fusion (XLA's default from jax 0.11: GEMMs write into
+               the layer scan's stacks; on in the H100 record, whose 1b profile under none still
+               spent 96 ms of a step in memcpy and 32 ms in dynamic-update-slice, against 12 and
+               0 under full); step time off / on (not yet timed on a GPU)
   profile      three steps of 1b with steps 2..3 traced (training/profiling.py), summed by
                tools/trace_summary.py (scopes) and tools/op_kinds.py (op kinds): top ops, and the
                fractions in attention kernels, matmuls, collectives, copies, elementwise/other;
@@ -113,7 +115,8 @@ GPU = Sizes(
     bench_lengths=(2048, 4096, 8192), bench_heads=(32, 8, 128), bench_tokens=16384,
     train_cases=tuple((preset, remat, batch)
                       for preset, batch in (("125m", _batch(16, 2, 1024)), ("1b", _batch(8, 2, 2048)))
-                      for remat in ("full", "dots", "none")),
+                      for remat in ("full", "dots", "none"))
+    + (("1b", "none", _batch(8, 2, 2048) + ("model.scan_layers=false",)),),
     train_steps=5,
     flag_cases=(("1b", "none", _batch(8, 2, 2048), "xla_gpu_enable_dynamic_slice_fusion"),),
     profile_case=("1b", _batch(8, 2, 2048)),
@@ -123,7 +126,8 @@ SMOKE = Sizes(
     matmul_n=256, copy_bytes=2**22, timed_runs=3,
     check_lengths=(128, 100), check_fp32_lengths=(128, 100), check_heads=(4, 2, 32), tiny_sets=_TINY,
     bench_lengths=(128,), bench_heads=(4, 2, 32), bench_tokens=256,
-    train_cases=(("tiny", "full", _TINY + _batch(4, 2, 64)), ("tiny", "none", _TINY + _batch(4, 2, 64))),
+    train_cases=(("tiny", "full", _TINY + _batch(4, 2, 64)), ("tiny", "none", _TINY + _batch(4, 2, 64)),
+                 ("tiny", "none", _TINY + _batch(4, 2, 64) + ("model.scan_layers=false",))),
     train_steps=2,
     flag_cases=(("tiny", "none", _TINY + _batch(4, 2, 64), "xla_gpu_enable_dynamic_slice_fusion"),),
     profile_case=("tiny", _TINY + _batch(4, 2, 64)),
@@ -353,7 +357,8 @@ def summary_lines(name: str, r: dict) -> list[str]:
             f"fwd {x['forward_tflops']:8.4g}  fwd+bwd {x['forward_backward_tflops']:8.4g} TFLOP/s"
             if "forward_tflops" in x else x.get("status") or x.get("error", "")) for x in r["rows"]]
     if name == "training":
-        return [f"    {x['preset']:<5}remat={x['remat']:<5}" + (
+        return [f"    {x['preset']:<5}remat={x['remat']:<5}" + "".join(
+            f"{o.split('=')[0].split('.')[-1]}={o.split('=')[1]} " for o in x["overrides"] if o.startswith("model.")) + (
             f"{x['tokens_per_s']:>12,.0f} tok/s {x['tflops_per_device']:8.4g} TFLOP/s/dev"
             + (f" MFU {100 * x['mfu']:.1f}%" if x["mfu"] else "")
             + (f" peak {x['peak_memory_bytes_per_device'] / 2**30:.1f} GiB"
@@ -426,7 +431,8 @@ def estimate_rows(out: Path) -> dict:
         print(f"    estimate vs measured: none ({error_text(err)})")
         return {"error": error_text(err)}
     for r in rows:
-        print(f"    estimate {r['preset']:<5} remat {r['remat']:<4}  {r['estimate_s'] * 1e3:8.1f} ms vs measured "
+        print(f"    estimate {r['preset']:<5} remat {r['remat']:<4}{'' if r['scan_layers'] else ' unrolled'}  "
+              f"{r['estimate_s'] * 1e3:8.1f} ms vs measured "
               f"{r['measured_s'] * 1e3:8.1f} ms: {r['ratio']:.2f}x")
     return {"note": "tools.estimate at this record's measured rates (tools/calibration.py); target within 15%",
             "rows": rows}

@@ -35,6 +35,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
     remat: str = "none"  # none | full | dots | attn (model/remat.py POLICIES)
+    scan_layers: bool = True  # one lax.scan over the stacked layers; False: a Python loop (unrolled)
     # Mixture of experts (model/moe.py); n_experts = 0 is a dense model.
     n_experts: int = 0  # E routed experts per MoE layer
     experts_per_token: int = 2  # k (top-k routing)

@@ -15,8 +15,9 @@ Every platform:
 NVIDIA GPUs (`GPU_FLAGS`, added when a CUDA jax plugin is installed or JAX_PLATFORMS names
 cuda/gpu; `MESHTRAIN_GPU_FLAGS=0` leaves XLA's defaults). Each is what practitioners set for
 sharded training, with its source. The GPU check (`make gpu-check`) records the flags in force
-next to its figures, and its flags stage compiles a 1b step with dynamic-slice fusion on and
-off; the collective flags need several GPUs to be measured, which no session here has had. A flag already in XLA_FLAGS is
+next to its figures; these flags act on collectives, so measuring them needs several GPUs, which
+no session here has had. (Not here: --xla_gpu_enable_dynamic_slice_fusion, XLA's own default
+from jax 0.11 on, which gpu-check's flags stage times on and off.) A flag already in XLA_FLAGS is
 never overridden, so `XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=false` turns one off.
 XLA parses every `--xla_gpu_*` flag on every platform and dies on an unknown one, so
 tests/test_xla_flags.py starts a CPU backend with these flags to catch a renamed flag.
@@ -63,12 +64,6 @@ GPU_FLAGS = (
          "merge FSDP weight all-gathers up to 128 MiB (MaxText Llama 3.1 405B GPU config)"),
     Flag("--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
          "merge FSDP gradient reduce-scatters up to 128 MiB (MaxText Llama 3.1 405B GPU config)"),
-    Flag("--xla_gpu_enable_dynamic_slice_fusion=true",
-         "a cuBLAS GEMM whose output the layer scan stacks for the backward writes into its "
-         "slice of the stack instead of a buffer copied there (JAX-Toolbox GPU_performance.md: "
-         "removes the copies of dynamic-update-slices after custom kernels, in scans; the H100 "
-         "1b step under remat none spent 96 ms in memcpy and 32 ms in dynamic-update-slice; "
-         "gpu-check's flags stage measures it on and off)"),
     Flag("--xla_gpu_nccl_termination_timeout_seconds=600",
          "a collective whose peers never arrive (a dead node) ends the process after 10 minutes "
          "instead of hanging forever; XLA's default is no timeout (Marin's trainer sets 600)"),

@@ -149,7 +149,8 @@ def test_the_estimate_is_within_15_percent_of_the_measured_gpu_step():
     and, on an H100, copies them: the 1b profile under none spends 96 ms a step in memcpy and
     32 ms in dynamic-update-slice (12 and 0 under full), work the model does not count. There
     the estimate is a bound the step does not beat by more than 15%, and under none it falls
-    short by more than 15% (125m 0.60x, 1b 0.71x on 2026-11-24): held so that a fix shows."""
+    short by more than 15% (125m 0.60x, 1b 0.71x on 2026-11-24): held so that a fix shows. A
+    case run with model.scan_layers=false (no stacks) is held to the bound only."""
     rows = [r for path in gpu_records() for r in estimate_vs_measured(path) if r["preset"] in ("125m", "1b")]
     assert {(r["preset"], r["remat"]) for r in rows} >= {(p, m) for p in ("125m", "1b") for m in ("full", "none")}
     for r in rows:
@@ -157,7 +158,7 @@ def test_the_estimate_is_within_15_percent_of_the_measured_gpu_step():
             assert 0.85 <= r["ratio"] <= 1.15, r
         else:
             assert r["ratio"] <= 1.15, r
-        if r["remat"] == "none":
+        if r["remat"] == "none" and r["scan_layers"]:
             assert r["ratio"] < 0.85, r
 
 
@@ -176,7 +177,7 @@ def test_estimate_rows_rebuild_each_case_of_a_record(tmp_path):
     cfg = case_config("125m", tuple(overrides), ["model.remat=full", "model.attention=cudnn"], 1)
     assert cfg.train.global_batch_size == 32 and cfg.model.remat == "full"
     expected = estimate.step_time(cfg, {a: 1 for a in AXES}, rated_gpu("h100", path))["overlap_s"]
-    assert row == {"preset": "125m", "remat": "full", "devices": 1, "measured_s": 0.5,
+    assert row == {"preset": "125m", "remat": "full", "scan_layers": True, "devices": 1, "measured_s": 0.5,
                    "estimate_s": pytest.approx(expected), "ratio": pytest.approx(expected / 0.5)}
 
 

@@ -1,6 +1,7 @@
 """The transformer: presets build abstractly with the published sizes; causality; remat; errors."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,43 @@ def test_remat_policies_change_memory_not_numbers(policy):
     np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads1), jax.tree.leaves(grads0)):
         np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("changes", [{"remat": "none"}, {"remat": "full"},
+                                     {"n_experts": 4, "moe_every": 2, "remat": "dots"}])
+def test_unrolled_layers_equal_the_scan(changes):
+    """model.scan_layers=false (a Python loop over the layers' slices) computes what the scan
+    does: loss, router statistics and every gradient (fp32, tolerances of the remat test); a
+    dense stack, and MoE Groups of 2 layers with their router statistics."""
+    cfg = small_config()
+    tokens = jax.random.randint(jax.random.key(3), (4, 33), 0, 256)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    results = []
+    for scan in (True, False):
+        run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=scan, **changes))
+        graphdef, params = nnx.split(Transformer(run.model, rngs=nnx.Rngs(0)))
+        results.append(jax.jit(jax.value_and_grad(loss_fn, has_aux=True), static_argnums=(1, 3))(params, graphdef, batch, run))
+    ((loss0, aux0), grads0), ((loss1, aux1), grads1) = results
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves((aux1, grads1)), jax.tree.leaves((aux0, grads0))):
+        np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5)
+
+
+def test_unrolled_layers_keep_no_stacks():
+    """The compiled gradient of the unrolled stack has no loop over the layers, and its backward
+    puts the per-layer gradients together by one concatenate, not by summing zero-padded copies
+    (the transpose of indexing): no pad of a stacked parameter's shape."""
+    cfg = small_config()
+    run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False))
+    graphdef, params = nnx.split(Transformer(run.model, rngs=nnx.Rngs(0)))
+    tokens = jnp.zeros((2, 17), jnp.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    hlo = jax.jit(jax.grad(lambda p: loss_fn(p, graphdef, batch, run)[0])).lower(params).compile().as_text()
+    assert " while(" not in hlo
+    stacked = {"x".join(map(str, a.shape)) for a in jax.tree.leaves(nnx.state(params["blocks"]))}
+    pads = set(re.findall(r"f32\[([\d,]+)\][^ ]* pad\(", hlo))
+    assert not {p.replace(",", "x") for p in pads} & stacked, pads
+    assert "concatenate(" in hlo
 
 
 def test_bf16_compute_stays_close_to_fp32():

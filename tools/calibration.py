@@ -104,6 +104,7 @@ def estimate_vs_measured(path: Path) -> list[dict]:
                           [f"model.remat={case['remat']}", f"model.attention={case['attention']}"], case["devices"])
         estimate = step_time(cfg, {a: 1 for a in AXES} | {"data": case["devices"]}, gpu)["overlap_s"]
         measured = case["step_time_median_s"]
-        rows.append({"preset": case["preset"], "remat": case["remat"], "devices": case["devices"],
+        rows.append({"preset": case["preset"], "remat": case["remat"], "scan_layers": cfg.model.scan_layers,
+                     "devices": case["devices"],
                      "measured_s": measured, "estimate_s": estimate, "ratio": estimate / measured})
     return rows
