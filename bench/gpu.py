@@ -36,7 +36,9 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
   profile      three steps of 1b with steps 2..3 traced (training/profiling.py), summed by
                tools/trace_summary.py (scopes) and tools/op_kinds.py (op kinds): top ops, and the
                fractions in attention kernels, matmuls, collectives, copies, elementwise/other;
-               a kernel run inside a CUDA graph is kinded by its name (trace_summary) (~15 s)
+               a kernel run inside a CUDA graph is kinded by its name (trace_summary) (~15 s);
+               1b's default remat is none: profiled with the layer scan, then unrolled
+               (model.scan_layers=false), so the two copy fractions sit side by side
 
 Stage times above were measured on one H100 (2026-11-24, bench/results/gpu-h100-*.json). The
 --budget (default 480 s) is checked before each stage: a stage that would start after it is
@@ -99,7 +101,7 @@ class Sizes:
     train_cases: tuple[tuple[str, str, tuple[str, ...]], ...]  # (preset, remat, overrides)
     train_steps: int
     flag_cases: tuple[tuple[str, str, tuple[str, ...], str], ...]  # (preset, remat, overrides, XLA option)
-    profile_case: tuple[str, tuple[str, ...]]
+    profile_cases: tuple[tuple[str, tuple[str, ...]], ...]  # (preset, overrides)
 
 
 def _batch(micro: int, accum: int, seq: int) -> tuple[str, ...]:
@@ -119,7 +121,7 @@ GPU = Sizes(
     + (("1b", "none", _batch(8, 2, 2048) + ("model.scan_layers=false",)),),
     train_steps=5,
     flag_cases=(("1b", "none", _batch(8, 2, 2048), "xla_gpu_enable_dynamic_slice_fusion"),),
-    profile_case=("1b", _batch(8, 2, 2048)),
+    profile_cases=(("1b", _batch(8, 2, 2048)), ("1b", _batch(8, 2, 2048) + ("model.scan_layers=false",))),
 )
 _TINY = ("model.n_layers=2", "train.seq_len=64", "train.global_batch_size=8")
 SMOKE = Sizes(
@@ -130,7 +132,7 @@ SMOKE = Sizes(
                  ("tiny", "none", _TINY + _batch(4, 2, 64) + ("model.scan_layers=false",))),
     train_steps=2,
     flag_cases=(("tiny", "none", _TINY + _batch(4, 2, 64), "xla_gpu_enable_dynamic_slice_fusion"),),
-    profile_case=("tiny", _TINY + _batch(4, 2, 64)),
+    profile_cases=(("tiny", _TINY + _batch(4, 2, 64)),),
 )
 
 
@@ -302,21 +304,25 @@ def stage_profile(sizes: Sizes, run_dir: Path) -> dict:
     from training.build import build
     from training.loop import train
 
-    preset, overrides = sizes.profile_case
     extra = ["train.steps=4", "train.profile_steps=2:4",
              "train.checkpoint_every=0", "train.log_every=1000", "train.eval_every=0"]
-    cfg = case_config(preset, overrides, extra, jax.device_count())
-    mesh = build_mesh(cfg.parallel)
-    job = build(dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel)), mesh)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    train(job, run_dir)
-    result = {"run_dir": str(run_dir), "preset": preset, "attention": device_core(cfg.model, context=False)}
-    try:
-        result["scopes"] = {k: v for k, v in summarize(run_dir).items() if k != "timeline"}
-    except Exception as err:  # noqa: BLE001 -- the op breakdown below may still work
-        result["scopes"] = {"error": error_text(err)}
-    result["ops"] = op_breakdown(run_dir)
-    return result
+    cases = []
+    for i, (preset, overrides) in enumerate(sizes.profile_cases):
+        cfg = case_config(preset, overrides, extra, jax.device_count())
+        mesh = build_mesh(cfg.parallel)
+        job = build(dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel)), mesh)
+        case_dir = run_dir / f"{i}-{preset}"
+        case_dir.mkdir(parents=True, exist_ok=True)
+        train(job, case_dir)
+        case = {"run_dir": str(case_dir), "preset": preset, "overrides": list(overrides),
+                "remat": cfg.model.remat, "scan_layers": cfg.model.scan_layers,
+                "attention": device_core(cfg.model, context=False)}
+        try:
+            case["scopes"] = {k: v for k, v in summarize(case_dir).items() if k != "timeline"}
+        except Exception as err:  # noqa: BLE001 -- the op breakdown below may still work
+            case["scopes"] = {"error": error_text(err)}
+        cases.append(case | {"ops": op_breakdown(case_dir)})
+    return {"cases": cases}
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -370,7 +376,9 @@ def summary_lines(name: str, r: dict) -> list[str]:
             f"{x['on']['step_time_median_s'] * 1e3:.1f} ms)" if "ratio_off_to_on" in x
             else f"on {x['on']['status']}, off {x['off']['status']}") for x in r["rows"]]
     if name == "profile":
-        return [f"    {k:<18}{100 * v:5.1f}%" for k, v in sorted(r["ops"]["fractions"].items(), key=lambda kv: -kv[1])]
+        return [line for c in r["cases"] for line in (
+            [f"    {c['preset']} remat={c['remat']}{'' if c['scan_layers'] else ' unrolled'}: {c['ops']['total_ms']:.1f} ms"]
+            + [f"      {k:<18}{100 * v:5.1f}%" for k, v in sorted(c["ops"]["fractions"].items(), key=lambda kv: -kv[1])])]
     return []
 
 

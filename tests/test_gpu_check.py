@@ -41,7 +41,7 @@ def test_cpu_smoke_writes_real_numbers(tmp_path):
     assert all(r["on"]["status"] == r["off"]["status"] == "ok" and r["ratio_off_to_on"] > 0 for r in flags), flags
     assert flags[0]["on"]["loss_first"] == flags[0]["off"]["loss_first"]  # the same step, compiled twice
 
-    profile = stages["profile"]
+    [profile] = stages["profile"]["cases"]
     assert {"attention", "mlp"} <= set(profile["scopes"]["scopes_ms"])
     assert profile["ops"]["total_ms"] > 0 and profile["ops"]["top_ops"]
     assert abs(sum(profile["ops"]["fractions"].values()) - 1) < 1e-6
