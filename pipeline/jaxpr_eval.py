@@ -36,6 +36,7 @@ _CALLS = {"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "rem
 
 
 def read(env: dict, v: Any) -> Any:
+    """The value of a jaxpr operand: a literal's own, or a variable's from `env`."""
     return v.val if isinstance(v, Literal) else env[v]
 
 
@@ -54,6 +55,7 @@ def _context(eqn) -> contextlib.ExitStack:
 
 
 def bind(eqn, invals: Sequence[Any]) -> list[Any]:
+    """Run one equation on `invals` in its own context; its outputs as a list."""
     params = eqn.primitive.get_bind_params(eqn.params)
     with _context(eqn):
         out = eqn.primitive.bind(*invals, **params)
@@ -93,6 +95,7 @@ def _inline_eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> li
 
 
 def spec(aval) -> jax.ShapeDtypeStruct:
+    """An abstract value as a ShapeDtypeStruct (to trace a jaxpr again)."""
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
 
@@ -103,6 +106,7 @@ def flatten(jaxpr: Jaxpr, consts: Sequence[Any]) -> tuple[Jaxpr, list]:
 
 
 def is_var(v: Any) -> bool:
+    """Whether a jaxpr operand is a variable that something may read (not a literal, not a drop)."""
     return isinstance(v, Var) and type(v).__name__ != "DropVar"
 
 
@@ -123,6 +127,7 @@ def var_order(jaxpr: Jaxpr) -> Callable:
 
 
 def nbytes(v) -> int:
+    """Bytes of a jaxpr variable's value."""
     return int(np.prod(v.aval.shape)) * jnp.dtype(v.aval.dtype).itemsize
 
 
