@@ -4,14 +4,11 @@ scan and a W scan of the same length and direction (pipeline/split_backward.py's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 
 from pipeline.jaxpr_eval import flatten, read, scan_counts
-
-if TYPE_CHECKING:  # split_plan imports this module: the planner comes in as `split_body`
-    from pipeline.split_plan import Plan
 
 
 class ScanSplit:
@@ -56,7 +53,7 @@ class ScanSplit:
     def has_b(self) -> bool:
         return bool(self.kb) or any(self.yb)
 
-    def _body_plan(self, kb: set, yb: list, kw: set, yw: list) -> Plan:
+    def _body_plan(self, kb: set, yb: list, kw: set, yw: list):
         b_out = [k in kb for k in range(self.nk)] + list(yb)
         w_out = [k in kw for k in range(self.nk)] + list(yw)
         direct = [True] * self.nc + [k in kw for k in range(self.nk)] + [True] * self.nx
