@@ -119,17 +119,12 @@ class ScanSplit:
 
         carry, (ys, stash) = jax.lax.scan(step, init, xs, length=self.length, reverse=self.reverse,
                                           unroll=self.unroll)
-        out: list = [None] * len(eqn.outvars)
-        for k, c in zip(kb, carry):
-            out[k] = c
-        for j, y in zip([j for j in range(self.ny) if self.yb[j]], ys):
-            out[self.nk + j] = y
-        return out, list(stash)
+        return self._outputs(kb, carry, self.yb, ys), list(stash)
 
     def run_w(self, env: dict, stash: Sequence[Any]) -> list:
         """The W scan, reading B's stacked stash. Returns the equation's outputs (None where W
         does not compute them)."""
-        eqn, body = self.eqn, self.body
+        body = self.body
         consts, k_in, x_in, kw, xj, init, xs = self._scan_args(env, self.w_in, body.w_invars, self.kw)
 
         def step(carry, x):
@@ -142,9 +137,15 @@ class ScanSplit:
 
         carry, ys = jax.lax.scan(step, init, (xs, list(stash)), length=self.length, reverse=self.reverse,
                                  unroll=self.unroll)
-        out: list = [None] * len(eqn.outvars)
-        for k, c in zip(kw, carry):
+        return self._outputs(kw, carry, self.yw, ys)
+
+    def _outputs(self, carries: Sequence[int], carry: Sequence[Any], ys_mask: Sequence[bool],
+                 ys: Sequence[Any]) -> list:
+        """The equation's outputs from one side's scan: its final `carries` and its ys (those of
+        `ys_mask`), None where the other side computes them."""
+        out: list = [None] * len(self.eqn.outvars)
+        for k, c in zip(carries, carry):
             out[k] = c
-        for j, y in zip([j for j in range(self.ny) if self.yw[j]], ys):
+        for j, y in zip([j for j in range(self.ny) if ys_mask[j]], ys):
             out[self.nk + j] = y
         return out
