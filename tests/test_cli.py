@@ -8,15 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL
+from conftest import SMALL, child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(*args: str, fake_devices: bool = False) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    if fake_devices:
-        env.pop("XLA_FLAGS", None)  # train.py must set the fake device count itself
+    env = child_env() if fake_devices else dict(os.environ)  # child_env: train.py sets the count itself
     sets = [a for s in SMALL for a in ("--set", s)]
     return subprocess.run(
         [sys.executable, "train.py", *sets, *args],

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import ROOT, run_module
+from conftest import ROOT, child_env, run_module
 from sharding.mesh import build_mesh, parse_mesh
 from tools import collectives
 from tools.collectives import OPS, Row, bandwidths, fit_model, message_count, parse_sizes, summarize
@@ -131,7 +131,6 @@ def test_two_processes_run_the_sweep_and_agree_with_one(tmp_path):
     0 alone writes the record, whose table (op, axes, group, size, count) is the one-process
     run's. Timings differ (a network of processes instead of one address space) and are not
     compared."""
-    import os
     import socket
     import subprocess
     import sys
@@ -144,7 +143,7 @@ def test_two_processes_run_the_sweep_and_agree_with_one(tmp_path):
     sweep = ["--mesh", "dp=2,tp=4", "--sizes", "1K:4K", "--ops", "all-reduce,all-gather,permute", "--iters", "2"]
     one = run_module("tools.collectives", *sweep, "--out", str(tmp_path / "one.json"))
     assert one.returncode == 0, one.stderr
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     coordinator = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen(
         [sys.executable, "-m", "tools.collectives", *sweep, "--out", str(tmp_path / "two.json"),

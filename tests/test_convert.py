@@ -3,7 +3,6 @@
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,7 +16,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from conftest import ROOT, run_module
+from conftest import ROOT, child_env, run_module
 from configs import ParallelConfig, RunConfig, apply_overrides, get_preset
 from sharding.mesh import build_mesh, parse_mesh
 from tools import convert
@@ -314,7 +313,7 @@ def test_host_memory_stays_near_one_layer(tmp_path):
     layer = (d * n + 2 * d * k + n * d + 3 * d * f + 2 * d) * 2  # one layer's tensors, bf16
     script = tmp_path / "measure.py"
     script.write_text(MEMORY)
-    env = {**os.environ, "XLA_FLAGS": ""}
+    env = child_env()
     out = subprocess.run([sys.executable, str(script), "--from-hf", str(tmp_path / "hf"), "--run-dir",
                           str(tmp_path / "run"), "--set", "model.param_dtype=bfloat16"],
                          cwd=ROOT, env=env | {"PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)

@@ -5,7 +5,6 @@ at steps 5 and 8; its losses must equal the one-process run's. Then the checkpoi
 written by two processes, is resumed by one process, which must reach the same losses again.
 """
 
-import os
 import shutil
 import socket
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import logged_losses, small_config, train_argv
+from conftest import child_env, logged_losses, small_config, train_argv
 from sharding.mesh import build_mesh
 from training.build import build
 from training.checkpoint import Checkpointer
@@ -34,7 +33,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("two-processes")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py asks for 4 devices each
+    env = child_env()  # train.py asks for 4 devices each
     coordinator = f"127.0.0.1:{free_port()}"
     sets = [a for s in SETS for a in ("--set", s)]
     procs = [

@@ -1,11 +1,10 @@
 """bench/gpu.py (`make gpu-check`): the --cpu-smoke pipeline end to end, and the no-GPU line."""
 
 import json
-import os
 import subprocess
 import sys
 
-from conftest import ROOT, run_module
+from conftest import ROOT, child_env, run_module
 
 
 def test_cpu_smoke_writes_real_numbers(tmp_path):
@@ -50,7 +49,7 @@ def test_cpu_smoke_writes_real_numbers(tmp_path):
 
 
 def test_without_gpu_says_so_in_one_line(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    env = child_env(JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-m", "bench.gpu", "--out", str(tmp_path / "x.json")], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -1,6 +1,5 @@
 """The wheel that `pip install .` builds holds every package, and runs from outside the checkout."""
 
-import os
 import shutil
 import subprocess
 import sys
@@ -8,6 +7,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("bench", "configs", "model", "pipeline", "sharding", "tools", "training")
@@ -44,7 +45,7 @@ def test_wheel_holds_every_module(installed):
 
 def _outside(target: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
     """python args... in `cwd` (not the checkout) with only the installed copy importable."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONPATH": str(target)}
+    env = child_env(PYTHONPATH=str(target))
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 

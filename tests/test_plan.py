@@ -10,7 +10,6 @@ bytes of every activation.
 import dataclasses
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from configs import apply_overrides, get_preset
-from conftest import ROOT, SMALL, run_module, small_config
+from conftest import ROOT, SMALL, child_env, run_module, small_config
 from sharding.mesh import AXES, build_mesh, parse_mesh
 from tools import estimate
 from tools.bandwidth import load
@@ -222,7 +221,7 @@ def test_dry_run_llama3_8b_on_64_devices_allocates_no_parameters(tmp_path):
               "'dp=8,tp=8', '--dry-run', '--json']\ntry:\n    runpy.run_path('train.py', run_name='__main__')\n"
               "except SystemExit as e:\n    code = e.code\n"
               "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, code, file=sys.stderr)")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py asks for its 64 devices
+    env = child_env()  # train.py asks for its 64 devices
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     rss, code = out.stderr.strip().splitlines()[-1].split()[1:]
@@ -277,7 +276,7 @@ def test_search_top_meshes_build_with_their_settings():
         "    make_program(run, build_mesh(run.parallel))\n"
         "    print(json.dumps(c['sizes']))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
