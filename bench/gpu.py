@@ -70,14 +70,14 @@ import time
 import traceback
 from pathlib import Path
 
+from bench import gpu_training
 from bench.common import error_text
 from bench.gpu_correctness import correctness
 from cli import run_cli
 from configs import ConfigError
 from sharding.xla_flags import with_flags
+from tools.calibration import estimate_vs_measured
 from tools.measure import RESULTS, environment, median_seconds, run_record, write_report
-from tools.calibration import case_config, estimate_vs_measured
-from tools.oom import is_out_of_memory
 
 STAGES = ("environment", "ceilings", "correctness", "attention", "training", "flags", "profile")
 CORES = ("pallas", "cudnn", "xla")
@@ -247,81 +247,18 @@ def stage_attention(sizes: Sizes) -> dict:
     return {"flops": "forward 4*B*N*L^2*H halved (causal); forward+backward 3.5x forward", "rows": rows}
 
 
-# --- stage 5: training speed --------------------------------------------------------------------
-
-def training_case(preset: str, remat: str, overrides: tuple[str, ...], sizes: Sizes,
-                  compiler_options: dict | None = None) -> dict:
-    import jax
-
-    from bench.step import measure_steps
-    from sharding.mesh import build_mesh, mesh_config
-    from sharding.strategies import device_core
-
-    cfg = case_config(preset, overrides, [f"model.remat={remat}"], jax.device_count())
-    row = {"preset": preset, "remat": remat, "attention": device_core(cfg.model, context=False),
-           "overrides": list(overrides)}
-    try:
-        mesh = build_mesh(cfg.parallel)
-        cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
-        t = measure_steps(cfg, mesh, sizes.train_steps, compiler_options)
-    except Exception as err:  # noqa: BLE001 -- an OOM is a result; the next case runs
-        return row | {"status": "oom" if is_out_of_memory(err) else "error", "error": error_text(err)}
-    keep = ("n_params", "batch_shape", "tokens_per_step", "compile_s", "step_time_median_s", "tokens_per_s",
-            "tflops_per_device", "mfu", "peak_memory_bytes_per_device", "memory_analysis", "loss_first", "loss_last")
-    return row | {"status": "ok", "devices": mesh.size} | {k: t[k] for k in keep}
-
+# --- stages 5-7: training speed, XLA options on and off, profile (bench/gpu_training.py) ---------
 
 def stage_training(sizes: Sizes) -> dict:
-    rows = [training_case(p, r, o, sizes) for p, r, o in sizes.train_cases]
-    return {"peak_memory_note": "memory_stats peak of the whole process so far (cases run smallest first)",
-            "rows": rows}
+    return gpu_training.training(sizes.train_cases, sizes.train_steps)
 
-
-# --- stage 6: XLA options on and off ------------------------------------------------------------
 
 def stage_flags(sizes: Sizes) -> dict:
-    rows = []
-    for preset, remat, overrides, option in sizes.flag_cases:
-        on, off = (training_case(preset, remat, overrides, sizes, {option: value}) for value in (True, False))
-        row = {"preset": preset, "remat": remat, "option": option, "on": on, "off": off}
-        if on["status"] == off["status"] == "ok":
-            row["ratio_off_to_on"] = off["step_time_median_s"] / on["step_time_median_s"]
-        rows.append(row)
-    return {"note": "each case compiled twice in this process, the option on and off (compile options over "
-                    "XLA_FLAGS); ratio_off_to_on > 1: the option pays", "rows": rows}
+    return gpu_training.flags(sizes.flag_cases, sizes.train_steps)
 
-
-# --- stage 7: profile ---------------------------------------------------------------------------
 
 def stage_profile(sizes: Sizes, run_dir: Path) -> dict:
-    import jax
-
-    from sharding.mesh import build_mesh, mesh_config
-    from sharding.strategies import device_core
-    from tools.op_kinds import op_breakdown
-    from tools.trace_summary import summarize
-    from training.build import build
-    from training.loop import train
-
-    extra = ["train.steps=4", "train.profile_steps=2:4",
-             "train.checkpoint_every=0", "train.log_every=1000", "train.eval_every=0"]
-    cases = []
-    for i, (preset, overrides) in enumerate(sizes.profile_cases):
-        cfg = case_config(preset, overrides, extra, jax.device_count())
-        mesh = build_mesh(cfg.parallel)
-        job = build(dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel)), mesh)
-        case_dir = run_dir / f"{i}-{preset}"
-        case_dir.mkdir(parents=True, exist_ok=True)
-        train(job, case_dir)
-        case = {"run_dir": str(case_dir), "preset": preset, "overrides": list(overrides),
-                "remat": cfg.model.remat, "scan_layers": cfg.model.scan_layers,
-                "attention": device_core(cfg.model, context=False)}
-        try:
-            case["scopes"] = {k: v for k, v in summarize(case_dir).items() if k != "timeline"}
-        except Exception as err:  # noqa: BLE001 -- the op breakdown below may still work
-            case["scopes"] = {"error": error_text(err)}
-        cases.append(case | {"ops": op_breakdown(case_dir)})
-    return {"cases": cases}
+    return gpu_training.profile(sizes.profile_cases, run_dir)
 
 
 # --- the run ------------------------------------------------------------------------------------
