@@ -100,3 +100,32 @@ def test_op_kinds_prints_the_breakdown(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "520.66 ms of kernels per step per device" in out and "matmul                  333.39 ms   64.0%" in out
     assert out.count(" ms  matmul") + out.count(" ms  attention kernel") + out.count(" ms  elementwise") == 3
+
+
+def test_every_gpu_case_builds_and_traces():
+    """The GPU run's own cases (bench.gpu.GPU: training, flags and profile, at their real presets
+    and batches) are valid runs: each parses and its train step traces (abstractly: nothing
+    allocated or compiled) on 1 device and on 8, as on one GPU and on a node. A renamed setting
+    or a batch that no longer divides fails here on CPU, not on a lent GPU's clock."""
+    import dataclasses
+
+    import jax
+
+    from bench.gpu import GPU
+    from sharding.mesh import build_mesh, mesh_config
+    from tools.calibration import case_config
+    from training.build import make_program
+
+    profile_extra = ["train.steps=4", "train.profile_steps=2:4"]
+    cases = ([(p, o, [f"model.remat={r}"]) for p, r, o in GPU.train_cases]
+             + [(p, o, [f"model.remat={r}"]) for p, r, o, _ in GPU.flag_cases]
+             + [(p, o, profile_extra) for p, o in GPU.profile_cases])
+    assert len(cases) == len(GPU.train_cases) + len(GPU.flag_cases) + len(GPU.profile_cases) == 10
+    for preset, overrides, extra in cases:
+        for n in (1, 8):
+            cfg = case_config(preset, overrides, extra, n)
+            mesh = build_mesh(cfg.parallel, jax.devices()[:n])
+            program = make_program(dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel)), mesh)
+            _, metrics = jax.eval_shape(program.step_fn, program.state, program.abstract_batch())
+            assert metrics["loss"].shape == () and metrics["loss"].dtype == "float32", (preset, overrides, n)
+            assert dict(mesh.shape)["data"] == n
