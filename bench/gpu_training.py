@@ -25,6 +25,8 @@ from tools.calibration import case_config
 from tools.oom import is_out_of_memory
 
 Case = tuple[str, str, tuple[str, ...]]  # (preset, remat, overrides)
+PROFILE_EXTRA = ("train.steps=4", "train.profile_steps=2:4",  # steps 2..3 traced
+                 "train.checkpoint_every=0", "train.log_every=1000", "train.eval_every=0")
 KEEP = ("n_params", "batch_shape", "tokens_per_step", "compile_s", "step_time_median_s", "tokens_per_s",
         "tflops_per_device", "mfu", "peak_memory_bytes_per_device", "memory_analysis", "loss_first", "loss_last")
 
@@ -81,11 +83,9 @@ def profile(cases: tuple[tuple[str, tuple[str, ...]], ...], run_dir: Path) -> di
     from training.build import build
     from training.loop import train
 
-    extra = ["train.steps=4", "train.profile_steps=2:4",
-             "train.checkpoint_every=0", "train.log_every=1000", "train.eval_every=0"]
     rows = []
     for i, (preset, overrides) in enumerate(cases):
-        cfg = case_config(preset, overrides, extra, jax.device_count())
+        cfg = case_config(preset, overrides, list(PROFILE_EXTRA), jax.device_count())
         mesh = build_mesh(cfg.parallel)
         job = build(dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel)), mesh)
         case_dir = run_dir / f"{i}-{preset}"

@@ -112,15 +112,14 @@ def test_every_gpu_case_builds_and_traces():
     import jax
 
     from bench.gpu import GPU
+    from bench.gpu_training import PROFILE_EXTRA
     from sharding.mesh import build_mesh, mesh_config
     from tools.calibration import case_config
     from training.build import make_program
 
-    profile_extra = ["train.steps=4", "train.profile_steps=2:4"]
     cases = ([(p, o, [f"model.remat={r}"]) for p, r, o in GPU.train_cases]
              + [(p, o, [f"model.remat={r}"]) for p, r, o, _ in GPU.flag_cases]
-             + [(p, o, profile_extra) for p, o in GPU.profile_cases])
-    assert len(cases) == len(GPU.train_cases) + len(GPU.flag_cases) + len(GPU.profile_cases) == 10
+             + [(p, o, list(PROFILE_EXTRA)) for p, o in GPU.profile_cases])
     for preset, overrides, extra in cases:
         for n in (1, 8):
             cfg = case_config(preset, overrides, extra, n)
