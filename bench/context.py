@@ -17,7 +17,7 @@ gives the median step time and its ratio to the first of --impls (ring by defaul
 sp. Memory is XLA's analysis of the compiled step per device (`training.build.xla_memory`):
 temp (activations and working buffers) and the static peak, with temp's ratio to sp=1 (to the
 same way at the smallest sp when 1 is not given): a flat ratio means a device's memory does not
-grow with L. Beside them, the bytes per device per step over `sequence` that tools/estimate.py
+grow with L. Beside them, the bytes per device per step over `sequence` that tools/traffic.py
 gives: K and V (`context`) and everything (`communication`, with the gradients' all-reduce).
 
 Every case is checked before jax starts (sharding/checks.py: L divisible by 2·sp for ring and
@@ -38,7 +38,7 @@ from bench.common import report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, get_preset
 from sharding.mesh import AXES, parse_mesh
-from tools.estimate import communication, context
+from tools.traffic import communication, context
 from tools.measure import RESULTS, timed, write_report
 
 if TYPE_CHECKING:

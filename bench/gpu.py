@@ -51,7 +51,7 @@ for with jax.block_until_ready. All stages share one process, so `peak_memory_by
 static memory analysis of each step is recorded beside it.
 
 On a GPU, with the ceilings, attention and training stages run, the record then holds
-`estimate`: each training case's step time as tools/estimate.py plans it at this record's own
+`estimate`: each training case's step time as tools/roofline.py plans it at this record's own
 measured rates, beside the measured one (tools/calibration.py; tests/test_calibration.py holds
 them within 15% once a GPU record is committed).
 
@@ -378,7 +378,7 @@ def estimate_rows(out: Path) -> dict:
         print(f"    estimate {r['preset']:<5} remat {r['remat']:<4}{'' if r['scan_layers'] else ' unrolled'}  "
               f"{r['estimate_s'] * 1e3:8.1f} ms vs measured "
               f"{r['measured_s'] * 1e3:8.1f} ms: {r['ratio']:.2f}x")
-    return {"note": "tools.estimate at this record's measured rates (tools/calibration.py); target within 15%",
+    return {"note": "tools.roofline at this record's measured rates (tools/calibration.py); target within 15%",
             "rows": rows}
 
 

@@ -16,7 +16,7 @@ machine slows all alike); a row gives the median step time and its ratio to the 
 (the first ep, first dispatch: ep=1 dropless by default), XLA's memory per device of the
 compiled step (`training.build.xla_memory`), the all-to-alls of the compiled HLO over `expert`
 (tools/hlo.py: how many run per step, per MoE layer, forward and backward, and their bytes) and
-the all-to-all bytes per device per step that `tools.estimate.expert` gives for the same case.
+the all-to-all bytes per device per step that `tools.traffic.expert` gives for the same case.
 
 All-to-alls per MoE layer (sharding/expert_parallel.py): dispatch and combine forward, their
 transposes backward: 4; dropless adds its int32 expert ids forward (ids have no gradient): 5.
@@ -54,7 +54,7 @@ from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, get_preset
 from configs.checks import CHOICES
 from sharding.mesh import AXES, format_mesh, parse_mesh
-from tools.estimate import expert as expert_bytes
+from tools.traffic import expert as expert_bytes
 from tools.measure import RESULTS, timed, write_report
 
 if TYPE_CHECKING:

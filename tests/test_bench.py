@@ -93,7 +93,7 @@ def test_moe_benchmark_times_ep_cases_and_counts_all_to_alls(tmp_path):
     """ep=1,2 dropless on 8 devices (dp=8; dp=4,ep=2), fp32 so the compiled buffers match the
     estimate's dtype. The compiled step's all-to-alls over `expert` per MoE layer at ep=2: 3
     forward (dispatch, the int32 expert ids, combine) and 2 backward (the transposes of dispatch
-    and combine; the ids carry no gradient), their bytes equal to tools.estimate.expert."""
+    and combine; the ids carry no gradient), their bytes equal to tools.traffic.expert."""
     out_file = tmp_path / "moe.json"
     sets = [a for s in SMALL if not s.startswith("model.n_layers") for a in ("--set", s)]
     out = run_module("bench.moe", *sets, "--set", "model.n_layers=1", "--set", "model.expert_d_ff=64",

@@ -10,7 +10,7 @@ import pytest
 from configs import ConfigError, apply_overrides, get_preset
 from conftest import ROOT, run_module
 from sharding.mesh import AXES, parse_mesh
-from tools import estimate
+from tools import estimate, roofline
 from tools.calibration import case_config, estimate_vs_measured, rated_gpu
 from tools.plan import above_best_mfu, format_plan, plan
 from training.metrics import attention_flops_per_token, flops_per_token
@@ -44,20 +44,20 @@ def test_compute_runs_at_the_matmul_attention_and_copy_rates():
     the memory-bound kernels' bytes at 3.0 TB/s, one after another; at the datasheet peak the
     matmuls take less and the memory-bound part the same."""
     cfg, sizes = llama8b("dp=8,tp=8")
-    f = estimate.flops(cfg, sizes)
+    f = roofline.flops(cfg, sizes)
     redo = 4 / 3  # remat full: one more forward
     tokens = cfg.train.global_batch_size * cfg.train.seq_len / 64
     assert f["attention_per_device"] == pytest.approx(attention_flops_per_token(cfg.model, 8192) * tokens * redo)
     assert f["hardware_per_device"] == pytest.approx(flops_per_token(cfg.model, 8192) * tokens * redo)
-    h100 = estimate.GPUS["h100"]
-    t = estimate.step_time(cfg, sizes, h100)
+    h100 = roofline.GPUS["h100"]
+    t = roofline.step_time(cfg, sizes, h100)
     matmuls = f["hardware_per_device"] - f["attention_per_device"]
     assert t["matmul_s"] == pytest.approx(matmuls / 798e12)
     assert t["attention_s"] == pytest.approx(f["attention_per_device"] / 406e12)
-    memory = estimate.memory_bound_bytes(cfg, sizes)
+    memory = roofline.memory_bound_bytes(cfg, sizes)
     assert t["memory_s"] == pytest.approx(memory / 3.0e12)
     assert t["compute_s"] == pytest.approx(t["matmul_s"] + t["attention_s"] + t["memory_s"])
-    peak = estimate.step_time(cfg, sizes, dataclasses.replace(h100, matmul_flops=989e12, attention_flops=989e12))
+    peak = roofline.step_time(cfg, sizes, dataclasses.replace(h100, matmul_flops=989e12, attention_flops=989e12))
     assert peak["memory_s"] == t["memory_s"] and peak["compute_s"] < t["compute_s"]
     assert t["mfu_overlap"] == pytest.approx(f["model_per_device"] / (989e12 * t["overlap_s"]))
 
@@ -73,9 +73,9 @@ def test_memory_bound_bytes_count_the_layer_passes_logits_and_optimizer():
     per_token = (4 * m.d_model + 6 * m.n_heads * m.head_dim + 4 * m.d_ff) * 2  # bf16; H = N·h here (K = N)
     acts = m.n_layers * tokens * per_token
     logits, optimizer = 4 * tokens * m.vocab_size * 4, 28 * estimate.local_params(cfg, sizes)
-    assert estimate.memory_bound_bytes(cfg, sizes) == pytest.approx(2 * (4 * acts + logits) + optimizer)
+    assert roofline.memory_bound_bytes(cfg, sizes) == pytest.approx(2 * (4 * acts + logits) + optimizer)
     full = dataclasses.replace(cfg, model=dataclasses.replace(m, remat="full"))
-    assert estimate.memory_bound_bytes(full, sizes) == pytest.approx(2 * (6 * acts + logits) + optimizer)
+    assert roofline.memory_bound_bytes(full, sizes) == pytest.approx(2 * (6 * acts + logits) + optimizer)
 
 
 def test_a_gpu_check_record_sets_the_rates(tmp_path):
@@ -91,7 +91,7 @@ def test_a_gpu_check_record_sets_the_rates(tmp_path):
     assert "attention 360 TFLOP/s (pallas forward + backward, L=4096" in gpu.rates
     cfg, sizes = llama8b("dp=8,tp=8")
     report = plan(cfg, sizes, gpu, None)
-    assert report["time"]["compute_s"] > estimate.step_time(cfg, sizes, estimate.GPUS["h100"])["compute_s"]
+    assert report["time"]["compute_s"] > roofline.step_time(cfg, sizes, roofline.GPUS["h100"])["compute_s"]
     assert f"rates: measured in {path}" in format_plan(report)
 
 
@@ -118,7 +118,7 @@ def test_the_cpu_smoke_record_is_refused_in_one_error_line():
 def test_plans_stay_below_the_best_published_mfu_or_say_why():
     """The presets' README layouts plan at or below 56% (Marin's 2.7B on 8 H100s); a GPU whose
     rates are its peak predicts more, and the plan then says why."""
-    h100 = estimate.GPUS["h100"]
+    h100 = roofline.GPUS["h100"]
     for mesh in ("fsdp=8", "dp=8,tp=8"):
         cfg, sizes = llama8b(mesh)
         report = plan(cfg, sizes, h100, None)
@@ -176,7 +176,7 @@ def test_estimate_rows_rebuild_each_case_of_a_record(tmp_path):
     [row] = estimate_vs_measured(path)
     cfg = case_config("125m", tuple(overrides), ["model.remat=full", "model.attention=cudnn"], 1)
     assert cfg.train.global_batch_size == 32 and cfg.model.remat == "full"
-    expected = estimate.step_time(cfg, {a: 1 for a in AXES}, rated_gpu("h100", path))["overlap_s"]
+    expected = roofline.step_time(cfg, {a: 1 for a in AXES}, rated_gpu("h100", path))["overlap_s"]
     assert row == {"preset": "125m", "remat": "full", "scan_layers": True, "devices": 1, "measured_s": 0.5,
                    "estimate_s": pytest.approx(expected), "ratio": pytest.approx(expected / 0.5)}
 
@@ -186,7 +186,7 @@ def test_a_plan_with_the_xla_core_says_to_take_a_fused_one():
     memory-bound kernels outweigh the matmuls, and the verdict names the fix; the preset's auto
     takes cudnn on the GPU (the plan says so) and the verdict is silent; auto in float32 takes
     xla, and the fix is the compute dtype. The plan splits compute into its three parts."""
-    h100 = estimate.GPUS["h100"]
+    h100 = roofline.GPUS["h100"]
     cfg, sizes = llama8b("fsdp=8")
     slow, fast = plan(apply_overrides(cfg, ["model.attention=xla"]), sizes, h100, None), plan(cfg, sizes, h100, None)
     assert (slow["attention"], fast["attention"]) == ("xla", "cudnn")

@@ -15,7 +15,7 @@ from training.build import make_program
 
 
 def test_checks_import_no_jax():
-    code = "import sys, sharding.checks, cli, tools.search; print('jax' in sys.modules)"
+    code = "import sys, sharding.checks, cli, tools.search, tools.roofline; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 

@@ -10,7 +10,7 @@ collectives its docstring states.
 - collectives of the compiled forward and backward (sp = 4), and clear errors;
 - the train step (sharding/strategies.py wires it in): equal to one device on sp = 8, beside
   dp, fsdp, tp and pp, under full remat and accumulation, both impls and the Pallas core;
-  the compiled step's K/V collectives = tools.estimate.context; memory flat in sp at fixed L/sp.
+  the compiled step's K/V collectives = tools.traffic.context; memory flat in sp at fixed L/sp.
 
 Numbers: fp32, B = 2, L = 32, N = 4 query heads over K = 2 kv heads (GQA), H = 8. The sharded
 out, dq, dk, dv, put back in natural order, equal `model.attention.xla_attention` on the whole
@@ -254,9 +254,9 @@ def test_step_census_holds_the_context_contract(impl):
     """tiny's compiled step on dp=2,sp=4 (fp32, as CPU buffers are; see tests/test_hlo.py): in
     each layer loop exactly the K/V collectives of sharding/context_parallel.py's table on
     `sequence`, every one of one local block E = b·(L/sp)·K·H (all-gathers: sp·E), and their
-    bytes equal `tools.estimate.context` within 2%; everything else on `sequence` is the
+    bytes equal `tools.traffic.context` within 2%; everything else on `sequence` is the
     gradients' all-reduce."""
-    from tools import estimate
+    from tools import traffic
 
     cfg, found = _step_census("dp=2,sp=4", f"parallel.context_impl={impl}")
     m, sp = cfg.model, 4
@@ -276,7 +276,7 @@ def test_step_census_holds_the_context_contract(impl):
         assert forward == {"all-gather": 2} and backward == {"all-gather": 2, "reduce-scatter": 2}
         assert {c.elements for c in kv} == {sp * e}
     sizes = {"stage": 1, "data": 2, "fsdp": 1, "expert": 1, "sequence": sp, "tensor": 1}
-    assert sum(c.bytes_per_step for c in kv) == pytest.approx(estimate.context(cfg, sizes), rel=0.02)
+    assert sum(c.bytes_per_step for c in kv) == pytest.approx(traffic.context(cfg, sizes), rel=0.02)
 
 
 def test_ring_memory_stays_flat_as_sp_and_length_grow_together():

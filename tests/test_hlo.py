@@ -205,9 +205,9 @@ def test_one_f_one_b_gathers_and_reduces_once_per_step(schedule):
     the 1F1B family's engine, manual over data and fsdp, gathers each stage's weights over fsdp
     once, sums its gradients over the whole schedule, reduce-scatters them over fsdp once and
     all-reduces the shard over data once: every collective on those axes runs once per step,
-    the same bytes at both M, equal to `tools.estimate.communication` (the stage's parameters:
+    the same bytes at both M, equal to `tools.traffic.communication` (the stage's parameters:
     the embedding, norm and head replicated over stage, 2 of the 4 layers)."""
-    from tools import estimate
+    from tools import traffic
 
     runs = [compiled("pp=2,dp=2,fsdp=2", f"parallel.schedule={schedule}", f"parallel.microbatches={m}",
                      "model.compute_dtype=float32") for m in (4, 8)]
@@ -218,7 +218,7 @@ def test_one_f_one_b_gathers_and_reduces_once_per_step(schedule):
     assert all(c.trips == 1 for c in four if {"data", "fsdp"} & set(c.axes))
     assert {kind for kind, _ in on_batch(four)} == {"all-gather", "reduce-scatter", "all-reduce"}
     sizes = {a: getattr(cfg.parallel, a) for a in ("stage", "data", "fsdp", "expert", "sequence", "tensor")}
-    contract = estimate.communication(cfg, sizes)
+    contract = traffic.communication(cfg, sizes)
     fsdp = total(four, ("all-gather", "reduce-scatter"), ("fsdp",))
     data = total(four, ("all-reduce",), ("data",)) + total(four, ("all-reduce",), ("data", "fsdp"))
     assert fsdp == pytest.approx(contract["fsdp"], rel=0.01)
@@ -310,8 +310,8 @@ CONTRACT_CASES = [("dp=8",), ("fsdp=8",), ("dp=2,tp=4",), ("dp=2,tp=4", "model.r
 
 
 @pytest.mark.parametrize("case", CONTRACT_CASES, ids=[" ".join(c) for c in CONTRACT_CASES])
-def test_census_equals_the_contract_of_tools_estimate_on_every_axis(case):
-    """Bytes per device per step on each axis, census = tools.estimate.communication, two-sided:
+def test_census_equals_the_contract_of_tools_traffic_on_every_axis(case):
+    """Bytes per device per step on each axis, census = tools.traffic.communication, two-sided:
     2% on data (dp=8) and tensor, 5% on fsdp and on data beside tensor (README). Like with like:
     the CPU buffers of bf16 matmuls are f32 (module docstring), so the contract is evaluated at
     compute_dtype=float32; XLA CPU reduces fsdp gradients with all-reduce + slice, so those count
@@ -321,11 +321,11 @@ def test_census_equals_the_contract_of_tools_estimate_on_every_axis(case):
     once, counted with data."""
     from configs import apply_overrides
     from sharding.mesh import AXES
-    from tools import estimate
+    from tools import traffic
 
     mesh, *sets = case
     found, _, cfg = compiled(mesh, *sets)
-    contract = estimate.communication(apply_overrides(cfg, ["model.compute_dtype=float32"]),
+    contract = traffic.communication(apply_overrides(cfg, ["model.compute_dtype=float32"]),
                                       {a: getattr(cfg.parallel, a) for a in AXES})
     rows = census_by_axis(found)
     census = {"data": rows.get("data", 0) + rows.get("data+tensor", 0), "tensor": rows.get("tensor", 0),

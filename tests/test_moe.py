@@ -2,7 +2,7 @@
 
 The router against a hand computation; the layer against a token-by-token loop; the capacity's
 dropped fraction in a constructed case; the train step on expert meshes equal to one device; the
-compiled step's all-to-alls against the contract and tools.estimate.expert; the presets' sizes;
+compiled step's all-to-alls against the contract and tools.traffic.expert; the presets' sizes;
 and the load-balancing loss at work.
 """
 
@@ -192,9 +192,9 @@ def test_census_holds_the_expert_contract(dispatch, remat):
     all-to-alls of the dispatch buffer forward (dispatch, combine) and 2 backward, each of
     ep·S·D elements (dropless S = n·min(k, E/ep), capacity (E/ep)·C); dropless adds one int32
     all-to-all of the expert ids forward. Full remat repeats the forward's (in the backward).
-    Their bytes equal tools.estimate.expert within 2%; the attention weights' gradients are
+    Their bytes equal tools.traffic.expert within 2%; the attention weights' gradients are
     reduced over data and expert together."""
-    from tools import estimate
+    from tools import traffic
 
     cfg, found = _moe_census("dp=2,ep=4", f"model.moe_dispatch={dispatch}", f"model.remat={remat}")
     again = remat == "full"
@@ -211,7 +211,7 @@ def test_census_holds_the_expert_contract(dispatch, remat):
     ids = [c for c in a2a if c.dtype != "f32"]
     assert [(c.dtype, c.elements) for c in ids] == [("s32", ep * rows)] * (1 + again) * (dispatch == "dropless")
     sizes = {"stage": 1, "data": 2, "fsdp": 1, "expert": ep, "sequence": 1, "tensor": 1}
-    assert sum(c.bytes_per_step for c in a2a) == pytest.approx(estimate.expert(cfg, sizes), rel=0.02)
+    assert sum(c.bytes_per_step for c in a2a) == pytest.approx(traffic.expert(cfg, sizes), rel=0.02)
     grads = Counter(c.axes for c in found if c.kind == "all-reduce")
     assert grads[("data", "expert")] > 0
 

@@ -1,5 +1,5 @@
 """The planner on Mixture-of-Experts configs: parameter counts, the expert axis's terms in
-tools/estimate, the search over ep, the plan's all-to-all line. Pure arithmetic, nothing compiled."""
+tools/estimate and tools/traffic, the search over ep, the plan's all-to-all line. Pure arithmetic, nothing compiled."""
 
 import dataclasses
 import json
@@ -10,7 +10,7 @@ import pytest
 from configs import apply_overrides, get_preset
 from conftest import run_module
 from sharding.mesh import AXES
-from tools import estimate
+from tools import estimate, roofline, traffic
 from tools.bandwidth import load
 from tools.plan import format_plan, plan
 from tools.search import meshes, search
@@ -80,11 +80,11 @@ def test_expert_all_to_all_bytes_by_hand(dispatch):
         s = 8 // ep * math.ceil(1.25 * n * 2 / 8)  # 2 experts x 80 rows
         per_layer = 4 * (ep - 1) / ep * ep * s * d * c
     assert estimate.dispatch_rows(cfg, sizes) == s
-    assert estimate.expert(cfg, sizes) == pytest.approx(k * layers * per_layer)
+    assert traffic.expert(cfg, sizes) == pytest.approx(k * layers * per_layer)
     # the expert term adds the gradients of every weight but the routed experts, as over data
     non_expert = param_counts(cfg.model)[0] - layers * 8 * 3 * d * 192
-    comm = estimate.communication(cfg, sizes)
-    assert comm["expert"] == pytest.approx(estimate.expert(cfg, sizes) + k * 2 * 4 * non_expert * 3 / 4)
+    comm = traffic.communication(cfg, sizes)
+    assert comm["expert"] == pytest.approx(traffic.expert(cfg, sizes) + k * 2 * 4 * non_expert * 3 / 4)
     # data reduces the device's own experts (E/ep of them) with the rest
     local = non_expert + layers * 8 // ep * 3 * d * 192
     assert comm["data"] == pytest.approx(k * 2 * 4 * local / 2)
@@ -93,15 +93,15 @@ def test_expert_all_to_all_bytes_by_hand(dispatch):
 
 def test_no_expert_axis_no_all_to_all():
     cfg = moe_tiny()
-    assert estimate.expert(cfg, ONE | {"data": 8}) == 0
-    assert "expert" not in estimate.communication(cfg, ONE | {"data": 8})
+    assert traffic.expert(cfg, ONE | {"data": 8}) == 0
+    assert "expert" not in traffic.communication(cfg, ONE | {"data": 8})
     dense = get_preset("tiny")
-    assert estimate.expert(dense, ONE | {"data": 8}) == 0 and estimate.flops(dense, ONE)["padding_per_device"] == 0
+    assert traffic.expert(dense, ONE | {"data": 8}) == 0 and roofline.flops(dense, ONE)["padding_per_device"] == 0
 
 
 def test_remat_full_repeats_the_forward_all_to_alls():
     sizes = ONE | {"data": 2, "expert": 4}
-    none, full = (estimate.expert(moe_tiny(f"model.remat={r}"), sizes) for r in ("none", "full"))
+    none, full = (traffic.expert(moe_tiny(f"model.remat={r}"), sizes) for r in ("none", "full"))
     s, d = 512, 128
     assert full - none == pytest.approx(2 * 4 * 3 * (2 * s * d * 2 + s * 4))  # k·X·(ep-1)·(2 acts + ids)
 
@@ -112,9 +112,9 @@ def test_expert_padding_is_hardware_flops_only():
     where the model counts n·k = 512, at any ep; the model FLOPs do not change with the mesh."""
     dropless, capacity = moe_tiny(), moe_tiny("model.moe_dispatch=capacity")
     for sizes in (ONE | {"data": 8}, ONE | {"data": 2, "expert": 4}):
-        assert estimate.flops(dropless, sizes)["padding_per_device"] == 0
-        got = estimate.flops(capacity, sizes)
-        assert got["model_per_device"] == estimate.flops(dropless, sizes)["model_per_device"]
+        assert roofline.flops(dropless, sizes)["padding_per_device"] == 0
+        got = roofline.flops(capacity, sizes)
+        assert got["model_per_device"] == roofline.flops(dropless, sizes)["model_per_device"]
         assert got["padding_per_device"] == pytest.approx(2 * 4 * 18 * 128 * 192 * (640 - 512))
         assert got["hardware_per_device"] == pytest.approx(got["model_per_device"] + got["padding_per_device"])
 
@@ -135,7 +135,7 @@ def test_search_over_ep_respects_the_experts():
     assert {s["expert"] for s in meshes(six, 8)} == {1, 2}
     assert any(s["stage"] > 1 for s in found)  # pipelines hold whole MoE layers
     assert {s["expert"] for s in meshes(get_preset("tiny"), 8)} == {1}
-    ranked, _ = search(cfg, 8, estimate.GPUS["h100"])
+    ranked, _ = search(cfg, 8, roofline.GPUS["h100"])
     assert any(c["sizes"]["expert"] > 1 for c in ranked)
     for c in ranked:
         assert 8 % c["sizes"]["expert"] == 0
@@ -144,8 +144,8 @@ def test_search_over_ep_respects_the_experts():
 
 def test_expert_axis_link_is_nvlink_inside_a_node():
     sizes = ONE | {"fsdp": 8, "expert": 8}
-    assert estimate.link_bandwidth(sizes, "expert") == estimate.NVLINK
-    assert estimate.link_bandwidth(sizes | {"tensor": 2, "fsdp": 4}, "expert") == estimate.INFINIBAND
+    assert traffic.link_bandwidth(sizes, "expert") == traffic.NVLINK
+    assert traffic.link_bandwidth(sizes | {"tensor": 2, "fsdp": 4}, "expert") == traffic.INFINIBAND
 
 
 def test_plan_shows_ep_and_the_all_to_all(tmp_path):
@@ -154,8 +154,8 @@ def test_plan_shows_ep_and_the_all_to_all(tmp_path):
     path = tmp_path / "bw.json"
     path.write_text(json.dumps({"mesh": "fsdp=8,ep=8", "fit": {
         "expert": {"all-to-all": {"latency_us": 50.0, "busbw_GBps": 100.0}}}}))
-    report = plan(cfg, sizes, estimate.GPUS["h100"], None, load(path))
-    assert report["mesh"] == "fsdp=8,ep=8" and report["all_to_all"] == estimate.expert(cfg, sizes) > 0
+    report = plan(cfg, sizes, roofline.GPUS["h100"], None, load(path))
+    assert report["mesh"] == "fsdp=8,ep=8" and report["all_to_all"] == traffic.expert(cfg, sizes) > 0
     assert report["time"]["comm_s"]["expert"] == pytest.approx(50e-6 + report["communication"]["expert"] / 100e9)
     text = format_plan(report)
     assert "of which all-to-all" in text and "expert measured" in text

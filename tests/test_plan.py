@@ -1,4 +1,4 @@
-"""tools/estimate, tools/search, tools/plan and tools/trace_summary.
+"""tools/estimate, traffic and roofline, tools/search, tools/plan and tools/trace_summary.
 
 Memory: the analytic peak against XLA's static peak of the compiled CPU step, arguments +
 outputs - aliased + temp (XLA CPU's own peak_memory_in_bytes counts about the arguments only,
@@ -19,7 +19,7 @@ import pytest
 from configs import apply_overrides, get_preset
 from conftest import ROOT, SMALL, child_env, run_module, small_config
 from sharding.mesh import AXES, build_mesh, parse_mesh
-from tools import estimate
+from tools import estimate, roofline, traffic
 from tools.bandwidth import load
 from tools.plan import format_plan, plan, xla_figures
 from tools.search import meshes, search
@@ -53,7 +53,7 @@ def test_census_beside_the_contract_formulas():
     layer and 2 more for the embedding and head (on CPU the buffers are f32, so S counts 4 bytes
     per element: the small config computes in fp32)."""
     cfg = small_config("dp=4,tp=2")
-    report = plan(cfg, sizes_of(cfg), estimate.GPUS["h100"], xla_figures(cfg, build_mesh(cfg.parallel)))
+    report = plan(cfg, sizes_of(cfg), roofline.GPUS["h100"], xla_figures(cfg, build_mesh(cfg.parallel)))
     rows = {}
     for r in report["xla"]["census"]:
         rows[r["axes"]] = rows.get(r["axes"], 0) + r["bytes_per_device"]
@@ -72,13 +72,13 @@ def test_a_dry_run_on_cpu_compiles_the_core_that_runs_there():
     memory against it; in fp32 auto is xla on both, and XLA's memory is judged."""
     cfg = small_config("dp=8", "model.attention=cudnn", "model.compute_dtype=bfloat16")
     xla = xla_figures(cfg, build_mesh(cfg.parallel))
-    report = plan(cfg, sizes_of(cfg), estimate.GPUS["h100"], xla)
+    report = plan(cfg, sizes_of(cfg), roofline.GPUS["h100"], xla)
     assert (xla["attention"], report["attention"]) == ("xla", "cudnn")
     assert ("(cpu's fp32 buffers of a bf16 program and its xla core where the GPU takes cudnn: not judged)"
             in report["verdict"])
     assert "(8 x H100 SXM 80GB; attention cudnn)" in format_plan(report)
     fp32 = small_config("dp=8")
-    report = plan(fp32, sizes_of(fp32), estimate.GPUS["h100"], xla_figures(fp32, build_mesh(fp32.parallel)))
+    report = plan(fp32, sizes_of(fp32), roofline.GPUS["h100"], xla_figures(fp32, build_mesh(fp32.parallel)))
     assert report["attention"] == report["xla"]["attention"] == "xla" and "not judged" not in report["verdict"]
 
 
@@ -89,22 +89,22 @@ def test_estimate_terms_follow_the_mesh():
     assert p == pytest.approx(8.03e9, rel=0.01)
     assert estimate.local_params(cfg, one | {"fsdp": 8}) == pytest.approx(p / 8, rel=0.01)
     k = cfg.train.global_batch_size // 8  # the preset's one sequence per microbatch: 32 per rank
-    dp8 = estimate.communication(cfg, one | {"data": 8})  # the k microbatches' gradients reduced once
+    dp8 = traffic.communication(cfg, one | {"data": 8})  # the k microbatches' gradients reduced once
     assert dp8 == {"data": pytest.approx(2 * 4 * p * 7 / 8)}
-    fsdp8 = estimate.communication(cfg, one | {"fsdp": 8})  # ZeRO-3 per microbatch: 2 fp32 gathers, 1 reduce-scatter
+    fsdp8 = traffic.communication(cfg, one | {"fsdp": 8})  # ZeRO-3 per microbatch: 2 fp32 gathers, 1 reduce-scatter
     assert fsdp8 == {"fsdp": pytest.approx(k * (2 * 4 + 4) * p * 7 / 8, rel=1e-3)}  # (norms unsplit)
-    once = estimate.communication(apply_overrides(cfg, ["parallel.fsdp_gather_once=true"]), one | {"fsdp": 8})
+    once = traffic.communication(apply_overrides(cfg, ["parallel.fsdp_gather_once=true"]), one | {"fsdp": 8})
     assert once == {"fsdp": pytest.approx((2 + 4) * p * 7 / 8, rel=1e-3)}
     whole = estimate.memory(apply_overrides(cfg, ["parallel.fsdp_gather_once=true"]), one | {"fsdp": 8})
     assert whole["gathered once"] == pytest.approx(p / 8 * 7 * (2 + 4), rel=0.01)  # bf16 weights + fp32 accumulator
     assert estimate.memory(cfg, one | {"fsdp": 8})["gathered once"] == 0
-    assert estimate.link_bandwidth(one | {"data": 8, "tensor": 8}, "tensor") == estimate.NVLINK
-    assert estimate.link_bandwidth(one | {"data": 8, "tensor": 8}, "data") == estimate.INFINIBAND
+    assert traffic.link_bandwidth(one | {"data": 8, "tensor": 8}, "tensor") == traffic.NVLINK
+    assert traffic.link_bandwidth(one | {"data": 8, "tensor": 8}, "data") == traffic.INFINIBAND
     k = cfg.train.global_batch_size // 2  # 128 microbatches of one sequence per data rank
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
         piped = apply_overrides(cfg, [f"parallel.microbatches={k}", f"parallel.schedule={schedule}",
                                       f"parallel.virtual_stages={v}"])
-        t = estimate.step_time(piped, one | {"stage": 4, "data": 2}, estimate.GPUS["h100"])
+        t = roofline.step_time(piped, one | {"stage": 4, "data": 2}, roofline.GPUS["h100"])
         if schedule == "1f1b":  # lock-step, F = 1, B = 4 (remat=full and 1f1b's recompute): 2M·B + (p-1)(F+B) - (B-F)
             assert t["bubble"] == pytest.approx(1 - 5 * k / (8 * k + 3 * 5 - 3))
         else:  # the mirrored backward's ticks last as long as the forward's: the tick bubble
@@ -136,7 +136,7 @@ def test_estimate_bubble_and_stash_come_from_the_timetable(schedule, v, remat):
     b = (1 if schedule == "zb-h1" else 2) + (remat == "full") * (1 + stashing)
     cost = {"F": 1, "B": b, "W": 1}
     assert estimate.cell_costs(cfg, sizes) == cost
-    bubble = estimate.step_time(cfg, sizes, estimate.GPUS["h100"])["bubble"]
+    bubble = roofline.step_time(cfg, sizes, roofline.GPUS["h100"])["bubble"]
     assert bubble == pytest.approx(weighted(table, cost).bubble)
     s, mem = estimate.shape(cfg, sizes), estimate.memory(cfg, sizes)
     stack = estimate.stack_activations(cfg, sizes, remat)
@@ -165,7 +165,7 @@ def test_search_ranks_every_schedule_and_runs_the_fastest():
     # weights and fp32 gradients are whole for the step (the 1F1B family gathers once)
     cfg = apply_overrides(get_preset("llama3-70b"), ["train.global_batch_size=512", "train.seq_len=2048"])
     sizes = dict(zip(AXES, (2, 8, 4, 1, 1, 8)))
-    rows = rank_schedules(cfg, sizes, estimate.GPUS["h100"], 512 // 32)
+    rows = rank_schedules(cfg, sizes, roofline.GPUS["h100"], 512 // 32)
     names = [r["schedule"] for r in rows]
     assert len(names) >= 3 and len(set(names)) == len(names) and {"1f1b", "interleaved-1f1b", "zb-h1"} <= set(names)
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
@@ -175,7 +175,7 @@ def test_search_ranks_every_schedule_and_runs_the_fastest():
     by = {r["schedule"]: r for r in rows}
     at_16 = {name: estimate.pipeline_figures(pipelined(cfg, sizes, 16, name), sizes)["bubble"] for name in ("1f1b", "zb-h1")}
     assert at_16["zb-h1"] < at_16["1f1b"]  # W fills the bubble
-    ranked, _ = search(cfg, 512, estimate.GPUS["h100"])
+    ranked, _ = search(cfg, 512, roofline.GPUS["h100"])
     piped = next(c for c in ranked if c["sizes"] == sizes)
     assert piped["cfg"].parallel.schedule == rows[0]["schedule"]
     assert "zb-h1 M=" in schedule_summary(by["zb-h1"])
@@ -183,13 +183,13 @@ def test_search_ranks_every_schedule_and_runs_the_fastest():
 
 def test_search_ranks_only_meshes_that_fit_and_tp_stays_in_a_node():
     cfg = apply_overrides(get_preset("llama3-70b"), ["train.global_batch_size=512"])
-    gpu = estimate.GPUS["h100"]
+    gpu = roofline.GPUS["h100"]
     ranked, rejected = search(cfg, 512, gpu)
     assert ranked and rejected  # dp=512 cannot hold 70B x 16 bytes per parameter
     assert len(ranked) + rejected == len(meshes(cfg, 512))
     for c in ranked:
         assert math.prod(c["sizes"].values()) == 512
-        assert c["sizes"]["tensor"] * c["sizes"]["sequence"] <= estimate.GPUS_PER_NODE
+        assert c["sizes"]["tensor"] * c["sizes"]["sequence"] <= traffic.GPUS_PER_NODE
         assert c["memory"]["peak"] <= gpu.memory
         assert estimate.memory(c["cfg"], c["sizes"])["peak"] <= gpu.memory
     pure_dp = dict(zip(AXES, (1, 512, 1, 1, 1, 1)))
@@ -265,7 +265,7 @@ def test_search_top_meshes_build_with_their_settings():
         "os.environ['XLA_FLAGS'] = with_flags('', 512)\n"
         "from configs import apply_overrides, get_preset\n"
         "from sharding.mesh import build_mesh\n"
-        "from tools.estimate import GPUS\n"
+        "from tools.roofline import GPUS\n"
         "from tools.search import search, settings\n"
         "from training.build import make_program\n"
         "cfg = apply_overrides(get_preset('llama3-70b'), ['train.global_batch_size=512'])\n"
@@ -287,7 +287,7 @@ def test_search_top_meshes_build_with_their_settings():
 def test_dry_run_compiles_a_pipelined_step():
     cfg = small_config("pp=2,dp=4", "parallel.schedule=1f1b", "parallel.microbatches=2")
     xla = xla_figures(cfg, build_mesh(cfg.parallel))
-    report = plan(cfg, sizes_of(cfg), estimate.GPUS["h100"], xla)
+    report = plan(cfg, sizes_of(cfg), roofline.GPUS["h100"], xla)
     assert xla["memory"]["peak"] > 0 and xla["flops_per_device"] > 0
     assert any(r["axes"] == "stage" and r["kind"] == "collective-permute" for r in xla["census"])
     assert "stage" in report["communication"]
@@ -300,7 +300,7 @@ def test_presets_fit_their_target_out_of_the_box(preset, mesh):
     meshes README names, with no --set (the analytic verdict; the XLA column is the slow test)."""
     cfg = get_preset(preset)
     cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
-    report = plan(cfg, sizes_of(cfg), estimate.GPUS["h100"], None)
+    report = plan(cfg, sizes_of(cfg), roofline.GPUS["h100"], None)
     assert report["fits"], report["verdict"]
 
 
@@ -321,11 +321,11 @@ def test_measured_links_set_the_step_time(tmp_path):
                                                 "permute": {"latency_us": 1.0, "busbw_GBps": 1.0}},
                                        "tensor": {"all-reduce": {"latency_us": 5.0, "busbw_GBps": None}},
                                        "data+tensor": {"all-reduce": {"latency_us": 1.0, "busbw_GBps": 1.0}}})
-    report = plan(cfg, sizes, estimate.GPUS["h100"], None, load(path))
-    datasheet = estimate.step_time(cfg, sizes, estimate.GPUS["h100"])
+    report = plan(cfg, sizes, roofline.GPUS["h100"], None, load(path))
+    datasheet = roofline.step_time(cfg, sizes, roofline.GPUS["h100"])
     g = 4 * estimate.local_params(cfg, sizes)  # fp32 gradient bytes of the device's tensor shard, reduced once per step
     assert report["time"]["comm_s"]["data"] == pytest.approx(100e-6 + 2 * g * 7 / 8 / 20e9)
-    assert datasheet["comm_s"]["data"] == pytest.approx(2 * g * 7 / 8 / estimate.INFINIBAND)
+    assert datasheet["comm_s"]["data"] == pytest.approx(2 * g * 7 / 8 / traffic.INFINIBAND)
     assert report["time"]["comm_s"]["tensor"] == datasheet["comm_s"]["tensor"]
     assert report["links"] == {"data": f"measured {path} (all-reduce: 100.0 us + bytes / 20 GB/s, on dp=8,tp=8)",
                                "tensor": "datasheet NVLink 450 GB/s"}

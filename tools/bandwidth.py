@@ -1,7 +1,7 @@
 """Measured links for the planner: read the record of `python -m tools.collectives` (--bandwidth).
 
 The record's `fit` holds, per mesh axis (or +-combination) and op, a least-squares fit
-t = latency + S·factor / busbw. The contract's bytes per axis (tools/estimate.py) are bus bytes
+t = latency + S·factor / busbw. The contract's bytes per axis (tools/traffic.py) are bus bytes
 (S·factor: 2G(N-1)/N is an all-reduce of G), so an axis's time is latency + bytes / busbw. Each
 axis is timed with the op that dominates it in the contract, the first of these the record fits
 with a bandwidth:

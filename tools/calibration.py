@@ -1,7 +1,7 @@
 """Measured compute rates for the planner: read the record `make gpu-check` writes (--calibration).
 
-The roofline (tools/estimate.py) computes at a GPU's achievable rates, published figures by
-default (estimate.GPUS). A record of `python -m bench.gpu` measured on that GPU replaces them:
+The roofline (tools/roofline.py) computes at a GPU's achievable rates, published figures by
+default (roofline.GPUS). A record of `python -m bench.gpu` measured on that GPU replaces them:
   matmul     stages.ceilings.matmul_tflops: the bf16 8192^3 GEMM
   copies     stages.ceilings.copy_gbps: a 1 GiB fp32 x + 1, read + write counted (the rate of
              the memory-bound kernels); a record without it keeps the published copy rate
@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from configs import ConfigError, RunConfig, apply_overrides, get_preset
-from tools.estimate import GPU, GPUS
+from tools.roofline import GPU, GPUS
 
 FUSED = ("pallas", "cudnn")
 
@@ -85,11 +85,11 @@ def case_config(preset: str, overrides: tuple[str, ...], extra: list[str], n_dev
 def estimate_vs_measured(path: Path) -> list[dict]:
     """The training stage of the bench.gpu record at `path` against the roofline at that
     record's own measured rates: per case (preset, remat, devices) the measured median step,
-    tools.estimate's overlapped step time on the same config and mesh (data over the record's
+    tools.roofline's overlapped step time on the same config and mesh (data over the record's
     devices), and their ratio. Reads the GPU kind from the record; refuses what `calibrate`
     refuses."""
     from sharding.mesh import AXES
-    from tools.estimate import step_time
+    from tools.roofline import step_time
 
     stages = json.loads(path.read_text())["stages"]
     kind = str(stages["environment"].get("device_kind", "?")).lower()

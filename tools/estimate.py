@@ -1,14 +1,16 @@
-"""The analytic model of a run: memory per device, communication per mesh axis, FLOPs, step time.
+"""The analytic memory model of a run: bytes per device, term by term, and the per-device
+shape that every term of the model uses.
 
-Pure arithmetic on the config and the schedule's timetable (pipeline/schedule.py; nothing is
-traced or compiled, though importing the pipeline package imports jax), so `tools.search` can
-rank hundreds of meshes in a second. Letters as in DESIGN.md; per device: b sequences per
+Pure arithmetic on the config and the schedule's timetable (pipeline/schedule.py): no jax is
+imported, nothing traced or compiled, so `tools.search` can rank hundreds of meshes in a second. Letters as in DESIGN.md; per device: b sequences per
 microbatch, k microbatches, T = b·L/sp tokens, t = tp, X/pp layers; c = bytes of the compute
 dtype, p4 = 4 (fp32).
 Mixture of experts (model.n_experts = E > 0): X_moe = X/moe_every MoE layers, top-k' routing,
 F_e the expert F, ep = size of `expert`; per MoE layer and microbatch a device sends
 [ep, S, D] and its experts compute R = ep·S rows (`dispatch_rows`): dropless S = T·min(k', E/ep),
 capacity S = (E/ep)·ceil(cf·T·k'/E).
+Its siblings build on this shape: tools/traffic.py (bytes per mesh axis, the links they cross)
+and tools/roofline.py (FLOPs, step time, MFU, the GPUs planned for).
 
 Memory (bytes per device), the terms `memory()` returns:
   params      P_local · bytes(param_dtype)            P_local = P / (fsdp·tp·pp), norms whole;
@@ -68,94 +70,6 @@ XLA CPU reduces FSDP gradients with an all-reduce + slice (full-size gradient bu
 'gathered' term); GPU's reduce-scatter needs less. The estimate leaves out XLA's fragmentation,
 the CUDA context and NCCL buffers (about 1-2 GiB per GPU): keep a margin.
 
-Communication (bytes per device per step), the contract of DESIGN.md:
-  data    2 · G(N-1)/N              once per step (the k microbatches summed first; per
-                                    microbatch, times k, where sharding.checks.accumulation_axes
-                                    is empty: k = 1, MoE, sp > 1, gpipe and interleaved;
-                                    the 1F1B family reduces over data once per step);
-                                    G = fp32 gradient bytes of this device's shard (its E/ep
-                                    experts included: they are reduced over data), where the
-                                    wk, wv that tensor replicates (t does not divide K) count
-                                    one kv head: each device's gradient covers the head it uses,
-                                    and XLA reduces that slice over data before the tensor sum
-  fsdp    k·(2p + 4) · P(N-1)/N     P in parameters: XLA's ZeRO-3, per microbatch 2 all-gathers
-                                    of each layer's weights (param dtype, p bytes) and a
-                                    reduce-scatter of its fp32 gradient; with
-                                    parallel.fsdp_gather_once (c + 4) · P(N-1)/N: the weights
-                                    gathered whole in the compute dtype once per step, the
-                                    gradients reduce-scattered once; so too under the 1F1B
-                                    family (pipeline/one_f_one_b.py), manual over fsdp
-                                    (the device's E/ep experts included)
-  expert  2 · G'(ep-1)/ep           G' = G less the routed experts: every other weight treats
-                                    `expert` as a data axis (summed per axis, as sequence's)
-          + all-to-alls, per MoE layer and microbatch: dispatch and combine forward, their
-          transposes backward, 4 · (ep-1)/ep · ep·S·D·c; dropless adds the int32 expert ids
-          forward, (ep-1)/ep · ep·S·4; remat=full repeats the forward's (6 and 2 ids;
-          modelled, not measured). `expert()` returns the all-to-all bytes alone; none at ep = 1
-  tensor  per microbatch, S = b·L·D·c: (4 + r) · 2S(t-1)/t per layer, 2 all-reduces forward
-          and 2 backward (with sequence parallelism an all-gather and a reduce-scatter for each,
-          the same bytes); plus 2 · 2S(t-1)/t per microbatch for the vocab-parallel embedding
-          (its lookup's all-reduce forward) and head (its input gradient's all-reduce
-          backward); under sequence parallelism the same bytes, the embedding's reduce-scatter
-          forward and all-gather backward, the head's all-gather forward and reduce-scatter
-          backward (sharding/tensor_parallel.py); plus, when t does not
-          divide K, the all-reduce of the replicated wk, wv gradients (2·D·K·H fp32 per layer).
-          r: remat=full recomputes the layer's forward in the backward, but only what the
-          backward reads: the attention output's all-reduce (its sum feeds the MLP), not the
-          MLP's (its sum only makes the layer's output, which the backward never reads), so
-          r = 1; under sequence parallelism the recompute runs all-gather, reduce-scatter,
-          all-gather (the MLP's reduce-scatter is dead the same way): r = 1.5. The census of the
-          compiled tiny step on dp=2,tp=4 agrees within 0.1% with and without remat and SP
-          (tests/test_hlo.py). remat dots/attn: modelled as none (r = 0), not measured.
-  sequence the gradients, as over data (every weight is replicated over sequence): 2 · G(N-1)/N;
-          plus K and V per layer and microbatch, E = b·(L/sp)·K'·H elements of one local block
-          (K' = the kv heads of the device: K/t, or 1 when t does not divide K):
-            ring       2E(sp-1)·c forward; backward 2E(sp-1)·c (K, V again) + 2E·sp·4
-                       (dK, dV in fp32 travel with their blocks and come home)
-            allgather  2E(sp-1)·c forward (all-gather); backward 2E(sp-1)·c (gathered
-                       again) + 2E(sp-1)·4 (reduce-scatter of dK, dV in fp32)
-          remat=full adds nothing: the recomputed forward needs the blocks the backward sends
-          again, and XLA merges the two (the census of tiny on dp=2,sp=4 shows one set)
-            gspmd      2 all-gathers of K and V per layer forward, 2 reduce-scatters backward
-  (data and fsdp times k: the compiled step gathers the weights and reduces the gradients in
-  each microbatch of the accumulation scan, as the census of a k > 1 step shows)
-  stage   a permute of b·L·D·c per microbatch per stage boundary, forward and backward;
-          the bubble is the lock-step weighted bubble of the schedule's table
-          (pipeline.schedule.weighted: every tick lasts as long as its most expensive cell) with
-          `cell_costs`: F = 1, B = 2, or split (zb-h1) B = 1 and W = 1; B one more under
-          model.remat=full (the layers' forward recomputed) and, for the 1F1B family under
-          remat full, one more (the whole chunk is one checkpoint, pipeline/one_f_one_b.py). gpipe
-          (p-1)/(M+p-1), interleaved (p-1)/(V·M+p-1); 1f1b 1 - M(F+B)/(2M·B + (p-1)(F+B) - (B-F))
-          (its F ticks last a B); zb-h1 (p-1)/(3M+p-1) (units); interleaved-1f1b from its table
-Time (roofline): compute = the step's kernels one after another, each kind at an achievable
-rate, not the datasheet peak (GPU.rates names the published figures; `tools.plan
---calibration` puts in those a `make gpu-check` record measured):
-  matmuls    hardware FLOPs (model FLOPs, + one more forward under full remat and one more
-             where the 1F1B family's B recomputes the chunk (remat full), and under capacity
-             dispatch the experts' padded rows: R - T·k' rows per MoE layer and microbatch,
-             6·3·D·F_e/t each; dropless sorts its padding rows out of every group of the
-             grouped matmul, so it computes the T·k' routed rows only, on average over
-             devices) less the attention core's, at the GPU's large-GEMM rate
-  attention  the attention core's FLOPs at its attention rate
-  memory     the memory-bound kernels between them (norms, rope, SiLU, residual adds, the
-             loss, the optimizer) at the GPU's copy bandwidth, `memory_bound_bytes`: per
-             microbatch, every activation the layers would keep under remat none written once
-             and read once by the forward and again by the backward's gradients, and once more
-             by each recomputed forward (remat other than none; the 1F1B family's chunk
-             recompute), plus the fp32 logits [T, V/t] four times (written, read by the loss,
-             their gradient written and read); per step the optimizer's 7 x 4 bytes per
-             parameter (AdamW reads params, gradients and two moments, writes three). On one
-             H100, 1b at remat full: the profile's elementwise and copy kernels took 118 ms a
-             step, this counts 126 ms (bench/results/gpu-h100-2026-11-24.json). Under remat
-             none the measured step is slower than this model (the layer scan's copies of its
-             stacked residuals: tests/test_calibration.py holds the gap).
-MFU is still model FLOPs over the datasheet peak. Each axis's bytes / its link: NVLink
-450 GB/s per GPU when the axis and the axes inside it fit in one node of 8 GPUs, InfiniBand
-50 GB/s per GPU (400 Gb/s NIC per GPU) otherwise. Two figures: communication not overlapped
-(compute + comm) and fully overlapped (max). Then / (1 - bubble), the schedule's (stage above).
-With measured links (`tools.plan --bandwidth`, read by tools/bandwidth.py) an axis they cover
-takes latency + bytes / busbw of its fit instead: the contract's bytes are bus bytes, as
-nccl-tests counts them.
 """
 
 from __future__ import annotations
@@ -166,50 +80,10 @@ from dataclasses import dataclass
 
 from configs.base import RunConfig
 from pipeline.schedule import in_flight, timetable, weighted
+from sharding.checks import accumulation_axes, batch_ranks, expert_d_ff, explicit_context, moe_layers
 from sharding.cores import choose_core
-from sharding.mesh import AXES
-from sharding.checks import accumulation_axes, batch_ranks, explicit_context, moe_layers, expert_d_ff
-from training.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8
-Links = dict[str, tuple[float, float]]  # measured {axis: (latency_s, bytes_per_s)}
-
-
-@dataclass(frozen=True)
-class GPU:
-    """One accelerator: datasheet figures (dense bf16 peak and HBM bytes: NVIDIA SXM datasheets)
-    and the achievable rates the roofline computes at (module docstring, Time):
-    published or measured figures, `rates` says which (tools/calibration.py puts a `make
-    gpu-check` record's in). best_mfu: the best MFU published for dense transformer training on
-    this GPU; a plan above it says why (tools/plan.py)."""
-
-    name: str
-    peak_flops: float
-    memory: float
-    copy_bandwidth: float  # bytes/s a device-to-device copy reaches, read + write counted
-    matmul_flops: float  # FLOP/s a large bf16 GEMM reaches
-    attention_flops: float  # FLOP/s of the fused causal attention core, in the model's FLOPs
-    best_mfu: float
-    rates: str
-
-
-H100_RATES = ("matmul 798 TFLOP/s: a bf16 8192^3 GEMM measured on an H100 SXM (GPU-NOTES.md; "
-              "81% of peak); attention 406 TFLOP/s: Pallas Mosaic GPU flash attention forward, causal, "
-              "L=4096, h=128 (jax PR#35114), assumed for the backward too; best MFU 56%: Marin's "
-              "dense 2.7B on 8 H100s (marin#6979)")
-COPY_RATES = "copies {:.1f} TB/s: a device-to-device copy measured on an {} (read + write; GPU-NOTES.md)"
-GPUS = {
-    "h100": GPU("H100 SXM 80GB", PEAK_FLOPS["H100"], 80e9, 3.0e12, 798e12, 406e12, 0.56,
-                H100_RATES + "; " + COPY_RATES.format(3.0, "H100")),
-    # the H100's GH100 die and clocks: its compute rates; its own HBM's copy rate
-    "h200": GPU("H200 SXM 141GB", PEAK_FLOPS["H200"], 141e9, 4.3e12, 798e12, 406e12, 0.56,
-                "the H100's (same compute die): " + H100_RATES + "; " + COPY_RATES.format(4.3, "H200")),
-    "a100": GPU("A100 SXM 80GB", PEAK_FLOPS["A100"], 80e9, 0.9 * 2.0e12, 0.81 * PEAK_FLOPS["A100"],
-                0.5 * PEAK_FLOPS["A100"], 0.72,
-                "matmul 81% of peak and copies 90% of its 2.0 TB/s HBM (the H100's fractions, assumed: "
-                "nothing measured on an A100 here); attention 50%, the low end of FlashAttention-2's "
-                "50-73% of A100 peak, and best MFU 72%, its GPT training at 225 TFLOP/s (arXiv 2307.08691)"),
-}
 
 
 @dataclass(frozen=True)
@@ -400,132 +274,3 @@ def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     fixed = sum(terms[n] for n in ("params", "optimizer", "gradients", "gathered", "gathered once"))
     terms["peak"] = fixed + max(terms["update"], saved + terms["working"])
     return terms
-
-
-def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
-    """Bytes per device per step on each mesh axis of size > 1 (the contract formulas)."""
-    m, s = cfg.model, shape(cfg, sizes)
-    c, param_b = DTYPE_BYTES[m.compute_dtype], DTYPE_BYTES[m.param_dtype]
-    non_expert, experts = local_param_parts(cfg, sizes)
-    shard = (non_expert + experts) * sizes["fsdp"]  # this device's parameters before fsdp splits them
-    frac = {a: (n - 1) / n for a, n in sizes.items()}
-    act = s.tokens * m.d_model * c  # S: one layer's input for one microbatch (its L/sp rows)
-    sp = cfg.parallel.sequence_parallel
-    recompute = (1.5 if sp else 1.0) * (m.remat == "full")  # r of the module docstring
-    kv_replicated = m.n_kv_heads % sizes["tensor"] != 0
-    kv_grads = 2 * 4 * m.d_model * m.n_kv_heads * m.head_dim * kv_replicated
-    tensor = s.layers * ((4 + recompute) * 2 * act + 2 * kv_grads) + 2 * 2 * act
-    local = accumulation_axes(cfg, sizes)  # gradients reduced once per step (training/step.py)
-    # XLA's per-microbatch reduction over data takes one kv head of the replicated wk, wv per
-    # device, not all K; the step's once-per-step psum takes the whole (tensor-summed) weights
-    shard -= kv_replicated * (not local) * s.layers * 2 * m.d_model * (m.n_kv_heads - 1) * m.head_dim
-    replicated = shard - experts * sizes["fsdp"]  # what `expert` reduces: every weight but the experts
-    reduces = {axis: 1 if axis in local else s.k for axis in ("data", "fsdp")}
-    once = cfg.parallel.fsdp_gather_once or sizes["stage"] > 1  # the 1F1B family gathers once per step
-    gathers = (1 if once else s.k) * c if "fsdp" in local else s.k * 2 * param_b
-    volume = {
-        "stage": 2 * s.k * act / sizes["tensor"] * (sizes["stage"] > 1),
-        "data": reduces["data"] * 2 * shard / sizes["fsdp"] * 4 * frac["data"],
-        "fsdp": (gathers + reduces["fsdp"] * 4) * shard * frac["fsdp"],
-        "expert": s.k * 2 * replicated / sizes["fsdp"] * 4 * frac["expert"] + expert(cfg, sizes),
-        "sequence": s.k * 2 * shard / sizes["fsdp"] * 4 * frac["sequence"] + context(cfg, sizes),
-        "tensor": s.k * tensor * frac["tensor"],
-    }
-    return {a: v for a, v in volume.items() if sizes[a] > 1}
-
-
-def expert(cfg: RunConfig, sizes: dict[str, int]) -> float:
-    """All-to-all bytes per device per step over the expert axis (module docstring): per MoE
-    layer and microbatch 2 (dispatch, combine) forward + 2 backward of [ep, S, D] in the compute
-    dtype, (ep-1)/ep of each leaving the device; dropless adds the int32 expert ids [ep, S]
-    forward; remat=full repeats the forward's. None at ep = 1."""
-    m, s, ep = cfg.model, shape(cfg, sizes), sizes.get("expert", 1)
-    if ep == 1 or not s.moe:
-        return 0.0
-    rows, forwards = dispatch_rows(cfg, sizes), 1 + (m.remat == "full")
-    ids = forwards * rows * 4 if m.moe_dispatch == "dropless" else 0
-    return s.k * s.moe * (ep - 1) * ((2 * forwards + 2) * rows * m.d_model * DTYPE_BYTES[m.compute_dtype] + ids)
-
-
-def context(cfg: RunConfig, sizes: dict[str, int]) -> float:
-    """K and V bytes per device per step over the sequence axis (module docstring); none at sp = 1."""
-    m, s, sp, tp = cfg.model, shape(cfg, sizes), sizes["sequence"], sizes["tensor"]
-    c, impl = DTYPE_BYTES[m.compute_dtype], cfg.parallel.context_impl
-    if sp == 1:
-        return 0.0
-    if impl == "gspmd":
-        return 2 * s.k * s.layers * s.tokens * 2 * m.n_kv_heads * m.head_dim * c * (sp - 1)
-    e = s.b * cfg.train.seq_len // sp * (m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else 1) * m.head_dim
-    home = sp if impl == "ring" else sp - 1  # the ring's last send takes dK, dV home
-    return s.k * s.layers * (2 * 2 * e * (sp - 1) * c + 2 * e * home * 4)
-
-
-def link_bandwidth(sizes: dict[str, int], axis: str) -> float:
-    """NVLink when `axis` and every axis inside it fit in one node, else InfiniBand."""
-    inner = math.prod(sizes[a] for a in AXES[AXES.index(axis):])
-    return NVLINK if inner <= GPUS_PER_NODE else INFINIBAND
-
-
-def datasheet_link(sizes: dict[str, int], axis: str) -> str:
-    """'datasheet NVLink 450 GB/s' or 'datasheet InfiniBand 50 GB/s': the link `link_bandwidth` assumes."""
-    bandwidth = link_bandwidth(sizes, axis)
-    return f"datasheet {'NVLink' if bandwidth == NVLINK else 'InfiniBand'} {bandwidth / 1e9:.0f} GB/s"
-
-
-def comm_time(sizes: dict[str, int], axis: str, nbytes: float, links: Links | None) -> float:
-    """Seconds for `nbytes` of bus bytes on `axis`: latency + bytes / bandwidth of its measured
-    link (links: {axis: (latency_s, bytes_per_s)}), else bytes / the datasheet link."""
-    if links and axis in links:
-        latency, bandwidth = links[axis]
-        return latency + nbytes / bandwidth
-    return nbytes / link_bandwidth(sizes, axis)
-
-
-def flops(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
-    """Model FLOPs per step (6·N·tokens + attention, N the active parameters) and per device,
-    and the hardware FLOPs per device: each recomputed forward adds 1/3 (remat full; 1f1b, whose
-    backward cell re-runs the stage's forward under jax.vjp); under capacity dispatch the
-    experts compute every row of their buffers, ep·S = E·C per MoE layer and microbatch where
-    the model counts n·k (padded, or dropped): 6·3·D·F_e/t per row of the difference, the
-    `padding_per_device` (hardware FLOPs, part of hardware_per_device). Dropless runs the
-    grouped matmul on the routed rows only (model/moe.py), so no padding FLOPs.
-    `attention_per_device`: the attention core's share of the hardware FLOPs (the rest are matmuls)."""
-    m, t, s = cfg.model, cfg.train, shape(cfg, sizes)
-    model = flops_per_token(m, t.seq_len) * t.global_batch_size * t.seq_len
-    per_device = model / math.prod(sizes.values())
-    padding = 0.0
-    if s.moe and m.moe_dispatch == "capacity":
-        rows = sizes.get("expert", 1) * dispatch_rows(cfg, sizes) - s.tokens * m.experts_per_token
-        padding = s.k * s.moe * 18 * m.d_model * expert_d_ff(m) / sizes["tensor"] * rows
-    redo = (2 + 1 + (m.remat == "full") + chunk_recompute(cfg, sizes)) / 3  # forward, backward, recomputes
-    attention = attention_flops_per_token(m, t.seq_len) * t.global_batch_size * t.seq_len / math.prod(sizes.values())
-    return {"model": model, "model_per_device": per_device, "padding_per_device": padding * redo,
-            "hardware_per_device": (per_device + padding) * redo, "attention_per_device": attention * redo}
-
-
-def memory_bound_bytes(cfg: RunConfig, sizes: dict[str, int]) -> float:
-    """HBM bytes per device per step of the memory-bound kernels (module docstring, Time: memory)."""
-    m, s = cfg.model, shape(cfg, sizes)
-    passes = 4 + 2 * (m.remat != "none") + 2 * chunk_recompute(cfg, sizes)
-    logits = 4 * s.tokens * m.vocab_size / sizes["tensor"] * 4
-    return s.k * (passes * stack_activations(cfg, sizes, "none") + logits) + 7 * 4 * local_params(cfg, sizes)
-
-
-def step_time(cfg: RunConfig, sizes: dict[str, int], gpu: GPU,
-              links: Links | None = None) -> dict[str, float]:
-    """Roofline step time (seconds): compute, each axis's communication, bubble, two totals, MFU.
-    links: measured {axis: (latency_s, bytes_per_s)}; the datasheet links for the axes it lacks."""
-    f = flops(cfg, sizes)
-    attention = f["attention_per_device"]
-    kernels = {"matmul_s": (f["hardware_per_device"] - attention) / gpu.matmul_flops,
-               "attention_s": attention / gpu.attention_flops,
-               "memory_s": memory_bound_bytes(cfg, sizes) / gpu.copy_bandwidth}
-    compute = sum(kernels.values())
-    comm = {a: comm_time(sizes, a, v, links) for a, v in communication(cfg, sizes).items()}
-    bubble = pipeline_figures(cfg, sizes)["bubble"]
-    serial = (compute + sum(comm.values())) / (1 - bubble)
-    overlapped = max(compute, *comm.values()) / (1 - bubble) if comm else compute / (1 - bubble)
-    mfu = {name: f["model_per_device"] / (gpu.peak_flops * t) for name, t in
-           (("no_overlap", serial), ("overlap", overlapped))}
-    return {"compute_s": compute, **kernels, "comm_s": comm, "bubble": bubble, "no_overlap_s": serial,
-            "overlap_s": overlapped, "mfu_no_overlap": mfu["no_overlap"], "mfu_overlap": mfu["overlap"]}

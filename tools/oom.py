@@ -16,7 +16,8 @@ import math
 
 from configs import RunConfig
 from sharding.mesh import format_mesh
-from tools.estimate import GPUS, memory
+from tools.estimate import memory
+from tools.roofline import GPUS
 from tools.search import fit, search, settings
 
 GiB = 2**30

@@ -8,7 +8,7 @@
 Dry run: the model is built abstractly (`training.build.make_program`: no parameter is allocated)
 and the real train step is compiled ahead of time for the mesh's device count (fake CPU
 devices on a laptop). One table puts XLA's figures beside the analytic model's
-(tools/estimate.py): per-device memory (`memory_analysis()`: arguments, outputs, temp, and
+(tools/estimate.py, traffic.py, roofline.py): per-device memory (`memory_analysis()`: arguments, outputs, temp, and
 args + outputs - aliased + temp, the static peak; XLA CPU's own peak_memory_in_bytes counts
 about the arguments only), the collective census per mesh axis (tools/hlo.py) beside the
 contract formulas, FLOPs per device (`cost_analysis()`, which on CPU counts the program as
@@ -41,7 +41,7 @@ import math
 
 from configs import ConfigError, RunConfig, apply_overrides
 from sharding.mesh import AXES, format_mesh
-from tools import estimate
+from tools import estimate, roofline, traffic
 from tools.bandwidth import Measured, add_bandwidth_arg, load
 from tools.calibration import add_calibration_arg, rated_gpu
 from tools.search import reason, search, settings
@@ -90,8 +90,8 @@ def xla_figures(cfg: RunConfig, mesh) -> dict:
             "flops_per_device": cost.get("flops"), "census": rows}
 
 
-def links_of(cfg: RunConfig, measured: Measured | None) -> estimate.Links | None:
-    """The measured {axis: (latency_s, bytes_per_s)} for estimate.step_time, or None (datasheet)."""
+def links_of(cfg: RunConfig, measured: Measured | None) -> traffic.Links | None:
+    """The measured {axis: (latency_s, bytes_per_s)} for roofline.step_time, or None (datasheet)."""
     if measured is None:
         return None
     return {a: (link.latency_s, link.bytes_per_s) for a, link in measured.links(cfg.parallel.context_impl).items()}
@@ -100,15 +100,15 @@ def links_of(cfg: RunConfig, measured: Measured | None) -> estimate.Links | None
 def link_sources(cfg: RunConfig, sizes: dict[str, int], axes: list[str], measured: Measured | None) -> dict[str, str]:
     """{axis: 'measured FILE (...)' or 'datasheet NVLink 450 GB/s'} for each of `axes`."""
     found = measured.links(cfg.parallel.context_impl) if measured else {}
-    return {a: measured.label(found[a]) if a in found else estimate.datasheet_link(sizes, a) for a in axes}
+    return {a: measured.label(found[a]) if a in found else traffic.datasheet_link(sizes, a) for a in axes}
 
 
-def plan(cfg: RunConfig, sizes: dict[str, int], gpu: estimate.GPU, xla: dict | None,
+def plan(cfg: RunConfig, sizes: dict[str, int], gpu: roofline.GPU, xla: dict | None,
          measured: Measured | None = None) -> dict:
     """The whole report: the analytic model, XLA's figures (or None), the link of each axis
     (measured when `measured` covers it, else the datasheet) and the verdict."""
     mem = estimate.memory(cfg, sizes)
-    time = estimate.step_time(cfg, sizes, gpu, links_of(cfg, measured))
+    time = roofline.step_time(cfg, sizes, gpu, links_of(cfg, measured))
     core = estimate.core(cfg, sizes)
     terms = {k: v for k, v in mem.items() if k != "peak"}
     # XLA's memory is a GPU figure when compiled for a GPU, or like with like in fp32 on CPU
@@ -134,10 +134,10 @@ def plan(cfg: RunConfig, sizes: dict[str, int], gpu: estimate.GPU, xla: dict | N
         verdict += ("; the xla core writes its [N, L, L] scores to HBM, so memory-bound kernels outweigh the "
                     f"matmuls: {fix}")
     return {"config": cfg.name, "mesh": format_mesh(sizes), "devices": math.prod(sizes.values()),
-            "gpu": gpu.name, "attention": core, "memory": mem, "communication": estimate.communication(cfg, sizes),
-            "all_to_all": estimate.expert(cfg, sizes), "census_note": census_note(cfg, xla),
+            "gpu": gpu.name, "attention": core, "memory": mem, "communication": traffic.communication(cfg, sizes),
+            "all_to_all": traffic.expert(cfg, sizes), "census_note": census_note(cfg, xla),
             "links": link_sources(cfg, sizes, list(time["comm_s"]), measured), "rates": gpu.rates,
-            "above_best_mfu": above_best_mfu(time["mfu_overlap"], gpu), "flops": estimate.flops(cfg, sizes),
+            "above_best_mfu": above_best_mfu(time["mfu_overlap"], gpu), "flops": roofline.flops(cfg, sizes),
             "time": time, "xla": xla, "fits": fits, "verdict": verdict}
 
 
@@ -149,7 +149,7 @@ def census_note(cfg: RunConfig, xla: dict | None) -> str:
             "of tensor, sequence and stage is twice the contract, which counts the program's dtype")
 
 
-def above_best_mfu(mfu: float, gpu: estimate.GPU) -> str:
+def above_best_mfu(mfu: float, gpu: roofline.GPU) -> str:
     """Why a plan's MFU may pass the best published for its GPU, or '' when it does not."""
     if mfu <= gpu.best_mfu:
         return ""
@@ -202,7 +202,7 @@ def format_plan(report: dict) -> str:
     return "\n".join(lines)
 
 
-def dry_run(cfg: RunConfig, gpu: estimate.GPU, as_json: bool, measured: Measured | None = None) -> int:
+def dry_run(cfg: RunConfig, gpu: roofline.GPU, as_json: bool, measured: Measured | None = None) -> int:
     """Compile cfg's step on its mesh (fake devices were requested by the caller) and print the
     plan, on the measured links where `measured` (tools/bandwidth.py) covers an axis."""
     from sharding.mesh import build_mesh, mesh_config
@@ -214,7 +214,7 @@ def dry_run(cfg: RunConfig, gpu: estimate.GPU, as_json: bool, measured: Measured
     return 0
 
 
-def run_search(cfg: RunConfig, gpus: int, gpu: estimate.GPU, confirm: int, as_json: bool,
+def run_search(cfg: RunConfig, gpus: int, gpu: roofline.GPU, confirm: int, as_json: bool,
                measured: Measured | None = None) -> int:
     """Rank the meshes of `gpus` GPUs (on the measured links where `measured` covers an axis);
     compile the top `confirm`, pipelined ones too, to confirm memory."""
@@ -223,8 +223,8 @@ def run_search(cfg: RunConfig, gpus: int, gpu: estimate.GPU, confirm: int, as_js
     ranked, rejected = search(cfg, gpus, gpu, links_of(cfg, measured))
     found = measured.links(cfg.parallel.context_impl) if measured else {}
     links = {a: measured.label(link) for a, link in found.items()} | {
-        "other axes" if found else "every axis": f"datasheet NVLink {estimate.NVLINK / 1e9:.0f} GB/s inside a node of {estimate.GPUS_PER_NODE}, "
-                      f"InfiniBand {estimate.INFINIBAND / 1e9:.0f} GB/s across"}
+        "other axes" if found else "every axis": f"datasheet NVLink {traffic.NVLINK / 1e9:.0f} GB/s inside a node of {traffic.GPUS_PER_NODE}, "
+                      f"InfiniBand {traffic.INFINIBAND / 1e9:.0f} GB/s across"}
     if not ranked:
         raise ConfigError(f"no mesh of {gpus} GPUs fits {cfg.name} on {gpu.name}: add GPUs or use model.remat=full")
     rows = []
@@ -232,7 +232,7 @@ def run_search(cfg: RunConfig, gpus: int, gpu: estimate.GPU, confirm: int, as_js
         rows.append({"mesh": format_mesh(c["sizes"]), "set": settings(c),
                      "step_s_overlap": c["time"]["overlap_s"], "step_s_no_overlap": c["time"]["no_overlap_s"],
                      "mfu_overlap": c["time"]["mfu_overlap"], "memory_gb": c["memory"]["peak"] / 1e9,
-                     "all_to_all_gb": estimate.expert(c["cfg"], c["sizes"]) / 1e9,
+                     "all_to_all_gb": traffic.expert(c["cfg"], c["sizes"]) / 1e9,
                      "reason": reason(c, ranked[0]),
                      "schedules": [{k: v for k, v in row.items() if k != "cfg"} for row in c["schedules"]]})
         if i < confirm:
@@ -278,7 +278,7 @@ def main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p)
-    p.add_argument("--gpu", default="h100", help=f"GPU to estimate for: {', '.join(estimate.GPUS)} (default h100)")
+    p.add_argument("--gpu", default="h100", help=f"GPU to estimate for: {', '.join(roofline.GPUS)} (default h100)")
     p.add_argument("--gpus", type=int, help="GPU count to search meshes for (--search)")
     p.add_argument("--global-batch-tokens", help="tokens per step, e.g. 4M (sets train.global_batch_size)")
     p.add_argument("--search", action="store_true", help="rank the meshes of --gpus instead of planning --mesh")

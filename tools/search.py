@@ -1,4 +1,5 @@
-"""Search the meshes of a GPU count with the analytic model (tools/estimate.py).
+"""Search the meshes of a GPU count with the analytic model (tools/estimate.py, traffic.py,
+roofline.py).
 
 Candidates: every (pp, dp, fsdp, ep, sp, tp) whose product is the GPU count (ep only for a MoE
 model), with tp and sp·tp inside one node (<= 8), that the step itself accepts
@@ -6,7 +7,7 @@ model), with tp and sp·tp inside one node (<= 8), that the step itself accepts
 dp·fsdp·ep dividing the global batch, ep dividing the experts, whole groups of moe_every
 layers per stage, ...).
 The expert axis is timed on NVLink when it and the axes inside it (sp, tp) fit in a node, like
-every axis (tools/estimate.link_bandwidth). For
+every axis (tools/traffic.link_bandwidth). For
 each, the microbatch is the largest that fits the GPU's memory (fewest microbatches: least
 per-microbatch overhead); under a pipeline, every schedule of SCHEDULES is ranked, each with the
 microbatch count (at least pp) of its shortest fitting step, its bubble the lock-step weighted
@@ -26,7 +27,9 @@ import itertools
 from configs.base import ConfigError, RunConfig
 from sharding.checks import batch_ranks, check_run
 from sharding.mesh import AXES
-from tools.estimate import GPU, GPUS_PER_NODE, Links, expert, memory, pipeline_figures, shape, step_time
+from tools.estimate import memory, pipeline_figures, shape
+from tools.roofline import GPU, step_time
+from tools.traffic import GPUS_PER_NODE, Links, expert
 
 SCHEDULES = (("gpipe", 1), ("interleaved", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))  # (name, V)
 MEMORY_LOW = {"gpipe": 2.0, "interleaved": 2.0}  # XLA's peak / the estimate, at most (tools/estimate.py)
@@ -136,7 +139,7 @@ def pipelined(cfg: RunConfig, sizes: dict[str, int], microbatches: int, schedule
 
 def search(cfg: RunConfig, gpus: int, gpu: GPU, links: Links | None = None) -> tuple[list[dict], int]:
     """(ranked candidates, number rejected for memory). A candidate: sizes, cfg (with its
-    microbatch, or schedule), memory terms, step time (tools.estimate.step_time, on `links` where
+    microbatch, or schedule), memory terms, step time (tools.roofline.step_time, on `links` where
     measured) and, under a pipeline, `schedules`: every schedule ranked (`rank_schedules`)."""
     ranked, rejected = [], 0
     for sizes in meshes(cfg, gpus):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from configs.base import ModelConfig
 from sharding.checks import expert_d_ff, moe_layers
 
-if TYPE_CHECKING:  # jax-free at import: tools/estimate.py plans without jax
+if TYPE_CHECKING:  # jax-free at import: tools/roofline.py plans without jax
     import jax
 
 # Dense bf16 peak FLOP/s, matched against jax's device_kind (SXM parts).

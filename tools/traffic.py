@@ -1,0 +1,161 @@
+"""The analytic communication model of a run: bytes per device per step on each mesh axis, and
+the time they take on the link that axis crosses.
+
+Pure arithmetic, with tools/estimate.py's letters and per-device shape (`estimate.shape`).
+
+Communication (bytes per device per step), the contract of DESIGN.md:
+  data    2 · G(N-1)/N              once per step (the k microbatches summed first; per
+                                    microbatch, times k, where sharding.checks.accumulation_axes
+                                    is empty: k = 1, MoE, sp > 1, gpipe and interleaved;
+                                    the 1F1B family reduces over data once per step);
+                                    G = fp32 gradient bytes of this device's shard (its E/ep
+                                    experts included: they are reduced over data), where the
+                                    wk, wv that tensor replicates (t does not divide K) count
+                                    one kv head: each device's gradient covers the head it uses,
+                                    and XLA reduces that slice over data before the tensor sum
+  fsdp    k·(2p + 4) · P(N-1)/N     P in parameters: XLA's ZeRO-3, per microbatch 2 all-gathers
+                                    of each layer's weights (param dtype, p bytes) and a
+                                    reduce-scatter of its fp32 gradient; with
+                                    parallel.fsdp_gather_once (c + 4) · P(N-1)/N: the weights
+                                    gathered whole in the compute dtype once per step, the
+                                    gradients reduce-scattered once; so too under the 1F1B
+                                    family (pipeline/one_f_one_b.py), manual over fsdp
+                                    (the device's E/ep experts included)
+  expert  2 · G'(ep-1)/ep           G' = G less the routed experts: every other weight treats
+                                    `expert` as a data axis (summed per axis, as sequence's)
+          + all-to-alls, per MoE layer and microbatch: dispatch and combine forward, their
+          transposes backward, 4 · (ep-1)/ep · ep·S·D·c; dropless adds the int32 expert ids
+          forward, (ep-1)/ep · ep·S·4; remat=full repeats the forward's (6 and 2 ids;
+          modelled, not measured). `expert()` returns the all-to-all bytes alone; none at ep = 1
+  tensor  per microbatch, S = b·L·D·c: (4 + r) · 2S(t-1)/t per layer, 2 all-reduces forward
+          and 2 backward (with sequence parallelism an all-gather and a reduce-scatter for each,
+          the same bytes); plus 2 · 2S(t-1)/t per microbatch for the vocab-parallel embedding
+          (its lookup's all-reduce forward) and head (its input gradient's all-reduce
+          backward); under sequence parallelism the same bytes, the embedding's reduce-scatter
+          forward and all-gather backward, the head's all-gather forward and reduce-scatter
+          backward (sharding/tensor_parallel.py); plus, when t does not
+          divide K, the all-reduce of the replicated wk, wv gradients (2·D·K·H fp32 per layer).
+          r: remat=full recomputes the layer's forward in the backward, but only what the
+          backward reads: the attention output's all-reduce (its sum feeds the MLP), not the
+          MLP's (its sum only makes the layer's output, which the backward never reads), so
+          r = 1; under sequence parallelism the recompute runs all-gather, reduce-scatter,
+          all-gather (the MLP's reduce-scatter is dead the same way): r = 1.5. The census of the
+          compiled tiny step on dp=2,tp=4 agrees within 0.1% with and without remat and SP
+          (tests/test_hlo.py). remat dots/attn: modelled as none (r = 0), not measured.
+  sequence the gradients, as over data (every weight is replicated over sequence): 2 · G(N-1)/N;
+          plus K and V per layer and microbatch, E = b·(L/sp)·K'·H elements of one local block
+          (K' = the kv heads of the device: K/t, or 1 when t does not divide K):
+            ring       2E(sp-1)·c forward; backward 2E(sp-1)·c (K, V again) + 2E·sp·4
+                       (dK, dV in fp32 travel with their blocks and come home)
+            allgather  2E(sp-1)·c forward (all-gather); backward 2E(sp-1)·c (gathered
+                       again) + 2E(sp-1)·4 (reduce-scatter of dK, dV in fp32)
+          remat=full adds nothing: the recomputed forward needs the blocks the backward sends
+          again, and XLA merges the two (the census of tiny on dp=2,sp=4 shows one set)
+            gspmd      2 all-gathers of K and V per layer forward, 2 reduce-scatters backward
+  (data and fsdp times k: the compiled step gathers the weights and reduces the gradients in
+  each microbatch of the accumulation scan, as the census of a k > 1 step shows)
+  stage   a permute of b·L·D·c per microbatch per stage boundary, forward and backward;
+          the bubble is the lock-step weighted bubble of the schedule's table
+          (pipeline.schedule.weighted: every tick lasts as long as its most expensive cell) with
+          `estimate.cell_costs`: F = 1, B = 2, or split (zb-h1) B = 1 and W = 1; B one more under
+          model.remat=full (the layers' forward recomputed) and, for the 1F1B family under
+          remat full, one more (the whole chunk is one checkpoint, pipeline/one_f_one_b.py). gpipe
+          (p-1)/(M+p-1), interleaved (p-1)/(V·M+p-1); 1f1b 1 - M(F+B)/(2M·B + (p-1)(F+B) - (B-F))
+          (its F ticks last a B); zb-h1 (p-1)/(3M+p-1) (units); interleaved-1f1b from its table
+Links: each axis's bytes / its link: NVLink 450 GB/s per GPU when the axis and the axes inside
+it fit in one node of 8 GPUs, InfiniBand 50 GB/s per GPU (400 Gb/s NIC per GPU) otherwise.
+With measured links (`tools.plan --bandwidth`, read by tools/bandwidth.py) an axis they cover
+takes latency + bytes / busbw of its fit instead: the contract's bytes are bus bytes, as
+nccl-tests counts them.
+"""
+
+from __future__ import annotations
+
+import math
+
+from configs.base import RunConfig
+from sharding.checks import accumulation_axes
+from sharding.mesh import AXES
+from tools.estimate import DTYPE_BYTES, dispatch_rows, local_param_parts, shape
+
+NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8
+Links = dict[str, tuple[float, float]]  # measured {axis: (latency_s, bytes_per_s)}
+
+
+def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
+    """Bytes per device per step on each mesh axis of size > 1 (the contract formulas)."""
+    m, s = cfg.model, shape(cfg, sizes)
+    c, param_b = DTYPE_BYTES[m.compute_dtype], DTYPE_BYTES[m.param_dtype]
+    non_expert, experts = local_param_parts(cfg, sizes)
+    shard = (non_expert + experts) * sizes["fsdp"]  # this device's parameters before fsdp splits them
+    frac = {a: (n - 1) / n for a, n in sizes.items()}
+    act = s.tokens * m.d_model * c  # S: one layer's input for one microbatch (its L/sp rows)
+    sp = cfg.parallel.sequence_parallel
+    recompute = (1.5 if sp else 1.0) * (m.remat == "full")  # r of the module docstring
+    kv_replicated = m.n_kv_heads % sizes["tensor"] != 0
+    kv_grads = 2 * 4 * m.d_model * m.n_kv_heads * m.head_dim * kv_replicated
+    tensor = s.layers * ((4 + recompute) * 2 * act + 2 * kv_grads) + 2 * 2 * act
+    local = accumulation_axes(cfg, sizes)  # gradients reduced once per step (training/step.py)
+    # XLA's per-microbatch reduction over data takes one kv head of the replicated wk, wv per
+    # device, not all K; the step's once-per-step psum takes the whole (tensor-summed) weights
+    shard -= kv_replicated * (not local) * s.layers * 2 * m.d_model * (m.n_kv_heads - 1) * m.head_dim
+    replicated = shard - experts * sizes["fsdp"]  # what `expert` reduces: every weight but the experts
+    reduces = {axis: 1 if axis in local else s.k for axis in ("data", "fsdp")}
+    once = cfg.parallel.fsdp_gather_once or sizes["stage"] > 1  # the 1F1B family gathers once per step
+    gathers = (1 if once else s.k) * c if "fsdp" in local else s.k * 2 * param_b
+    volume = {
+        "stage": 2 * s.k * act / sizes["tensor"] * (sizes["stage"] > 1),
+        "data": reduces["data"] * 2 * shard / sizes["fsdp"] * 4 * frac["data"],
+        "fsdp": (gathers + reduces["fsdp"] * 4) * shard * frac["fsdp"],
+        "expert": s.k * 2 * replicated / sizes["fsdp"] * 4 * frac["expert"] + expert(cfg, sizes),
+        "sequence": s.k * 2 * shard / sizes["fsdp"] * 4 * frac["sequence"] + context(cfg, sizes),
+        "tensor": s.k * tensor * frac["tensor"],
+    }
+    return {a: v for a, v in volume.items() if sizes[a] > 1}
+
+
+def expert(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """All-to-all bytes per device per step over the expert axis (module docstring): per MoE
+    layer and microbatch 2 (dispatch, combine) forward + 2 backward of [ep, S, D] in the compute
+    dtype, (ep-1)/ep of each leaving the device; dropless adds the int32 expert ids [ep, S]
+    forward; remat=full repeats the forward's. None at ep = 1."""
+    m, s, ep = cfg.model, shape(cfg, sizes), sizes.get("expert", 1)
+    if ep == 1 or not s.moe:
+        return 0.0
+    rows, forwards = dispatch_rows(cfg, sizes), 1 + (m.remat == "full")
+    ids = forwards * rows * 4 if m.moe_dispatch == "dropless" else 0
+    return s.k * s.moe * (ep - 1) * ((2 * forwards + 2) * rows * m.d_model * DTYPE_BYTES[m.compute_dtype] + ids)
+
+
+def context(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """K and V bytes per device per step over the sequence axis (module docstring); none at sp = 1."""
+    m, s, sp, tp = cfg.model, shape(cfg, sizes), sizes["sequence"], sizes["tensor"]
+    c, impl = DTYPE_BYTES[m.compute_dtype], cfg.parallel.context_impl
+    if sp == 1:
+        return 0.0
+    if impl == "gspmd":
+        return 2 * s.k * s.layers * s.tokens * 2 * m.n_kv_heads * m.head_dim * c * (sp - 1)
+    e = s.b * cfg.train.seq_len // sp * (m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else 1) * m.head_dim
+    home = sp if impl == "ring" else sp - 1  # the ring's last send takes dK, dV home
+    return s.k * s.layers * (2 * 2 * e * (sp - 1) * c + 2 * e * home * 4)
+
+
+def link_bandwidth(sizes: dict[str, int], axis: str) -> float:
+    """NVLink when `axis` and every axis inside it fit in one node, else InfiniBand."""
+    inner = math.prod(sizes[a] for a in AXES[AXES.index(axis):])
+    return NVLINK if inner <= GPUS_PER_NODE else INFINIBAND
+
+
+def datasheet_link(sizes: dict[str, int], axis: str) -> str:
+    """'datasheet NVLink 450 GB/s' or 'datasheet InfiniBand 50 GB/s': the link `link_bandwidth` assumes."""
+    bandwidth = link_bandwidth(sizes, axis)
+    return f"datasheet {'NVLink' if bandwidth == NVLINK else 'InfiniBand'} {bandwidth / 1e9:.0f} GB/s"
+
+
+def comm_time(sizes: dict[str, int], axis: str, nbytes: float, links: Links | None) -> float:
+    """Seconds for `nbytes` of bus bytes on `axis`: latency + bytes / bandwidth of its measured
+    link (links: {axis: (latency_s, bytes_per_s)}), else bytes / the datasheet link."""
+    if links and axis in links:
+        latency, bandwidth = links[axis]
+        return latency + nbytes / bandwidth
+    return nbytes / link_bandwidth(sizes, axis)
