@@ -25,8 +25,8 @@ from sharding.xla_flags import FAKE_DEVICES, with_flags
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """--config, --mesh and --set: what every entry point (train.py, bench/) takes."""
-    p.add_argument("--config", help=f"preset: {', '.join(PRESETS)} (default tiny, or the config "
-                   "saved in --run-dir when it holds one)")
+    p.add_argument("--config", help=f"preset: {', '.join(PRESETS)} (default tiny; train.py resumes "
+                   "from the config saved in --run-dir when it holds one)")
     p.add_argument("--mesh", default="", help="axis sizes, e.g. dp=8,tp=8; axes pp dp fsdp sp tp; one may be -1")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set model.n_layers=8 (repeatable)")
@@ -45,20 +45,46 @@ def run_config(args: argparse.Namespace, extra_sets: list[str] = (), base: RunCo
     return cfg
 
 
+RUN_KEYS = {f.name for f in dataclasses.fields(RunConfig)}  # what marks a config.json as a run's
+
+
 def saved_config(run_dir: Path | None) -> RunConfig | None:
     """The config.json of an existing run directory (the base config of a resume), or None."""
     path = run_dir / "config.json" if run_dir else None
     if path is None or not path.exists():
         return None
+    saved = _own_config(path)
     try:
-        return RunConfig.from_dict(json.loads(path.read_text()))
+        return RunConfig.from_dict(saved)
     except (TypeError, KeyError, ValueError) as e:
-        raise ConfigError(f"{path} is not a config of this version ({e}): pass --config and --set explicitly") from None
+        raise ConfigError(f"{path} was written by another meshtrain version ({e}); to train on in this "
+                          "directory, pass train.py --config and --set explicitly (config.json is then rewritten)") from None
+
+
+def _own_config(path: Path) -> dict:
+    """The JSON of `path`, refused unless it is a meshtrain run's config: a run directory must not
+    overwrite someone else's config.json (a Hugging Face model directory holds one too)."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} cannot be read as JSON ({e}); choose another --run-dir") from None
+    missing = RUN_KEYS - set(saved) if isinstance(saved, dict) else RUN_KEYS
+    if missing:
+        raise ConfigError(f"{path} is not a meshtrain run's config (it lacks {', '.join(sorted(missing))}; "
+                          "a Hugging Face model directory?): choose another --run-dir, which will not overwrite it")
+    return saved
+
+
+def holds_checkpoint(run_dir: Path | None) -> bool:
+    """Whether `run_dir` has a saved step, checkpoints/<step> (training/checkpoint.py)."""
+    saved = run_dir / "checkpoints" if run_dir else None
+    return bool(saved and saved.is_dir() and any(p.name.isdigit() for p in saved.iterdir()))
 
 
 def check_run_dir(run_dir: Path) -> None:
     """Refuse, before jax is imported, a run directory that cannot be one: a file, a path through
-    a file, or a place this process cannot write."""
+    a file, a place this process cannot write, a checkpoints/ that is a file, or a config.json
+    that is not a meshtrain run's (it would be overwritten)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {run_dir} is a file: name a directory (a new one, or an earlier run's to resume)")
     existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
@@ -66,6 +92,12 @@ def check_run_dir(run_dir: Path) -> None:
         raise ConfigError(f"--run-dir {run_dir}: {existing} is a file, not a directory; choose another --run-dir")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--run-dir {run_dir}: {existing} is not writable; choose a --run-dir you can write")
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.exists() and not checkpoints.is_dir():
+        raise ConfigError(f"--run-dir {run_dir}: {checkpoints} is a file where checkpoints are saved; "
+                          "move it away or choose another --run-dir")
+    if (run_dir / "config.json").exists():
+        _own_config(run_dir / "config.json")
 
 
 def make_run_dir(run_dir: Path) -> None:

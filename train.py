@@ -23,8 +23,10 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from cli import add_run_args, check_run_dir, make_run_dir, request_fake_devices, run_cli, run_config, saved_config
+from cli import (add_run_args, check_run_dir, holds_checkpoint, make_run_dir, request_fake_devices, run_cli,
+                 run_config, saved_config)
 from configs import ConfigError, RunConfig
+from configs.checks import parse_window
 from sharding.checks import explicit_context
 from sharding.cores import choose_core, device_capability
 from sharding.mesh import format_mesh
@@ -45,7 +47,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="compile the step abstractly and print the plan (memory, collectives, time); train nothing")
     p.add_argument("--eval-only", action="store_true",
                    help="evaluate the latest checkpoint of --run-dir on the held-out data; train nothing")
-    p.add_argument("--gpu", default="h100", help="with --dry-run: GPU to estimate for, h100|h200|a100")
+    p.add_argument("--gpu", help="with --dry-run: GPU to estimate for, h100|h200|a100 (default h100)")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     add_bandwidth_arg(p)
     add_calibration_arg(p)
@@ -64,8 +66,7 @@ def check_eval_only(args: argparse.Namespace) -> None:
     """--eval-only needs a run directory that holds a checkpoint, and no --dry-run."""
     if args.dry_run:
         raise ConfigError("--eval-only and --dry-run: choose one (--dry-run compiles the train step, runs nothing)")
-    saved = args.run_dir and args.run_dir / "checkpoints"
-    if not saved or not saved.is_dir() or not any(p.name.isdigit() for p in saved.iterdir()):
+    if not holds_checkpoint(args.run_dir):
         where = f"--run-dir {args.run_dir} holds no checkpoint" if args.run_dir else "no --run-dir given"
         raise ConfigError(f"--eval-only: {where}; name the directory of a run that saved one "
                           "(train.checkpoint_every > 0), e.g. --run-dir runs/tiny-20260101-120000")
@@ -74,13 +75,16 @@ def check_eval_only(args: argparse.Namespace) -> None:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = resolve_config(args)
-    for flag, given, what in (("--bandwidth", args.bandwidth, "links"), ("--calibration", args.calibration, "rates")):
+    for flag, given, what in (("--bandwidth", args.bandwidth, "sets the links of the plan's step time"),
+                              ("--calibration", args.calibration, "sets the rates of the plan's step time"),
+                              ("--gpu", args.gpu, "names the GPU the plan is for"),
+                              ("--json", args.json, "prints the plan as JSON")):
         if given and not args.dry_run:
-            raise ConfigError(f"{flag} is for --dry-run: it sets the {what} of the plan's step time")
+            raise ConfigError(f"{flag} is for --dry-run: it {what}; add --dry-run or drop {flag}")
     if args.eval_only:
         check_eval_only(args)
     measured = load(args.bandwidth) if args.bandwidth else None
-    gpu = rated_gpu(args.gpu, args.calibration)
+    gpu = rated_gpu(args.gpu or "h100", args.calibration)
     fake = request_fake_devices(cfg, process_count(args))
     if args.dry_run:
         from tools.plan import dry_run
@@ -88,6 +92,9 @@ def main(argv: list[str]) -> int:
         return dry_run(cfg, gpu, args.json, measured)
     run_dir = args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     check_run_dir(run_dir)
+    if not cfg.train.checkpoint_every and not args.eval_only and holds_checkpoint(run_dir):
+        raise ConfigError(f"--run-dir {run_dir} holds checkpoints, and train.checkpoint_every=0 would neither resume "
+                          "from them nor save: resume with train.checkpoint_every >= 1, or choose a new --run-dir")
 
     import jax  # noqa: E402 -- after XLA_FLAGS is final
 
@@ -106,16 +113,16 @@ def main(argv: list[str]) -> int:
         print(f"CPU platform: running mesh {format_mesh(dict(mesh.shape))} on {fake} fake host devices "
               f"per process ({jax.process_count()} process(es))")
     cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
-    make_run_dir(run_dir)
     # The abstract program checks the config against the mesh, and the data is read, before
-    # anything is written: a rejected config or a bad data.path never overwrites the run
-    # directory's config.json nor creates its checkpoints/.
+    # anything is written: a rejected config or a bad data.path neither creates the run
+    # directory nor overwrites its config.json, nor creates its checkpoints/.
     program = make_program(cfg, mesh)
     corpus = load_tokens(cfg.data, cfg.model.vocab_size)
     if args.eval_only:
         return evaluate_run(cfg, mesh, program, corpus, run_dir)
     if cfg.train.eval_every:
         program.held_out(corpus.eval)  # refuses a held-out part shorter than one window, before any write
+    make_run_dir(run_dir)
     checkpoints = Checkpointer(run_dir / "checkpoints", cfg) if cfg.train.checkpoint_every else None
     try:
         records, job = build_and_train(cfg, mesh, program, corpus, run_dir, checkpoints)
@@ -131,8 +138,11 @@ def main(argv: list[str]) -> int:
     finally:
         if checkpoints:
             checkpoints.close()
-    if records and int(job.state.step) == cfg.train.steps:
-        print(f"done: final loss {records[-1]['loss']:.4f} after {cfg.train.steps} steps; metrics in {run_dir}")
+    if job is None:
+        return 0
+    if int(job.state.step) == cfg.train.steps:  # a one-step run logs no record, only its compile
+        loss = f"final loss {records[-1]['loss']:.4f} " if records else ""
+        print(f"done: {loss}after {cfg.train.steps} steps; metrics in {run_dir}")
     return 0
 
 
@@ -148,14 +158,36 @@ def core_hint(cfg: RunConfig, platform: str, capability: tuple[int, int] | None)
             f"bench/results/gpu-nvidia-h100-80gb-hbm3-20261124.json): --set model.attention=auto ({fused} here)")
 
 
-def build_and_train(cfg: RunConfig, mesh, program, corpus, run_dir: Path, checkpoints) -> tuple[list[dict], object]:
-    """Build the job (restoring the latest checkpoint), save and print the config, train."""
+def check_resume(cfg: RunConfig, step: int, run_dir: Path) -> bool:
+    """Whether a run restored at `step` has steps left to train (False: it has run all of
+    train.steps, and says so). A lowered --steps, or a --profile-steps window that starts before
+    `step` (it would be skipped, no trace), is refused before config.json is rewritten."""
+    t = cfg.train
+    if step > t.steps:
+        raise ConfigError(f"--run-dir {run_dir} is at step {step}, past train.steps={t.steps}: pass --steps "
+                          f"N > {step} to train on, or choose a new --run-dir")
+    if step == t.steps:
+        print(f"done already: {run_dir} is at step {step} = train.steps; pass --steps N > {step} to train on")
+        return False
+    window = parse_window(t.profile_steps)
+    if window and window[0] < step:
+        raise ConfigError(f"--profile-steps {t.profile_steps} starts before step {step}, where this run resumes: "
+                          f"trace later steps, e.g. --profile-steps {step}:{min(step + 2, t.steps)}")
+    return True
+
+
+def build_and_train(cfg: RunConfig, mesh, program, corpus, run_dir: Path, checkpoints
+                    ) -> tuple[list[dict], object | None]:
+    """Build the job (restoring the latest checkpoint), save and print the config, train; job is
+    None when the restored run had no step left (`check_resume`)."""
     import jax
 
     from training.build import build
     from training.loop import train
 
     job = build(cfg, mesh, corpus, restore=checkpoints.restore_latest if checkpoints else None, program=program)
+    if not check_resume(cfg, int(job.state.step), run_dir):
+        return [], None
     text = json.dumps(cfg.to_dict(), indent=2)
     if jax.process_index() == 0:
         (run_dir / "config.json").write_text(text + "\n")

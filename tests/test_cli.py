@@ -92,6 +92,7 @@ def test_log_lines_and_profile_window(tmp_path):
          "the held-out part of the corpus has 0 tokens, fewer than one window of train.seq_len=32 + 1"),
         (["--eval-only"], "--eval-only: --run-dir {run} holds no checkpoint"),
         (["--eval-only", "--dry-run"], "--eval-only and --dry-run: choose one"),
+        (["--json"], "--json is for --dry-run: it prints the plan as JSON; add --dry-run or drop --json"),
         # The run directory itself.
         (["--run-dir", "{file}"], "is a file: name a directory"),
         (["--run-dir", "{file}/run"], "is a file, not a directory"),
@@ -134,15 +135,73 @@ def test_mesh_larger_than_the_devices_present(tmp_path):
     assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
 
 
-def test_eval_only_scores_the_latest_checkpoint(tmp_path):
-    """Training evaluates at its last step; --eval-only on the run directory restores that
-    step's checkpoint, trains nothing and logs the same held-out loss again."""
-    out = train("--steps", "2", "--set", "train.eval_every=2", "--set", "train.eval_batches=1", "--run-dir", str(tmp_path))
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A run of 2 steps, evaluated and checkpointed at step 2."""
+    run = tmp_path_factory.mktemp("trained")
+    out = train("--steps", "2", "--set", "train.eval_every=2", "--set", "train.eval_batches=1", "--run-dir", str(run))
     assert out.returncode == 0, out.stderr
     assert "eval 2/2 | held-out loss" in out.stdout and "bits/byte" in out.stdout
-    again = train("--eval-only", "--run-dir", str(tmp_path))
+    return run
+
+
+def test_eval_only_scores_the_latest_checkpoint(trained):
+    """Training evaluates at its last step; --eval-only on the run directory restores that
+    step's checkpoint, trains nothing and logs the same held-out loss again."""
+    again = train("--eval-only", "--run-dir", str(trained))
     assert again.returncode == 0, again.stderr
     assert "resumed from" in again.stdout and "eval 2/" in again.stdout and "held-out loss" in again.stdout
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], "loss" in r) for r in records] == [(2, True), (2, False), (2, False)]
     assert records[1]["eval_loss"] == records[2]["eval_loss"] and records[1]["eval_bpb"] is not None
+
+
+def _contents(run: Path) -> dict[str, bytes]:
+    return {p.relative_to(run).as_posix(): p.read_bytes() if p.is_file() else b"" for p in sorted(run.rglob("*"))}
+
+
+@pytest.mark.parametrize(
+    "args, rc, message",
+    [
+        (["--steps", "1"], 2, "error: --run-dir {run} is at step 2, past train.steps=1: pass --steps N > 2"),
+        (["--steps", "2"], 0, "done already: {run} is at step 2 = train.steps; pass --steps N > 2"),
+        (["--steps", "3", "--set", "train.checkpoint_every=0"], 2,
+         "error: --run-dir {run} holds checkpoints, and train.checkpoint_every=0 would neither resume"),
+        (["--steps", "4", "--profile-steps", "0:2"], 2,
+         "error: --profile-steps 0:2 starts before step 2, where this run resumes: trace later steps, e.g. "
+         "--profile-steps 2:4"),
+    ],
+)
+def test_a_resume_with_nothing_to_do_changes_nothing(trained, args, rc, message):
+    """A resume whose steps or profile window lie behind the checkpoint (step 2), or that would
+    ignore the checkpoints, says so in one line and leaves every file of the run as it was
+    (config.json was once rewritten with the lowered train.steps)."""
+    before = _contents(trained)
+    out = train(*args, "--run-dir", str(trained))
+    assert out.returncode == rc, out.stderr
+    assert message.format(run=trained) in out.stdout + out.stderr and "Traceback" not in out.stderr
+    assert _contents(trained) == before
+
+
+def test_a_run_dir_holding_what_is_not_a_run_is_refused(tmp_path):
+    """A config.json that is not a run's (a Hugging Face model directory) is never overwritten,
+    --config given or not; checkpoints/ as a file is refused before a step trains; a config
+    refused after jax is imported leaves no run directory behind."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 64}')
+    for extra in ([], ["--config", "tiny"]):
+        out = train(*extra, "--run-dir", str(hf))
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert (f"error: {hf / 'config.json'} is not a meshtrain run's config (it lacks data, model, name, parallel, "
+                "train; a Hugging Face model directory?): choose another --run-dir") in out.stderr
+    assert _contents(hf) == {"config.json": b'{"architectures": ["LlamaForCausalLM"], "hidden_size": 64}'}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("")
+    out = train("--run-dir", str(run))
+    assert out.returncode == 2 and f"{run / 'checkpoints'} is a file where checkpoints are saved" in out.stderr
+    assert _contents(run) == {"checkpoints": b""}
+    out = train("--set", "model.n_kv_heads=3", "--run-dir", str(tmp_path / "new"))  # refused by make_program
+    assert out.returncode == 2 and "model.n_heads=8 is not a multiple of model.n_kv_heads=3" in out.stderr
+    assert not (tmp_path / "new").exists()

@@ -22,7 +22,7 @@ import math
 import sys
 from pathlib import Path
 
-from cli import request_fake_devices, run_cli, saved_config
+from cli import holds_checkpoint, request_fake_devices, run_cli, saved_config
 from configs import ConfigError, RunConfig
 from sharding.mesh import AXES, format_mesh, parse_mesh
 
@@ -50,8 +50,7 @@ def checked(args: argparse.Namespace) -> tuple[RunConfig, bytes, int]:
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p {args.top_p}: must be in (0, 1] (1 samples from every token)")
     cfg = saved_config(args.run_dir)
-    checkpoints = args.run_dir / "checkpoints"
-    if cfg is None or not checkpoints.is_dir() or not any(p.name.isdigit() for p in checkpoints.iterdir()):
+    if cfg is None or not holds_checkpoint(args.run_dir):
         raise ConfigError(f"--run-dir {args.run_dir}: no config.json and checkpoints/<step> there; "
                           f"train first (python train.py --run-dir {args.run_dir})")
     m, limit = cfg.model, cfg.train.seq_len
