@@ -12,7 +12,7 @@ checked before jax starts (a bad one is one `error:` line).
 
 Per case, compiled ahead of time, run once, then `--steps` timed steps (median, `step_s`;
 `step_cpu_s` the process's CPU time over the step, all threads):
-  bubble           the timetable's idle cells (pipeline.schedule.bubble); ticks its length
+  bubble           the timetable's idle cells (pipeline.tables.bubble); ticks its length
   lockstep_bubble  the timetable weighted by cell cost (F 1, B 2, split B = W = 1;
   async_bubble     pipeline.schedule.weighted): lock-step = what this SPMD tick program
                    pays, asynchronous = stages running free

@@ -35,7 +35,7 @@ BETA: Rule = ("in [0, 1)", lambda v: 0 <= v < 1)
 DTYPES = ("float32", "bfloat16", "float16")  # float8 has no matmul path here; float64 needs jax x64
 # The named choices; the modules that consume them hold the same tuples (tests/test_config.py
 # checks that they agree): sharding.cores.CORES, model.remat.POLICIES,
-# sharding.tensor_parallel.IMPLS, pipeline.schedule.SCHEDULES, training/data.py,
+# sharding.tensor_parallel.IMPLS, pipeline.tables.SCHEDULES, training/data.py,
 # sharding.context_parallel.IMPLS (+ gspmd),
 # model.moe.DISPATCH.
 CHOICES: dict[str, tuple[str, ...]] = {

@@ -5,7 +5,7 @@ stage s holds X/p contiguous layers and never gathers the others. `parallel.sche
 how the M microbatches of a step (`parallel.microbatches`, default p) travel the stages:
 gpipe and interleaved in pipeline/circular.py, the 1F1B family (1f1b, interleaved-1f1b,
 zb-h1) in pipeline/one_f_one_b.py (zb-h1's B/W split: pipeline/split_backward.py); their
-timetables are pipeline/schedule.py. What a pipeline needs of the config (layers divisible by
+timetables are pipeline/tables.py (weighed in pipeline/schedule.py). What a pipeline needs of the config (layers divisible by
 p·V, at least p microbatches, ...) is checked in sharding/checks.py.
 
 Batch: with pp > 1 the step's batch [M, b, L] holds the M microbatches (training.build's
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from sharding.checks import ONE_F_ONE_B
 
-if TYPE_CHECKING:  # importing the package stays jax-free: tools.estimate reads pipeline.schedule
+if TYPE_CHECKING:  # importing the package stays jax-free: tools.estimate reads pipeline.schedule and pipeline.tables
     import jax
     from flax import nnx
 

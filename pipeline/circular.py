@@ -8,7 +8,7 @@ Layout (p stages, V chunks per stage, X layers, Lc = X/(p·V) layers per chunk):
   data moves. V > 1 (interleaved) re-lays the stored contiguous split every step: XLA moves
   (V-1)/V of each device's layer weights forward (and their gradients backward) over `stage`.
 
-Tick t on device s runs its cell of pipeline/schedule.py's table (the arrays of `cells`, in the
+Tick t on device s runs its cell of pipeline/tables.py's table (the arrays of `cells`, in the
 scan's rows): microbatch m on chunk v; its input is the embedding of m (s = 0, v = 0) or what
 device s-1 sent last tick; the output is sent on to s+1 (p-1 wraps to 0 for the next chunk)
 with one `ppermute` of [b, L, D] per tick: M·V + p - 1 collective-permutes of b·L·D per step
@@ -35,7 +35,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from configs.base import RunConfig
-from pipeline.schedule import IDLE, cells, timetable
+from pipeline.tables import IDLE, cells, timetable
 from pipeline.stages import AXIS, buffer, over_stages, stages
 from model.loss import cross_entropy
 from model.moe import no_stats, router_loss

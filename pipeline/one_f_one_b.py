@@ -13,7 +13,7 @@ microbatch M-1 has entered, so each microbatch's loss is computed where its forw
 its cotangent starts there. Their gradients are summed over stage once per step (an
 all-reduce of the embedding, norm and head: 2·(V·D+D)(p-1)/p elements per device).
 
-Tick program (one `lax.scan` over the ticks of pipeline/schedule.py's table; every device runs
+Tick program (one `lax.scan` over the ticks of pipeline/tables.py's table; every device runs
 it and picks its own cell with `lax.axis_index`; the buffer slots are assigned on the host,
 pipeline/tick_program.py; the cells are pipeline/cells.py):
 
@@ -85,7 +85,7 @@ from configs.base import RunConfig
 from model.moe import no_stats
 from model.transformer import compute_params
 from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed, replaced, residual_layout
-from pipeline.schedule import BACKWARD, FORWARD
+from pipeline.tables import BACKWARD, FORWARD
 from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
 from pipeline.tick_program import program
 from sharding.accumulation import FSDP, gather, reduce

@@ -1,51 +1,9 @@
-"""Pipeline timetables: which stage does what at each tick, and the bubble they leave.
+"""Pipeline timetables weighed: time and bubble by cell cost, activations in flight, the closed
+forms, and the command line that prints and draws them (the tables: pipeline/tables.py).
 
   python -m pipeline.schedule --schedule 1f1b --stages 4 --microbatches 8
   python -m pipeline.schedule --schedule all --stages 4 --microbatches 8
   python -m pipeline.schedule --schedule zb-h1 --stages 4 --microbatches 8 --png zb.png
-
-A timetable is a list of ticks, each a list of one cell per stage: an `Op` (F forward, B backward,
-W weight gradient of microbatch m, on chunk v of the stage's layers) or None (idle, printed `.`).
-Every stage runs one cell per tick, and all stages run the same tick program (one SPMD program);
-the bubble is the fraction of idle cells, computed from the table. The schedules' tick programs
-read their cells from the table too, as arrays [ticks, p] (`cells`): the order is computed here
-only. p stages, M microbatches, V chunks per stage; stage s holds chunks v = 0..V-1, the model's
-chunks v·p + s (a chunk is 1/V of the stage's layers).
-
-Dependencies (`needs`; a cell runs at a tick after the cells it needs): F(m, v) on s needs
-F(m, v) on s-1, or on s = 0 with v > 0 F(m, v-1) on p-1; B(m, v) on s needs B(m, v) on s+1, or
-on s = p-1 B(m, v+1) on stage 0, or for v = V-1 F(m, V-1) on p-1; W(m, v) needs B(m, v) on s.
-Unsplit schedules have F and B cells only (B = input and weight gradients); zb-h1 splits B into
-B (input gradient) and W (weight gradient). The 1F1B family is placed by `place`: each stage runs
-its op list in order, each op at the first tick its dependencies allow.
-
-  gpipe        F(m) on stage s at tick m + s; M + p - 1 ticks of forwards (the backward is
-               autodiff's mirror image of the same table). Bubble (p-1)/(M+p-1).
-  interleaved  circular: work item w = t - s of stage s is microbatch g·p + w mod p
-               (g = w div pV) on chunk (w mod pV) div p, so p microbatches travel the ring V
-               times before the next p enter. V·M + p - 1 ticks, bubble (p-1)/(V·M+p-1); needs
-               M divisible by p.
-  1f1b         stage s: min(p-1-s, M) warm-up forwards, then one forward one backward, then the
-               remaining backwards. 2(M + p - 1) ticks, 2M busy per stage: bubble (p-1)/(M+p-1),
-               GPipe's (1F1B saves memory, not time): stage s holds at most p - s microbatches.
-  interleaved-1f1b  Narayanan et al. 2021 (Megatron's order): forward op k of a stage is
-               microbatch (k div pV)·p + k mod p on chunk (k div p) mod V, backward op k the same
-               microbatch on chunk V-1-(k div p) mod V; min(2(p-s-1) + (V-1)p, MV) warm-up
-               forwards, then one F one B, then the remaining Bs. Needs V >= 2 and M divisible
-               by p. 2(V·M + p - 1) ticks: bubble (p-1)/(V·M+p-1), i.e. (p-1)/(V·M) of the ideal
-               time; stage s holds at most min(2(p-s-1) + (V-1)p + 1, MV) (microbatch, chunk)
-               pairs, stage 0 p + (p-1)/V microbatches' worth of activations.
-  zb-h1        Qi et al. 2023 (ZB-H1): 1F1B's order with B split into B and W; stage s runs
-               min(p-1-s, M) warm-up forwards, then F(i + warm-up), B(i) and, from i = s on,
-               W(i - s), then the remaining Bs each followed by a W, then the remaining Ws: W is
-               delayed s microbatches on stage s so that the last stage's Bs, which the earlier
-               stages wait for, come early, and the Ws fill the tail. 3M + p - 1 ticks for
-               M >= p (2M + 2p - 1 below: no steady state): bubble
-               (p-1)/(3M+p-1), i.e. (p-1)(T_F+T_B-T_W) per stage against 1F1B's
-               (p-1)(T_F+T_B+T_W). In flight until W: p on every stage (min(p, M)), 1F1B's stage 0
-               figure; until B (the activations B needs): p - s, 1F1B's. (A stage that held at
-               most p - s until W would make the last stage run F B W back to back:
-               3M + 2p - 2 ticks, the bubble of 1F1B.)
 
 Weighted time (`weighted`, costs per cell kind; default F = 1, B = 2, W = 1 unsplit, B = W = 1
 split; B = 3 where 1f1b recomputes the stage forward in B, `costs`). gpipe and interleaved are
@@ -72,181 +30,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
-
-SCHEDULES = ("gpipe", "interleaved", "1f1b", "interleaved-1f1b", "zb-h1")
-IDLE, FORWARD, BACKWARD, WEIGHT = range(4)  # Cells.kind
-_KIND = {"F": FORWARD, "B": BACKWARD, "W": WEIGHT}
-
-
-@dataclass(frozen=True)
-class Op:
-    kind: str  # "F", "B" (whole backward, or its input gradient where split) or "W" (weight gradient)
-    microbatch: int
-    chunk: int = 0  # v, the stage's chunk of layers (interleaved)
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
-
-
-Table = list[list[Op | None]]  # [tick][stage]
-Cell = tuple[str, int, int, int]  # (kind, microbatch, chunk, stage)
-
-
-def needs(op: Op, stage: int, stages: int, virtual: int) -> tuple[Cell, ...]:
-    """The cells `op` on `stage` waits for (see the module docstring)."""
-    m, v, s, p = op.microbatch, op.chunk, stage, stages
-    if op.kind == "F":
-        return (("F", m, v, s - 1),) if s > 0 else (("F", m, v - 1, p - 1),) if v > 0 else ()
-    if op.kind == "B":
-        return ((("B", m, v, s + 1),) if s < p - 1 else (("B", m, v + 1, 0),) if v < virtual - 1
-                else (("F", m, v, s),))
-    return (("B", m, v, s),)
-
-
-def place(queues: list[list[Op]], virtual: int = 1) -> Table:
-    """Run each stage's op list in order, each op at the first tick after the cells it needs."""
-    queues = [list(q) for q in queues]
-    p, done, table = len(queues), {}, []
-    while any(queues):
-        t, row = len(table), []
-        for s in range(p):
-            op = queues[s][0] if queues[s] else None
-            if op is not None and all(done.get(d, t) < t for d in needs(op, s, p, virtual)):
-                queues[s].pop(0)
-                done[(op.kind, op.microbatch, op.chunk, s)] = t
-                row.append(op)
-            else:
-                row.append(None)
-        if all(c is None for c in row):
-            raise ValueError(f"op lists deadlock at tick {t}: {[q[0] for q in queues if q]}")
-        table.append(row)
-    return table
-
-
-def _check(stages: int, microbatches: int, virtual: int = 1) -> None:
-    if stages < 1 or microbatches < 1 or virtual < 1:
-        raise ValueError(f"stages ({stages}), microbatches ({microbatches}) and virtual stages ({virtual}) "
-                         "must be >= 1")
-
-
-def circular(stages: int, microbatches: int, virtual: int = 1) -> Table:
-    """gpipe (virtual=1) and interleaved forward timetables."""
-    _check(stages, microbatches, virtual)
-    p, m_count, v_count = stages, microbatches, virtual
-    if v_count > 1 and m_count % p:
-        raise ValueError(f"interleaved needs microbatches ({m_count}) divisible by stages ({p})")
-    table = []
-    for t in range(v_count * m_count + p - 1):
-        row = []
-        for s in range(p):
-            w = t - s
-            if 0 <= w < v_count * m_count:
-                group, r = divmod(w, p * v_count)
-                row.append(Op("F", group * p + r % p, r // p))
-            else:
-                row.append(None)
-        table.append(row)
-    return table
-
-
-def one_f_one_b(stages: int, microbatches: int, virtual: int = 1) -> Table:
-    """1F1B (virtual=1) and interleaved 1F1B (virtual >= 2): Megatron's per-stage op order, placed."""
-    _check(stages, microbatches, virtual)
-    p, m_count, v_count = stages, microbatches, virtual
-    if v_count > 1 and m_count % p:
-        raise ValueError(f"interleaved-1f1b needs microbatches ({m_count}) divisible by stages ({p})")
-    total = m_count * v_count
-
-    def op(kind: str, k: int) -> Op:
-        v = (k // p) % v_count
-        return Op(kind, (k // (p * v_count)) * p + k % p, v if kind == "F" else v_count - 1 - v)
-
-    queues = []
-    for s in range(p):
-        warm = min(p - 1 - s if v_count == 1 else 2 * (p - 1 - s) + (v_count - 1) * p, total)
-        ops = [op("F", k) for k in range(warm)]
-        for k in range(total - warm):
-            ops += [op("F", warm + k), op("B", k)]
-        queues.append(ops + [op("B", k) for k in range(total - warm, total)])
-    return place(queues, v_count)
-
-
-def zb_h1(stages: int, microbatches: int) -> Table:
-    """ZB-H1: 1F1B with B split into B and W, W delayed s microbatches on stage s."""
-    _check(stages, microbatches)
-    p, m_count = stages, microbatches
-    queues = []
-    for s in range(p):
-        warm = min(p - 1 - s, m_count)
-        ops, w = [Op("F", m) for m in range(warm)], 0
-        for i in range(m_count):
-            ops += ([Op("F", warm + i)] if warm + i < m_count else []) + [Op("B", i)]
-            if i >= s or warm + i >= m_count:  # from i = s on, or in the cool-down: one W per B
-                ops.append(Op("W", w))
-                w += 1
-        queues.append(ops + [Op("W", m) for m in range(w, m_count)])
-    return place(queues)
-
-
-def timetable(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Table:
-    """The schedule's table; `virtual` (V) is read by interleaved and interleaved-1f1b only."""
-    if schedule == "1f1b":
-        return one_f_one_b(stages, microbatches)
-    if schedule == "interleaved-1f1b":
-        if virtual < 2:
-            raise ValueError(f"interleaved-1f1b needs virtual stages >= 2 (got {virtual}); V = 1 is 1f1b")
-        return one_f_one_b(stages, microbatches, virtual)
-    if schedule == "zb-h1":
-        return zb_h1(stages, microbatches)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
-    return circular(stages, microbatches, virtual if schedule == "interleaved" else 1)
-
-
-class Cells(NamedTuple):
-    """A timetable as int32 arrays [ticks, p] that a tick program indexes with (tick, stage)."""
-
-    kind: np.ndarray  # IDLE, FORWARD, BACKWARD or WEIGHT
-    microbatch: np.ndarray  # m (0 when idle)
-    chunk: np.ndarray  # v (0 when idle)
-
-
-def cells(table: Table) -> Cells:
-    """The table's cells as arrays."""
-    kind, microbatch, chunk = (np.zeros((len(table), len(table[0])), np.int32) for _ in range(3))
-    for t, row in enumerate(table):
-        for s, op in enumerate(row):
-            if op is not None:
-                kind[t, s] = _KIND[op.kind]
-                microbatch[t, s], chunk[t, s] = op.microbatch, op.chunk
-    return Cells(kind, microbatch, chunk)
-
-
-def bubble(table: Table) -> float:
-    """Idle cells / all cells."""
-    every = [c for row in table for c in row]
-    return sum(c is None for c in every) / len(every)
-
-
-def _virtual(table: Table) -> int:
-    return 1 + max(c.chunk for row in table for c in row if c is not None)
-
-
-def with_backward(table: Table) -> Table:
-    """A forward-only table (gpipe, interleaved) followed by its backward, the mirror image:
-    B(m, v) on s at tick T + (T-1-t) for F(m, v) on s at tick t. Other tables unchanged."""
-    if any(c is not None and c.kind != "F" for row in table for c in row):
-        return table
-    return table + [[None if c is None else Op("B", c.microbatch, c.chunk) for c in row] for row in table[::-1]]
-
-
-def split(table: Table) -> bool:
-    """Whether the table has W cells (B is the input gradient only)."""
-    return any(c is not None and c.kind == "W" for row in table for c in row)
+from pipeline.tables import SCHEDULES, Op, Table, bubble, needs, split, timetable, virtual_stages, with_backward
 
 
 def costs(split_backward: bool = False, recompute: bool = False) -> dict[str, float]:
@@ -268,7 +54,7 @@ def timeline(table: Table, cost: dict[str, float] | None = None) -> list[tuple[i
     order back to back, each as soon as the cells it needs ended (weighted time)."""
     table = with_backward(table)
     cost = cost or costs(split(table))
-    p, v_count = len(table[0]), _virtual(table)
+    p, v_count = len(table[0]), virtual_stages(table)
     free, end, spans = [0.0] * p, {}, []
     for row in table:  # a cell's dependencies sit at earlier ticks
         for s, op in enumerate(row):
@@ -409,7 +195,7 @@ def main(argv: list[str]) -> int:
             return _error("--png needs matplotlib: pip install 'meshtrain[profile]'")
         w = weighted(table, cost)
         used = " ".join(f"{k}={cost[k]:g}" for k in "FBW" if k != "W" or split(table))
-        draw(table, args.png, f"{args.schedule} p={p} M={m}" + (f" V={v}" if _virtual(table) > 1 else "")
+        draw(table, args.png, f"{args.schedule} p={p} M={m}" + (f" V={v}" if virtual_stages(table) > 1 else "")
              + f": asynchronous time ({used}), bubble {w.async_bubble:.3f}", cost)
         print(f"wrote {args.png}")
     return 0
@@ -431,3 +217,4 @@ def format_table(table: Table) -> str:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+

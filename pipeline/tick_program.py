@@ -1,5 +1,5 @@
 """The tick program of the 1F1B family (pipeline/one_f_one_b.py), compiled on the host from
-pipeline/schedule.py's timetable: per tick and stage, the cell to run (an index into
+pipeline/tables.py's timetable: per tick and stage, the cell to run (an index into
 pipeline/cells.py's CELLS or SPLIT_CELLS), its microbatch and chunk, and the slot of every value
 in the stage's buffers (`inputs`, `inbox`, `residuals`, `stash`). Slots are assigned lowest
 free first as values arrive and freed when read, so each buffer has as many slots as the stage
@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pipeline.schedule import BACKWARD, FORWARD, WEIGHT, cells, timetable
+from pipeline.tables import BACKWARD, FORWARD, WEIGHT, cells, timetable
 
 BACKWARD_LAST = WEIGHT + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, WEIGHT, and B of chunk V-1 on stage p-1
 

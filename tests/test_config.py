@@ -208,7 +208,7 @@ def test_every_field_has_a_value_rule():
 
 def test_choices_agree_with_the_modules_that_use_them():
     from model.remat import POLICIES
-    from pipeline.schedule import SCHEDULES
+    from pipeline.tables import SCHEDULES
     from sharding import context_parallel
     from sharding.cores import CORES
     from sharding.tensor_parallel import IMPLS

@@ -1,8 +1,9 @@
 """The analytic memory model of a run: bytes per device, term by term, and the per-device
 shape that every term of the model uses.
 
-Pure arithmetic on the config and the schedule's timetable (pipeline/schedule.py): no jax is
-imported, nothing traced or compiled, so `tools.search` can rank hundreds of meshes in a second. Letters as in DESIGN.md; per device: b sequences per
+Pure arithmetic on the config and the schedule's timetable (pipeline/tables.py, weighed by
+pipeline/schedule.py): no jax is imported, nothing traced or compiled, so `tools.search` can
+rank hundreds of meshes in a second. Letters as in DESIGN.md; per device: b sequences per
 microbatch, k microbatches, T = b·L/sp tokens, t = tp, X/pp layers; c = bytes of the compute
 dtype, p4 = 4 (fp32).
 Mixture of experts (model.n_experts = E > 0): X_moe = X/moe_every MoE layers, top-k' routing,
@@ -79,7 +80,8 @@ import math
 from dataclasses import dataclass
 
 from configs.base import RunConfig
-from pipeline.schedule import in_flight, timetable, weighted
+from pipeline.schedule import in_flight, weighted
+from pipeline.tables import timetable
 from sharding.checks import accumulation_axes, batch_ranks, expert_d_ff, explicit_context, moe_layers
 from sharding.cores import choose_core
 
