@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from conftest import ROOT, child_env, run_module
-from configs import ParallelConfig, RunConfig, apply_overrides, get_preset
+from configs import ConfigError, ParallelConfig, RunConfig, apply_overrides, get_preset
 from sharding.mesh import build_mesh, parse_mesh
 from tools import convert
 from training.build import make_program
@@ -269,6 +269,52 @@ def test_bad_hf_input_is_one_clear_line(tmp_path, change, message):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert out.returncode == 2 and len(errors) == 1 and message in errors[0], out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
+
+
+def half(path) -> bytes:
+    """The first half of a file's bytes: an interrupted download."""
+    data = path.read_bytes()
+    return data[:len(data) // 2]
+
+
+def misfiled(path) -> bytes:
+    """The index with layer 0's input_layernorm.weight put in layer 1's file."""
+    index = json.loads(path.read_text())
+    index["weight_map"]["model.layers.0.input_layernorm.weight"] = "layer-1.safetensors"
+    return json.dumps(index).encode()
+
+
+@pytest.mark.parametrize("file,damage,message", [
+    ("layer-0.safetensors", half, r"layer-0.safetensors is damaged or truncated \(.*incomplete metadata.*re-download"),
+    ("rest.safetensors", lambda _: b"\xff" * 64, r"rest.safetensors is damaged or truncated \(.*header too large"),
+    ("config.json", lambda _: b"{not json", r"config.json is not readable JSON \(Expecting property name"),
+    ("config.json", lambda _: b"[1]", r"config.json holds a JSON list, not an object"),
+    ("config.json", lambda _: json.dumps({k: v for k, v in TINY_HF.items()
+                                          if k not in ("hidden_size", "num_attention_heads")}).encode(),
+     r"^config.json lacks hidden_size, num_attention_heads: "),
+    ("config.json", lambda _: json.dumps({"architectures": ["LlamaForCausalLM"]}).encode(),
+     r"lacks vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads"),
+    ("config.json", lambda _: json.dumps(TINY_HF | {"hidden_size": "64", "rms_norm_eps": None}).encode(),
+     r"^config.json: hidden_size='64', rms_norm_eps=None: expected positive integers"),
+    ("model.safetensors.index.json", lambda _: b'{"metadata": {}}', r"index.json has no weight_map"),
+    ("model.safetensors.index.json", misfiled,
+     r"index.json puts model.layers.0.input_layernorm.weight in .*layer-1.safetensors, which lacks it"),
+])
+def test_damaged_hf_files_are_one_error_before_the_run_dir(tmp_path, file, damage, message):
+    """A cut, garbled or incomplete HF file is one error naming it, raised before anything is
+    written: the run directory is not created."""
+    write_hf(tmp_path / "hf", TINY_HF)
+    path = tmp_path / "hf" / file
+    path.write_bytes(damage(path))
+    with pytest.raises(ConfigError, match=message):
+        convert.main(["--from-hf", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()
+
+
+def test_to_hf_out_a_file_is_one_error(tmp_path):
+    (tmp_path / "out").touch()
+    with pytest.raises(ConfigError, match=r"--out .*out is a file: name a new \(or empty\) directory"):
+        convert.main(["--to-hf", str(tmp_path), "--out", str(tmp_path / "out")])
 
 
 def test_to_hf_without_checkpoints_is_one_clear_line(tmp_path):

@@ -42,7 +42,7 @@ from typing import Callable
 
 import ml_dtypes  # noqa: F401 -- registers bfloat16 with numpy, which safetensors' numpy reader needs
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from cli import add_run_args, check_run_dir, make_run_dir, request_fake_devices, run_cli, run_config
@@ -77,7 +77,9 @@ class Safetensors:
         self.parts: dict[str, tuple[str, int, int]] = {}  # split name -> (fused name, first row, rows)
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            names = json.loads(index.read_text())["weight_map"]
+            names = read_json(index).get("weight_map")
+            if not isinstance(names, dict) or not all(isinstance(file, str) for file in names.values()):
+                raise ConfigError(f"--from-hf: {index} has no weight_map {{tensor: file}}; re-download it")
             self.files = {name: directory / file for name, file in names.items()}
         else:
             self.files = {name: f for f in sorted(directory.glob("*.safetensors")) for name in self._keys(f)}
@@ -88,7 +90,7 @@ class Safetensors:
             raise ConfigError(f"--from-hf {directory}: the index names missing files: {', '.join(missing)}")
 
     def _keys(self, file: Path) -> list[str]:
-        with safe_open(file, framework="numpy") as f:
+        with open_safetensors(file) as f:
             return list(f.keys())
 
     def unfuse(self, fused: str, parts: dict[str, int]) -> None:
@@ -102,7 +104,10 @@ class Safetensors:
         if name in self.parts:
             fused, _, rows = self.parts[name]
             return (rows, *self.shape(fused)[1:])
-        with safe_open(self.files[name], framework="numpy") as f:
+        with open_safetensors(self.files[name]) as f:
+            if name not in f.keys():
+                raise ConfigError(f"--from-hf: model.safetensors.index.json puts {name} in {self.files[name]}, "
+                                  "which lacks it; re-download the model")
             return tuple(f.get_slice(name).get_shape())
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
@@ -117,11 +122,31 @@ class Safetensors:
         step = max(1, READ_ELEMENTS // max(1, math.prod(shape[1:])))
         out = None
         for r in range(rows.start, rows.stop, step):
-            with safe_open(self.files[name], framework="numpy") as f:
+            with open_safetensors(self.files[name]) as f:
                 part = f.get_slice(name)[(slice(r, min(r + step, rows.stop)), *index[1:])]
             out = np.empty((len(rows), *part.shape[1:]), part.dtype) if out is None else out
             out[r - rows.start:r - rows.start + len(part)] = part
         return out
+
+
+def open_safetensors(file: Path) -> safe_open:
+    """safe_open(file) for numpy; a file it cannot read (an interrupted download: a header
+    larger than the file, or no header at all) is a ConfigError naming it."""
+    try:
+        return safe_open(file, framework="numpy")
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"--from-hf: {file} is damaged or truncated ({e}); re-download it") from None
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in `path` (a HF file); else a ConfigError naming it."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not text
+        raise ConfigError(f"--from-hf: {path} is not readable JSON ({e}); re-download it") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--from-hf: {path} holds a JSON {type(data).__name__}, not an object; re-download it")
+    return data
 
 
 def check_tensors(st: Safetensors, cfg: RunConfig, tied: bool) -> None:
@@ -210,7 +235,7 @@ def from_hf_config(args: argparse.Namespace) -> tuple[RunConfig, dict]:
     path = args.from_hf / "config.json"
     if not path.exists():
         raise ConfigError(f"--from-hf {args.from_hf}: no config.json there; give a HF model directory")
-    hf = json.loads(path.read_text())
+    hf = read_json(path)
     base = get_preset(args.config or "tiny")
     base = dataclasses.replace(base, name=f"hf-{args.from_hf.resolve().name}", model=model_config(hf, base.model),
                                train=dataclasses.replace(base.train, **FINE_TUNE))
@@ -251,6 +276,8 @@ def from_hf(args: argparse.Namespace) -> int:
 def to_hf(args: argparse.Namespace) -> int:
     if not args.out:
         raise ConfigError("--to-hf needs --out DIR: the HF directory to write")
+    if args.out.exists() and not args.out.is_dir():
+        raise ConfigError(f"--out {args.out} is a file: name a new (or empty) directory for the HF files")
     if args.out.exists() and any(args.out.iterdir()):
         raise ConfigError(f"--out {args.out} is not empty: choose a new directory")
     from tools.sliced_checkpoint import latest_params
@@ -260,7 +287,10 @@ def to_hf(args: argparse.Namespace) -> int:
         raise ConfigError(f"--to-hf {args.to_hf}: a mixture-of-experts run has no Llama equivalent")
     shapes = per_layer_shapes(cfg)
     plan = shard_plan(cfg)
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {args.out}: cannot create it ({e.strerror}); choose another --out") from None
     weight_map, total = {}, 0
     for file, paths in plan.items():
         tensors = {}

@@ -40,6 +40,9 @@ from dataclasses import dataclass
 from configs.base import ConfigError, ModelConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+SIZES = (*REQUIRED, "num_key_value_heads", "head_dim")  # positive integers where given (the last two may be null)
+NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range")  # numbers where given
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,22 @@ def _rope_theta(hf: dict) -> float:
     return float(hf.get("rope_theta", params.get("rope_theta", 10_000.0)))
 
 
+def _check_fields(hf: dict) -> None:
+    """Refuse a config.json that lacks a required size, or whose sizes are not positive integers
+    or whose float fields are not numbers: one error naming every such field."""
+    missing = [k for k in REQUIRED if hf.get(k) is None]
+    if missing:
+        raise ConfigError(f"config.json lacks {', '.join(missing)}: a Llama config.json (as transformers "
+                          "saves it) gives them; re-download it or add them")
+    bad = [f"{k}={hf[k]!r}" for k in SIZES if hf.get(k) is not None
+           and (isinstance(hf[k], bool) or not isinstance(hf[k], int) or hf[k] < 1)]
+    bad += [f"{k}={hf[k]!r}" for k in NUMBERS
+            if k in hf and (isinstance(hf[k], bool) or not isinstance(hf[k], (int, float)))]
+    if bad:
+        raise ConfigError(f"config.json: {', '.join(bad)}: expected positive integers for the sizes and numbers "
+                          f"for {', '.join(NUMBERS)}; fix config.json")
+
+
 def model_config(hf: dict, base: ModelConfig) -> ModelConfig:
     """meshtrain's model for a HF config.json (dict); `base` gives the compute-only fields
     (attention, remat, compute_dtype); parameters in float32. Refuses what meshtrain cannot run."""
@@ -127,6 +146,7 @@ def model_config(hf: dict, base: ModelConfig) -> ModelConfig:
         raise ConfigError(f"config.json: hidden_act={hf['hidden_act']!r} is not supported; meshtrain's MLP is SwiGLU (silu)")
     if any(hf.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
         raise ConfigError("config.json: a mixture-of-experts Llama is not supported; convert dense Llama models")
+    _check_fields(hf)
     n_heads = hf["num_attention_heads"]
     return ModelConfig(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],

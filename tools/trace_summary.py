@@ -37,6 +37,7 @@ import bisect
 import gzip
 import json
 import re
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,14 +148,28 @@ def whole_steps(found: list[OpEvent]) -> list:
     return [r for r, n in runs.items() if n >= max(runs.values()) / 2]
 
 
+def read_trace(path: Path, run_dir: Path) -> list[dict]:
+    """The events of the gzipped Chrome trace at `path` (a list, or {"traceEvents": list}); a
+    damaged file (cut short, not gzip, not a trace) is a ConfigError naming it and the fix."""
+    fix = f"re-record it with train.py --profile-steps A:B --run-dir {run_dir}"
+    try:
+        with gzip.open(path) as f:
+            events = json.load(f)
+    except (OSError, EOFError, ValueError, zlib.error) as e:  # OSError: BadGzipFile; ValueError: not JSON
+        raise ConfigError(f"{path} is damaged ({e}); {fix}") from None
+    events = events.get("traceEvents") if isinstance(events, dict) else events
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise ConfigError(f"{path} is not a Chrome trace (no traceEvents list of events); {fix}")
+    return events
+
+
 def read_profile(run_dir: Path) -> tuple[Path, str, dict[str, tuple[str, str]], list[OpEvent]]:
     """(the trace's path, the compiled step's HLO text, its {instruction: (kind, scope)}
     (`hlo_ops`), the train step's op events)."""
     trace_path, hlo_path = find_trace(run_dir)
     hlo = hlo_path.read_text()
     ops = hlo_ops(hlo)
-    events = json.load(gzip.open(trace_path))
-    found = op_events(events["traceEvents"] if isinstance(events, dict) else events, ops)
+    found = op_events(read_trace(trace_path, run_dir), ops)
     if not found:
         raise ConfigError(f"{trace_path}: no op of the train step in the trace; trace steps after the first "
                           "(--profile-steps 2:4) so that the step is compiled before the trace starts")
