@@ -31,7 +31,7 @@ from pathlib import Path
 from bench.common import error_text
 from cli import run_cli
 from configs import ConfigError
-from tools.measure import RESULTS, environment, median_seconds, run_record, write_report
+from tools.measure import RESULTS, check_at_least, check_out, environment, median_seconds, run_record, write_report
 
 CORES = ("pallas", "cudnn", "xla")
 REFERENCES = ("jax-triton", "jax-mgpu")
@@ -54,8 +54,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.cores = [c for c in args.cores.split(",") if c]
     args.masks = [m for m in args.masks.split(",") if m]
-    if set(args.cores) - set(CORES + REFERENCES) or set(args.masks) - {"causal", "full"} or args.steps < 1:
-        raise ConfigError(f"--cores from {','.join(CORES + REFERENCES)}, --masks from causal,full, --steps >= 1")
+    for flag, given, known in (("--cores", args.cores, CORES + REFERENCES), ("--masks", args.masks, ("causal", "full"))):
+        if not given or set(given) - set(known):
+            raise ConfigError(f"{flag} {','.join(given)!r}: choose from {','.join(known)}")
+    check_at_least(args, 1, "--lengths", "--head-dims", "--heads", "--tokens", "--steps")
+    check_at_least(args, 0, "--kv-heads")
+    check_out(args.out)
     return args
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from bench.common import bench_mesh, default_out, report_head
 from configs import ConfigError, RunConfig
 from cli import add_run_args, request_fake_devices, run_cli, run_config
-from tools.measure import timed, write_report
+from tools.measure import check_out, timed, write_report
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -37,7 +37,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_run_args(p)
     p.add_argument("--steps", type=int, default=4, help="timed steps without and with saves (default 4)")
     p.add_argument("--out", type=Path, help="JSON report (default bench/results/checkpoint-<config>-<mesh>.json)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_out(args.out)
+    return args
 
 
 def directory_bytes(path: Path) -> int:

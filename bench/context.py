@@ -39,7 +39,7 @@ from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, get_preset
 from sharding.mesh import AXES, parse_mesh
 from tools.traffic import communication, context
-from tools.measure import RESULTS, timed, write_report
+from tools.measure import RESULTS, check_at_least, check_out, timed, write_report
 
 if TYPE_CHECKING:
     import jax
@@ -64,10 +64,8 @@ def cases(args: argparse.Namespace) -> dict[int, dict[str | None, RunConfig]]:
     before jax."""
     if args.mesh:
         raise ConfigError(f"--mesh {args.mesh}: bench.context builds its meshes sp=N itself; choose N with --sp")
-    if args.steps < 1:
-        raise ConfigError(f"--steps {args.steps}: time at least one step")
-    if args.tokens_per_device < 1:
-        raise ConfigError(f"--tokens-per-device {args.tokens_per_device}: a device holds at least one token")
+    check_at_least(args, 1, "--steps", "--tokens-per-device")
+    check_out(args.out)
     try:
         sizes = sorted({int(x) for x in args.sp.split(",") if x.strip()})
     except ValueError:

@@ -55,7 +55,7 @@ from configs import ConfigError, RunConfig, get_preset
 from configs.checks import CHOICES
 from sharding.mesh import AXES, format_mesh, parse_mesh
 from tools.traffic import expert as expert_bytes
-from tools.measure import RESULTS, timed, write_report
+from tools.measure import RESULTS, check_at_least, check_out, timed, write_report
 
 if TYPE_CHECKING:
     import jax
@@ -86,10 +86,9 @@ def cases(args: argparse.Namespace) -> dict[tuple[int, str], RunConfig]:
     if args.mesh:
         raise ConfigError(f"--mesh {args.mesh}: bench.moe builds its meshes ep=N,dp=devices/N itself; "
                           "choose N with --ep and the devices with --devices")
-    if args.steps < 1 or args.ffn_rounds < 1:
-        raise ConfigError(f"--steps {args.steps} --ffn-rounds {args.ffn_rounds}: time at least one round of each")
-    if args.devices < 1:
-        raise ConfigError(f"--devices {args.devices}: at least one device")
+    check_at_least(args, 1, "--steps", "--ffn-rounds", "--devices")
+    check_at_least(args, 0, "--ffn-tokens")
+    check_out(args.out)
     try:
         sizes = list(dict.fromkeys(int(x) for x in args.ep.split(",") if x.strip()))
     except ValueError:

@@ -74,7 +74,7 @@ from configs import ConfigError, RunConfig, apply_overrides, get_preset
 from configs.checks import check_values
 from sharding.checks import check_run
 from sharding.mesh import AXES, mesh_config, parse_mesh
-from tools.measure import timed, write_report
+from tools.measure import check_out, timed, write_report
 
 if TYPE_CHECKING:
     import jax
@@ -107,7 +107,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="trace one more step per case under DIR (default: beside --out, <out>-profile/) "
                         "and report each stage's idle fraction")
     p.add_argument("--out", type=Path, help="JSON report (default bench/results/pipeline-<config>-<mesh>.json)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_out(args.out)
+    return args
 
 
 def microbatch_counts(text: str, stages: int) -> list[int]:

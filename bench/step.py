@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from bench.common import bench_mesh, default_out, report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides
-from tools.measure import timed, write_report
+from tools.measure import check_out, timed, write_report
 
 if TYPE_CHECKING:
     import jax
@@ -45,7 +45,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compile-layers", default="", metavar="X,X,...",
                    help="also time lower+compile for these model.n_layers, e.g. 2,8,32")
     p.add_argument("--out", type=Path, help="JSON report (default bench/results/step-<config>-<mesh>.json)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_out(args.out)
+    return args
 
 
 def resolve(args: argparse.Namespace) -> tuple[RunConfig, list[int]]:

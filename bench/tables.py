@@ -11,7 +11,8 @@ at each table. README quotes a few records in its prose only: PROSE_ONLY names t
 
 Hand-written because no library renders these records: each benchmark writes its own JSON
 shape, and the tables keep README's columns. Bad input (a record that does not exist, a marker
-never closed) is one `error:` line and exit code 2; README is then left as it was.
+never closed, a README without any marker) is one `error:` line and exit code 2; README is then
+left as it was.
 """
 
 from __future__ import annotations
@@ -344,6 +345,9 @@ def main(argv: list[str]) -> int:
     if not args.readme.is_file():
         raise ConfigError(f"--readme {args.readme}: no such file")
     text = args.readme.read_text()
+    if not blocks(text):
+        raise ConfigError(f"--readme {args.readme}: no <!-- figures: NAME --> ... {CLOSE} block, so no table to "
+                          f"{'check' if args.check else 'render'}; pass the README that marks them (default {README})")
     fresh, stale = regenerate(text, args.readme.parent / "bench" / "results")
     fix = "python -m bench.tables" + ("" if args.readme == README else f" --readme {args.readme}")
     if args.check:

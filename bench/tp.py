@@ -25,7 +25,7 @@ from pathlib import Path
 from bench.common import report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides
-from tools.measure import RESULTS, timed, write_report
+from tools.measure import RESULTS, check_out, timed, write_report
 
 VARIANTS = {
     "gspmd": ["parallel.tp_impl=gspmd"],
@@ -42,7 +42,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tp", default="2,4,8", help="tensor axis sizes to compare (default 2,4,8)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (one step of each variant per round)")
     p.add_argument("--out", type=Path, help="JSON report (default bench/results/tp-<config>.json)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_out(args.out)
+    return args
 
 
 def variant_config(base: RunConfig, tp: int, sets: list[str]) -> RunConfig:

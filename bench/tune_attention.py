@@ -35,7 +35,7 @@ from pathlib import Path
 from bench.attention import REFERENCES, core_fn, measure
 from cli import run_cli
 from configs import ConfigError
-from tools.measure import RESULTS, environment, run_record, write_report
+from tools.measure import RESULTS, check_at_least, check_out, environment, run_record, write_report
 
 KERNELS = ("forward", "dq", "dkv")
 
@@ -65,8 +65,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise ConfigError(f"--references from cudnn,{','.join(REFERENCES)} or none")
     if any(b < 1 or b & (b - 1) for b in args.blocks) or min(args.warps + args.stages, default=0) < 1:
         raise ConfigError("--blocks must be powers of two, --warps and --stages positive")
-    if args.steps < 1:
-        raise ConfigError("--steps must be >= 1")
+    check_at_least(args, 1, "--length", "--head-dim", "--heads", "--kv-heads", "--tokens", "--steps")
+    check_out(args.out)
     return args
 
 

@@ -1,9 +1,12 @@
 """The benchmarks run end to end and write complete records (figures are not asserted: timing)."""
 
+import importlib
 import json
+import re
 
 import pytest
 
+from configs import ConfigError
 from conftest import SMALL, run_module
 
 SETS = [a for s in SMALL for a in ("--set", s)]
@@ -121,3 +124,34 @@ def test_moe_benchmark_refuses_bad_input_in_one_line():
         out = run_module("bench.moe", *args)
         assert out.returncode == 2 and out.stderr.startswith("error: "), out.stderr
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.parametrize("module, args, message", [
+    ("bench.attention", ["--heads", "0"], "--heads 0: must be >= 1"),
+    ("bench.attention", ["--lengths", "128,0"], "--lengths 128,0: must be >= 1"),
+    ("bench.attention", ["--kv-heads", "-1"], "--kv-heads -1: must be >= 0"),
+    ("bench.attention", ["--masks", "causal,bogus"], "--masks 'causal,bogus': choose from causal,full"),
+    ("bench.attention", ["--cores", "flash"], "--cores 'flash': choose from pallas,"),
+    ("bench.attention", ["--steps", "0"], "--steps 0: must be >= 1"),
+    ("bench.tune_attention", ["--length", "0"], "--length 0: must be >= 1"),
+    ("bench.tune_attention", ["--tokens", "-4"], "--tokens -4: must be >= 1"),
+    ("bench.moe", ["--ffn-tokens", "-1"], "--ffn-tokens -1: must be >= 0"),
+    ("bench.moe", ["--ffn-rounds", "0"], "--ffn-rounds 0: must be >= 1"),
+    ("bench.context", ["--tokens-per-device", "0"], "--tokens-per-device 0: must be >= 1"),
+])
+def test_bad_numbers_are_refused_by_flag_before_jax(module, args, message):
+    """In process: each bench refuses the flag by name before it imports jax or measures anything."""
+    main = importlib.import_module(module).main
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        main([*args, "--out", "/tmp/unused.json"])
+
+
+@pytest.mark.parametrize("module", ["bench.attention", "bench.tune_attention", "bench.moe", "bench.context"])
+def test_an_out_that_cannot_be_written_is_refused_before_measuring(module, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    main = importlib.import_module(module).main
+    with pytest.raises(ConfigError, match=re.escape(f"--out {afile}/x.json: {afile} is a file, not a directory")):
+        main(["--out", str(afile / "x.json")])
+    with pytest.raises(ConfigError, match=re.escape(f"--out {tmp_path} is a directory: name the file")):
+        main(["--out", str(tmp_path)])

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from configs import ConfigError
 from conftest import ROOT, child_env, run_module
 from sharding.mesh import build_mesh, parse_mesh
 from tools import collectives
@@ -124,6 +125,21 @@ def test_bad_input_is_one_error_line(args, message):
     out = run_module("tools.collectives", "--mesh", "dp=2,tp=4", *args, "--check", fake_devices=False)
     assert out.returncode == 2
     assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
+
+
+def test_a_size_below_the_smallest_message_is_refused():
+    """In process, before anything compiles: all-gather over data+tensor (n=8) splits f32 in 8."""
+    with pytest.raises(ConfigError, match="--sizes: 1 B is below the smallest message .* 32 B; start --sizes at 32"):
+        collectives.main(["--mesh", "dp=2,tp=4", "--sizes", "1"])
+    assert collectives.smallest_message([OPS["all-reduce"]], [8], 2) == 2
+
+
+def test_an_out_under_a_file_is_refused_before_measuring(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match=f"--out {tmp_path}/afile/x.json: {tmp_path}/afile is a file"):
+        collectives.parse_args(["--mesh", "dp=2", "--out", str(tmp_path / "afile" / "x.json")])
+    with pytest.raises(ConfigError, match=f"--png {tmp_path} is a directory"):
+        collectives.parse_args(["--mesh", "dp=2", "--png", str(tmp_path)])
 
 
 def test_two_processes_run_the_sweep_and_agree_with_one(tmp_path):

@@ -155,6 +155,11 @@ def test_empty_text_dir(tmp_path):
         load_tokens(DataConfig(source="text", path=str(tmp_path)), 256)
 
 
+def test_token_path_that_is_a_directory_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"^--set data\.path=\S+ is a directory: data\.source=tokens reads one file"):
+        load_tokens(DataConfig(source="tokens", path=str(tmp_path)), 256)
+
+
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])
 def test_token_id_out_of_vocab(tmp_path, dtype):
     path = tmp_path / "t.bin"

@@ -5,6 +5,8 @@ at steps 5 and 8; its losses must equal the one-process run's. Then the checkpoi
 written by two processes, is resumed by one process, which must reach the same losses again.
 """
 
+import argparse
+import re
 import shutil
 import socket
 import subprocess
@@ -13,10 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from configs import ConfigError
 from conftest import child_env, logged_losses, small_config, train_argv
 from sharding.mesh import build_mesh
 from training.build import build
 from training.checkpoint import Checkpointer
+from training.distributed import process_count
 from training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,3 +80,15 @@ def test_two_processes_equal_one_and_resume_across_the_boundary(two_processes, t
     resumed = one_process(resumed_dir, resume=True)
     assert "(step 5)" in capsys.readouterr().out and sorted(resumed) == [7, 8]
     np.testing.assert_allclose([resumed[s] for s in (7, 8)], [reference[s] for s in (7, 8)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("coordinator, processes, message", [
+    ("nocolon", 2, "--coordinator 'nocolon': expected HOST:PORT"),
+    ("host:port", 2, "--coordinator 'host:port': expected HOST:PORT"),
+    (":1234", 2, "--coordinator ':1234': expected HOST:PORT"),
+    ("host:1234", 0, "--num-processes 0: must be >= 1"),
+])
+def test_bad_process_flags_are_refused_before_jax(coordinator, processes, message):
+    args = argparse.Namespace(coordinator=coordinator, num_processes=processes, process_id=0)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        process_count(args)

@@ -8,24 +8,31 @@ bytes of every activation.
 """
 
 import dataclasses
+import gzip
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from configs import apply_overrides, get_preset
+from configs import ConfigError, apply_overrides, get_preset
 from conftest import ROOT, SMALL, child_env, run_module, small_config
 from sharding.mesh import AXES, build_mesh, parse_mesh
-from tools import estimate, roofline, traffic
+from tools import estimate, op_kinds, roofline, trace_summary, traffic
 from tools.bandwidth import load
-from tools.plan import format_plan, plan, xla_figures
+from tools.oom import advice
+from tools.plan import format_plan, plan, run_search, xla_figures
+from tools.plan import main as plan_main
 from tools.search import meshes, search
 
 MEMORY_CASES = {"tiny": ["train.global_batch_size=8"],
                 "125m": ["train.global_batch_size=8", "train.seq_len=256"]}
+
+
+ONE = dict.fromkeys(AXES, 1)
 
 
 def sizes_of(cfg) -> dict[str, int]:
@@ -126,7 +133,8 @@ def _piped(schedule, v, m, remat="none"):
 @pytest.mark.parametrize("remat", ["none", "full"])
 @pytest.mark.parametrize("schedule, v", SCHEDULE_CASES)
 def test_estimate_bubble_and_stash_come_from_the_timetable(schedule, v, remat):
-    from pipeline.schedule import in_flight, timetable, weighted
+    from pipeline.schedule import in_flight, weighted
+    from pipeline.tables import timetable
 
     sizes = dict(zip(AXES, (4, 2, 1, 1, 1, 1)))
     m = 8
@@ -209,6 +217,34 @@ def test_plan_cli_search_prints_the_top_five():
     assert best["rank"] >= 1 and len({r["schedule"] for r in best["schedules"]}) >= 2
 
 
+@pytest.mark.parametrize("preset, gpus, batch, tokens", [("llama3-8b", 24, 258, "2064k"), ("tiny", 7, 35, "4480")])
+def test_search_without_a_mesh_that_splits_the_batch_names_one_that_does(preset, gpus, batch, tokens):
+    """No mesh rejected for memory: the batch is the problem, not the GPUs' memory; the OOM advice
+    says the same (tools/oom.py)."""
+    cfg = get_preset(preset)
+    with pytest.raises(ConfigError, match=f"no mesh of {gpus} GPUs splits {preset}'s global batch of "
+                       f"{cfg.train.global_batch_size} sequences .*: use --set train.global_batch_size={batch} "
+                       f"\\(in tools.plan: --global-batch-tokens {tokens}\\)") as err:
+        run_search(cfg, gpus, roofline.GPUS["h100"], 0, False)
+    assert meshes(apply_overrides(cfg, [f"train.global_batch_size={batch}"]), gpus)
+    assert meshes(apply_overrides(cfg, [f"train.global_batch_size={batch - 1}"]), gpus) == []
+    assert str(err.value) in advice(cfg, {**ONE, "data": gpus}, 1.0, "NVIDIA H100 80GB HBM3")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--global-batch-tokens", "0"], "--global-batch-tokens '0': expected a whole number of tokens, at least 1"),
+    (["--global-batch-tokens", "inf"], "--global-batch-tokens 'inf': expected a whole number"),
+    (["--global-batch-tokens=-1M"], "--global-batch-tokens '-1M': expected a whole number"),
+    (["--gpus", "8"], "--gpus 8 without --search: a plan compiles --mesh; add --search"),
+    (["--search", "--gpus", "8", "--mesh", "dp=8"], "--mesh dp=8 with --search: the search chooses the mesh"),
+    (["--search", "--gpus", "8", "--confirm", "-1"], "--confirm -1: must be >= 0"),
+    (["--search", "--gpus", "0"], "--gpus 0: must be >= 1"),
+])
+def test_plan_flags_that_would_be_ignored_or_crash_are_refused(args, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        plan_main(args)
+
+
 @pytest.mark.slow
 def test_dry_run_llama3_8b_on_64_devices_allocates_no_parameters(tmp_path):
     """train.py --dry-run of llama3-8b (8.03B parameters, 32 GB in fp32) on dp=8,tp=8: the real
@@ -253,6 +289,30 @@ def test_trace_summary_finds_every_scope(tmp_path):
     assert s["collective_ms"] > 0 and 0 <= s["exposed_fraction"] <= 1
     assert Path(s["png"]).stat().st_size > 1000
 
+
+TRACE = gzip.compress(json.dumps([{"ph": "X", "name": f"op{i}", "ts": i} for i in range(100)]).encode())
+
+
+@pytest.mark.parametrize("tool", [trace_summary, op_kinds])
+@pytest.mark.parametrize("data,message", [
+    (TRACE[:len(TRACE) // 2], r"is damaged \(Compressed file ended"),
+    (b"not gzip", r"is damaged \(Not a gzipped file"),
+    (gzip.compress(b"{}"), r"is not a Chrome trace \(no traceEvents list")])
+def test_a_damaged_trace_is_one_error(tmp_path, tool, data, message):
+    """A trace cut short, not gzip, or not a trace: one error naming it and how to record it again,
+    from both tools that read it (trace_summary.read_trace)."""
+    profile = tmp_path / "plugins" / "profile"
+    (profile / "2026_01_01").mkdir(parents=True)
+    (profile / "train_step.hlo.txt").write_text("")
+    (profile / "2026_01_01" / "perfetto_trace.json.gz").write_bytes(data)
+    with pytest.raises(ConfigError, match=rf"perfetto_trace.json.gz {message}") as error:
+        tool.main([str(tmp_path)])
+    assert str(error.value).endswith(f"; re-record it with train.py --profile-steps A:B --run-dir {tmp_path}")
+
+
+def test_op_kinds_top_below_one_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"^--top -2: must be >= 1$"):
+        op_kinds.main([str(tmp_path), "--top", "-2"])
 
 
 def test_search_top_meshes_build_with_their_settings():

@@ -8,7 +8,10 @@ hand, or left behind when a benchmark is re-run, fails it.
 import re
 import shutil
 
-from bench.tables import PROSE_ONLY, blocks, render, span, xla
+import pytest
+
+from bench.tables import PROSE_ONLY, blocks, main, render, span, xla
+from configs import ConfigError
 from conftest import ROOT, run_module
 
 README = ROOT / "README.md"
@@ -117,6 +120,15 @@ def test_an_unclosed_marker_is_one_error_line(tmp_path):
     last = text.rindex("<!-- /figures -->")
     readme.write_text(text[:last] + text[last + len("<!-- /figures -->"):])
     assert_refused(readme, f"<!-- figures: {MARKED[-1]} --> is never closed")
+
+
+@pytest.mark.parametrize("mode", [["--check"], []])
+def test_a_readme_without_figure_blocks_is_refused(tmp_path, mode):
+    readme = tmp_path / "empty.txt"
+    readme.write_text("# no tables here\n")
+    with pytest.raises(ConfigError, match=f"--readme {readme}: no <!-- figures: NAME --> .* block, so no table to "):
+        main([*mode, "--readme", str(readme)])
+    assert readme.read_text() == "# no tables here\n"
 
 
 def test_a_span_that_prints_as_one_figure_is_one_figure():

@@ -53,6 +53,7 @@ import numpy as np
 
 from configs import ConfigError, RunConfig
 from sharding.mesh import ALIASES, AXES, parse_mesh
+from tools.measure import check_at_least, check_out
 
 if TYPE_CHECKING:
     import jax
@@ -171,7 +172,17 @@ def size_limit(device: jax.Device) -> int:
     return stats["bytes_limit"] // MEMORY_FRACTION if stats and "bytes_limit" in stats else CPU_LIMIT
 
 
-def check_sizes(sizes: list[int], limit: int) -> None:
+def smallest_message(ops: list[Op], groups: list[int], itemsize: int) -> int:
+    """The fewest bytes every program of `ops` over groups of these sizes carries: one element, one
+    per rank where the op splits the buffer (`message_count`)."""
+    return itemsize * max(n if op.splits else 1 for op in ops for n in groups)
+
+
+def check_sizes(sizes: list[int], low: int, limit: int) -> None:
+    """Refuse a size below `low` (the smallest message) or above `limit` (the device's)."""
+    if min(sizes) < low:
+        raise ConfigError(f"--sizes: {min(sizes)} B is below the smallest message these ops, groups and dtype "
+                          f"can build, {low} B; start --sizes at {low} or above")
     if max(sizes) > limit:
         raise ConfigError(f"--sizes: {max(sizes) / 2**20:.0f} MiB is above this device's limit of "
                           f"{limit / 2**20:.0f} MiB per message (1 GiB on CPU, else a quarter of the "
@@ -375,8 +386,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="the record (default bench/results/collectives-<backend>-<mesh>.json)")
     add_process_args(p)
     args = p.parse_args(argv)
-    if args.iters < 1:
-        raise ConfigError(f"--iters {args.iters}: must be at least 1")
+    check_at_least(args, 1, "--iters")
+    check_out(args.out)
+    if args.png:
+        check_out(args.png, "--png")
     return args
 
 
@@ -404,7 +417,8 @@ def main(argv: list[str]) -> int:
 
     mesh = build_mesh(cfg.parallel)
     groups = parse_axes(args.axes, dict(mesh.shape))
-    check_sizes(sizes, size_limit(jax.local_devices()[0]))
+    check_sizes(sizes, smallest_message(ops, [group_size(mesh, axes) for axes in groups], DTYPES[args.dtype]),
+                size_limit(jax.local_devices()[0]))
     if args.check:
         return run_check(mesh, ops, groups, sizes, args.dtype)
     smoke = jax.default_backend() == "cpu"

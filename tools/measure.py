@@ -1,5 +1,5 @@
 """What every measurement shares (the benches and tools.collectives): the record's head, its JSON
-file under bench/results/, timing.
+file under bench/results/, timing, and the checks of their flags before anything is measured.
 
 A record (JSON, one file per run) starts with the command that made it, the time, the machine
 and the package versions (`environment`); only process 0 writes it. Timing waits for the device
@@ -12,6 +12,7 @@ No jax at import: the entry points set XLA_FLAGS (cli.request_fake_devices) befo
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -21,6 +22,8 @@ import statistics
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from configs import ConfigError
 
 if TYPE_CHECKING:
     import jax
@@ -64,6 +67,31 @@ def _cpu_model() -> str:
     except OSError:
         return ""
     return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+
+
+def check_at_least(args: argparse.Namespace, minimum: int, *flags: str) -> None:
+    """Refuse the first of `flags` (e.g. '--steps'; a list value: each of its items) below `minimum`."""
+    for flag in flags:
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        values = value if isinstance(value, list) else [value]
+        if any(v is not None and v < minimum for v in values):
+            text = ",".join(map(str, values))
+            raise ConfigError(f"{flag} {text}: must be >= {minimum}")
+
+
+def check_out(out: Path | None, flag: str = "--out") -> None:
+    """Refuse, before anything is measured, a record that could not be written: `out` a directory,
+    under a file, or in a folder this process cannot write (None: the default folder, RESULTS)."""
+    folder = out.parent if out else RESULTS
+    where = f"{flag} {out}" if out else f"{RESULTS}/ (the default of {flag})"
+    if out and out.is_dir():
+        raise ConfigError(f"{where} is a directory: name the file to write, e.g. {out / 'record.json'}")
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{where}: {existing} is a file, not a directory; choose another {flag}")
+    target = out if out and out.exists() else existing  # a new file needs its folder writable
+    if not os.access(target, os.W_OK | (os.X_OK if target.is_dir() else 0)):
+        raise ConfigError(f"{where}: {target} is not writable; choose another {flag}")
 
 
 def write_report(report: dict, out: Path, announce: bool = True) -> None:

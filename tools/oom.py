@@ -3,10 +3,11 @@
 XLA reports a failed device allocation (at compile time for the step's static buffers, or when
 the first step runs) as an XlaRuntimeError whose text starts with RESOURCE_EXHAUSTED. train.py
 turns that into a ConfigError with this module's advice instead of a traceback. The advice
-uses tools/estimate.py and tools/search.py (no jax), in order of least change to the run:
+uses tools/estimate.py, search.py and plan.py (no jax), in order of least change to the run:
 full remat on the same mesh, a smaller micro_batch_size (more accumulation steps, same global
-batch), then the best-ranked mesh of the same device count. The estimate is a model, not XLA's
-allocator: the advice says so.
+batch), then the best-ranked mesh of the same device count (or, when no mesh of that count
+splits the batch, the batch that one splits). The estimate is a model, not XLA's allocator: the
+advice says so.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 from configs import RunConfig
 from sharding.mesh import format_mesh
 from tools.estimate import memory
+from tools.plan import no_mesh_takes
 from tools.roofline import GPUS
 from tools.search import fit, search, settings
 
@@ -47,10 +49,13 @@ def advice(cfg: RunConfig, sizes: dict[str, int], device_bytes: float, device: s
         smaller = fit(trial, sizes, gpu)
         if smaller is not None:
             return f"{what}; try --set train.micro_batch_size={smaller.train.micro_batch_size}{extra}"
-    ranked, _ = search(remat_full, math.prod(sizes.values()), gpu)
+    devices = math.prod(sizes.values())
+    ranked, rejected = search(remat_full, devices, gpu)
     if ranked:
         best = ranked[0]
         sets = " ".join(f"--set {s}" for s in ["model.remat=full", *settings(best)])
         return f"{what}; try --mesh {format_mesh(best['sizes'])} {sets} (the planner's best fit: python train.py --dry-run)"
-    return f"{what}; no mesh of {math.prod(sizes.values())} devices fits it: add devices (python -m tools.plan --search)"
+    if not rejected:  # no mesh was too big: none splits the batch
+        return f"{what}; {no_mesh_takes(cfg, devices)}"
+    return f"{what}; no mesh of {devices} devices fits it: add devices (python -m tools.plan --search)"
 

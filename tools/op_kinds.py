@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from tools.hlo import HEADER, INSTRUCTION, KINDS
+from tools.measure import check_at_least
 from tools.trace_summary import kernel_kind, read_profile, whole_steps
 
 # The xla core's two einsums (model/attention.py), forward and transposed.
@@ -108,6 +109,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top", type=int, default=10, help="the ops listed, slowest first (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = p.parse_args(argv)
+    check_at_least(args, 1, "--top")
     ops = op_breakdown(args.run_dir, args.top)
     print(json.dumps(ops, indent=1) if args.json else format_breakdown(ops))
     return 0

@@ -24,7 +24,8 @@ table) and bubble (its table's, lock-step and weighted: pipeline/schedule.py).
 Search (--search): tools/search.py ranks every mesh of --gpus analytically, choosing the
 micro batch (or, under a pipeline, the schedule and microbatch count: every schedule is ranked
 by its table's lock-step bubble and printed, the fastest the config accepts is chosen) of each;
-the top 3 are compiled to confirm memory (--confirm N to change; 0 to skip).
+the top 3 are compiled to confirm memory (--confirm N to change; 0 to skip). When no mesh of
+--gpus splits the global batch, the error names the smallest batch that one does.
 
 Links (--bandwidth FILE, the record `python -m tools.collectives` writes): each mesh axis the
 record measures is timed with its fit, latency + bytes / busbw, the op per axis chosen in
@@ -40,26 +41,41 @@ import json
 import math
 
 from configs import ConfigError, RunConfig, apply_overrides
+from sharding.checks import batch_ranks
 from sharding.mesh import AXES, format_mesh
 from tools import estimate, roofline, traffic
 from tools.bandwidth import Measured, add_bandwidth_arg, load
 from tools.calibration import add_calibration_arg, rated_gpu
-from tools.search import reason, search, settings
+from tools.measure import check_at_least
+from tools.search import meshes, reason, search, settings
 
 GiB = 2**30
 
 
 def parse_tokens(text: str) -> int:
-    """'4M' -> 4·2^20, '512k' -> 512·2^10, '1000' -> 1000."""
+    """'4M' -> 4·2^20, '512k' -> 512·2^10, '1000' -> 1000; a whole number of tokens, at least 1."""
     scale = {"k": 2**10, "m": 2**20, "g": 2**30}.get(text[-1:].lower(), 1)
     try:
-        return int(float(text[:-1] if scale > 1 else text) * scale)
+        tokens = float(text[:-1] if scale > 1 else text) * scale
     except ValueError:
-        raise ConfigError(f"--global-batch-tokens {text!r}: expected a number such as 4M or 512k") from None
+        tokens = math.nan
+    if not math.isfinite(tokens) or tokens < 1 or tokens % 1:
+        raise ConfigError(f"--global-batch-tokens {text!r}: expected a whole number of tokens, at least 1, "
+                          "such as 4M or 512k")
+    return int(tokens)
+
+
+def format_tokens(tokens: int) -> str:
+    """A token count as parse_tokens reads it: 3·2^20 -> '3M', 2064·2^10 -> '2064k', 4480 -> '4480'."""
+    for unit, scale in (("M", 2**20), ("k", 2**10)):
+        if tokens % scale == 0:
+            return f"{tokens // scale}{unit}"
+    return str(tokens)
 
 
 def with_batch_tokens(cfg: RunConfig, tokens: int | None) -> RunConfig:
-    if not tokens:
+    """cfg with train.global_batch_size = tokens / train.seq_len (cfg itself when tokens is None)."""
+    if tokens is None:
         return cfg
     if tokens % cfg.train.seq_len:
         raise ConfigError(f"--global-batch-tokens {tokens} is not a multiple of train.seq_len={cfg.train.seq_len}")
@@ -225,6 +241,8 @@ def run_search(cfg: RunConfig, gpus: int, gpu: roofline.GPU, confirm: int, as_js
     links = {a: measured.label(link) for a, link in found.items()} | {
         "other axes" if found else "every axis": f"datasheet NVLink {traffic.NVLINK / 1e9:.0f} GB/s inside a node of {traffic.GPUS_PER_NODE}, "
                       f"InfiniBand {traffic.INFINIBAND / 1e9:.0f} GB/s across"}
+    if not ranked and not rejected:
+        raise ConfigError(no_mesh_takes(cfg, gpus))
     if not ranked:
         raise ConfigError(f"no mesh of {gpus} GPUs fits {cfg.name} on {gpu.name}: add GPUs or use model.remat=full")
     rows = []
@@ -267,6 +285,31 @@ def run_search(cfg: RunConfig, gpus: int, gpu: roofline.GPU, confirm: int, as_js
     return 0
 
 
+def smallest_batch(cfg: RunConfig, gpus: int) -> int | None:
+    """The smallest train.global_batch_size from cfg's up that some mesh of `gpus` GPUs takes (a
+    multiple of its dp·fsdp·ep, times pp under a pipeline: the search runs at least pp
+    microbatches), or None when no mesh takes any batch."""
+    b = cfg.train.global_batch_size
+
+    def batch(size: int) -> RunConfig:
+        return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=size))
+
+    steps = {batch_ranks(sizes) * sizes["stage"] for sizes in meshes(batch(b * gpus), gpus)}  # any split divides it
+    return next((size for size in sorted(-(-b // step) * step for step in steps) if meshes(batch(size), gpus)), None)
+
+
+def no_mesh_takes(cfg: RunConfig, gpus: int) -> str:
+    """Why the search has no mesh of `gpus` GPUs when none was rejected for memory, and the fix."""
+    size = smallest_batch(cfg, gpus)
+    if size is None:
+        return (f"no mesh of {gpus} GPUs runs {cfg.name}: every split breaks a shape rule (sharding/checks.py: "
+                "heads, layers, sequence, experts); choose another GPU count")
+    return (f"no mesh of {gpus} GPUs splits {cfg.name}'s global batch of {cfg.train.global_batch_size} sequences "
+            "over its data ranks (dp·fsdp·ep, times pp under a pipeline; the search keeps tp·sp within a node): "
+            f"use --set train.global_batch_size={size} (in tools.plan: --global-batch-tokens "
+            f"{format_tokens(size * cfg.train.seq_len)}), or another GPU count")
+
+
 def schedule_summary(row: dict) -> str:
     """'zb-h1 M=16 1.23 s (bubble 4%)': one ranked schedule."""
     v = f" V={row['virtual_stages']}" if row["virtual_stages"] > 1 else ""
@@ -287,11 +330,20 @@ def main(argv: list[str]) -> int:
     add_bandwidth_arg(p)
     add_calibration_arg(p)
     args = p.parse_args(argv)
-    cfg = with_batch_tokens(run_config(args), args.global_batch_tokens and parse_tokens(args.global_batch_tokens))
+    check_at_least(args, 1, "--gpus")
+    check_at_least(args, 0, "--confirm")
+    if args.search and args.mesh:
+        raise ConfigError(f"--mesh {args.mesh} with --search: the search chooses the mesh of --gpus; drop --mesh, "
+                          "or drop --search to plan that mesh")
+    if args.gpus and not args.search:
+        raise ConfigError(f"--gpus {args.gpus} without --search: a plan compiles --mesh; add --search to rank "
+                          f"the meshes of {args.gpus} GPUs")
+    tokens = None if args.global_batch_tokens is None else parse_tokens(args.global_batch_tokens)
+    cfg = with_batch_tokens(run_config(args), tokens)
     measured = load(args.bandwidth) if args.bandwidth else None
     gpu = rated_gpu(args.gpu, args.calibration)
     if args.search:
-        if not args.gpus or args.gpus < 1:
+        if not args.gpus:
             raise ConfigError("--search needs --gpus N, the GPU count to plan for")
         request_fake_devices(dataclasses.replace(cfg, parallel=dataclasses.replace(
             cfg.parallel, **({a: 1 for a in AXES} | {"data": args.gpus}))))

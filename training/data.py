@@ -115,6 +115,9 @@ def load_tokens(cfg: DataConfig, vocab_size: int) -> Corpus:
     if cfg.source == "text":
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         return _read_bytes(files, f"data.path={cfg.path}")
+    if path.is_dir():
+        raise ConfigError(f"--set data.path={cfg.path} is a directory: data.source=tokens reads one file of token "
+                          "ids; name that file (a directory of text files is data.source=text)")
     if cfg.token_dtype not in ("uint16", "uint32"):
         raise ConfigError(f"--set data.token_dtype={cfg.token_dtype}: choose uint16 or uint32")
     size, itemsize = path.stat().st_size, np.dtype(cfg.token_dtype).itemsize

@@ -38,10 +38,21 @@ def process_count(args: argparse.Namespace) -> int:
     if any(given) and not all(given):
         raise ConfigError("--coordinator, --num-processes and --process-id go together: give all three")
     if all(given):
+        check_coordinator(args.coordinator)
+        if args.num_processes < 1:
+            raise ConfigError(f"--num-processes {args.num_processes}: must be >= 1")
         if not 0 <= args.process_id < args.num_processes:
             raise ConfigError(f"--process-id {args.process_id}: must be in 0..{args.num_processes - 1}")
         return args.num_processes
     return int(os.environ.get("SLURM_NTASKS", "1"))
+
+
+def check_coordinator(address: str) -> None:
+    """Refuse a --coordinator that is not HOST:PORT with a port number (jax fails on it obscurely)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 2**16:
+        raise ConfigError(f"--coordinator {address!r}: expected HOST:PORT, process 0's address and a port "
+                          "number (1-65535), e.g. 10.0.0.1:1234")
 
 
 def initialize(args: argparse.Namespace) -> None:
