@@ -10,7 +10,8 @@ from configs import ConfigError
 from conftest import ROOT, child_env, run_module
 from sharding.mesh import build_mesh, parse_mesh
 from tools import collectives
-from tools.collectives import OPS, Row, bandwidths, fit_model, message_count, parse_sizes, summarize
+from tools.busbw import OPS, Row, bandwidths, fit_model, message_count, summarize
+from tools.collectives import parse_sizes
 from tools.hlo import census
 
 GROUPS = [(("tensor",), 4), (("data", "tensor"), 8)]

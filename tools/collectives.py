@@ -13,17 +13,8 @@ run once to compile and warm up, then timed --iters times (each sample BACK_TO_B
 dispatched back to back, waited for with `jax.block_until_ready`, as nccl-tests times a run of
 launches); the table gives the median per call.
 
-Conventions, those of nccl-tests (doc/PERFORMANCE.md of github.com/NVIDIA/nccl-tests):
-- Message size S: the per-rank buffer for all-reduce, all-to-all and permute; the output (all
-  ranks' pieces together) for all-gather; the input (the whole array before it is scattered)
-  for reduce-scatter. count = S / bytes per element, rounded down to a multiple of the group
-  size n where the op splits the buffer into n pieces (nccl-tests rounds the same way).
-- algbw = S / t, busbw = algbw · factor, in GB/s (1e9 bytes): factor 2(n-1)/n for all-reduce,
-  (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for permute. busbw is what a link
-  carries, comparable across group sizes and with the hardware's peak.
-- Per op and axes: the latency floor (the time at the smallest size), the smallest size that
-  reaches half the peak busbw, and a least-squares fit t = latency + S·factor / busbw (the
-  record's `fit`, per axes and op, for the planner: latency_us and busbw_GBps).
+Conventions: nccl-tests', in tools/busbw.py (the message size S, algbw, busbw and its factor per
+op, the fit t = latency + S·factor / busbw that the record keeps per axes and op for the planner).
 
 `--check` compiles every program without running it and asserts with `tools.hlo.census` that the
 compiled HLO holds exactly one collective, of the intended kind, over the intended axes, with
@@ -45,14 +36,13 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-import numpy as np
-
 from configs import ConfigError, RunConfig
 from sharding.mesh import ALIASES, AXES, parse_mesh
+from tools.busbw import OPS, Op, Row, bandwidths, fit_model, message_count, smallest_message, summarize
 from tools.measure import check_at_least, check_out
 
 if TYPE_CHECKING:
@@ -66,46 +56,6 @@ UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 Axes = tuple[str, ...]  # mesh axes, in mesh order
 SMOKE = ("smoke run on CPU: fake host devices exchange copies in host memory (gloo over TCP between "
          "processes), not messages over a GPU interconnect; these figures say nothing about NVLink or InfiniBand")
-
-
-@dataclass(frozen=True)
-class Op:
-    """One collective: its HLO kind, whether it splits the buffer in n pieces, its bus factor."""
-
-    name: str
-    kind: str  # tools.hlo's kind
-    splits: bool  # count must be a multiple of n
-
-    def factor(self, n: int) -> float:
-        """nccl-tests' busbw / algbw for a group of n."""
-        return {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(self.kind, (n - 1) / n)
-
-    def input_count(self, count: int, n: int) -> int:
-        """Elements per rank going in, for a message of `count` elements."""
-        return count // n if self.name == "all-gather" else count
-
-
-OPS = {op.name: op for op in (
-    Op("all-reduce", "all-reduce", False),
-    Op("all-gather", "all-gather", True),
-    Op("reduce-scatter", "reduce-scatter", True),
-    Op("all-to-all", "all-to-all", True),
-    Op("permute", "collective-permute", False),
-)}
-
-
-@dataclass(frozen=True)
-class Row:
-    """One timed program."""
-
-    op: str
-    axes: str  # e.g. data+tensor
-    group: int
-    size: int  # S in bytes (the convention above)
-    count: int  # S in elements
-    time_us: float
-    algbw_GBps: float
-    busbw_GBps: float
 
 
 # --- input -----------------------------------------------------------------------------------
@@ -172,12 +122,6 @@ def size_limit(device: jax.Device) -> int:
     return stats["bytes_limit"] // MEMORY_FRACTION if stats and "bytes_limit" in stats else CPU_LIMIT
 
 
-def smallest_message(ops: list[Op], groups: list[int], itemsize: int) -> int:
-    """The fewest bytes every program of `ops` over groups of these sizes carries: one element, one
-    per rank where the op splits the buffer (`message_count`)."""
-    return itemsize * max(n if op.splits else 1 for op in ops for n in groups)
-
-
 def check_sizes(sizes: list[int], low: int, limit: int) -> None:
     """Refuse a size below `low` (the smallest message) or above `limit` (the device's)."""
     if min(sizes) < low:
@@ -187,37 +131,6 @@ def check_sizes(sizes: list[int], low: int, limit: int) -> None:
         raise ConfigError(f"--sizes: {max(sizes) / 2**20:.0f} MiB is above this device's limit of "
                           f"{limit / 2**20:.0f} MiB per message (1 GiB on CPU, else a quarter of the "
                           "device's memory); lower the upper bound")
-
-
-def message_count(op: Op, size: int, itemsize: int, n: int) -> int:
-    """Elements of a message of `size` bytes: rounded down to a multiple of n when op splits it."""
-    count = max(1, size // itemsize)
-    return max(n, count // n * n) if op.splits else count
-
-
-# --- arithmetic ------------------------------------------------------------------------------
-
-def bandwidths(size: int, seconds: float, factor: float) -> tuple[float, float]:
-    """(algbw, busbw) in GB/s of a message of `size` bytes taking `seconds`."""
-    algbw = size / seconds / 1e9
-    return algbw, algbw * factor
-
-
-def fit_model(sizes: list[int], seconds: list[float], factor: float) -> dict:
-    """Least squares t = latency + size·factor / busbw: {latency_us, busbw_GBps} (busbw None when
-    the times do not grow with size)."""
-    bus_bytes = np.array(sizes, dtype=float) * factor
-    a = np.stack([np.ones_like(bus_bytes), bus_bytes], axis=1)
-    (latency, per_byte), *_ = np.linalg.lstsq(a, np.array(seconds), rcond=None)
-    return {"latency_us": float(latency * 1e6), "busbw_GBps": float(1 / per_byte / 1e9) if per_byte > 0 else None}
-
-
-def summarize(rows: list[Row]) -> dict:
-    """Latency floor (time at the smallest size), peak busbw and the first size reaching half of it."""
-    peak = max(r.busbw_GBps for r in rows)
-    half = next(r.size for r in rows if r.busbw_GBps >= peak / 2)
-    return {"op": rows[0].op, "axes": rows[0].axes, "group": rows[0].group, "latency_floor_us": rows[0].time_us,
-            "peak_busbw_GBps": peak, "half_peak_size": half}
 
 
 # --- programs --------------------------------------------------------------------------------
