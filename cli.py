@@ -87,17 +87,24 @@ def check_run_dir(run_dir: Path) -> None:
     that is not a meshtrain run's (it would be overwritten)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {run_dir} is a file: name a directory (a new one, or an earlier run's to resume)")
-    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
-    if not existing.is_dir():
-        raise ConfigError(f"--run-dir {run_dir}: {existing} is a file, not a directory; choose another --run-dir")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"--run-dir {run_dir}: {existing} is not writable; choose a --run-dir you can write")
+    check_creatable(run_dir, f"--run-dir {run_dir}", "--run-dir")
     checkpoints = run_dir / "checkpoints"
     if checkpoints.exists() and not checkpoints.is_dir():
         raise ConfigError(f"--run-dir {run_dir}: {checkpoints} is a file where checkpoints are saved; "
                           "move it away or choose another --run-dir")
     if (run_dir / "config.json").exists():
         _own_config(run_dir / "config.json")
+
+
+def check_creatable(folder: Path, where: str, flag: str) -> None:
+    """Refuse a folder that cannot be made or written: a path through a file, or its nearest
+    existing ancestor (itself, if it exists) not writable by this process. `where` starts the
+    message ('--out x.json'), `flag` names the fix."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{where}: {existing} is a file, not a directory; choose another {flag}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where}: {existing} is not writable; choose another {flag}")
 
 
 def make_run_dir(run_dir: Path) -> None:

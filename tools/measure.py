@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from cli import check_creatable
 from configs import ConfigError
 
 if TYPE_CHECKING:
@@ -86,12 +87,9 @@ def check_out(out: Path | None, flag: str = "--out") -> None:
     where = f"{flag} {out}" if out else f"{RESULTS}/ (the default of {flag})"
     if out and out.is_dir():
         raise ConfigError(f"{where} is a directory: name the file to write, e.g. {out / 'record.json'}")
-    existing = next(p for p in (folder, *folder.parents) if p.exists())
-    if not existing.is_dir():
-        raise ConfigError(f"{where}: {existing} is a file, not a directory; choose another {flag}")
-    target = out if out and out.exists() else existing  # a new file needs its folder writable
-    if not os.access(target, os.W_OK | (os.X_OK if target.is_dir() else 0)):
-        raise ConfigError(f"{where}: {target} is not writable; choose another {flag}")
+    check_creatable(folder, where, flag)
+    if out and out.exists() and not os.access(out, os.W_OK):
+        raise ConfigError(f"{where}: {out} is not writable; choose another {flag}")
 
 
 def write_report(report: dict, out: Path, announce: bool = True) -> None:
