@@ -296,6 +296,8 @@ def misfiled(path) -> bytes:
      r"lacks vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads"),
     ("config.json", lambda _: json.dumps(TINY_HF | {"hidden_size": "64", "rms_norm_eps": None}).encode(),
      r"^config.json: hidden_size='64', rms_norm_eps=None: expected positive integers"),
+    ("config.json", lambda _: json.dumps(TINY_HF | {"rope_scaling": "linear"}).encode(),
+     r"^config.json: rope_scaling='linear' is not an object \{rope_type: ...\}"),
     ("model.safetensors.index.json", lambda _: b'{"metadata": {}}', r"index.json has no weight_map"),
     ("model.safetensors.index.json", misfiled,
      r"index.json puts model.layers.0.input_layernorm.weight in .*layer-1.safetensors, which lacks it"),

@@ -107,6 +107,9 @@ def hf_shape(t: Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
 def _rope_theta(hf: dict) -> float:
     """rope_theta (transformers 4) or rope_parameters.rope_theta (transformers 5); refuses scaling."""
     params = hf.get("rope_parameters") or {}
+    for key in ("rope_parameters", "rope_scaling"):
+        if not isinstance(hf.get(key) or {}, dict):
+            raise ConfigError(f"config.json: {key}={hf[key]!r} is not an object {{rope_type: ...}}; fix config.json")
     scaling = hf.get("rope_scaling") or ({} if params.get("rope_type", "default") == "default" else params)
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
