@@ -3,7 +3,7 @@
 XLA reports a failed device allocation (at compile time for the step's static buffers, or when
 the first step runs) as an XlaRuntimeError whose text starts with RESOURCE_EXHAUSTED. train.py
 turns that into a ConfigError with this module's advice instead of a traceback. The advice
-uses tools/estimate.py, search.py and plan.py (no jax), in order of least change to the run:
+uses tools/estimate.py and tools/search.py (no jax), in order of least change to the run:
 full remat on the same mesh, a smaller micro_batch_size (more accumulation steps, same global
 batch), then the best-ranked mesh of the same device count (or, when no mesh of that count
 splits the batch, the batch that one splits). The estimate is a model, not XLA's allocator: the
@@ -18,9 +18,8 @@ import math
 from configs import RunConfig
 from sharding.mesh import format_mesh
 from tools.estimate import memory
-from tools.plan import no_mesh_takes
 from tools.roofline import GPUS
-from tools.search import fit, search, settings
+from tools.search import fit, no_mesh_takes, search, settings
 
 GiB = 2**30
 MARKERS = ("resource_exhausted", "out of memory")

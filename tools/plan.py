@@ -41,13 +41,12 @@ import json
 import math
 
 from configs import ConfigError, RunConfig, apply_overrides
-from sharding.checks import batch_ranks
 from sharding.mesh import AXES, format_mesh
 from tools import estimate, roofline, traffic
 from tools.bandwidth import Measured, add_bandwidth_arg, load
 from tools.calibration import add_calibration_arg, rated_gpu
 from tools.measure import check_at_least
-from tools.search import meshes, reason, search, settings
+from tools.search import no_mesh_takes, reason, search, settings
 
 GiB = 2**30
 
@@ -63,14 +62,6 @@ def parse_tokens(text: str) -> int:
         raise ConfigError(f"--global-batch-tokens {text!r}: expected a whole number of tokens, at least 1, "
                           "such as 4M or 512k")
     return int(tokens)
-
-
-def format_tokens(tokens: int) -> str:
-    """A token count as parse_tokens reads it: 3·2^20 -> '3M', 2064·2^10 -> '2064k', 4480 -> '4480'."""
-    for unit, scale in (("M", 2**20), ("k", 2**10)):
-        if tokens % scale == 0:
-            return f"{tokens // scale}{unit}"
-    return str(tokens)
 
 
 def with_batch_tokens(cfg: RunConfig, tokens: int | None) -> RunConfig:
@@ -283,31 +274,6 @@ def run_search(cfg: RunConfig, gpus: int, gpu: roofline.GPU, confirm: int, as_js
         print(f"best pipeline: {best_pipeline['mesh']} (rank {best_pipeline['rank']}), schedules: "
               + ", ".join(schedule_summary(row) for row in best_pipeline["schedules"]))
     return 0
-
-
-def smallest_batch(cfg: RunConfig, gpus: int) -> int | None:
-    """The smallest train.global_batch_size from cfg's up that some mesh of `gpus` GPUs takes (a
-    multiple of its dp·fsdp·ep, times pp under a pipeline: the search runs at least pp
-    microbatches), or None when no mesh takes any batch."""
-    b = cfg.train.global_batch_size
-
-    def batch(size: int) -> RunConfig:
-        return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=size))
-
-    steps = {batch_ranks(sizes) * sizes["stage"] for sizes in meshes(batch(b * gpus), gpus)}  # any split divides it
-    return next((size for size in sorted(-(-b // step) * step for step in steps) if meshes(batch(size), gpus)), None)
-
-
-def no_mesh_takes(cfg: RunConfig, gpus: int) -> str:
-    """Why the search has no mesh of `gpus` GPUs when none was rejected for memory, and the fix."""
-    size = smallest_batch(cfg, gpus)
-    if size is None:
-        return (f"no mesh of {gpus} GPUs runs {cfg.name}: every split breaks a shape rule (sharding/checks.py: "
-                "heads, layers, sequence, experts); choose another GPU count")
-    return (f"no mesh of {gpus} GPUs splits {cfg.name}'s global batch of {cfg.train.global_batch_size} sequences "
-            "over its data ranks (dp·fsdp·ep, times pp under a pipeline; the search keeps tp·sp within a node): "
-            f"use --set train.global_batch_size={size} (in tools.plan: --global-batch-tokens "
-            f"{format_tokens(size * cfg.train.seq_len)}), or another GPU count")
 
 
 def schedule_summary(row: dict) -> str:

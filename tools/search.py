@@ -16,7 +16,9 @@ and interleaved's memory estimate runs up to 2x low against XLA (tools/estimate.
 only if twice their estimate does. A mesh for which not even one sequence per microbatch fits
 is rejected, never ranked. The rest are ranked by the estimated step time with communication overlapped
 (ties: not overlapped). Nothing is compiled here; `tools.plan --search` compiles
-the top 3 to confirm their memory.
+the top 3 to confirm their memory. When no mesh of the count takes the config at all (none
+rejected for memory), `no_mesh_takes` says why: usually no split of the global batch, and then
+the smallest batch that some mesh splits.
 """
 
 from __future__ import annotations
@@ -186,3 +188,36 @@ def reason(candidate: dict, best: dict) -> str:
         ratio = t["overlap_s"] / best["time"]["overlap_s"]
         parts.append(f"{ratio:.2f}x the best")
     return "; ".join(parts)
+
+
+def format_tokens(tokens: int) -> str:
+    """A token count as tools.plan.parse_tokens reads it: 3·2^20 -> '3M', 2064·2^10 -> '2064k', 4480 -> '4480'."""
+    for unit, scale in (("M", 2**20), ("k", 2**10)):
+        if tokens % scale == 0:
+            return f"{tokens // scale}{unit}"
+    return str(tokens)
+
+
+def smallest_batch(cfg: RunConfig, gpus: int) -> int | None:
+    """The smallest train.global_batch_size from cfg's up that some mesh of `gpus` GPUs takes (a
+    multiple of its dp·fsdp·ep, times pp under a pipeline: the search runs at least pp
+    microbatches), or None when no mesh takes any batch."""
+    b = cfg.train.global_batch_size
+
+    def batch(size: int) -> RunConfig:
+        return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=size))
+
+    steps = {batch_ranks(sizes) * sizes["stage"] for sizes in meshes(batch(b * gpus), gpus)}  # any split divides it
+    return next((size for size in sorted(-(-b // step) * step for step in steps) if meshes(batch(size), gpus)), None)
+
+
+def no_mesh_takes(cfg: RunConfig, gpus: int) -> str:
+    """Why the search has no mesh of `gpus` GPUs when none was rejected for memory, and the fix."""
+    size = smallest_batch(cfg, gpus)
+    if size is None:
+        return (f"no mesh of {gpus} GPUs runs {cfg.name}: every split breaks a shape rule (sharding/checks.py: "
+                "heads, layers, sequence, experts); choose another GPU count")
+    return (f"no mesh of {gpus} GPUs splits {cfg.name}'s global batch of {cfg.train.global_batch_size} sequences "
+            "over its data ranks (dp·fsdp·ep, times pp under a pipeline; the search keeps tp·sp within a node): "
+            f"use --set train.global_batch_size={size} (in tools.plan: --global-batch-tokens "
+            f"{format_tokens(size * cfg.train.seq_len)}), or another GPU count")
