@@ -76,6 +76,9 @@ class TrainConfig:
     eval_batches: int = 4  # global batches of held-out windows per evaluation (the same each time)
 
 
+BYTE_SOURCES = ("stdlib", "text")  # data.source of one token per byte: bits per byte = loss / ln 2
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where the tokens come from.

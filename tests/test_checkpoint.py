@@ -35,9 +35,9 @@ def saved(tmp_path_factory, corpus):
     return out
 
 
-def restore(directory, cfg):
+def restore(directory, cfg, read_only=False):
     program = make_program(cfg, build_mesh(cfg.parallel))
-    checkpoints = Checkpointer(directory, cfg)
+    checkpoints = Checkpointer(directory, cfg, read_only=read_only)
     try:
         return program, checkpoints.restore_latest(program)
     finally:
@@ -62,11 +62,7 @@ def test_damaged_checkpoint_falls_back_to_the_previous(saved, tmp_path, capsys):
 
     directory = tmp_path / "checkpoints"
     shutil.copytree(saved["fsdp=8"][0], directory)
-    data = max((p for p in (directory / "2").rglob("*") if p.is_file() and p.parent.name == "d"),
-               key=lambda p: p.stat().st_size)
-    damaged = bytearray(data.read_bytes())
-    damaged[len(damaged) // 2] ^= 0x40  # one flipped bit: orbax alone restores it silently
-    data.write_bytes(bytes(damaged))
+    flip_a_bit(directory / "2")
     _, state = restore(directory, small_config("fsdp=8"))
     out = capsys.readouterr().out
     assert "checkpoint" in out and "is damaged (DamagedCheckpoint: checksum mismatch" in out
@@ -74,6 +70,45 @@ def test_damaged_checkpoint_falls_back_to_the_previous(saved, tmp_path, capsys):
     assert int(state.step) == 1 and (directory / "2.damaged").is_dir() and not (directory / "2").exists()
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(saved["fsdp=8"][1][0])):
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def flip_a_bit(step_dir):
+    """One flipped bit in the largest data file of a saved step: orbax alone restores it silently."""
+    data = max((p for p in step_dir.rglob("*") if p.is_file() and p.parent.name == "d"), key=lambda p: p.stat().st_size)
+    damaged = bytearray(data.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x40
+    data.write_bytes(bytes(damaged))
+
+
+def test_a_reader_leaves_the_run_as_it_is(saved, tmp_path, capsys):
+    """read_only (--eval-only, tools.generate, possibly beside a training run): a save in flight
+    is neither read nor removed, a damaged step is skipped but not moved."""
+    import shutil
+
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(saved["fsdp=8"][0], directory)
+    flip_a_bit(directory / "2")
+    (directory / "3.orbax-checkpoint-tmp").mkdir()
+    _, state = restore(directory, small_config("fsdp=8"), read_only=True)
+    out = capsys.readouterr().out
+    assert int(state.step) == 1 and "is damaged (DamagedCheckpoint: checksum mismatch" in out and "left in place" in out
+    assert "3.orbax-checkpoint-tmp was cut off mid-write, or is still being written (never committed): not read" in out
+    assert sorted(p.name for p in directory.iterdir()) == ["1", "2", "3.orbax-checkpoint-tmp"]
+
+
+def test_no_restorable_checkpoint_is_an_error_not_a_fresh_start(saved, tmp_path):
+    """Every step damaged: an error (training from step 0 beside them would hide it), each step
+    set aside, beside an earlier `.damaged` of the same step rather than over it."""
+    import shutil
+
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(saved["fsdp=8"][0], directory)
+    (directory / "2.damaged").mkdir()
+    for step in ("1", "2"):
+        flip_a_bit(directory / step)
+    with pytest.raises(ConfigError, match=r"none of the 2 checkpoint\(s\) in .* restores .*put back a good copy"):
+        restore(directory, small_config("fsdp=8"))
+    assert sorted(p.name for p in directory.iterdir()) == ["1.damaged", "2.damaged", "2.damaged-2"]
 
 
 def test_checkpoint_of_another_model_is_refused(saved):

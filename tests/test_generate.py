@@ -118,9 +118,11 @@ def fake_run(tmp_path, *sets, step=True):
     (["--prompt", "x" * 32], [], "--prompt is 32 bytes: give 1 to 31 (the model was trained on train.seq_len=32"),
     (["--max-new-tokens", "30"], [], "--max-new-tokens 30: the prompt's 11 bytes + the new tokens must fit"),
     (["--temperature", "-0.5"], [], "--temperature -0.5: must be >= 0"),
+    (["--temperature", "nan"], [], "--temperature nan: must be >= 0"),
     (["--top-p", "0"], [], "--top-p 0.0: must be in (0, 1]"),
     (["--top-p", "1.5"], [], "--top-p 1.5: must be in (0, 1]"),
     ([], ["data.source=tokens", "data.path=x.bin"], "no tokenizer for a text --prompt"),
+    ([], ["data.source=synthetic", "model.vocab_size=512"], "no tokenizer for a text --prompt"),
     ([], ["model.n_experts=4"], "a mixture-of-experts model"),
 ])
 def test_bad_input_is_one_error_line(tmp_path, args, sets, message):

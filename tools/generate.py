@@ -24,6 +24,7 @@ from pathlib import Path
 
 from cli import holds_checkpoint, request_fake_devices, run_cli, saved_config
 from configs import ConfigError, RunConfig
+from configs.base import BYTE_SOURCES
 from sharding.mesh import AXES, format_mesh, parse_mesh
 
 KEPT_AXES = ("data", "fsdp", "tensor")
@@ -45,7 +46,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def checked(args: argparse.Namespace) -> tuple[RunConfig, bytes, int]:
     """The run's config on the decode mesh, the prompt's bytes and the new-token count; every
     refusal a ConfigError, before jax is imported."""
-    if args.temperature < 0:
+    if not args.temperature >= 0:  # nan too
         raise ConfigError(f"--temperature {args.temperature}: must be >= 0 (0 is greedy)")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p {args.top_p}: must be in (0, 1] (1 samples from every token)")
@@ -56,10 +57,10 @@ def checked(args: argparse.Namespace) -> tuple[RunConfig, bytes, int]:
     m, limit = cfg.model, cfg.train.seq_len
     if m.n_experts:
         raise ConfigError(f"--run-dir {args.run_dir}: a mixture-of-experts model; decoding supports dense models only")
-    if cfg.data.source == "tokens" or m.vocab_size < 256:
+    if cfg.data.source not in BYTE_SOURCES or m.vocab_size < 256:
         raise ConfigError(f"--run-dir {args.run_dir}: trained on data.source={cfg.data.source} with vocab "
                           f"{m.vocab_size}, not bytes: there is no tokenizer for a text --prompt")
-    prompt = args.prompt.encode()
+    prompt = args.prompt.encode(errors="surrogateescape")  # the bytes given, valid UTF-8 or not
     new = limit - len(prompt) if args.max_new_tokens is None else args.max_new_tokens
     if not prompt or len(prompt) >= limit:
         raise ConfigError(f"--prompt is {len(prompt)} bytes: give 1 to {limit - 1} (the model was trained on "
@@ -92,7 +93,7 @@ def main(argv: list[str]) -> int:
     n = math.prod(getattr(cfg.parallel, a) for a in AXES)  # negative when one axis is -1 (fill)
     mesh = build_mesh(cfg.parallel, jax.devices()[:n] if n > 0 else None)
     cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
-    checkpointer = Checkpointer(args.run_dir / "checkpoints", cfg)
+    checkpointer = Checkpointer(args.run_dir / "checkpoints", cfg, read_only=True)
     state = checkpointer.restore_latest(make_program(cfg, mesh))
     checkpointer.close()
     if state is None:

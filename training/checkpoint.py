@@ -28,7 +28,11 @@ Guarantees:
 - Damaged: a flipped bit in a data file restores silently in orbax, so every array's checksum
   (bits times odd position weights, summed mod 2^32: independent of the sharding) is compared
   with the saved one. A checkpoint that fails to read or to match is moved aside to
-  `<step>.damaged` and the previous one is tried; the messages say which and why.
+  `<step>.damaged` (`.damaged-2`, ... beside an earlier one) and the previous one is tried;
+  the messages say which and why. When checkpoints exist and none restores, the run stops with
+  an error rather than starting over beside them.
+- Readers leave the run alone: `read_only=True` (--eval-only, tools.generate) removes no
+  temporary directory (a training run may be writing it) and sets nothing aside.
 - Compatible: a checkpoint written for another model (fields of `model.*` other than
   COMPUTE_ONLY, or gradient clipping on/off, which changes the optimizer state) or another
   data.seed is refused with an error naming the fields that differ.
@@ -40,9 +44,9 @@ step N was started (its temporary directory exists, its write is in flight): a d
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
-import shutil
 import signal
 from pathlib import Path
 
@@ -111,17 +115,18 @@ def incompatibilities(saved: dict, cfg: RunConfig) -> list[str]:
 class Checkpointer:
     """Saves and restores a run's TrainState under `directory` (RUN_DIR/checkpoints)."""
 
-    def __init__(self, directory: Path, cfg: RunConfig):
+    def __init__(self, directory: Path, cfg: RunConfig, read_only: bool = False):
         t = cfg.train
         if t.checkpoint_every < 1 or t.keep_checkpoints < 1:
             raise ConfigError(
                 f"train.checkpoint_every={t.checkpoint_every}, train.keep_checkpoints={t.keep_checkpoints}: "
                 "both must be >= 1 (train.checkpoint_every=0 turns checkpoints off)"
             )
-        self.directory, self.cfg = directory.resolve(), cfg
+        self.directory, self.cfg, self.read_only = directory.resolve(), cfg, read_only
         self.cut_off = sorted(p for p in self.directory.glob("*") if TMP_STEP.match(p.name))
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=t.keep_checkpoints, enable_async_checkpointing=True, cleanup_tmp_directories=True,
+            max_to_keep=t.keep_checkpoints, enable_async_checkpointing=True,
+            cleanup_tmp_directories=not read_only, read_only=read_only,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -151,10 +156,13 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def restore_latest(self, program: Program) -> TrainState | None:
-        """The newest complete, undamaged checkpoint's state in `program`'s shardings, or None."""
+        """The newest complete, undamaged checkpoint's state in `program`'s shardings, or None when
+        there is none; a ConfigError when there are checkpoints and none restores."""
         for tmp in self.cut_off:
-            say(f"checkpoint {tmp.name} was cut off mid-write (never committed): ignored and removed")
-        for step in sorted(self.manager.all_steps(), reverse=True):
+            say(f"checkpoint {tmp.name} was cut off mid-write, or is still being written (never committed): "
+                + ("not read" if self.read_only else "ignored and removed"))
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        for step in steps:
             try:
                 state = self._restore(step, program)
             except ConfigError:
@@ -165,6 +173,9 @@ class Checkpointer:
                 continue
             say(f"resumed from {self.path(step)} (step {step})")
             return state
+        if steps:
+            raise ConfigError(f"none of the {len(steps)} checkpoint(s) in {self.directory} restores (messages above); "
+                              "put back a good copy, or move the directory away to start over")
         return None
 
     def _restore(self, step: int, program: Program) -> TrainState:
@@ -187,10 +198,14 @@ class Checkpointer:
         return state
 
     def _set_aside(self, step: int, reason: str) -> None:
-        """Move a damaged checkpoint to `<step>.damaged` (orbax no longer sees it) and say so."""
-        aside = self.directory / f"{step}.damaged"
+        """Move a damaged checkpoint to `<step>.damaged` (orbax no longer sees it), beside any
+        earlier one of that step, and say so; read-only, only say so."""
+        if self.read_only:
+            say(f"checkpoint {self.path(step)} is damaged ({reason}): left in place, trying the previous one")
+            return
+        names = (f"{step}.damaged" + (f"-{n}" if n > 1 else "") for n in itertools.count(1))
+        aside = next(p for p in (self.directory / name for name in names) if not p.exists())
         if jax.process_index() == 0:
-            shutil.rmtree(aside, ignore_errors=True)
             self.path(step).rename(aside)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"meshtrain-set-aside-{step}")

@@ -39,12 +39,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from configs.base import ConfigError, DataConfig
+from configs.base import BYTE_SOURCES, ConfigError, DataConfig
 
 SYNTHETIC_TOKENS = 1 << 22
 HOLDOUT = 100  # one part in HOLDOUT of the corpus is held out for evaluation
 EVAL_SEED = 0  # the held-out windows' seed: fixed, so that every run of a corpus scores the same windows
-BYTE_SOURCES = ("stdlib", "text")  # one token per byte: the loss in bits per byte is loss / ln 2
 NAN_STEPS_HOOK = "MESHTRAIN_TEST_NAN_STEPS"
 
 

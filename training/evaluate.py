@@ -26,10 +26,10 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from configs.base import ConfigError, RunConfig
+from configs.base import BYTE_SOURCES, ConfigError, RunConfig
 from training.build import Program
 from training.checkpoint import Checkpointer
-from training.data import BYTE_SOURCES, Batches, Corpus
+from training.data import Batches, Corpus
 from training.logger import MetricsLogger
 
 
@@ -51,7 +51,7 @@ def evaluate_run(cfg: RunConfig, mesh: Mesh, program: Program, corpus: Corpus, r
     """--eval-only: score the latest complete checkpoint of `run_dir` on the held-out batches,
     print the figures and append them to metrics.jsonl and TensorBoard; returns the exit code."""
     batches = program.held_out(corpus.eval)
-    checkpoints = Checkpointer(run_dir / "checkpoints", cfg)
+    checkpoints = Checkpointer(run_dir / "checkpoints", cfg, read_only=True)
     try:
         state = checkpoints.restore_latest(program)
     finally:
