@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -107,9 +108,22 @@ def check_creatable(folder: Path, where: str, flag: str) -> None:
         raise ConfigError(f"{where}: {existing} is not writable; choose another {flag}")
 
 
-def make_run_dir(run_dir: Path) -> None:
+def make_run_dir(run_dir: Path, fresh: bool = False) -> Path:
+    """Create `run_dir` (an existing one is a resume) and return it. fresh (the default name of a
+    new run): claim a directory of its own, `run_dir`, else `run_dir-2`, ..., so that two runs
+    started in the same second never share one."""
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        if not fresh:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            return run_dir
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        for n in itertools.count(1):
+            claimed = run_dir if n == 1 else run_dir.with_name(f"{run_dir.name}-{n}")
+            try:
+                claimed.mkdir()
+                return claimed
+            except FileExistsError:
+                continue
     except OSError as e:
         raise ConfigError(f"--run-dir {run_dir}: cannot create it ({e.strerror}); choose another --run-dir") from None
 

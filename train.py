@@ -99,7 +99,7 @@ def main(argv: list[str]) -> int:
     import jax  # noqa: E402 -- after XLA_FLAGS is final
 
     from sharding.mesh import build_mesh, mesh_config
-    from tools.oom import advice, is_out_of_memory
+    from tools.oom import advice, is_disk_full, is_out_of_memory
     from training.build import make_program
     from training.checkpoint import Checkpointer
     from training.data import load_tokens
@@ -108,6 +108,7 @@ def main(argv: list[str]) -> int:
     from training.loop import TrainingStopped
 
     initialize(args)
+    check_backend()
     mesh = build_mesh(cfg.parallel)
     if fake and jax.default_backend() == "cpu":
         print(f"CPU platform: running mesh {format_mesh(dict(mesh.shape))} on {fake} fake host devices "
@@ -122,7 +123,7 @@ def main(argv: list[str]) -> int:
         return evaluate_run(cfg, mesh, program, corpus, run_dir)
     if cfg.train.eval_every:
         program.held_out(corpus.eval)  # refuses a held-out part shorter than one window, before any write
-    make_run_dir(run_dir)
+    run_dir = make_run_dir(run_dir, fresh=args.run_dir is None and jax.process_count() == 1)
     checkpoints = Checkpointer(run_dir / "checkpoints", cfg) if cfg.train.checkpoint_every else None
     try:
         records, job = build_and_train(cfg, mesh, program, corpus, run_dir, checkpoints)
@@ -130,6 +131,10 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # XLA reports a failed device allocation as an XlaRuntimeError
+        if is_disk_full(e):
+            raise ConfigError(f"no space left on the disk of {run_dir} while saving a checkpoint: free space, lower "
+                              "train.keep_checkpoints, or resume elsewhere (copy the run directory); the next resume "
+                              "starts from the last complete checkpoint") from None
         if not is_out_of_memory(e):
             raise
         device = jax.devices()[0]
@@ -144,6 +149,21 @@ def main(argv: list[str]) -> int:
         loss = f"final loss {records[-1]['loss']:.4f} " if records else ""
         print(f"done: {loss}after {cfg.train.steps} steps; metrics in {run_dir}")
     return 0
+
+
+def check_backend() -> None:
+    """jax's devices, or one error line when its backend cannot start (JAX_PLATFORMS naming a
+    platform this machine or this jaxlib lacks, a broken CUDA install)."""
+    import jax
+
+    try:
+        jax.devices()
+    except (RuntimeError, AssertionError) as e:  # AssertionError: jax 0.10 with no backend left at all
+        platforms = os.environ.get("JAX_PLATFORMS")
+        cause = (str(e).splitlines() or ["no backend"])[0][:200]
+        hint = (f"JAX_PLATFORMS={platforms} names a platform jax cannot start here: unset it, or set cpu"
+                if platforms else "check the CUDA install (python -c 'import jax; print(jax.devices())')")
+        raise ConfigError(f"jax could not start its backend ({cause or type(e).__name__}); {hint}") from None
 
 
 def core_hint(cfg: RunConfig, platform: str, capability: tuple[int, int] | None) -> str:

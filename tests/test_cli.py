@@ -205,3 +205,31 @@ def test_a_run_dir_holding_what_is_not_a_run_is_refused(tmp_path):
     out = train("--set", "model.n_kv_heads=3", "--run-dir", str(tmp_path / "new"))  # refused by make_program
     assert out.returncode == 2 and "model.n_heads=8 is not a multiple of model.n_kv_heads=3" in out.stderr
     assert not (tmp_path / "new").exists()
+
+
+def test_new_runs_never_share_a_default_run_dir(tmp_path):
+    """Two runs started in the same second get runs/NAME-TIME and runs/NAME-TIME-2 (they once
+    shared one: config.json overwritten, metrics interleaved); a named --run-dir is used as it is."""
+    import cli as entry
+
+    base = tmp_path / "runs" / "tiny-20260101-120000"
+    claimed = [entry.make_run_dir(base, fresh=True) for _ in range(3)]
+    assert claimed == [base, base.with_name(base.name + "-2"), base.with_name(base.name + "-3")]
+    assert all(p.is_dir() for p in claimed) and entry.make_run_dir(base) == base
+
+
+def test_a_backend_jax_cannot_start_is_one_line(monkeypatch):
+    """JAX_PLATFORMS=cuda on a machine without CUDA ended in a bare AssertionError from jax."""
+    import jax
+
+    import train as entry
+    from configs import ConfigError
+
+    def no_backend():
+        raise RuntimeError("Unable to initialize backend 'cuda': no CUDA-capable device is detected")
+
+    monkeypatch.setattr(jax, "devices", no_backend)
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    with pytest.raises(ConfigError, match=r"^jax could not start its backend \(Unable to initialize backend 'cuda'.*\); "
+                                          r"JAX_PLATFORMS=cuda names a platform jax cannot start here"):
+        entry.check_backend()

@@ -7,7 +7,7 @@ import pytest
 from configs import apply_overrides, get_preset
 from sharding.mesh import parse_mesh
 from tools.estimate import memory
-from tools.oom import advice, is_out_of_memory
+from tools.oom import advice, is_disk_full, is_out_of_memory
 
 H100 = 80e9
 ONE = {"stage": 1, "data": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
@@ -16,6 +16,10 @@ ONE = {"stage": 1, "data": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1
 def test_xla_allocation_failures_are_recognised():
     assert is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.00GiB."))
     assert not is_out_of_memory(RuntimeError("INVALID_ARGUMENT: shapes differ"))
+    full = ValueError('RESOURCE_EXHAUSTED: Error writing "opt_state.mu" in OCDBT database at local file '
+                      '"/runs/a/checkpoints/3.orbax-checkpoint-tmp/": No space left on device [OS error: No space left '
+                      'on device]')  # what tensorstore raised when a checkpoint filled the disk
+    assert is_disk_full(full) and not is_out_of_memory(full)
 
 
 def _apply(cfg, suggestion: str, sizes: dict):

@@ -26,9 +26,15 @@ MARKERS = ("resource_exhausted", "out of memory")
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """Whether `error` is a device allocation failure reported by XLA."""
+    """Whether `error` is a device allocation failure reported by XLA (not a full disk, which
+    tensorstore reports as RESOURCE_EXHAUSTED too: `is_disk_full`)."""
     text = str(error).lower()
-    return any(m in text for m in MARKERS)
+    return any(m in text for m in MARKERS) and not is_disk_full(error)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether `error` is a write that found no space left on the disk (a checkpoint save)."""
+    return "no space left on device" in str(error).lower()
 
 
 def advice(cfg: RunConfig, sizes: dict[str, int], device_bytes: float, device: str) -> str:
