@@ -77,7 +77,7 @@ from cli import run_cli
 from configs import ConfigError
 from sharding.xla_flags import with_flags
 from tools.calibration import estimate_vs_measured
-from tools.measure import RESULTS, check_out, environment, median_seconds, run_record, write_report
+from tools.measure import RESULTS, check_at_least, check_out, environment, median_seconds, run_record, write_report
 
 STAGES = ("environment", "ceilings", "correctness", "attention", "training", "flags", "profile")
 CORES = ("pallas", "cudnn", "xla")
@@ -147,6 +147,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.stages = [s for s in args.stages.split(",") if s]
     if not args.stages or set(args.stages) - set(STAGES):
         raise ConfigError(f"--stages {','.join(args.stages)!r}: choose from {','.join(STAGES)}")
+    check_at_least(args, 1, "--budget")
     check_out(args.out)
     return args
 

@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench.common import bench_mesh, default_out, report_head
-from cli import add_run_args, request_fake_devices, run_cli, run_config
+from cli import add_run_args, check_creatable, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides, get_preset
 from configs.checks import check_values
 from sharding.checks import check_run
@@ -109,6 +109,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="JSON report (default bench/results/pipeline-<config>-<mesh>.json)")
     args = p.parse_args(argv)
     check_out(args.out)
+    if isinstance(args.profile, Path):
+        check_creatable(args.profile, f"--profile {args.profile}", "--profile")
     return args
 
 

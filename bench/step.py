@@ -61,6 +61,8 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, list[int]]:
         raise ConfigError(f"--compile-layers {args.compile_layers!r}: expected integers, e.g. 2,8,32") from None
     if layers and layers[0] < 1:
         raise ConfigError(f"--compile-layers {args.compile_layers!r}: layer counts must be positive")
+    for n in layers:  # each count against the mesh's rules now, not after the throughput run
+        run_config(args, [f"model.n_layers={n}"])
     return cfg, layers
 
 

@@ -43,6 +43,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (one step of each variant per round)")
     p.add_argument("--out", type=Path, help="JSON report (default bench/results/tp-<config>.json)")
     args = p.parse_args(argv)
+    if args.mesh:
+        raise ConfigError(f"--mesh {args.mesh}: bench.tp runs each variant on tp=T alone, T from --tp; drop --mesh")
     check_out(args.out)
     return args
 
