@@ -124,10 +124,9 @@ class Checkpointer:
             )
         self.directory, self.cfg, self.read_only = directory.resolve(), cfg, read_only
         self.cut_off = sorted(p for p in self.directory.glob("*") if TMP_STEP.match(p.name))
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=t.keep_checkpoints, enable_async_checkpointing=True,
-            cleanup_tmp_directories=not read_only, read_only=read_only,
-        )
+        writer = {"max_to_keep": t.keep_checkpoints, "cleanup_tmp_directories": True}
+        reader = {"max_to_keep": None, "save_interval_steps": 0, "create": False, "read_only": True}
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True, **(reader if read_only else writer))
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def due(self, step: int) -> bool:
