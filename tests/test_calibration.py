@@ -3,6 +3,7 @@
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,30 @@ def test_a_record_of_another_device_is_refused(tmp_path, record, message):
     with pytest.raises(ConfigError, match=r"^--calibration .*") as e:
         rated_gpu("h100", path)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s.update(environment="gpu"), "stages.environment='gpu' is not an object"),
+    (lambda s: s.update(ceilings=[700]), "stages.ceilings=[700] is not an object"),
+    (lambda s: s.update(attention=[]), "stages.attention=[] is not an object"),
+    (lambda s: s["attention"].update(rows="none"), "stages.attention.rows='none' is not a list"),
+    (lambda s: s["attention"]["rows"].insert(0, "row"), "stages.attention.rows[0]='row' is not an object"),
+    (lambda s: s["attention"]["rows"][0].pop("length"), "stages.attention.rows[0].length=None is not a positive int"),
+    (lambda s: s["attention"]["rows"][0].update(forward_backward_tflops="1"), "rows[0].forward_backward_tflops='1'"),
+    (lambda s: s["ceilings"].update(matmul_tflops="x"), "stages.ceilings.matmul_tflops='x' is not a positive number"),
+    (lambda s: s["ceilings"].update(matmul_tflops=-700), "stages.ceilings.matmul_tflops=-700 is not a positive number"),
+    (lambda s: s["ceilings"].update(matmul_tflops=float("nan")), "stages.ceilings.matmul_tflops=nan is not a positive"),
+    (lambda s: s["ceilings"].update(copy_gbps=[1]), "stages.ceilings.copy_gbps=[1] is not a positive number"),
+], ids=["environment", "ceilings", "attention", "rows", "row", "length", "attention-rate", "matmul", "negative",
+        "nan", "copy"])
+def test_a_malformed_record_is_refused_naming_the_field(tmp_path, change, message):
+    path = gpu_record(tmp_path)
+    record = json.loads(path.read_text())
+    change(record["stages"])
+    path.write_text(json.dumps(record))
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+        rated_gpu("h100", path)
+    assert str(e.value).startswith(f"--calibration {path}: ") and "pass a record written by python -m bench.gpu" in str(e.value)
 
 
 def test_the_cpu_smoke_record_is_refused_in_one_error_line():

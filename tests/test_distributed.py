@@ -92,3 +92,46 @@ def test_bad_process_flags_are_refused_before_jax(coordinator, processes, messag
     args = argparse.Namespace(coordinator=coordinator, num_processes=processes, process_id=0)
     with pytest.raises(ConfigError, match=re.escape(message)):
         process_count(args)
+
+
+SLURM = {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "77",
+         "SLURM_STEP_NODELIST": "node[1-2]"}
+NO_FLAGS = argparse.Namespace(coordinator=None, num_processes=None, process_id=None)
+
+
+def slurm_env(monkeypatch, env: dict[str, str]) -> None:
+    """Exactly `env` of SLURM's variables (restored after the test, with any initialize sets)."""
+    for name in [*SLURM, "SLURM_JOB_NODELIST"]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"SLURM_NTASKS": "abc"}, "SLURM_NTASKS='abc' is not a positive integer; run under srun, or pass --coordinator"),
+    ({"SLURM_NTASKS": "2"}, ("SLURM_NTASKS=2 asks for 2 processes, but the environment has missing SLURM_PROCID, "
+                             "SLURM_LOCALID, SLURM_JOB_ID, SLURM_STEP_NODELIST")),
+    (SLURM | {"SLURM_PROCID": "one"}, "has non-integer SLURM_PROCID='one'"),
+])
+def test_a_partial_or_bad_slurm_environment_is_refused_before_jax(monkeypatch, env, message):
+    slurm_env(monkeypatch, env)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        process_count(NO_FLAGS)
+
+
+def test_slurm_counts_its_tasks_and_initialize_says_whom_it_waits_for(monkeypatch, capsys):
+    """A full SLURM set (the job's node list in place of the step's, as under sbatch) is 2 processes;
+    initialize names them and the coordinator before it blocks (jax's initialize stubbed)."""
+    import jax
+
+    from training.distributed import initialize
+
+    slurm_env(monkeypatch, {k: v for k, v in SLURM.items() if k != "SLURM_STEP_NODELIST"}
+              | {"SLURM_JOB_NODELIST": "node[1-2]"})
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a: None)
+    assert process_count(NO_FLAGS) == 2
+    initialize(NO_FLAGS)
+    assert capsys.readouterr().err == "waiting for 2 processes at the first node of node[1-2] (SLURM job 77) (process 1)\n"
+    initialize(argparse.Namespace(coordinator="host:1234", num_processes=2, process_id=0))
+    assert capsys.readouterr().err == "waiting for 2 processes at host:1234 (process 0)\n"

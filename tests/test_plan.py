@@ -412,6 +412,34 @@ def test_plan_cli_names_the_measured_link(tmp_path):
     assert "other axes datasheet NVLink 450 GB/s inside a node of 8" in out.stdout
 
 
+@pytest.mark.parametrize("fit, message", [
+    ({"latency_us": float("nan"), "busbw_GBps": 2.0}, "fit data all-reduce latency_us=nan is not a finite number"),
+    ({"latency_us": 1.0, "busbw_GBps": float("inf")}, "fit data all-reduce busbw_GBps=inf is not a finite positive"),
+    ({"latency_us": "1", "busbw_GBps": 2.0}, "fit data all-reduce latency_us='1' is not a finite number"),
+])
+def test_a_non_finite_fit_is_refused_by_field(tmp_path, fit, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load(bandwidth_record(tmp_path, {"data": {"all-reduce": fit}}))
+
+
+def test_an_unknown_op_is_refused_naming_the_known_ones(tmp_path):
+    path = bandwidth_record(tmp_path, {"data": {"allreduce": {"latency_us": 1.0, "busbw_GBps": 2.0}}})
+    with pytest.raises(ConfigError, match="fit data 'allreduce' is not an op; the ops are all-reduce, all-gather, "):
+        load(path)
+
+
+def test_a_negative_fitted_latency_counts_as_zero(tmp_path):
+    """The least-squares fit can dip below 0; the link keeps its bandwidth."""
+    path = bandwidth_record(tmp_path, {"data": {"all-reduce": {"latency_us": -3.0, "busbw_GBps": 2.0}}})
+    link = load(path).links("ring")["data"]
+    assert (link.latency_s, link.bytes_per_s) == (0.0, 2e9)
+
+
+def test_a_cpu_smoke_record_is_refused():
+    with pytest.raises(ConfigError, match=r"collectives-cpu-smoke.json: measured on cpu devices \(a smoke run\)"):
+        load(ROOT / "bench/results/collectives-cpu-smoke.json")
+
+
 @pytest.mark.parametrize("content, message", [
     (None, "cannot read it"), ("{not json", "not JSON"), ('{"mesh": "dp=2"}', "no `fit` per mesh axis"),
     ('{"fit": {"data": {"all-reduce": {"latency_us": 1, "busbw_GBps": -2}}}}', "fit data all-reduce"),

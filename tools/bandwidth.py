@@ -17,20 +17,24 @@ with a bandwidth:
 
 Combinations (`data+tensor`) are ignored: the estimate times each axis on its own. An axis the
 record does not cover, or whose op's time did not grow with size (busbw null), keeps the
-datasheet link. A negative fitted latency counts as 0. The latency counts once per axis and step (a floor: XLA combines the gradient
-reductions, but the tensor axis pays it per layer). No jax here; the file is read before jax
-starts, so a bad one is one `error:` line.
+datasheet link. A negative fitted latency counts as 0 (the least-squares fit can dip below it).
+The latency counts once per axis and step (a floor: XLA combines the gradient reductions, but
+the tensor axis pays it per layer). No jax here; the file is read before jax starts, so a bad
+one is one `error:` line: a CPU smoke record (`smoke` set, or backend cpu: its figures say
+nothing about a network), an op tools.busbw does not name, a latency or busbw not finite.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from configs import ConfigError
 from sharding.mesh import AXES
+from tools.busbw import OPS
 
 PREFERRED = {"data": ("all-reduce",), "fsdp": ("all-gather", "reduce-scatter"), "tensor": ("all-reduce",),
              "stage": ("permute",), "expert": ("all-to-all", "all-reduce")}
@@ -52,7 +56,6 @@ class Measured:
 
     path: str
     mesh: str
-    smoke: bool
     fit: dict[str, dict[str, dict]]
 
     def links(self, context_impl: str) -> dict[str, Link]:
@@ -68,9 +71,8 @@ class Measured:
 
     def label(self, link: Link) -> str:
         """'measured FILE (all-reduce: 25.0 us + bytes / 180 GB/s, on dp=2,tp=4)'."""
-        smoke = ", a CPU smoke run" if self.smoke else ""
         return (f"measured {self.path} ({link.op}: {link.latency_s * 1e6:.1f} us + bytes / "
-                f"{link.bytes_per_s / 1e9:.3g} GB/s, on {self.mesh}{smoke})")
+                f"{link.bytes_per_s / 1e9:.3g} GB/s, on {self.mesh})")
 
 
 def add_bandwidth_arg(p: argparse.ArgumentParser) -> None:
@@ -81,7 +83,8 @@ def add_bandwidth_arg(p: argparse.ArgumentParser) -> None:
 
 
 def load(path: Path) -> Measured:
-    """The record at `path`, checked: ConfigError naming --bandwidth when it is not one."""
+    """The record at `path`, checked: ConfigError naming --bandwidth and the field when it is not
+    one, or when it is a CPU smoke run."""
     where = f"--bandwidth {path}"
     try:
         record = json.loads(path.read_text())
@@ -93,22 +96,39 @@ def load(path: Path) -> Measured:
     fit = record.get("fit") if isinstance(record, dict) else None
     if not isinstance(fit, dict) or not fit:
         raise ConfigError(f"{where}: no `fit` per mesh axis; pass the record python -m tools.collectives writes")
+    env = record.get("environment")
+    backend = env.get("backend") if isinstance(env, dict) else None
+    if record.get("smoke") or backend == "cpu":
+        raise ConfigError(f"{where}: measured on {backend or 'cpu'} devices (a smoke run), not over a GPU "
+                          "interconnect; pass a record python -m tools.collectives made on the GPUs you plan")
     for axes, ops in fit.items():
         names = axes.split("+")
         if any(n not in AXES for n in names) or not isinstance(ops, dict):
             raise ConfigError(f"{where}: fit key {axes!r} is not mesh axes ({' '.join(AXES)}, joined by +) "
                               "with ops under it")
         for op, f in ops.items():
-            if not _valid_fit(f):
-                raise ConfigError(f"{where}: fit {axes} {op} = {f!r}: expected latency_us (a number) and "
-                                  "busbw_GBps (a positive number, or null)")
-    return Measured(str(path), str(record.get("mesh", "?")), bool(record.get("smoke")), fit)
+            if op not in OPS:
+                raise ConfigError(f"{where}: fit {axes} {op!r} is not an op; the ops are {', '.join(OPS)}")
+            problem = _fit_problem(f)
+            if problem:
+                raise ConfigError(f"{where}: fit {axes} {op} {problem}; pass the record python -m "
+                                  "tools.collectives writes")
+    return Measured(str(path), str(record.get("mesh", "?")), fit)
 
 
-def _valid_fit(f: object) -> bool:
+def _fit_problem(f: object) -> str | None:
+    """What is wrong with one op's fit: None when latency_us is a finite number and busbw_GBps a
+    finite positive number or null."""
     if not isinstance(f, dict):
-        return False
+        return f"= {f!r:.60}: expected latency_us and busbw_GBps"
     latency, busbw = f.get("latency_us"), f.get("busbw_GBps")
-    number = (int, float)
-    return (isinstance(latency, number) and not isinstance(latency, bool)
-            and (busbw is None or (isinstance(busbw, number) and not isinstance(busbw, bool) and busbw > 0)))
+    if not _number(latency) or not math.isfinite(latency):
+        return f"latency_us={latency!r} is not a finite number"
+    if busbw is not None and (not _number(busbw) or not 0 < busbw < math.inf):
+        return f"busbw_GBps={busbw!r} is not a finite positive number (or null)"
+    return None
+
+
+def _number(x: object) -> bool:
+    """A JSON number (an int or float, not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

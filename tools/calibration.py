@@ -10,7 +10,9 @@ default (roofline.GPUS). A record of `python -m bench.gpu` measured on that GPU 
              backward recomputes the scores), the model as 3 (training/metrics.py), so its
              TFLOP/s times 3/3.5 is the rate in the model's FLOPs
 The record must come from a GPU of the planned kind (its device_kind names it): a CPU smoke
-record or another GPU's is refused with one `error:` line, as is a record missing either stage.
+record or another GPU's is refused with one `error:` line, as is a record missing either stage,
+or one whose field the planner reads holds the wrong type or a rate that is not a finite
+positive number (the line names the field).
 No jax here: the file is read before jax starts.
 """
 
@@ -19,7 +21,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from pathlib import Path
+from typing import NoReturn
 
 from configs import ConfigError, RunConfig, apply_overrides, get_preset
 from tools.roofline import GPU, GPUS
@@ -44,35 +48,77 @@ def rated_gpu(name: str, calibration: Path | None = None) -> GPU:
 def calibrate(gpu: GPU, name: str, path: Path) -> GPU:
     """`gpu` with the matmul and attention rates of the bench.gpu record at `path` (module docstring)."""
     where = f"--calibration {path}"
+    stages, env = read_record(path)
+    kind = str(env.get("device_kind", "?"))
+    if env.get("backend") != "gpu" or name.upper() not in kind.upper():
+        raise ConfigError(f"{where}: measured on {env.get('backend')} device {kind!r}, not a {name.upper()}; "
+                          f"pass a record made on one, or --gpu of the GPU that record measured")
+    ceilings = _part(where, stages, "stages.ceilings", dict)
+    matmul = ceilings.get("matmul_tflops")
+    rows, measured = [], _part(where, stages, "stages.attention", dict)
+    for i, row in enumerate(_part(where, measured, "stages.attention.rows", list)):
+        field = f"stages.attention.rows[{i}]"
+        if not isinstance(row, dict):
+            _refuse(where, field, row, "an object")
+        if row.get("core") in FUSED and row.get("forward_backward_tflops") is not None:
+            _rate(where, row["forward_backward_tflops"], f"{field}.forward_backward_tflops")
+            length = row.get("length")
+            if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+                _refuse(where, f"{field}.length", length, "a positive integer")
+            rows.append(row)
+    if matmul is None or not rows:
+        missing = "ceilings (matmul_tflops)" if matmul is None else "attention (a pallas or cudnn row)"
+        raise ConfigError(f"{where}: the record has no {missing}; run `make gpu-check` with that stage")
+    matmul = _rate(where, matmul, "stages.ceilings.matmul_tflops")
+    longest = max(r["length"] for r in rows)
+    best = max((r for r in rows if r["length"] == longest), key=lambda r: r["forward_backward_tflops"])
+    attention = best["forward_backward_tflops"] * 1e12 * 3 / 3.5
+    copy = ceilings.get("copy_gbps")
+    copy = gpu.copy_bandwidth if copy is None else _rate(where, copy, "stages.ceilings.copy_gbps") * 1e9
+    rates = (f"measured in {path} on {kind}: matmul {matmul:.0f} TFLOP/s (bf16 GEMM), attention "
+             f"{attention / 1e12:.0f} TFLOP/s ({best['core']} forward + backward, L={longest}, in the model's FLOPs), "
+             f"copies {copy / 1e12:.2f} TB/s")
+    return dataclasses.replace(gpu, matmul_flops=matmul * 1e12, attention_flops=attention, copy_bandwidth=copy,
+                               rates=rates)
+
+
+def read_record(path: Path) -> tuple[dict, dict]:
+    """The `stages` of the bench.gpu record at `path` and its `environment`, both objects, or
+    ConfigError naming --calibration."""
+    where = f"--calibration {path}"
     try:
         stages = json.loads(path.read_text())["stages"]
         env = stages["environment"]
     except OSError as e:
         raise ConfigError(f"{where}: cannot read it ({e.strerror}); pass the JSON record `make gpu-check` "
                           "writes (bench/results/gpu-*.json)") from None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, IndexError):
         raise ConfigError(f"{where}: not a record of python -m bench.gpu (no stages.environment); pass the "
                           "JSON record `make gpu-check` writes") from None
-    kind = str(env.get("device_kind", "?"))
-    if env.get("backend") != "gpu" or name.upper() not in kind.upper():
-        raise ConfigError(f"{where}: measured on {env.get('backend')} device {kind!r}, not a {name.upper()}; "
-                          f"pass a record made on one, or --gpu of the GPU that record measured")
-    matmul = (stages.get("ceilings") or {}).get("matmul_tflops")
-    rows = [r for r in (stages.get("attention") or {}).get("rows", [])
-            if r.get("core") in FUSED and r.get("forward_backward_tflops")]
-    if not matmul or not rows:
-        missing = "ceilings (matmul_tflops)" if not matmul else "attention (a pallas or cudnn row)"
-        raise ConfigError(f"{where}: the record has no {missing}; run `make gpu-check` with that stage")
-    longest = max(r["length"] for r in rows)
-    best = max((r for r in rows if r["length"] == longest), key=lambda r: r["forward_backward_tflops"])
-    attention = best["forward_backward_tflops"] * 1e12 * 3 / 3.5
-    copy = (stages.get("ceilings") or {}).get("copy_gbps")
-    copy = copy * 1e9 if copy else gpu.copy_bandwidth
-    rates = (f"measured in {path} on {kind}: matmul {matmul:.0f} TFLOP/s (bf16 GEMM), attention "
-             f"{attention / 1e12:.0f} TFLOP/s ({best['core']} forward + backward, L={longest}, in the model's FLOPs), "
-             f"copies {copy / 1e12:.2f} TB/s")
-    return dataclasses.replace(gpu, matmul_flops=matmul * 1e12, attention_flops=attention, copy_bandwidth=copy,
-                               rates=rates)
+    if not isinstance(env, dict):
+        _refuse(where, "stages.environment", env, "an object")
+    return stages, env
+
+
+def _part(where: str, parent: dict, field: str, kind: type) -> dict | list:
+    """The `field` (a dotted path, its last name a key of `parent`) when it is a `kind` (an empty
+    one when absent), else ConfigError naming it."""
+    value = parent.get(field.rsplit(".", 1)[-1], kind())
+    if not isinstance(value, kind):
+        _refuse(where, field, value, "an object" if kind is dict else "a list")
+    return value
+
+
+def _rate(where: str, value: object, field: str) -> float:
+    """`value` when it is a finite positive number, else ConfigError naming `field`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        _refuse(where, field, value, "a positive number")
+    return float(value)
+
+
+def _refuse(where: str, field: str, value: object, expected: str) -> NoReturn:
+    """ConfigError: the record's `field` holds `value`, not `expected`."""
+    raise ConfigError(f"{where}: {field}={value!r:.60} is not {expected}; pass a record written by python -m bench.gpu")
 
 
 def case_config(preset: str, overrides: tuple[str, ...], extra: list[str], n_devices: int) -> RunConfig:
@@ -91,8 +137,8 @@ def estimate_vs_measured(path: Path) -> list[dict]:
     from sharding.mesh import AXES
     from tools.roofline import step_time
 
-    stages = json.loads(path.read_text())["stages"]
-    kind = str(stages["environment"].get("device_kind", "?")).lower()
+    stages, env = read_record(path)
+    kind = str(env.get("device_kind", "?")).lower()
     name = next((n for n in GPUS if n in kind), None)
     if name is None:
         raise ConfigError(f"--calibration {path}: device {kind!r} is none of {', '.join(GPUS)}")

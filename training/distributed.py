@@ -4,7 +4,9 @@ Explicit: `--coordinator host:port --num-processes N --process-id I` on every pr
 0 serves the coordinator at host:port). SLURM: with SLURM_NTASKS > 1, jax's own detection reads
 SLURM_JOB_ID, SLURM_STEP_NODELIST (the coordinator is the first node, the port derived from the
 job id), SLURM_NTASKS, SLURM_PROCID and SLURM_LOCALID; under `sbatch` without `srun` only
-SLURM_JOB_NODELIST exists, and it is used in its place.
+SLURM_JOB_NODELIST exists, and it is used in its place. A partial or non-integer set of these
+is refused before jax starts, naming the variables. Each process says on stderr whom it waits
+for before it joins, since initialize blocks until all have.
 
 After initialize every process sees all devices (`jax.devices()`) and its own
 (`jax.local_devices()`); sharding/mesh.py builds the hybrid mesh, training/data.py has each
@@ -20,10 +22,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from configs.base import ConfigError
 
 EXPLICIT = ("coordinator", "num_processes", "process_id")
+# What jax's SLURM detection (jax/_src/clusters/slurm_cluster.py) reads, integers all but the node list.
+SLURM_INTEGERS = ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID")
+SLURM_FIX = "run under srun, or pass --coordinator, --num-processes and --process-id"
 
 
 def add_process_args(p: argparse.ArgumentParser) -> None:
@@ -44,13 +50,32 @@ def process_count(args: argparse.Namespace) -> int:
         if not 0 <= args.process_id < args.num_processes:
             raise ConfigError(f"--process-id {args.process_id}: must be in 0..{args.num_processes - 1}")
         return args.num_processes
-    return int(os.environ.get("SLURM_NTASKS", "1"))
+    return slurm_tasks()
+
+
+def slurm_tasks() -> int:
+    """SLURM_NTASKS (1 when unset), after checking that jax can initialize from SLURM's
+    environment when it is above 1: ConfigError naming the missing or non-integer variables."""
+    tasks = os.environ.get("SLURM_NTASKS", "1")
+    if not tasks.strip().isdecimal() or int(tasks) < 1:
+        raise ConfigError(f"SLURM_NTASKS={tasks!r} is not a positive integer; {SLURM_FIX}")
+    if int(tasks) == 1:
+        return 1
+    missing = [v for v in SLURM_INTEGERS if v not in os.environ]
+    if not {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"} & set(os.environ):
+        missing.append("SLURM_STEP_NODELIST")
+    bad = [f"{v}={os.environ[v]!r}" for v in SLURM_INTEGERS if v in os.environ and not os.environ[v].strip().isdecimal()]
+    problems = ([f"missing {', '.join(missing)}"] if missing else []) + ([f"non-integer {', '.join(bad)}"] if bad else [])
+    if problems:
+        raise ConfigError(f"SLURM_NTASKS={tasks} asks for {tasks} processes, but the environment has "
+                          f"{' and '.join(problems)} (jax's SLURM detection reads them); {SLURM_FIX}")
+    return int(tasks)
 
 
 def check_coordinator(address: str) -> None:
     """Refuse a --coordinator that is not HOST:PORT with a port number (jax fails on it obscurely)."""
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 2**16:
+    if not host or not port.isdecimal() or not 0 < int(port) < 2**16:
         raise ConfigError(f"--coordinator {address!r}: expected HOST:PORT, process 0's address and a port "
                           "number (1-65535), e.g. 10.0.0.1:1234")
 
@@ -63,8 +88,17 @@ def initialize(args: argparse.Namespace) -> None:
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if args.coordinator:
+        _waiting(args.num_processes, args.coordinator, args.process_id)
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         return
     if "SLURM_STEP_NODELIST" not in os.environ and "SLURM_JOB_NODELIST" in os.environ:
         os.environ["SLURM_STEP_NODELIST"] = os.environ["SLURM_JOB_NODELIST"]
+    env = os.environ
+    _waiting(int(env["SLURM_NTASKS"]), f"the first node of {env['SLURM_STEP_NODELIST']} (SLURM job "
+             f"{env['SLURM_JOB_ID']})", int(env["SLURM_PROCID"]))
     jax.distributed.initialize()
+
+
+def _waiting(count: int, coordinator: str, index: int) -> None:
+    """Say what initialize blocks on, so that a missing process reads as a wait, not a hang."""
+    print(f"waiting for {count} processes at {coordinator} (process {index})", file=sys.stderr, flush=True)
