@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from bench.common import report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, get_preset
+from configs.checks import CHOICES
 from sharding.mesh import AXES, parse_mesh
 from tools.traffic import communication, context
 from tools.measure import RESULTS, check_at_least, check_out, timed, write_report
@@ -73,8 +74,9 @@ def cases(args: argparse.Namespace) -> dict[int, dict[str | None, RunConfig]]:
     if not sizes or sizes[0] < 1:
         raise ConfigError(f"--sp {args.sp!r}: sizes must be 1 or more, e.g. 1,2,4,8")
     impls = list(dict.fromkeys(x.strip() for x in args.impls.split(",") if x.strip()))
-    if not impls:
-        raise ConfigError(f"--impls {args.impls!r}: name at least one of ring, allgather, gspmd")
+    known = CHOICES["parallel.context_impl"]
+    if not impls or set(impls) - set(known):
+        raise ConfigError(f"--impls {args.impls!r}: name one or more of {', '.join(known)}")
     preset = get_preset(args.config or "tiny")
     base = {sp: dataclasses.replace(preset, parallel=parse_mesh(f"sp={sp}", preset.parallel)) for sp in sizes}
     # every way is checked at every sp (sharding/checks.py refuses unknown ones and L % 2·sp);
