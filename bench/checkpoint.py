@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 from bench.common import bench_mesh, default_out, report_head
-from configs import ConfigError, RunConfig
+from configs import RunConfig
 from cli import add_run_args, request_fake_devices, run_cli, run_config
-from tools.measure import check_out, timed, write_report
+from tools.measure import check_at_least, check_out, timed, write_report
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -107,8 +107,7 @@ def measure(cfg: RunConfig, mesh, steps: int, directory: Path) -> dict:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if args.steps < 1:
-        raise ConfigError(f"--steps {args.steps}: time at least one step")
+    check_at_least(args, 1, "--steps")
     cfg = run_config(args)
     fake = request_fake_devices(cfg)
 

@@ -74,7 +74,7 @@ from configs import ConfigError, RunConfig, apply_overrides, get_preset
 from configs.checks import check_values
 from sharding.checks import check_run
 from sharding.mesh import AXES, mesh_config, parse_mesh
-from tools.measure import check_out, timed, write_report
+from tools.measure import check_at_least, check_out, timed, write_report
 
 if TYPE_CHECKING:
     import jax
@@ -142,8 +142,7 @@ def chosen_schedules(text: str) -> list[str]:
 def cases(args: argparse.Namespace) -> tuple[list[RunConfig], dict[int, RunConfig]]:
     """The checked config of every schedule and M, and the one-device reference of every M;
     refuses bad flags before jax."""
-    if args.steps < 1:
-        raise ConfigError(f"--steps {args.steps}: time at least one step")
+    check_at_least(args, 1, "--steps")
     stages = parse_mesh(args.mesh).stage
     if stages < 2:
         raise ConfigError(f"--mesh {args.mesh}: the schedules need a stage axis of 2 or more, e.g. --mesh pp=4")

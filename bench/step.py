@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from bench.common import bench_mesh, default_out, report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides
-from tools.measure import check_out, timed, write_report
+from tools.measure import check_at_least, check_out, timed, write_report
 
 if TYPE_CHECKING:
     import jax
@@ -52,8 +52,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def resolve(args: argparse.Namespace) -> tuple[RunConfig, list[int]]:
     """The run config (before the mesh is built) and the layer counts to compile."""
-    if args.steps < 1:
-        raise ConfigError(f"--steps {args.steps}: time at least one step")
+    check_at_least(args, 1, "--steps")
     cfg = run_config(args)
     try:
         layers = sorted({int(x) for x in args.compile_layers.split(",") if x.strip()})

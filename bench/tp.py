@@ -25,7 +25,7 @@ from pathlib import Path
 from bench.common import report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides
-from tools.measure import RESULTS, check_out, timed, write_report
+from tools.measure import RESULTS, check_at_least, check_out, timed, write_report
 
 VARIANTS = {
     "gspmd": ["parallel.tp_impl=gspmd"],
@@ -109,8 +109,9 @@ def main(argv: list[str]) -> int:
         sizes = sorted({int(x) for x in args.tp.split(",") if x.strip()})
     except ValueError:
         raise ConfigError(f"--tp {args.tp!r}: expected integers, e.g. 2,4,8") from None
-    if args.rounds < 1 or not sizes or sizes[0] < 2:
-        raise ConfigError("--tp sizes must be 2 or more and --rounds at least 1")
+    check_at_least(args, 1, "--rounds")
+    if not sizes or sizes[0] < 2:
+        raise ConfigError(f"--tp {args.tp!r}: sizes must be 2 or more, e.g. 2,4,8")
     base = run_config(args)
     request_fake_devices(variant_config(base, sizes[-1], []))
 

@@ -139,6 +139,8 @@ def test_moe_benchmark_refuses_bad_input_in_one_line():
     ("bench.moe", ["--ffn-rounds", "0"], "--ffn-rounds 0: must be >= 1"),
     ("bench.context", ["--tokens-per-device", "0"], "--tokens-per-device 0: must be >= 1"),
     ("bench.gpu", ["--budget", "-5"], "--budget -5.0: must be >= 1"),
+    ("bench.step", ["--steps", "0"], "--steps 0: must be >= 1"),
+    ("bench.tp", ["--rounds", "0"], "--rounds 0: must be >= 1"),
     ("bench.context", ["--impls", "ring,bogus"], "--impls 'ring,bogus': name one or more of ring, allgather, gspmd"),
     ("bench.tp", ["--mesh", "dp=2"], "--mesh dp=2: bench.tp runs each variant on tp=T alone, T from --tp; drop --mesh"),
     ("bench.step", ["--mesh", "pp=2", "--compile-layers", "2,3"], "model.n_layers=3 is not divisible by pp"),
