@@ -290,14 +290,15 @@ def test_trace_summary_finds_every_scope(tmp_path):
     assert Path(s["png"]).stat().st_size > 1000
 
 
-TRACE = gzip.compress(json.dumps([{"ph": "X", "name": f"op{i}", "ts": i} for i in range(100)]).encode())
+TRACE = gzip.compress(json.dumps([{"ph": "X", "name": f"op{i}", "ts": i} for i in range(100)]).encode(), mtime=0)
 
 
 @pytest.mark.parametrize("tool", [trace_summary, op_kinds])
 @pytest.mark.parametrize("data,message", [
     (TRACE[:len(TRACE) // 2], r"is damaged \(Compressed file ended"),
     (b"not gzip", r"is damaged \(Not a gzipped file"),
-    (gzip.compress(b"{}"), r"is not a Chrome trace \(no traceEvents list")])
+    (gzip.compress(b"{}", mtime=0), r"is not a Chrome trace \(no traceEvents list")],
+    ids=["cut-short", "not-gzip", "not-a-trace"])  # fixed ids: xdist workers must collect the same names
 def test_a_damaged_trace_is_one_error(tmp_path, tool, data, message):
     """A trace cut short, not gzip, or not a trace: one error naming it and how to record it again,
     from both tools that read it (trace_summary.read_trace)."""
