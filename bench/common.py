@@ -11,8 +11,9 @@ No jax at import: the benches set XLA_FLAGS (cli.request_fake_devices) before ja
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from configs import RunConfig
 from sharding.mesh import format_mesh
@@ -50,6 +51,26 @@ def bench_mesh(cfg: RunConfig, fake: int | None) -> tuple[jax.sharding.Mesh, str
     if fake and jax.default_backend() == "cpu":
         print(f"CPU platform: running mesh {mesh_text} on {fake} fake host devices")
     return mesh, mesh_text, dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
+
+
+def attempt(fn: Callable[..., dict], *args: Any) -> dict:
+    """fn(*args)'s figures, or {"error": one line} when it raises: one case's failure (an OOM, a
+    compile error) is a row of the record, and the cases before and after it keep theirs."""
+    try:
+        return fn(*args)
+    except Exception as err:  # noqa: BLE001 -- recorded and said; KeyboardInterrupt still stops the run
+        print(f"  failed: {error_text(err)}", flush=True)
+        return {"error": error_text(err)}
+
+
+def failures(rows: list[dict], out: Path) -> int:
+    """The exit code of a bench whose cases are `rows`: 0, or 1 with one stderr line counting the
+    failed cases (each row's error is in the record at `out`)."""
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        print(f"error: {len(failed)} of {len(rows)} cases failed (their errors are in {out}): "
+              f"{failed[0]['error']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def error_text(err: BaseException) -> str:

@@ -68,7 +68,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.common import bench_mesh, default_out, report_head
+from bench.common import attempt, bench_mesh, failures, default_out, report_head
 from cli import add_run_args, check_creatable, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides, get_preset
 from configs.checks import check_values
@@ -254,38 +254,59 @@ def main(argv: list[str]) -> int:
     import jax
 
     from sharding.mesh import build_mesh
+
+    one = build_mesh(refs[next(iter(refs))].parallel, [jax.devices()[0]])
+    ref_rows: dict[int, dict] = {}
+    rows: list[dict] = []
+    try:
+        for m, ref in refs.items():
+            r = attempt(run_steps, ref, one, args.steps)
+            ref_rows[m] = {"microbatches": m, "micro_batch_size": ref.train.micro_batch_size,
+                           "global_batch_size": ref.train.global_batch_size, **r}
+            if "error" not in r:
+                print(f"one device, M={m}: {r['step_s'] * 1e3:.1f} ms (compile {r['compile_s']:.1f} s)", flush=True)
+        print(HEADER)
+        for cfg in todo:
+            rows.append(schedule_row(dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel)), mesh,
+                                     ref_rows[cfg.parallel.microbatches], args.steps, trace_root))
+            if "measured_bubble" in rows[-1]:
+                print(row_line(rows[-1]), flush=True)
+    except KeyboardInterrupt:  # the cases measured so far are kept
+        write_report(record(argv, todo[-1], mesh, mesh_text, ref_rows, rows) | {"interrupted": True}, out)
+        raise
+    write_report(record(argv, todo[-1], mesh, mesh_text, ref_rows, rows), out)
+    return failures(list(ref_rows.values()) + rows, out)
+
+
+def schedule_row(cfg: RunConfig, mesh: jax.sharding.Mesh, ref: dict, steps: int, trace_root: Path | None) -> dict:
+    """One schedule and M on the mesh: its timetable's figures, its measured step, and the
+    measured bubble against the one-device step `ref` (an "error" where either failed)."""
     from tools.trace_summary import stage_idle
 
+    par = cfg.parallel
+    trace = trace_root / f"{par.schedule}-M{par.microbatches}" if trace_root else None
+    row = {"schedule": par.schedule, "stages": par.stage, "microbatches": par.microbatches,
+           "virtual_stages": par.virtual_stages, **timetable_figures(cfg), **attempt(run_steps, cfg, mesh, steps, trace)}
+    if "error" in row or "error" in ref:  # no measured bubble without both steps
+        return row
+    t1, n = ref["step_s"], mesh.devices.size
+    row |= {"one_device_s": t1, "ideal_s": t1 / n, "measured_bubble": 1 - t1 / n / row["step_s"],
+            "work_ratio": row["step_s"] / t1, "cpu_work_ratio": row["step_cpu_s"] / ref["step_cpu_s"],
+            "measured_bubble_min": 1 - ref["step_min_s"] / n / row["step_min_s"],
+            "step_per_tick_s": row["step_s"] / row["ticks"]}
+    if trace:
+        row["profile"] = {"dir": str(trace), **stage_idle(trace, stage_of(mesh))}
+    return row
+
+
+def record(argv: list[str], cfg: RunConfig, mesh: jax.sharding.Mesh, mesh_text: str, ref_rows: dict[int, dict],
+           rows: list[dict]) -> dict:
+    import jax
+
     n = mesh.devices.size
-    one = build_mesh(refs[next(iter(refs))].parallel, [jax.devices()[0]])
-    ref_rows = {}
-    for m, ref in refs.items():
-        r = run_steps(ref, one, args.steps)
-        ref_rows[m] = {"microbatches": m, "micro_batch_size": ref.train.micro_batch_size,
-                       "global_batch_size": ref.train.global_batch_size, **r}
-        print(f"one device, M={m}: {r['step_s'] * 1e3:.1f} ms (compile {r['compile_s']:.1f} s)", flush=True)
-    print(HEADER)
-    rows = []
-    for cfg in todo:
-        cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
-        par = cfg.parallel
-        m = par.microbatches
-        trace = trace_root / f"{par.schedule}-M{m}" if trace_root else None
-        row = {"schedule": par.schedule, "stages": par.stage, "microbatches": m, "virtual_stages": par.virtual_stages,
-               **timetable_figures(cfg), **run_steps(cfg, mesh, args.steps, trace)}
-        t1 = ref_rows[m]["step_s"]
-        row |= {"one_device_s": t1, "ideal_s": t1 / n, "measured_bubble": 1 - t1 / n / row["step_s"],
-                "work_ratio": row["step_s"] / t1, "cpu_work_ratio": row["step_cpu_s"] / ref_rows[m]["step_cpu_s"],
-                "measured_bubble_min": 1 - ref_rows[m]["step_min_s"] / n / row["step_min_s"],
-                "step_per_tick_s": row["step_s"] / row["ticks"]}
-        if trace:
-            summary = stage_idle(trace, stage_of(mesh))
-            row["profile"] = {"dir": str(trace), **summary}
-        rows.append(row)
-        print(row_line(row), flush=True)
     machine = {"cores": cores(), "devices": n, "core_floor": max(0.0, 1 - cores() / n),
                "fake_devices": jax.default_backend() == "cpu" and n > 1, "xla_flags": os.environ.get("XLA_FLAGS", "")}
-    report = report_head("bench.pipeline", argv, todo[-1], mesh, mesh_text) | {
+    return report_head("bench.pipeline", argv, cfg, mesh, mesh_text) | {
         "machine": machine,
         "meaning": (
             "measured_bubble = 1 - (one_device_s / devices) / step_s. On fake CPU devices the devices are threads "
@@ -300,8 +321,6 @@ def main(argv: list[str]) -> int:
             "compute running / in collectives. On accelerators, one per device, measured_bubble is the real "
             "bubble plus the pipeline's overheads."),
         "one_device": list(ref_rows.values()), "schedules": rows}
-    write_report(report, out)
-    return 0
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.common import bench_mesh, default_out, report_head
+from bench.common import attempt, bench_mesh, default_out, failures, report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides
 from tools.measure import check_at_least, check_out, timed, write_report
@@ -110,12 +110,14 @@ def compile_scaling(cfg: RunConfig, mesh: jax.sharding.Mesh, layers: list[int]) 
     """Lower + compile wall clock of the step for each model.n_layers in `layers` (nothing allocated)."""
     from training.build import make_program, compile_step
 
-    rows = []
-    for n in layers:
+    def one(n: int) -> dict:
         program = make_program(apply_overrides(cfg, [f"model.n_layers={n}"]), mesh)
         _, lower_s, compile_s = compile_step(program.step_fn, mesh, program.state, program.abstract_batch())
-        rows.append({"n_layers": n, "lower_s": lower_s, "compile_s": compile_s, "total_s": lower_s + compile_s})
-    ratio = rows[-1]["total_s"] / rows[0]["total_s"] if len(rows) > 1 else None
+        return {"lower_s": lower_s, "compile_s": compile_s, "total_s": lower_s + compile_s}
+
+    rows = [{"n_layers": n, **attempt(one, n)} for n in layers]
+    done = [r for r in rows if "error" not in r]
+    ratio = done[-1]["total_s"] / done[0]["total_s"] if len(done) > 1 else None
     return {"rows": rows, "ratio_largest_to_smallest": ratio}
 
 
@@ -129,11 +131,28 @@ def _bytes(n: int | None) -> str:
 
 def print_report(report: dict) -> None:
     env, t = report["environment"], report["throughput"]
+    if "error" in t:
+        print(f"  step: {t['error']}")
+    else:
+        print_throughput(report["config"]["name"], report["mesh"], env, t)
+    scaling = report.get("compile_scaling")
+    if scaling:
+        print(f"\n  {'n_layers':>8}  {'lower':>10}  {'compile':>10}  {'total':>10}")
+        for r in scaling["rows"]:
+            print(f"  {r['n_layers']:>8}  " + (r["error"] if "error" in r else f"{_seconds(r['lower_s']):>10}  "
+                  f"{_seconds(r['compile_s']):>10}  {_seconds(r['total_s']):>10}"))
+        if scaling["ratio_largest_to_smallest"] is not None:
+            done = [r["n_layers"] for r in scaling["rows"] if "error" not in r]
+            first, last = done[0], done[-1]
+            print(f"  compile({last}) / compile({first}) = {scaling['ratio_largest_to_smallest']:.2f}")
+
+
+def print_throughput(config: str, mesh: str, env: dict, t: dict) -> None:
     mfu = "n/a" if t["mfu"] is None else f"{100 * t['mfu']:.1f} %"
     mem = t["memory_analysis"] or {}
     rows = [
-        ("config", f"{report['config']['name']}: {t['n_params'] / 1e6:.2f}M parameters"),
-        ("mesh", f"{report['mesh']} on {env['mesh_devices']} {env['backend']} device(s) ({env['device_kind']})"),
+        ("config", f"{config}: {t['n_params'] / 1e6:.2f}M parameters"),
+        ("mesh", f"{mesh} on {env['mesh_devices']} {env['backend']} device(s) ({env['device_kind']})"),
         ("batch k x b x L", " x ".join(map(str, t["batch_shape"])) + f" = {t['tokens_per_step']} tokens"),
         ("lower", _seconds(t["lower_s"])),
         ("compile", _seconds(t["compile_s"])),
@@ -154,15 +173,6 @@ def print_report(report: dict) -> None:
     ]
     width = max(len(name) for name, _ in rows)
     print("\n".join(f"  {name:<{width}}  {value}" for name, value in rows))
-    scaling = report.get("compile_scaling")
-    if scaling:
-        print(f"\n  {'n_layers':>8}  {'lower':>10}  {'compile':>10}  {'total':>10}")
-        for r in scaling["rows"]:
-            print(f"  {r['n_layers']:>8}  {_seconds(r['lower_s']):>10}  "
-                  f"{_seconds(r['compile_s']):>10}  {_seconds(r['total_s']):>10}")
-        if scaling["ratio_largest_to_smallest"] is not None:
-            first, last = scaling["rows"][0]["n_layers"], scaling["rows"][-1]["n_layers"]
-            print(f"  compile({last}) / compile({first}) = {scaling['ratio_largest_to_smallest']:.2f}")
 
 
 def main(argv: list[str]) -> int:
@@ -177,12 +187,13 @@ def main(argv: list[str]) -> int:
     mesh, mesh_text, cfg = bench_mesh(cfg, fake)
 
     report = report_head("bench.step", argv, cfg, mesh, mesh_text)
-    report["throughput"] = measure_steps(cfg, mesh, args.steps)
+    report["throughput"] = attempt(measure_steps, cfg, mesh, args.steps)
     if layers:
         report["compile_scaling"] = compile_scaling(cfg, mesh, layers)
     print_report(report)
-    write_report(report, args.out or default_out("step", cfg, mesh_text))
-    return 0
+    out = args.out or default_out("step", cfg, mesh_text)
+    write_report(report, out)
+    return failures([report["throughput"], *report.get("compile_scaling", {}).get("rows", [])], out)
 
 
 if __name__ == "__main__":

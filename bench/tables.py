@@ -290,6 +290,8 @@ def render(name: str, results: Path) -> str:
     if missing:
         raise ConfigError(f"<!-- figures: {name} -->: no record {', '.join(missing)}")
     records = [json.loads(path.read_text()) for path in paths]
+    for path, record in zip(paths, records):
+        check_complete(path, record)
     module = shlex.split(records[0]["command"])[2]
     if module == "bench.step":
         stems = name.split()
@@ -302,6 +304,17 @@ def render(name: str, results: Path) -> str:
         raise ConfigError(f"<!-- figures: {name} -->: a table renders one record of {', '.join(TABLES)} "
                           f"or several of bench.step")
     return TABLES[module](records[0])
+
+
+def check_complete(path: Path, record: dict) -> None:
+    """A bench.step or bench.pipeline record with a failed case (bench.common.attempt) or cut
+    short renders no README table: refused, naming the record and the first error."""
+    cases = [record.get("throughput", {}), *record.get("compile_scaling", {}).get("rows", []),
+             *record.get("one_device", []), *record.get("schedules", [])]
+    errors = [c["error"] for c in cases if "error" in c]
+    if errors or record.get("interrupted"):
+        why = f"{len(errors)} failed case(s), the first: {errors[0]}" if errors else "it was interrupted"
+        raise ConfigError(f"{path}: {why}; rerun its command for a complete record")
 
 
 def blocks(text: str) -> list[tuple[str, int, int]]:

@@ -67,6 +67,28 @@ def test_pipeline_benchmark_measures_the_bubble_of_every_schedule(tmp_path):
         assert all(0 <= w <= i <= 1 for i, w in zip(prof["idle"], prof["waiting"]))
 
 
+def test_a_failing_pipeline_case_keeps_the_others_rows(tmp_path):
+    """gpipe's trace folder is taken by a file, so its case fails when it writes its HLO: its row
+    holds the error, 1f1b's row and the one-device row are measured, the record is written, and
+    the exit code is 1 with one line counting the failures."""
+    out_file, profile = tmp_path / "pipeline.json", tmp_path / "profile"
+    profile.mkdir()
+    (profile / "gpipe-M2").write_text("not a folder")
+    sets = [a for s in SMALL if not s.startswith(("model.n_layers", "train.global_batch_size")) for a in ("--set", s)]
+    out = run_module("bench.pipeline", *sets, "--mesh", "pp=2", "--microbatches", "2", "--steps", "1",
+                     "--schedules", "gpipe,1f1b", "--profile", str(profile), "--out", str(out_file))
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        f"error: 1 of 3 cases failed (their errors are in {out_file}): "
+        f"NotADirectoryError: [Errno 20] Not a directory: '{profile / 'gpipe-M2' / 'plugins' / 'profile'}'"]
+    record = json.loads(out_file.read_text())
+    gpipe, one_f = record["schedules"]
+    assert gpipe["schedule"] == "gpipe" and gpipe["error"].startswith("NotADirectoryError") and "step_s" not in gpipe
+    assert gpipe["bubble"] == pytest.approx(1 / 3)  # the timetable's figures need no run: (p-1)/(m+p-1)
+    assert one_f["schedule"] == "1f1b" and "error" not in one_f and one_f["step_s"] > 0
+    assert one_f["one_device_s"] == record["one_device"][0]["step_s"] > 0
+
+
 def test_pipeline_benchmark_refuses_bad_input_in_one_line():
     for args in (["--mesh", "dp=2"], ["--microbatches", "x"], ["--mesh", "pp=4", "--microbatches", "2"],
                  ["--microbatches", "0"], ["--microbatches", "2q"], ["--schedules", "zb-h2"], ["--steps", "0"]):
@@ -162,3 +184,24 @@ def test_an_out_that_cannot_be_written_is_refused_before_measuring(module, tmp_p
         main(["--out", str(afile / "x.json")])
     with pytest.raises(ConfigError, match=re.escape(f"--out {tmp_path} is a directory: name the file")):
         main(["--out", str(tmp_path)])
+
+
+def test_a_failing_compile_case_of_bench_step_is_its_rows_error(capsys):
+    """bench.step's compile scaling keeps the counts that compiled when one fails (here a layer
+    count the config refuses), and its printed table says which."""
+    import jax
+
+    from bench.step import compile_scaling, print_report
+    from conftest import small_config
+    from sharding.mesh import build_mesh
+
+    cfg = small_config()
+    scaling = compile_scaling(cfg, build_mesh(cfg.parallel, jax.devices()[:1]), [1, 0])
+    ok, bad = scaling["rows"]
+    assert ok["n_layers"] == 1 and ok["total_s"] == ok["lower_s"] + ok["compile_s"] > 0
+    assert bad["n_layers"] == 0 and bad["error"].startswith("ConfigError: ") and "total_s" not in bad
+    assert scaling["ratio_largest_to_smallest"] is None  # one count compiled: nothing to weigh
+    print_report({"environment": {}, "config": {"name": "tiny"}, "mesh": "single device",
+                  "throughput": {"error": "XlaRuntimeError: RESOURCE_EXHAUSTED"}, "compile_scaling": scaling})
+    printed = capsys.readouterr().out
+    assert "step: XlaRuntimeError: RESOURCE_EXHAUSTED" in printed and f"0  {bad['error']}" in printed

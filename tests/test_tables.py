@@ -5,6 +5,7 @@ bench/results/: each marked block must equal the rendering of its record, so a f
 hand, or left behind when a benchmark is re-run, fails it.
 """
 
+import json
 import re
 import shutil
 
@@ -112,6 +113,18 @@ def test_a_missing_record_is_one_error_line(tmp_path):
     readme.write_text(README.read_text().replace("| 4, 2 | 1.25 / 0.40 |", "| 4, 2 | 1.26 / 0.40 |"))
     (tmp_path / "bench" / "results" / "tp-tiny.json").unlink()
     assert_refused(readme, "<!-- figures: tp-tiny -->: no record")
+
+
+def test_a_record_with_a_failed_case_renders_no_table(tmp_path):
+    """bench.pipeline keeps the other rows when a case fails (bench.common.attempt); such a
+    record is not README's figures."""
+    readme = copy(tmp_path)
+    path = tmp_path / "bench" / "results" / "pipeline-tiny-pp4.json"
+    record = json.loads(path.read_text())
+    record["schedules"][1] = {key: record["schedules"][1][key] for key in ("schedule", "microbatches")} | {
+        "error": "XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory"}
+    path.write_text(json.dumps(record))
+    assert_refused(readme, f"{path}: 1 failed case(s), the first: XlaRuntimeError: RESOURCE_EXHAUSTED")
 
 
 def test_an_unclosed_marker_is_one_error_line(tmp_path):
