@@ -84,7 +84,8 @@ class Decoder:
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, batch: int, prompt_len: int, new_tokens: int,
                  temperature: float = 0.0, top_p: float = 1.0):
-        strategies = Strategies(tensor=TensorParallel(impl="gspmd"))  # xla core, no remat, dense
+        # xla core, no remat; a MoE layer dropless: a token's output is its own, whoever shares its step
+        strategies = Strategies(tensor=TensorParallel(impl="gspmd"), experts="dropless" if cfg.n_experts else None)
         self.graphdef = nnx.eval_shape(lambda: nnx.split(Transformer(cfg, strategies, rngs=nnx.Rngs(0))))[0]
         self.cfg, self.mesh, self.prompt_len, self.new_tokens = cfg, mesh, prompt_len, new_tokens
         self.shape = cache_shape(cfg, batch, prompt_len + new_tokens)

@@ -69,10 +69,12 @@ class Block(nnx.Module):
     def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: tuple[jax.Array, jax.Array],
                position: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """The same layer on x [B, l, D] at `position`, attending over (and writing) its KV cache
-        (Attention.decode); dense layers only (tools/generate.py refuses MoE runs)."""
+        (Attention.decode); a MoE layer routes as it was built to (model/decode.py builds
+        dropless) and its router statistics are dropped."""
         a, cache = self.attn.decode(self.attn_norm(x), cos, sin, cache, position)
         x = x + a
-        return constrain(x + self.mlp(self.mlp_norm(x)), self.act_names), cache
+        y = self.mlp(self.mlp_norm(x))
+        return constrain(x + (y[0] if isinstance(self.mlp, MoE) else y), self.act_names), cache
 
 
 class Group(nnx.Module):
@@ -91,6 +93,16 @@ class Group(nnx.Module):
             x, more = layer(x, cos, sin)
             stats = stats or more
         return x, stats
+
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: tuple[jax.Array, jax.Array],
+               position: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Block.decode through the k layers; cache k, v [k, B, L, K, H], one slab per layer."""
+        keys, values = [], []
+        for i, layer in enumerate(self.layers):
+            x, (k, v) = layer.decode(x, cos, sin, (cache[0][i], cache[1][i]), position)
+            keys.append(k)
+            values.append(v)
+        return x, (jnp.stack(keys), jnp.stack(values))
 
 
 class Transformer(nnx.Module):
@@ -133,18 +145,23 @@ class Transformer(nnx.Module):
         """tokens [B, l] at positions position..position+l-1 -> logits [B, l, V] fp32 and the KV
         cache {'k', 'v'} [X, B, L, K, H] with their keys and values written (model/decode.py):
         l = the prompt at position 0 (prefill), then l = 1 per generated token. The scan over
-        the stacked layers carries x and takes each layer's cache as its scanned input/output."""
+        the stacked layers carries x and takes each layer's cache as its scanned input/output
+        (a Group's k layers' caches as one [k, B, L, K, H] slab of it)."""
         x = self.embed_tokens(tokens)
         cos, sin = (jax.lax.dynamic_slice_in_dim(t, position, tokens.shape[1])
                     for t in rotary(cache["k"].shape[2], self.cfg.head_dim, self.cfg.rope_theta))
         graphdef = nnx.graphdef(self.blocks)
+        x_layers = cache["k"].shape[0]
+        units = jax.tree.leaves(nnx.state(self.blocks))[0].shape[0]  # X, or X/k Groups of k layers
 
         def layer(x, inputs):
             layer_state, k, v = inputs
             return nnx.merge(graphdef, layer_state).decode(x, cos, sin, (k, v), position)
 
-        x, (k, v) = jax.lax.scan(layer, x, (nnx.state(self.blocks), cache["k"], cache["v"]))
-        return self.logits(x), {"k": k, "v": v}
+        per_unit = [c.reshape(units, x_layers // units, *c.shape[1:]) if units < x_layers else c
+                    for c in (cache["k"], cache["v"])]
+        x, (k, v) = jax.lax.scan(layer, x, (nnx.state(self.blocks), *per_unit))
+        return self.logits(x), {"k": k.reshape(cache["k"].shape), "v": v.reshape(cache["v"].shape)}
 
     # The pieces below let pipeline/ run the layers in stages, embedding and head apart.
 

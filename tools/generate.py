@@ -9,9 +9,10 @@ refused. Prompt + new tokens must fit the positions the model was trained on (tr
 rotary extrapolates further, the model's quality does not. Default --max-new-tokens fills them.
 
 Mesh: the run's data, fsdp and tensor axes (or --mesh with dp, fsdp, tp only); the run's stage,
-sequence and expert axes are left out (the checkpoint restores onto any mesh), and a MoE run is
-refused. Each of the dp·fsdp batch rows decodes the prompt with its own random stream. The
-cache layout, its bytes and the collectives of a step are model/decode.py's.
+sequence and expert axes are left out (the checkpoint restores onto any mesh). A MoE run's
+experts all sit on every device and route dropless, whatever model.moe_dispatch it trained with.
+Each of the dp·fsdp batch rows decodes the prompt with its own random stream. The cache
+layout, its bytes and the collectives of a step are model/decode.py's.
 """
 
 from __future__ import annotations
@@ -55,8 +56,6 @@ def checked(args: argparse.Namespace) -> tuple[RunConfig, bytes, int]:
         raise ConfigError(f"--run-dir {args.run_dir}: no config.json and checkpoints/<step> there; "
                           f"train first (python train.py --run-dir {args.run_dir})")
     m, limit = cfg.model, cfg.train.seq_len
-    if m.n_experts:
-        raise ConfigError(f"--run-dir {args.run_dir}: a mixture-of-experts model; decoding supports dense models only")
     if cfg.data.source not in BYTE_SOURCES or m.vocab_size < 256:
         raise ConfigError(f"--run-dir {args.run_dir}: trained on data.source={cfg.data.source} with vocab "
                           f"{m.vocab_size}, not bytes: there is no tokenizer for a text --prompt")
