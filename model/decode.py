@@ -17,8 +17,9 @@ It runs under GSPMD (tensor impl gspmd, xla core, whatever the run trained with)
 parameters sit where the logical rules put them and XLA inserts the collectives. Per decode step
 on a (data, fsdp, tensor) mesh, b = B/(dp·fsdp) rows per device (census of the compiled step on
 dp=2,tp=2, tests/test_generate.py):
-  per layer   2 all-reduces over tensor of [b, 1, D] (attention's and MLP's row-parallel outputs);
-              with fsdp > 1 also the all-gather of the layer's weights over fsdp
+  per layer   2 all-reduces over tensor of [b, 1, D] (attention's and MLP's row-parallel outputs;
+              a MoE layer's experts, dropless, all on every device, give the second: no
+              all-to-all); with fsdp > 1 also the all-gather of the layer's weights over fsdp
   embedding   1 all-reduce of [b, 1, D] (the lookup from the vocab-split table)
   sampling    the argmax over the vocab-split logits: 2 all-gathers of b values and indices
               over tensor (temperature > 0: the logits' sort and cumsum, gathered by XLA)
