@@ -311,6 +311,22 @@ def test_a_damaged_trace_is_one_error(tmp_path, tool, data, message):
     assert str(error.value).endswith(f"; re-record it with train.py --profile-steps A:B --run-dir {tmp_path}")
 
 
+@pytest.mark.parametrize("tool", [trace_summary, op_kinds])
+@pytest.mark.parametrize("hlo,message", [
+    (b"\xff\xfe binary", r"train_step.hlo.txt is damaged \('utf-8' codec can't decode"),
+    (b"", r"train_step.hlo.txt is not a compiled step's HLO text \(no HloModule\)")],
+    ids=["not-text", "empty"])
+def test_a_damaged_hlo_beside_the_trace_is_one_error(tmp_path, tool, hlo, message):
+    """The step's HLO text beside a sound trace, not text or empty: one error naming it and the fix."""
+    profile = tmp_path / "plugins" / "profile"
+    (profile / "2026_01_01").mkdir(parents=True)
+    (profile / "train_step.hlo.txt").write_bytes(hlo)
+    (profile / "2026_01_01" / "perfetto_trace.json.gz").write_bytes(TRACE)
+    with pytest.raises(ConfigError, match=message) as error:
+        tool.main([str(tmp_path)])
+    assert str(error.value).endswith(f"; re-record it with train.py --profile-steps A:B --run-dir {tmp_path}")
+
+
 def test_op_kinds_top_below_one_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"^--top -2: must be >= 1$"):
         op_kinds.main([str(tmp_path), "--top", "-2"])

@@ -148,10 +148,26 @@ def whole_steps(found: list[OpEvent]) -> list:
     return [r for r, n in runs.items() if n >= max(runs.values()) / 2]
 
 
+def _fix(run_dir: Path) -> str:
+    return f"re-record it with train.py --profile-steps A:B --run-dir {run_dir}"
+
+
+def read_hlo(path: Path, run_dir: Path) -> str:
+    """The compiled step's HLO text beside the trace; a damaged file (unreadable, not text, not
+    HLO) is a ConfigError naming it and the fix."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is damaged ({e}); {_fix(run_dir)}") from None
+    if "HloModule" not in text:
+        raise ConfigError(f"{path} is not a compiled step's HLO text (no HloModule); {_fix(run_dir)}")
+    return text
+
+
 def read_trace(path: Path, run_dir: Path) -> list[dict]:
     """The events of the gzipped Chrome trace at `path` (a list, or {"traceEvents": list}); a
     damaged file (cut short, not gzip, not a trace) is a ConfigError naming it and the fix."""
-    fix = f"re-record it with train.py --profile-steps A:B --run-dir {run_dir}"
+    fix = _fix(run_dir)
     try:
         with gzip.open(path) as f:
             events = json.load(f)
@@ -167,9 +183,10 @@ def read_profile(run_dir: Path) -> tuple[Path, str, dict[str, tuple[str, str]], 
     """(the trace's path, the compiled step's HLO text, its {instruction: (kind, scope)}
     (`hlo_ops`), the train step's op events)."""
     trace_path, hlo_path = find_trace(run_dir)
-    hlo = hlo_path.read_text()
+    events = read_trace(trace_path, run_dir)
+    hlo = read_hlo(hlo_path, run_dir)
     ops = hlo_ops(hlo)
-    found = op_events(read_trace(trace_path, run_dir), ops)
+    found = op_events(events, ops)
     if not found:
         raise ConfigError(f"{trace_path}: no op of the train step in the trace; trace steps after the first "
                           "(--profile-steps 2:4) so that the step is compiled before the trace starts")
