@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from cli import (add_run_args, check_run_dir, holds_checkpoint, make_run_dir, request_fake_devices, run_cli,
+from cli import (add_run_args, check_backend, check_run_dir, holds_checkpoint, make_run_dir, request_fake_devices, run_cli,
                  run_config, saved_config)
 from configs import ConfigError, RunConfig
 from configs.checks import parse_window
@@ -149,21 +149,6 @@ def main(argv: list[str]) -> int:
         loss = f"final loss {records[-1]['loss']:.4f} " if records else ""
         print(f"done: {loss}after {cfg.train.steps} steps; metrics in {run_dir}")
     return 0
-
-
-def check_backend() -> None:
-    """jax's devices, or one error line when its backend cannot start (JAX_PLATFORMS naming a
-    platform this machine or this jaxlib lacks, a broken CUDA install)."""
-    import jax
-
-    try:
-        jax.devices()
-    except (RuntimeError, AssertionError) as e:  # AssertionError: jax 0.10 with no backend left at all
-        platforms = os.environ.get("JAX_PLATFORMS")
-        cause = (str(e).splitlines() or ["no backend"])[0][:200]
-        hint = (f"JAX_PLATFORMS={platforms} names a platform jax cannot start here: unset it, or set cpu"
-                if platforms else "check the CUDA install (python -c 'import jax; print(jax.devices())')")
-        raise ConfigError(f"jax could not start its backend ({cause or type(e).__name__}); {hint}") from None
 
 
 def core_hint(cfg: RunConfig, platform: str, capability: tuple[int, int] | None) -> str:

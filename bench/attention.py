@@ -29,7 +29,7 @@ import argparse
 from pathlib import Path
 
 from bench.common import error_text
-from cli import run_cli
+from cli import check_backend, run_cli
 from configs import ConfigError
 from tools.measure import RESULTS, check_at_least, check_out, environment, median_seconds, run_record, write_report
 
@@ -141,6 +141,8 @@ def default_out(backend: str, device_kind: str) -> Path:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     import jax
+
+    check_backend()
 
     rows = [measure(core, lambda: core_fn(core, mask == "causal"), mask == "causal", length, h, args)
             for length in args.lengths for h in args.head_dims for mask in args.masks for core in args.cores]

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from cli import check_backend
 from configs import RunConfig
 from sharding.mesh import format_mesh
 from tools.measure import RESULTS, environment, run_record
@@ -41,7 +42,9 @@ def default_out(bench: str, cfg: RunConfig, mesh_text: str) -> Path:
 
 
 def bench_mesh(cfg: RunConfig, fake: int | None) -> tuple[jax.sharding.Mesh, str, RunConfig]:
-    """(mesh, its short text, cfg with the resolved mesh sizes); says when devices are fake."""
+    """(mesh, its short text, cfg with the resolved mesh sizes); says when devices are fake; a
+    backend jax cannot start is one error line (cli.check_backend)."""
+    check_backend()
     import jax
 
     from sharding.mesh import build_mesh, mesh_config

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from bench.attention import REFERENCES, core_fn, measure
-from cli import run_cli
+from cli import check_backend, run_cli
 from configs import ConfigError
 from tools.measure import RESULTS, check_at_least, check_out, environment, run_record, write_report
 
@@ -105,6 +105,8 @@ def main(argv: list[str]) -> int:
     import dataclasses
 
     import jax
+
+    check_backend()
 
     from model.kernels.flash_attention import default_tiling, flash_attention
 

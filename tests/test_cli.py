@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL, child_env
+from conftest import SMALL, child_env, run_module, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -222,7 +222,7 @@ def test_a_backend_jax_cannot_start_is_one_line(monkeypatch):
     """JAX_PLATFORMS=cuda on a machine without CUDA ended in a bare AssertionError from jax."""
     import jax
 
-    import train as entry
+    import cli as entry
     from configs import ConfigError
 
     def no_backend():
@@ -233,3 +233,20 @@ def test_a_backend_jax_cannot_start_is_one_line(monkeypatch):
     with pytest.raises(ConfigError, match=r"^jax could not start its backend \(Unable to initialize backend 'cuda'.*\); "
                                           r"JAX_PLATFORMS=cuda names a platform jax cannot start here"):
         entry.check_backend()
+
+
+@pytest.mark.parametrize("args", [["bench.step", "--steps", "1"], ["bench.attention", "--lengths", "128"],
+                                  ["tools.collectives", "--mesh", "dp=2"], ["tools.generate", "--prompt", "a"]],
+                         ids=["bench.step", "bench.attention", "tools.collectives", "tools.generate"])
+def test_every_entry_point_names_a_backend_jax_cannot_start(tmp_path, monkeypatch, args):
+    """Not only train.py (above): the benches and tools meet the backend through cli.check_backend,
+    one error line and nothing written (--out, and tools.generate's run read-only)."""
+    (tmp_path / "config.json").write_text(json.dumps(small_config().to_dict()))
+    (tmp_path / "checkpoints" / "5").mkdir(parents=True)
+    where = ["--run-dir", str(tmp_path)] if args[0] == "tools.generate" else ["--out", str(tmp_path / "out.json")]
+    monkeypatch.setenv("JAX_PLATFORMS", "bogus")
+    out = run_module(*args, *where)
+    assert out.returncode == 2 and out.stderr.startswith("error: jax could not start its backend (Unable to "
+                                                        "initialize backend 'bogus'"), out.stderr
+    assert out.stderr.strip().endswith("JAX_PLATFORMS=bogus names a platform jax cannot start here: unset it, or set cpu")
+    assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.json").exists()

@@ -23,7 +23,7 @@ import math
 import sys
 from pathlib import Path
 
-from cli import holds_checkpoint, request_fake_devices, run_cli, saved_config
+from cli import check_backend, holds_checkpoint, request_fake_devices, run_cli, saved_config
 from configs import ConfigError, RunConfig
 from configs.base import BYTE_SOURCES
 from sharding.mesh import AXES, format_mesh, parse_mesh
@@ -89,6 +89,7 @@ def main(argv: list[str]) -> int:
     from training.build import make_program
     from training.checkpoint import Checkpointer
 
+    check_backend()
     n = math.prod(getattr(cfg.parallel, a) for a in AXES)  # negative when one axis is -1 (fill)
     mesh = build_mesh(cfg.parallel, jax.devices()[:n] if n > 0 else None)
     cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
