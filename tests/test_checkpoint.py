@@ -72,6 +72,67 @@ def test_damaged_checkpoint_falls_back_to_the_previous(saved, tmp_path, capsys):
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_unreadable_arrays_are_one_short_line(saved, tmp_path, capsys):
+    """Every array file of step 2 cut short: tensorstore's read fails (not the checksum). The
+    fall-back says so in one line without tensorstore's spec, and the reads orbax abandons print
+    nothing (quiet_abandoned_reads)."""
+    import shutil
+
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(saved["fsdp=8"][0], directory)
+    for data in (directory / "2" / "state" / "ocdbt.process_0" / "d").iterdir():  # the arrays' bytes
+        data.write_bytes(data.read_bytes()[:10])
+    _, state = restore(directory, small_config("fsdp=8"))
+    out, err = capsys.readouterr()
+    damaged = [line for line in out.splitlines() if "is damaged" in line]
+    assert len(damaged) == 1 and "Encountered error while reading array index" in damaged[0], out
+    assert "TensorStore" not in out and len(damaged[0]) < 400, damaged[0]
+    assert int(state.step) == 1 and (directory / "2.damaged").is_dir()
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-2000:]
+
+
+def test_the_quieted_noise_is_only_the_abandoned_reads():
+    """After quiet_abandoned_reads (a fresh process: pytest swaps sys.unraisablehook per test): a
+    dropped coroutine's exception, the closed loop's and asyncio's never-retrieved message are
+    silent; an object's failing __del__ and other asyncio errors still print."""
+    import subprocess
+    import sys
+
+    script = """if True:
+        import gc, logging
+        from training.checkpoint import quiet_abandoned_reads
+
+        class Suspend:
+            def __await__(self):
+                yield
+
+        async def read(error):
+            try:
+                await Suspend()
+            finally:
+                raise error
+
+        class Leaky:
+            def __del__(self):
+                raise ValueError("a real __del__ bug")
+
+        quiet_abandoned_reads()
+        for error in (Exception("Encountered error while reading array index"), RuntimeError("Event loop is closed")):
+            coroutine = read(error)
+            coroutine.send(None)
+            del coroutine
+        Leaky()
+        gc.collect()
+        logging.getLogger("asyncio").error("Task exception was never retrieved")
+        logging.getLogger("asyncio").error("another asyncio error")
+    """
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "a real __del__ bug" in out.stderr and "another asyncio error" in out.stderr
+    assert "reading array index" not in out.stderr and "Event loop is closed" not in out.stderr
+    assert "never retrieved" not in out.stderr
+
+
 def flip_a_bit(step_dir):
     """One flipped bit in the largest data file of a saved step: orbax alone restores it silently."""
     data = max((p for p in step_dir.rglob("*") if p.is_file() and p.parent.name == "d"), key=lambda p: p.stat().st_size)

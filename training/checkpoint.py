@@ -44,10 +44,13 @@ step N was started (its temporary directory exists, its write is in flight): a d
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import logging
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 
 import jax
@@ -63,6 +66,39 @@ from training.step import TrainState
 KILL_IN_SAVE_HOOK = "MESHTRAIN_TEST_KILL_IN_SAVE"
 COMPUTE_ONLY = ("attention", "remat", "compute_dtype")  # change the computation, not the state
 TMP_STEP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+
+
+# where tensorstore's read errors go on to print the whole store's spec (tens of lines)
+TENSORSTORE_SPEC = "See full TensorStore details"
+
+
+def quiet_abandoned_reads() -> None:
+    """Drop the noise of a damaged checkpoint's abandoned reads, for the rest of the process.
+
+    orbax reads the arrays as concurrent asyncio tasks on tensorstore futures; when one read of a
+    damaged checkpoint fails, the restore raises (restore_latest says so in one line) and the
+    others are dropped, each then printed by Python with tensorstore's whole spec: 'Exception
+    ignored in: <coroutine ...>', 'Event loop is closed' from tensorstore's threads, asyncio's
+    'Task exception was never retrieved': tens to hundreds of lines, some after the restore has
+    returned. Exactly those are dropped (a coroutine's unraisable exception, the closed loop's,
+    that asyncio message); anything else is printed as before. Installed once."""
+    global _quieted
+    if _quieted:
+        return
+    _quieted = True
+    previous = sys.unraisablehook
+
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        closed_loop = unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+        if not (inspect.iscoroutine(unraisable.object) or closed_loop):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(
+        lambda record: not str(record.msg).startswith("Task exception was never retrieved"))
+
+
+_quieted = False
 
 
 class DamagedCheckpoint(Exception):
@@ -161,13 +197,15 @@ class Checkpointer:
             say(f"checkpoint {tmp.name} was cut off mid-write, or is still being written (never committed): "
                 + ("not read" if self.read_only else "ignored and removed"))
         steps = sorted(self.manager.all_steps(), reverse=True)
+        if steps:
+            quiet_abandoned_reads()
         for step in steps:
             try:
                 state = self._restore(step, program)
             except ConfigError:
                 raise
             except Exception as e:  # unreadable files fail in many ways (tensorstore, json, orbax)
-                first_line = (str(e).splitlines() or [""])[0][:200]
+                first_line = (str(e).splitlines() or [""])[0].split(TENSORSTORE_SPEC)[0].strip()[:200]
                 self._set_aside(step, f"{type(e).__name__}: {first_line}")
                 continue
             say(f"resumed from {self.path(step)} (step {step})")
