@@ -85,11 +85,16 @@ def main(argv: list[str]) -> int:
         check_eval_only(args)
     measured = load(args.bandwidth) if args.bandwidth else None
     gpu = rated_gpu(args.gpu or "h100", args.calibration)
-    fake = request_fake_devices(cfg, process_count(args))
+    processes = process_count(args)
+    fake = request_fake_devices(cfg, processes)
     if args.dry_run:
         from tools.plan import dry_run
 
         return dry_run(cfg, gpu, args.json, measured)
+    if processes > 1 and args.run_dir is None:
+        raise ConfigError(f"a run of {processes} processes needs --run-dir: each would name its own default "
+                          "(runs/NAME-<its start time>), and the checkpoints are one directory they all write; "
+                          f"give a folder they share, e.g. --run-dir runs/{cfg.name}")
     run_dir = args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     check_run_dir(run_dir)
     if not cfg.train.checkpoint_every and not args.eval_only and holds_checkpoint(run_dir):
@@ -123,7 +128,7 @@ def main(argv: list[str]) -> int:
         return evaluate_run(cfg, mesh, program, corpus, run_dir)
     if cfg.train.eval_every:
         program.held_out(corpus.eval)  # refuses a held-out part shorter than one window, before any write
-    run_dir = make_run_dir(run_dir, fresh=args.run_dir is None and jax.process_count() == 1)
+    run_dir = make_run_dir(run_dir, fresh=args.run_dir is None)
     checkpoints = Checkpointer(run_dir / "checkpoints", cfg) if cfg.train.checkpoint_every else None
     try:
         records, job = build_and_train(cfg, mesh, program, corpus, run_dir, checkpoints)

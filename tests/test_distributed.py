@@ -94,6 +94,18 @@ def test_bad_process_flags_are_refused_before_jax(coordinator, processes, messag
         process_count(args)
 
 
+def test_several_processes_without_a_run_dir_are_refused():
+    """Each process would name its own default run directory (its start time), so the
+    checkpoints, which all processes write together, would have no common folder."""
+    from conftest import run_module
+
+    out = run_module("train", "--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "0")
+    assert out.returncode == 2 and out.stderr.strip() == (
+        "error: a run of 2 processes needs --run-dir: each would name its own default (runs/NAME-<its start "
+        "time>), and the checkpoints are one directory they all write; give a folder they share, e.g. "
+        "--run-dir runs/tiny")
+
+
 SLURM = {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "77",
          "SLURM_STEP_NODELIST": "node[1-2]"}
 NO_FLAGS = argparse.Namespace(coordinator=None, num_processes=None, process_id=None)
