@@ -11,7 +11,8 @@ import shutil
 
 import pytest
 
-from bench.tables import PROSE_ONLY, blocks, main, render, span, xla
+from bench.figures import span, xla
+from bench.tables import PROSE_ONLY, blocks, main, render
 from configs import ConfigError
 from conftest import ROOT, run_module
 
