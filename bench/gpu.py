@@ -70,18 +70,17 @@ import time
 import traceback
 from pathlib import Path
 
-from bench import gpu_training
+from bench import gpu_device, gpu_training
 from bench.common import error_text
 from bench.gpu_correctness import correctness
+from bench.gpu_summary import summary_lines
 from cli import run_cli
 from configs import ConfigError
 from sharding.xla_flags import with_flags
 from tools.calibration import estimate_vs_measured
-from tools.measure import RESULTS, check_at_least, check_out, environment, median_seconds, run_record, write_report
+from tools.measure import RESULTS, check_at_least, check_out, run_record, write_report
 
 STAGES = ("environment", "ceilings", "correctness", "attention", "training", "flags", "profile")
-CORES = ("pallas", "cudnn", "xla")
-ENV_PREFIXES = ("XLA_", "JAX_", "NCCL_", "CUDA_", "TF_", "NVIDIA_")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,101 +151,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-# --- stage 1: environment -----------------------------------------------------------------------
-
-def _try(fn):
-    try:
-        return fn()
-    except Exception as err:  # noqa: BLE001 -- a missing piece is reported, never fatal
-        return f"unavailable: {error_text(err)}"
-
-
-def cuda_versions() -> dict:
-    """CUDA runtime/driver and cuDNN versions as jaxlib reports them (None off CUDA builds)."""
-    from jax._src import lib
-
-    cv = getattr(lib, "cuda_versions", None)
-    if cv is None:
-        return {"cuda": "unavailable: jaxlib has no CUDA plugin loaded"}
-    names = ("cuda_runtime_get_version", "cuda_driver_get_version", "cudnn_get_version",
-             "cufft_get_version", "cusolver_get_version", "cublas_get_version", "cusparse_get_version")
-    return {n.removesuffix("_get_version"): _try(getattr(cv, n)) if hasattr(cv, n) else "unavailable"
-            for n in names}
-
+# --- stages 1-4: environment, ceilings (bench/gpu_device.py), correctness (bench/gpu_correctness.py),
+# attention speed (bench/gpu_device.py) ------------------------------------------------------------
 
 def stage_environment(sizes: Sizes) -> dict:
-    import jax
+    return gpu_device.environment_info()
 
-    from training.metrics import peak_flops
-
-    device = jax.devices()[0]
-    peak = peak_flops(device)
-    return environment(jax.devices()) | {
-        "devices": [str(d) for d in jax.devices()],
-        "compute_capability": getattr(device, "compute_capability", None),
-        "datasheet_bf16_tflops": peak / 1e12 if peak else None,
-        "cuda_versions": cuda_versions(),
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
-        "jax_environment_info": _try(lambda: jax.print_environment_info(return_string=True)),
-    }
-
-
-# --- stage 2: ceilings --------------------------------------------------------------------------
 
 def stage_ceilings(sizes: Sizes) -> dict:
-    import jax
-    import jax.numpy as jnp
+    return gpu_device.ceilings(sizes.matmul_n, sizes.copy_bytes, sizes.timed_runs)
 
-    from training.metrics import peak_flops
-
-    n = sizes.matmul_n
-    a, b = (jax.random.normal(k, (n, n), jnp.float32).astype(jnp.bfloat16) for k in jax.random.split(jax.random.key(0)))
-    matmul = jax.jit(jnp.matmul).lower(a, b).compile()
-    matmul_s = median_seconds(matmul, (a, b), sizes.timed_runs, inner=10)
-    x = jnp.zeros(sizes.copy_bytes // 4, jnp.float32)
-    copy_s = median_seconds(jax.jit(lambda x: x + 1), (x,), sizes.timed_runs, inner=10)
-    tflops, peak = 2 * n**3 / matmul_s / 1e12, peak_flops(jax.devices()[0])
-    hlo = matmul.as_text()
-    target = re.search(r'custom_call_target="([^"]+)"', hlo)
-    return {
-        "matmul": f"bf16 [{n},{n}] @ [{n},{n}], 2*n^3 FLOPs, random normal data",
-        "matmul_kernel": target.group(1) if target else ("triton gemm" if "triton_gemm" in hlo else "xla fusion"),
-        "matmul_ms": matmul_s * 1e3, "matmul_tflops": tflops,
-        "matmul_fraction_of_peak": tflops * 1e12 / peak if peak else None,
-        "copy": f"fp32 x + 1 over {sizes.copy_bytes} bytes: read + write counted",
-        "copy_ms": copy_s * 1e3, "copy_gbps": 2 * sizes.copy_bytes / copy_s / 1e9,
-    }
-
-
-# --- stage 3: correctness (bench/gpu_correctness.py) ---------------------------------------------
 
 def stage_correctness(sizes: Sizes) -> dict:
     return correctness(sizes.check_lengths, sizes.check_fp32_lengths, sizes.check_heads, sizes.tiny_sets)
 
 
-# --- stage 4: attention speed -------------------------------------------------------------------
-
 def stage_attention(sizes: Sizes) -> dict:
-    import jax
-
-    from bench.attention import core_fn, measure
-    from training.metrics import peak_flops
-
-    n, kv, h = sizes.bench_heads
-    ns = argparse.Namespace(tokens=sizes.bench_tokens, heads=n, kv_heads=kv, dtype="bfloat16", steps=sizes.timed_runs)
-    peak, rows = peak_flops(jax.devices()[0]), []
-    for length in sizes.bench_lengths:
-        for core in CORES:
-            if core == "cudnn" and jax.default_backend() != "gpu":
-                rows.append({"core": core, "causal": True, "length": length, "head_dim": h,
-                             "status": "unavailable on cpu"})
-                continue
-            row = measure(core, lambda c=core: core_fn(c, True), True, length, h, ns)
-            if peak and "forward_tflops" in row:
-                row["forward_fraction_of_peak"] = row["forward_tflops"] * 1e12 / peak
-                row["forward_backward_fraction_of_peak"] = row["forward_backward_tflops"] * 1e12 / peak
-            rows.append(row)
-    return {"flops": "forward 4*B*N*L^2*H halved (causal); forward+backward 3.5x forward", "rows": rows}
+    return gpu_device.attention_speed(sizes.bench_lengths, sizes.bench_heads, sizes.bench_tokens, sizes.timed_runs)
 
 
 # --- stages 5-7: training speed, XLA options on and off, profile (bench/gpu_training.py) ---------
@@ -276,48 +197,6 @@ def run_stage(name: str, sizes: Sizes, args: argparse.Namespace) -> dict:
     except Exception as err:  # noqa: BLE001 -- one stage's failure is a result; the next runs
         result = {"error": error_text(err), "traceback": traceback.format_exc()[-3000:]}
     return result | {"elapsed_s": time.perf_counter() - start}
-
-
-def summary_lines(name: str, r: dict) -> list[str]:
-    """The short printed table of one stage."""
-    if "error" in r or "skipped" in r:
-        return [f"    error: {r['error']}" if "error" in r else f"    skipped: {r['skipped']}"]
-    if name == "environment":
-        return [f"    {r['device_count']} x {r['device_kind']} ({r['backend']}), jax {r['versions']['jax']}, "
-                f"cuda {r['cuda_versions']}"]
-    if name == "ceilings":
-        frac = r["matmul_fraction_of_peak"]
-        return [f"    matmul {r['matmul_tflops']:.4g} TFLOP/s" + (f" ({100 * frac:.0f}% of peak)" if frac else "")
-                + f", copy {r['copy_gbps']:.4g} GB/s"]
-    if name == "correctness":
-        lines = [f"    {c['core']:<7}{c['dtype']:<9}L={c['length']:<6}" + (
-            f"{c['status']:<5} max err {max(c['errors'].values()):.2e} (tol {c['tolerance']:g})"
-            if "errors" in c else c["status"] + (f" {c['error']}" if "error" in c else "")) for c in r["cases"]]
-        lines += [f"    step {s['core']:<7}" + (f"loss {s['loss']:.4f} {s['status']}" if "loss" in s else s["status"])
-                  for s in r["train_step"]]
-        return lines + [f"    verdict: {r['verdict']}"]
-    if name == "attention":
-        return [f"    {x['core']:<7}L={x['length']:<6}" + (
-            f"fwd {x['forward_tflops']:8.4g}  fwd+bwd {x['forward_backward_tflops']:8.4g} TFLOP/s"
-            if "forward_tflops" in x else x.get("status") or x.get("error", "")) for x in r["rows"]]
-    if name == "training":
-        return [f"    {x['preset']:<5}remat={x['remat']:<5}" + "".join(
-            f"{o.split('=')[0].split('.')[-1]}={o.split('=')[1]} " for o in x["overrides"] if o.startswith("model.")) + (
-            f"{x['tokens_per_s']:>12,.0f} tok/s {x['tflops_per_device']:8.4g} TFLOP/s/dev"
-            + (f" MFU {100 * x['mfu']:.1f}%" if x["mfu"] else "")
-            + (f" peak {x['peak_memory_bytes_per_device'] / 2**30:.1f} GiB"
-               if x["peak_memory_bytes_per_device"] else "")
-            if x["status"] == "ok" else f"{x['status']}: {x['error']}") for x in r["rows"]]
-    if name == "flags":
-        return [f"    {x['preset']:<5}remat={x['remat']:<5}{x['option']}: " + (
-            f"off / on {x['ratio_off_to_on']:.3f} ({x['off']['step_time_median_s'] * 1e3:.1f} ms vs "
-            f"{x['on']['step_time_median_s'] * 1e3:.1f} ms)" if "ratio_off_to_on" in x
-            else f"on {x['on']['status']}, off {x['off']['status']}") for x in r["rows"]]
-    if name == "profile":
-        return [line for c in r["cases"] for line in (
-            [f"    {c['preset']} remat={c['remat']}{'' if c['scan_layers'] else ' unrolled'}: {c['ops']['total_ms']:.1f} ms"]
-            + [f"      {k:<18}{100 * v:5.1f}%" for k, v in sorted(c["ops"]["fractions"].items(), key=lambda kv: -kv[1])])]
-    return []
 
 
 def default_out(env: dict, smoke: bool) -> Path:
