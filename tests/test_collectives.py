@@ -9,7 +9,7 @@ import pytest
 from configs import ConfigError
 from conftest import ROOT, child_env, run_module
 from sharding.mesh import build_mesh, parse_mesh
-from tools import collectives
+from tools import collective_programs, collectives
 from tools.busbw import OPS, Row, bandwidths, fit_model, message_count, summarize
 from tools.collectives import parse_sizes
 from tools.hlo import census
@@ -31,12 +31,12 @@ def test_program_is_one_collective(mesh, name, axes, n):
     factor gives (census' ring formulas = nccl-tests' bus factors)."""
     op = OPS[name]
     count = message_count(op, SIZE, 4, n)
-    spec = collectives.input_spec(mesh, op, axes, n, count, "f32")
-    [c] = census(collectives.program(mesh, op, axes, n).lower(spec).compile().as_text(), dict(mesh.shape))
+    spec = collective_programs.input_spec(mesh, op, axes, n, count, "f32")
+    [c] = census(collective_programs.program(mesh, op, axes, n).lower(spec).compile().as_text(), dict(mesh.shape))
     assert (c.kind, c.axes, c.group, c.dtype, c.elements) == (op.kind, axes, 2 if name == "permute" else n, "f32",
                                                               SIZE // 4)
     assert c.bytes_per_run == pytest.approx(SIZE * op.factor(n))
-    assert collectives.check_program(mesh, op, axes, count, "f32") is None
+    assert collective_programs.check_program(mesh, op, axes, count, "f32") is None
 
 
 def test_check_cli():
@@ -51,7 +51,7 @@ def test_check_fails_on_a_second_collective(mesh, monkeypatch, capsys):
     """A program with more than its one collective fails --check: exit 1, the reason per program."""
     from jax import lax
 
-    monkeypatch.setattr(collectives, "body", lambda op, axes, n: lambda x: lax.psum(lax.psum(x, axes) * 2, axes))
+    monkeypatch.setattr(collective_programs, "body", lambda op, axes, n: lambda x: lax.psum(lax.psum(x, axes) * 2, axes))
     assert collectives.run_check(mesh, [OPS["all-reduce"]], [("tensor",)], [SIZE], "f32") == 1
     out = capsys.readouterr().out
     assert "FAIL all-reduce" in out and "collectives check failed: 1 program(s)" in out

@@ -13,6 +13,7 @@ Conventions, those of nccl-tests (doc/PERFORMANCE.md of github.com/NVIDIA/nccl-t
 - Per op and axes: the latency floor (the time at the smallest size), the smallest size that
   reaches half the peak busbw, and a least-squares fit t = latency + S·factor / busbw (the
   record's `fit`, per axes and op, for the planner: latency_us and busbw_GBps).
+- The printed table (`format_block`): nccl-tests' columns, then the floor, half-peak size, fit.
 """
 
 from __future__ import annotations
@@ -95,3 +96,17 @@ def summarize(rows: list[Row]) -> dict:
     half = next(r.size for r in rows if r.busbw_GBps >= peak / 2)
     return {"op": rows[0].op, "axes": rows[0].axes, "group": rows[0].group, "latency_floor_us": rows[0].time_us,
             "peak_busbw_GBps": peak, "half_peak_size": half}
+
+
+def format_block(rows: list[Row], op: Op, dtype: str) -> str:
+    """nccl-tests' columns for one op and axes, then its floor, half-peak size and fit."""
+    s = summarize(rows)
+    fit = fit_model([r.size for r in rows], [r.time_us / 1e6 for r in rows], op.factor(rows[0].group))
+    bw = f"{fit['busbw_GBps']:.3g} GB/s" if fit["busbw_GBps"] else "none (time does not grow with size)"
+    lines = [f"# {op.name} over {rows[0].axes} (n={rows[0].group}), {dtype}",
+             f"# {'size(B)':>12} {'count':>12} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"]
+    lines += [f"  {r.size:>12} {r.count:>12} {r.time_us:>10.1f} {r.algbw_GBps:>12.3f} {r.busbw_GBps:>12.3f}"
+              for r in rows]
+    lines.append(f"# latency floor {s['latency_floor_us']:.1f} us; peak busbw {s['peak_busbw_GBps']:.3f} GB/s, "
+                 f"half of it first at {s['half_peak_size']} B; fit: latency {fit['latency_us']:.1f} us, busbw {bw}")
+    return "\n".join(lines) + "\n"

@@ -8,10 +8,11 @@ What is measured: for each op (all-reduce, all-gather, reduce-scatter, all-to-al
 mesh axis or axis combination (`data+tensor`: one group of dp·tp devices) and each message size
 (the powers of two between the --sizes bounds), a jitted `jax.shard_map` program, manual over
 exactly those axes, whose body is that one collective: `lax.psum`, `lax.all_gather`,
-`lax.psum_scatter`, `lax.all_to_all`, or `lax.ppermute` one step round a ring. Each program is
-run once to compile and warm up, then timed --iters times (each sample BACK_TO_BACK calls
-dispatched back to back, waited for with `jax.block_until_ready`, as nccl-tests times a run of
-launches); the table gives the median per call.
+`lax.psum_scatter`, `lax.all_to_all`, or `lax.ppermute` one step round a ring
+(tools/collective_programs.py). Each program is run once to compile and warm up, then timed
+--iters times (each sample BACK_TO_BACK calls dispatched back to back, waited for with
+`jax.block_until_ready`, as nccl-tests times a run of launches); the table gives the median per
+call.
 
 Conventions: nccl-tests', in tools/busbw.py (the message size S, algbw, busbw and its factor per
 op, the fit t = latency + S·factor / busbw that the record keeps per axes and op for the planner).
@@ -38,11 +39,12 @@ import math
 import re
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from configs import ConfigError, RunConfig
 from sharding.mesh import ALIASES, AXES, parse_mesh
-from tools.busbw import OPS, Op, Row, bandwidths, fit_model, message_count, smallest_message, summarize
+from tools.busbw import OPS, Op, Row, bandwidths, fit_model, format_block, message_count, smallest_message, summarize
+from tools.collective_programs import Axes, check_program, group_size, input_spec, make_input, program
 from tools.measure import check_at_least, check_out
 
 if TYPE_CHECKING:
@@ -53,7 +55,6 @@ CPU_LIMIT = 2**30  # the largest message on CPU (fake devices share the host's m
 MEMORY_FRACTION = 4  # elsewhere: at most 1/4 of a device's memory (input and output fit twice)
 DTYPES = {"bf16": 2, "f32": 4}
 UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
-Axes = tuple[str, ...]  # mesh axes, in mesh order
 SMOKE = ("smoke run on CPU: fake host devices exchange copies in host memory (gloo over TCP between "
          "processes), not messages over a GPU interconnect; these figures say nothing about NVLink or InfiniBand")
 
@@ -133,75 +134,7 @@ def check_sizes(sizes: list[int], low: int, limit: int) -> None:
                           "device's memory); lower the upper bound")
 
 
-# --- programs --------------------------------------------------------------------------------
-
-def body(op: Op, axes: Axes, n: int) -> Callable:
-    """The per-device function: exactly one collective over `axes`."""
-    from jax import lax
-
-    if op.name == "all-reduce":
-        return lambda x: lax.psum(x, axes)
-    if op.name == "all-gather":
-        return lambda x: lax.all_gather(x, axes, tiled=True)
-    if op.name == "reduce-scatter":
-        return lambda x: lax.psum_scatter(x, axes, tiled=True)
-    if op.name == "all-to-all":
-        return lambda x: lax.all_to_all(x, axes, 0, 0, tiled=True)
-    return lambda x: lax.ppermute(x, axes, [(i, (i + 1) % n) for i in range(n)])
-
-
-def program(mesh: jax.sharding.Mesh, op: Op, axes: Axes, n: int) -> Callable:
-    """jit(shard_map) manual over `axes`; the input's dim 0 is split over them."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    return jax.jit(jax.shard_map(body(op, axes, n), mesh=mesh, in_specs=P(axes), out_specs=P(axes),
-                                 axis_names=set(axes)))
-
-
-def input_spec(mesh: jax.sharding.Mesh, op: Op, axes: Axes, n: int, count: int, dtype: str) -> jax.ShapeDtypeStruct:
-    """The global input: op.input_count elements per rank of the group, replicated elsewhere."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    return jax.ShapeDtypeStruct((n * op.input_count(count, n),), _jnp_dtype(dtype),
-                                sharding=NamedSharding(mesh, P(axes)))
-
-
-def _jnp_dtype(dtype: str):
-    import jax.numpy as jnp
-
-    return {"bf16": jnp.bfloat16, "f32": jnp.float32}[dtype]
-
-
-def make_input(spec: jax.ShapeDtypeStruct) -> jax.Array:
-    """Ones of `spec`'s shape, made on the devices in place."""
-    import jax
-    import jax.numpy as jnp
-
-    return jax.jit(lambda: jnp.ones(spec.shape, spec.dtype), out_shardings=spec.sharding)()
-
-
-def group_size(mesh: jax.sharding.Mesh, axes: Axes) -> int:
-    return math.prod(mesh.shape[a] for a in axes)
-
-
 # --- check -----------------------------------------------------------------------------------
-
-def check_program(mesh: jax.sharding.Mesh, op: Op, axes: Axes, count: int, dtype: str) -> str | None:
-    """Compile and census one program: None when it holds exactly the intended collective, else why not."""
-    import jax
-
-    from tools.hlo import census
-
-    n = group_size(mesh, axes)
-    spec = input_spec(mesh, op, axes, n, count, dtype)
-    found = census(program(mesh, op, axes, n).lower(spec).compile().as_text(), dict(mesh.shape))
-    moved = "f32" if dtype == "bf16" and jax.default_backend() == "cpu" else dtype
-    want = (op.kind, axes, 2 if op.kind == "collective-permute" else n, moved, count)
-    got = [(c.kind, c.axes, c.group, c.dtype, c.elements) for c in found]
-    return None if got == [want] else f"expected {[want]}, compiled {got}"
-
 
 def run_check(mesh: jax.sharding.Mesh, ops: list[Op], groups: list[Axes], sizes: list[int], dtype: str) -> int:
     """One line per program; 1 with a message if any program is not its one collective."""
@@ -242,20 +175,6 @@ def sweep(mesh: jax.sharding.Mesh, op: Op, axes: Axes, sizes: list[int], args: a
     if not args.json:
         _say(format_block(rows, op, args.dtype))
     return rows
-
-
-def format_block(rows: list[Row], op: Op, dtype: str) -> str:
-    """nccl-tests' columns for one op and axes, then its floor, half-peak size and fit."""
-    s = summarize(rows)
-    fit = fit_model([r.size for r in rows], [r.time_us / 1e6 for r in rows], op.factor(rows[0].group))
-    bw = f"{fit['busbw_GBps']:.3g} GB/s" if fit["busbw_GBps"] else "none (time does not grow with size)"
-    lines = [f"# {op.name} over {rows[0].axes} (n={rows[0].group}), {dtype}",
-             f"# {'size(B)':>12} {'count':>12} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"]
-    lines += [f"  {r.size:>12} {r.count:>12} {r.time_us:>10.1f} {r.algbw_GBps:>12.3f} {r.busbw_GBps:>12.3f}"
-              for r in rows]
-    lines.append(f"# latency floor {s['latency_floor_us']:.1f} us; peak busbw {s['peak_busbw_GBps']:.3f} GB/s, "
-                 f"half of it first at {s['half_peak_size']} B; fit: latency {fit['latency_us']:.1f} us, busbw {bw}")
-    return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[Row], path: Path) -> None:
