@@ -133,6 +133,25 @@ def test_the_quieted_noise_is_only_the_abandoned_reads():
     assert "never retrieved" not in out.stderr
 
 
+def test_a_resume_on_another_stream_says_so(saved, tmp_path, capsys):
+    """data.source and the global batch changed at a resume: allowed (fine-tuning on other data),
+    said in one note naming both, the checkpoint's values and the new."""
+    import shutil
+
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(saved["fsdp=8"][0], directory)
+    cfg = small_config("fsdp=8", "data.source=synthetic", "train.global_batch_size=32")
+    _, state = restore(directory, cfg)
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert int(state.step) == 2 and notes == [
+        f"note: data.source='stdlib' in the checkpoint, 'synthetic' now; train.global_batch_size="
+        f"{small_config().train.global_batch_size} in the checkpoint, 32 now: from step 2 on the batches are another "
+        "stream, not the saved run's continuation (as intended when fine-tuning on other data; else resume without "
+        "the --set)"]
+    _, state = restore(directory, small_config("fsdp=8"))
+    assert "note: " not in capsys.readouterr().out
+
+
 def flip_a_bit(step_dir):
     """One flipped bit in the largest data file of a saved step: orbax alone restores it silently."""
     data = max((p for p in step_dir.rglob("*") if p.is_file() and p.parent.name == "d"), key=lambda p: p.stat().st_size)

@@ -148,6 +148,18 @@ def incompatibilities(saved: dict, cfg: RunConfig) -> list[str]:
     return diffs
 
 
+# fields a resume may change, which make the batches from the resumed step on another stream
+STREAM = (("data", "source"), ("data", "path"), ("train", "global_batch_size"), ("train", "seq_len"))
+
+
+def stream_changes(saved: dict, cfg: RunConfig) -> list[str]:
+    """'field=saved in the checkpoint, now' for each STREAM field this resume changes: allowed
+    (fine-tuning a converted run on other data is one), and said in one note."""
+    now = cfg.to_dict()
+    return [f"{part}.{key}={saved[part].get(key)!r} in the checkpoint, {now[part][key]!r} now"
+            for part, key in STREAM if saved[part].get(key) != now[part][key]]
+
+
 class Checkpointer:
     """Saves and restores a run's TrainState under `directory` (RUN_DIR/checkpoints)."""
 
@@ -232,6 +244,10 @@ class Checkpointer:
             raise DamagedCheckpoint(f"checksum mismatch in {len(wrong)} array(s), e.g. {(wrong or ['?'])[0]}")
         if int(state.step) != items.meta["data_position"] or items.meta["step"] != step:
             raise DamagedCheckpoint(f"state step {int(state.step)} != saved data position {items.meta['data_position']}")
+        changes = [] if self.read_only else stream_changes(items.config, self.cfg)  # readers draw no batches
+        if changes:
+            say(f"note: {'; '.join(changes)}: from step {step} on the batches are another stream, not the "
+                "saved run's continuation (as intended when fine-tuning on other data; else resume without the --set)")
         return state
 
     def _set_aside(self, step: int, reason: str) -> None:
