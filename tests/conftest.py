@@ -143,6 +143,25 @@ def assert_same_run(got, want):
     assert losses[-1] < losses[0]  # it trains
 
 
+def initial_run(run_dir, cfg, devices=None) -> None:
+    """A run directory holding cfg's config.json and a step-0 checkpoint of its initial state (the
+    state of a run before its first step), on cfg's mesh over `devices` (default all it needs)."""
+    import json
+
+    from sharding.mesh import build_mesh
+    from training.build import make_program
+    from training.checkpoint import Checkpointer
+
+    mesh = build_mesh(cfg.parallel, devices)
+    program = make_program(cfg, mesh)
+    with jax.set_mesh(mesh):
+        state = program.init_fn()
+    checkpoints = Checkpointer(run_dir / "checkpoints", cfg)
+    checkpoints.save(0, state)
+    checkpoints.close()
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict()))
+
+
 def train_argv(*args: str) -> list[str]:
     """`python -u train.py` with the SMALL settings, then `args` (for subprocess tests)."""
     import sys

@@ -16,7 +16,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from conftest import ROOT, child_env, run_module
+from conftest import ROOT, child_env, initial_run, run_module
 from configs import ConfigError, ParallelConfig, RunConfig, apply_overrides, get_preset
 from sharding.mesh import build_mesh, parse_mesh
 from tools import convert
@@ -65,15 +65,7 @@ def meshtrain_runs(tmp_path_factory):
     for name, sets in {"tiny": [], "gqa": ["model.n_heads=4", "model.n_kv_heads=1", "model.head_dim=32"]}.items():
         run = tmp_path_factory.mktemp(name)
         cfg = apply_overrides(get_preset("tiny"), ["model.n_layers=2", "train.global_batch_size=4", *sets])
-        cfg = dataclasses.replace(cfg, parallel=parse_mesh(RESTORE_MESH, ParallelConfig()))
-        mesh = build_mesh(cfg.parallel)
-        program = make_program(cfg, mesh)
-        with jax.set_mesh(mesh):
-            state = program.init_fn()
-        checkpoints = Checkpointer(run / "checkpoints", cfg)
-        checkpoints.save(0, state)
-        checkpoints.close()
-        (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+        initial_run(run, dataclasses.replace(cfg, parallel=parse_mesh(RESTORE_MESH, ParallelConfig())))
         runs[name] = run
     return runs
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import run_module, small_config
+from conftest import initial_run, run_module, small_config
 
 PROMPT, NEW = 8, 32
 
@@ -173,18 +173,7 @@ def test_run_without_checkpoints_is_refused(tmp_path):
 
 def test_cli_generates_from_a_checkpoint(tmp_path):
     """End to end: a checkpoint of the initial state, restored on dp=2,tp=2, greedy."""
-    from sharding.mesh import build_mesh
-    from training.build import make_program
-    from training.checkpoint import Checkpointer
-
-    fake_run(tmp_path, step=False)
-    cfg = small_config()
-    program = make_program(cfg, build_mesh(cfg.parallel, jax.devices()[:1]))
-    with jax.set_mesh(build_mesh(cfg.parallel, jax.devices()[:1])):
-        state = program.init_fn()
-    checkpoints = Checkpointer(tmp_path / "checkpoints", cfg)
-    checkpoints.save(0, state)  # step 0: the state of a run before its first step
-    checkpoints.close()
+    initial_run(tmp_path, small_config(), jax.devices()[:1])
     out = run_module("tools.generate", "--run-dir", str(tmp_path), "--prompt", "def f", "--max-new-tokens", "6",
                      "--temperature", "0", "--mesh", "dp=2,tp=2")
     assert out.returncode == 0, out.stderr
@@ -196,21 +185,8 @@ def test_cli_generates_from_a_checkpoint(tmp_path):
 def test_cli_generates_from_a_moe_run_trained_on_ep2(tmp_path):
     """A MoE run saved on ep=2 with capacity dispatch decodes on the run's other axes (here one
     device: the expert axis is left out, every expert on it) and routes dropless."""
-    from sharding.mesh import build_mesh
-    from training.build import make_program
-    from training.checkpoint import Checkpointer
-
     sets = ("model.n_experts=4", "model.experts_per_token=2", "model.expert_d_ff=32", "model.moe_dispatch=capacity")
-    fake_run(tmp_path, *sets, step=False)
-    cfg = small_config("ep=2", *sets)
-    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
-    mesh = build_mesh(cfg.parallel, jax.devices()[:2])
-    program = make_program(cfg, mesh)
-    with jax.set_mesh(mesh):
-        state = program.init_fn()
-    checkpoints = Checkpointer(tmp_path / "checkpoints", cfg)
-    checkpoints.save(0, state)
-    checkpoints.close()
+    initial_run(tmp_path, small_config("ep=2", *sets), jax.devices()[:2])
     out = run_module("tools.generate", "--run-dir", str(tmp_path), "--prompt", "def f", "--max-new-tokens", "4",
                      "--temperature", "0")
     assert out.returncode == 0, out.stderr
