@@ -34,7 +34,7 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.common import report_head
+from bench.common import attempt, failures, report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, get_preset
 from configs.checks import CHOICES
@@ -112,10 +112,14 @@ def measure(todo: dict[str | None, RunConfig], mesh: jax.sharding.Mesh, steps: i
 def rows(todo: dict[int, dict[str | None, RunConfig]], measured: dict[int, dict[str | None, dict]]) -> list[dict]:
     """One row per (sp, way): the measured figures, their ratios and the estimated bytes."""
     baseline = next(iter(todo[max(todo)]))  # the first of --impls (None when only sp=1 ran)
-    smallest = measured[min(measured)]
+    done = [sp for sp in measured if "error" not in measured[sp]]
+    smallest = measured[min(done)] if done else {}
     out = []
     for sp, by_impl in todo.items():
         for impl, cfg in by_impl.items():
+            if "error" in measured[sp]:  # that sp failed (bench.common.attempt): its ways' rows say so
+                out.append({"sp": sp, "seq_len": cfg.train.seq_len, "impl": impl, "error": measured[sp]["error"]})
+                continue
             m = measured[sp][impl]
             mem = m["memory_analysis"]
             temp_base = smallest[None if None in smallest else impl]["memory_analysis"]["temp"]
@@ -139,6 +143,9 @@ def print_table(table: list[dict], baseline: str, temp_base: str) -> None:
     print(f"  {'sp':>3} {'L':>6}  {'impl':<10} {'step (median)':>14} {'vs ' + baseline:>13} {'temp MiB':>9} "
           f"{'vs ' + temp_base:>10} {'peak MiB':>9}  {'K/V MiB':>8} {'sequence MiB':>12}  (estimated bytes/step)")
     for r in table:
+        if "error" in r:
+            print(f"  {r['sp']:>3} {r['seq_len']:>6}  {r['impl'] or '-':<10} {r['error']}")
+            continue
         ratio = "-" if r["step_ratio"] is None else f"{r['step_ratio']:.2f}x"
         print(f"  {r['sp']:>3} {r['seq_len']:>6}  {r['impl'] or '-':<10} {r['step_time_median_s'] * 1e3:>11.1f} ms "
               f"{ratio:>13} {r['temp_bytes'] / mib:>9.1f} {r['temp_ratio']:>9.2f}x "
@@ -162,8 +169,8 @@ def main(argv: list[str]) -> int:
         print(f"CPU platform: meshes sp={','.join(map(str, todo))} on {fake} fake host devices")
     measured = {}
     for sp, by_impl in todo.items():
-        measured[sp] = measure(by_impl, meshes[sp], args.steps)
-        for impl, m in measured[sp].items():
+        measured[sp] = attempt(measure, by_impl, meshes[sp], args.steps)
+        for impl, m in ({} if "error" in measured[sp] else measured[sp]).items():
             print(f"sp={sp} {impl or 'single device'}: step {m['step_time_median_s'] * 1e3:.1f} ms, "
                   f"temp {m['memory_analysis']['temp'] / 2**20:.1f} MiB", flush=True)
     table, baseline = rows(todo, measured), next(iter(todo[max(todo)]))
@@ -171,8 +178,9 @@ def main(argv: list[str]) -> int:
     head = report_head("bench.context", argv, largest, meshes[sizes[-1]], f"sp={','.join(map(str, sizes))}")
     report = head | {"tokens_per_device": args.tokens_per_device, "steps": args.steps, "baseline_impl": baseline,
                      "temp_ratio_to": f"sp={sizes[0]}", "rows": table}
-    write_report(report, args.out or RESULTS / f"context-{largest.name}.json")
-    return 0
+    out = args.out or RESULTS / f"context-{largest.name}.json"
+    write_report(report, out)
+    return failures(table, out)
 
 
 if __name__ == "__main__":

@@ -71,10 +71,11 @@ def render(name: str, results: Path) -> str:
 
 
 def check_complete(path: Path, record: dict) -> None:
-    """A bench.step or bench.pipeline record with a failed case (bench.common.attempt) or cut
-    short renders no README table: refused, naming the record and the first error."""
+    """A bench.step, bench.pipeline or bench.context record with a failed case
+    (bench.common.attempt) or cut short renders no README table: refused, naming the record and
+    the first error."""
     cases = [record.get("throughput", {}), *record.get("compile_scaling", {}).get("rows", []),
-             *record.get("one_device", []), *record.get("schedules", [])]
+             *record.get("one_device", []), *record.get("schedules", []), *record.get("rows", [])]
     errors = [c["error"] for c in cases if "error" in c]
     if errors or record.get("interrupted"):
         why = f"{len(errors)} failed case(s), the first: {errors[0]}" if errors else "it was interrupted"

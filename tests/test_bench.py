@@ -2,6 +2,7 @@
 
 import importlib
 import json
+import os
 import re
 
 import pytest
@@ -112,6 +113,33 @@ def test_context_benchmark_compares_ring_and_allgather_as_l_grows(tmp_path):
     for key in ("step_time_median_s", "temp_bytes", "static_peak_bytes", "temp_ratio", "kv_bytes_estimate",
                 "sequence_bytes_estimate", "step_ratio"):
         assert rows[2, "ring"][key] > 0 and rows[2, "allgather"][key] > 0, key
+
+
+def test_a_failing_context_case_keeps_the_others_rows(tmp_path, monkeypatch, capsys):
+    """sp=2's ways fail (an out-of-memory stand-in raised where they would be measured): sp=1 and
+    sp=4 are measured and written, sp=2's rows hold the error, and the exit code is 1."""
+    from bench import context
+
+    real = context.measure
+
+    def measure(todo, mesh, steps):
+        if mesh.devices.size == 2:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0GiB")
+        return real(todo, mesh, steps)
+
+    monkeypatch.setattr(context, "measure", measure)
+    monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"])  # main asks for its fake devices there: put back after
+    out_file = tmp_path / "context.json"
+    code = context.main([*SETS, "--sp", "1,2,4", "--tokens-per-device", "16", "--impls", "ring", "--steps", "1",
+                         "--out", str(out_file)])
+    assert code == 1
+    assert capsys.readouterr().err.strip() == (f"error: 1 of 3 cases failed (their errors are in {out_file}): "
+                                               "RuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                               "allocate 1.0GiB")
+    rows = {r["sp"]: r for r in json.loads(out_file.read_text())["rows"]}
+    assert rows[2] == {"sp": 2, "seq_len": 32, "impl": "ring",
+                       "error": "RuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0GiB"}
+    assert rows[1]["step_time_median_s"] > 0 and rows[4]["step_ratio"] == 1.0 and rows[4]["temp_ratio"] > 0
 
 
 def test_moe_benchmark_times_ep_cases_and_counts_all_to_alls(tmp_path):
