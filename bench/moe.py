@@ -49,7 +49,7 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.common import report_head
+from bench.common import attempt, failures, report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, get_preset
 from configs.checks import CHOICES
@@ -131,20 +131,23 @@ def measure(todo: dict[tuple[int, str], RunConfig], meshes: dict[int, jax.shardi
 
     from training.build import build, compile_step, xla_memory
 
-    runs = {}
-    for (ep, d), cfg in todo.items():
-        mesh = meshes[ep]
+    def prepare(cfg: RunConfig, mesh: jax.sharding.Mesh) -> dict:
         job = build(cfg, mesh)  # outside jax.set_mesh (training.build.make_program)
         with jax.set_mesh(mesh):
             batch = jax.block_until_ready(job.batches(0))
             compiled, _, compile_s = compile_step(job.step_fn, mesh, job.state, batch)
             state, _ = jax.block_until_ready(compiled(job.state, batch))  # donates job.state
         moe_layers = cfg.model.n_layers // cfg.model.moe_every
-        runs[ep, d] = {"compiled": compiled, "state": state, "batch": batch, "times": [], "compile_s": compile_s,
-                       "all_to_all": all_to_alls(compiled, mesh, moe_layers), "memory": xla_memory(compiled)}
-        print(f"ep={ep} {d}: compiled in {compile_s:.1f} s", flush=True)
+        return {"compiled": compiled, "state": state, "batch": batch, "times": [], "compile_s": compile_s,
+                "all_to_all": all_to_alls(compiled, mesh, moe_layers), "memory": xla_memory(compiled)}
+
+    runs = {}
+    for (ep, d), cfg in todo.items():
+        runs[ep, d] = attempt(prepare, cfg, meshes[ep])  # a case that fails is its row's error
+        if "error" not in runs[ep, d]:
+            print(f"ep={ep} {d}: compiled in {runs[ep, d]['compile_s']:.1f} s", flush=True)
     for _ in range(steps):
-        for (ep, _d), run in runs.items():
+        for (ep, _d), run in ((key, run) for key, run in runs.items() if "error" not in run):
             with jax.set_mesh(meshes[ep]):
                 (run["state"], metrics), seconds = timed(run["compiled"], run["state"], run["batch"])
             run["times"].append(seconds)
@@ -153,11 +156,15 @@ def measure(todo: dict[tuple[int, str], RunConfig], meshes: dict[int, jax.shardi
 
 
 def rows(todo: dict[tuple[int, str], RunConfig], runs: dict) -> list[dict]:
-    """One row per case: its figures and their ratio to the first case."""
-    base = statistics.median(next(iter(runs.values()))["times"])
+    """One row per case: its figures and their ratio to the first case that ran (or its error)."""
+    ran = [r for r in runs.values() if "error" not in r]
+    base = statistics.median(ran[0]["times"]) if ran else None
     out = []
     for (ep, d), cfg in todo.items():
         r = runs[ep, d]
+        if "error" in r:
+            out.append({"ep": ep, "dp": cfg.parallel.data, "dispatch": d, "error": r["error"]})
+            continue
         median = statistics.median(r["times"])
         sizes = {a: getattr(cfg.parallel, a) for a in AXES}
         out.append({
@@ -230,6 +237,9 @@ def print_table(table: list[dict], first: str) -> None:
     print(f"  {'ep':>3} {'dp':>3}  {'dispatch':<9} {'step (median)':>14} {'vs ' + first:>18} {'temp MiB':>9} "
           f"{'peak MiB':>9}  {'a2a/layer (fwd+bwd)':>19} {'a2a MiB':>8} {'estimate':>9}")
     for r in table:
+        if "error" in r:
+            print(f"  {r['ep']:>3} {r['dp']:>3}  {r['dispatch']:<9} {r['error']}")
+            continue
         a = r["all_to_all"]
         print(f"  {r['ep']:>3} {r['dp']:>3}  {r['dispatch']:<9} {r['step_time_median_s'] * 1e3:>11.1f} ms "
               f"{r['step_ratio']:>17.2f}x {r['temp_bytes'] / mib:>9.1f} {r['static_peak_bytes'] / mib:>9.1f}  "
@@ -252,7 +262,7 @@ def main(argv: list[str]) -> int:
         print(f"CPU platform: meshes {', '.join(format_mesh(dict(m.shape)) for m in meshes.values())} "
               f"on {fake} fake host devices")
     table = rows(todo, measure(todo, meshes, args.steps))
-    first = f"ep={table[0]['ep']} {table[0]['dispatch']}"
+    first = next((f"ep={r['ep']} {r['dispatch']}" for r in table if "error" not in r), "-")
     print_table(table, first)
     tokens = args.ffn_tokens
     if tokens is None:
@@ -269,8 +279,9 @@ def main(argv: list[str]) -> int:
     report = head | {"devices": args.devices, "steps": args.steps, "mid": args.mid, "baseline": first,
                      "rows": table, "ffn": ffn}
     name = first_cfg.name.removeprefix("moe-") + ("-mid" if args.mid else "")
-    write_report(report, args.out or RESULTS / f"moe-{name}.json")
-    return 0
+    out = args.out or RESULTS / f"moe-{name}.json"
+    write_report(report, out)
+    return failures(table, out)
 
 
 if __name__ == "__main__":

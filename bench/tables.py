@@ -71,7 +71,7 @@ def render(name: str, results: Path) -> str:
 
 
 def check_complete(path: Path, record: dict) -> None:
-    """A bench.step, bench.pipeline or bench.context record with a failed case
+    """A bench.step, pipeline, context or moe record with a failed case
     (bench.common.attempt) or cut short renders no README table: refused, naming the record and
     the first error."""
     cases = [record.get("throughput", {}), *record.get("compile_scaling", {}).get("rows", []),

@@ -168,6 +168,33 @@ def test_moe_benchmark_times_ep_cases_and_counts_all_to_alls(tmp_path):
     assert record["ffn"]["ways"]["grouped"]["ratio_to_grouped"] == 1.0
 
 
+def test_a_failing_moe_case_keeps_the_others_rows(tmp_path, monkeypatch, capsys):
+    """ep=2's build fails (an out-of-memory stand-in): ep=1 is measured and written with its
+    figures, ep=2's row holds the error, and the exit code is 1."""
+    from bench import moe
+    from training import build as build_module
+
+    real = build_module.build
+
+    def build(cfg, mesh, *args, **kwargs):
+        if cfg.parallel.expert == 2:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.0GiB")
+        return real(cfg, mesh, *args, **kwargs)
+
+    monkeypatch.setattr(build_module, "build", build)
+    monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"])  # main asks for its fake devices there: put back after
+    out_file = tmp_path / "moe.json"
+    sets = [a for s in SMALL if not s.startswith("model.n_layers") for a in ("--set", s)]
+    code = moe.main([*sets, "--set", "model.n_layers=1", "--set", "model.expert_d_ff=64", "--set",
+                     "data.source=synthetic", "--ep", "1,2", "--dispatch", "dropless", "--steps", "1",
+                     "--ffn-tokens", "0", "--out", str(out_file)])
+    assert code == 1 and capsys.readouterr().err.startswith(f"error: 1 of 2 cases failed (their errors are in {out_file})")
+    one, two = json.loads(out_file.read_text())["rows"]
+    assert one["ep"] == 1 and one["step_ratio"] == 1.0 and one["step_time_median_s"] > 0
+    assert two == {"ep": 2, "dp": 4, "dispatch": "dropless",
+                   "error": "RuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.0GiB"}
+
+
 def test_moe_benchmark_refuses_bad_input_in_one_line():
     for args in (["--ep", "3"], ["--ep", "8", "--set", "model.n_experts=4"], ["--dispatch", "sorted"],
                  ["--mesh", "ep=2"]):
