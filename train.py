@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from cli import (add_run_args, check_backend, check_run_dir, holds_checkpoint, make_run_dir, request_fake_devices, run_cli,
-                 run_config, saved_config)
+from cli import (add_run_args, check_backend, check_run_dir, holds_checkpoint, make_run_dir, request_fake_devices,
+                 run_cli, run_config, saved_config)
 from configs import ConfigError, RunConfig
 from configs.checks import parse_window
 from sharding.checks import explicit_context

@@ -44,6 +44,7 @@ step N was started (its temporary directory exists, its write is in flight): a d
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import logging
@@ -72,6 +73,7 @@ TMP_STEP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 TENSORSTORE_SPEC = "See full TensorStore details"
 
 
+@functools.cache  # installed once
 def quiet_abandoned_reads() -> None:
     """Drop the noise of a damaged checkpoint's abandoned reads, for the rest of the process.
 
@@ -81,11 +83,7 @@ def quiet_abandoned_reads() -> None:
     ignored in: <coroutine ...>', 'Event loop is closed' from tensorstore's threads, asyncio's
     'Task exception was never retrieved': tens to hundreds of lines, some after the restore has
     returned. Exactly those are dropped (a coroutine's unraisable exception, the closed loop's,
-    that asyncio message); anything else is printed as before. Installed once."""
-    global _quieted
-    if _quieted:
-        return
-    _quieted = True
+    that asyncio message); anything else is printed as before."""
     previous = sys.unraisablehook
 
     def hook(unraisable: sys.UnraisableHookArgs) -> None:
@@ -96,9 +94,6 @@ def quiet_abandoned_reads() -> None:
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(
         lambda record: not str(record.msg).startswith("Task exception was never retrieved"))
-
-
-_quieted = False
 
 
 class DamagedCheckpoint(Exception):
