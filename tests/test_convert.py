@@ -62,7 +62,8 @@ def meshtrain_runs(tmp_path_factory):
     """Two runs with a step-0 checkpoint of random parameters on dp=2,fsdp=2,tp=2: tiny with 2
     layers, and a GQA variant (N=4, K=1, H=32)."""
     runs = {}
-    for name, sets in {"tiny": [], "gqa": ["model.n_heads=4", "model.n_kv_heads=1", "model.head_dim=32"]}.items():
+    for name, sets in {"tiny": [], "gqa": ["model.n_heads=4", "model.n_kv_heads=1", "model.head_dim=32"],
+                       "moe": ["model.n_experts=4", "model.experts_per_token=2", "model.expert_d_ff=48"]}.items():
         run = tmp_path_factory.mktemp(name)
         cfg = apply_overrides(get_preset("tiny"), ["model.n_layers=2", "train.global_batch_size=4", *sets])
         initial_run(run, dataclasses.replace(cfg, parallel=parse_mesh(RESTORE_MESH, ParallelConfig())))
@@ -70,14 +71,24 @@ def meshtrain_runs(tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("name", ["tiny", "gqa"])
+@pytest.mark.parametrize("name", ["tiny", "gqa", "moe"])
 def test_round_trip_is_bit_exact(meshtrain_runs, name, tmp_path):
+    """meshtrain -> HF -> meshtrain -> HF, bit for bit; the MoE run as Mixtral (one HF tensor per
+    layer and expert: 2 layers x 4 experts x w1/w2/w3, and a router per layer)."""
     run = meshtrain_runs[name]
     convert_here("--to-hf", run, "--out", tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"] and not config["tie_word_embeddings"]
+    arch = "MixtralForCausalLM" if name == "moe" else "LlamaForCausalLM"
+    assert config["architectures"] == [arch] and not config["tie_word_embeddings"]
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(hf_tensors(tmp_path / "hf"))
+    if name == "moe":
+        assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (4, 2, 48)
+        experts = [n for n in index["weight_map"] if ".block_sparse_moe.experts." in n]
+        assert len(experts) == 2 * 4 * 3 and not [n for n in index["weight_map"] if ".mlp." in n]
+        d, written = config["hidden_size"], hf_tensors(tmp_path / "hf")
+        assert written["model.layers.1.block_sparse_moe.experts.3.w2.weight"].shape == (d, 48)
+        assert written["model.layers.0.block_sparse_moe.gate.weight"].shape == (4, d)
     convert_here("--from-hf", tmp_path / "hf", "--run-dir", tmp_path / "back", "--mesh", "fsdp=4,tp=2")
     _, _, _, before = restore(run)
     _, _, program, after = restore(tmp_path / "back")
@@ -151,10 +162,29 @@ def hf_model(directory, tied: bool, kv_heads: int):
     return model
 
 
+def hf_mixtral(directory):
+    """A tiny MixtralForCausalLM (4 experts, top 2, GQA), random, saved as transformers saves it
+    (one tensor per layer and expert: block_sparse_moe.experts.{e}.w1/w2/w3)."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                                        rope_theta=500.0, rms_norm_eps=1e-5, sliding_window=None)
+    model = transformers.MixtralForCausalLM(config).eval()
+    with torch.no_grad():  # a sharper router than init's, so that a swapped gate or expert would show
+        for name, p in model.named_parameters():
+            if "gate.weight" in name or "norm" in name:
+                p.copy_(p * 10 if "gate" in name else 1 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(directory)
+    return model
+
+
 @needs_hf
-@pytest.mark.parametrize("tied,kv_heads", [(False, 2), (True, 4)])
+@pytest.mark.parametrize("tied,kv_heads", [(False, 2), (True, 4), ("mixtral", 2)])
 def test_logits_and_loss_equal_transformers(tmp_path, tied, kv_heads):
-    model = hf_model(tmp_path / "hf", tied, kv_heads)
+    """Llama (untied GQA, tied MHA) and Mixtral: converted, the logits and the loss of the
+    first batch equal transformers' (the MoE run routes dropless, as Mixtral does)."""
+    model = hf_mixtral(tmp_path / "hf") if tied == "mixtral" else hf_model(tmp_path / "hf", tied, kv_heads)
     convert_here("--from-hf", tmp_path / "hf", "--run-dir", tmp_path / "run", "--mesh", RESTORE_MESH, *SMALL)
     cfg, mesh, program, state = restore(tmp_path / "run")
     tokens = np.random.default_rng(0).integers(0, 256, (4, 17))
@@ -171,10 +201,14 @@ def test_logits_and_loss_equal_transformers(tmp_path, tied, kv_heads):
 
 
 @needs_hf
-def test_to_hf_loads_in_transformers(meshtrain_runs, tmp_path):
-    run = meshtrain_runs["gqa"]
+@pytest.mark.parametrize("name", ["gqa", "moe"])
+def test_to_hf_loads_in_transformers(meshtrain_runs, tmp_path, name):
+    """--to-hf of a Llama-shaped run loads as LlamaForCausalLM, of a MoE run as
+    MixtralForCausalLM; the logits equal meshtrain's."""
+    run = meshtrain_runs[name]
     convert_here("--to-hf", run, "--out", tmp_path / "hf")
-    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(model).__name__ == ("MixtralForCausalLM" if name == "moe" else "LlamaForCausalLM")
     cfg, mesh, program, state = restore(run)
     tokens = np.random.default_rng(1).integers(0, 256, (4, 16))
     with torch.no_grad():
@@ -192,12 +226,21 @@ TINY_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_
            "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
 
 
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
+           "num_experts_per_tok": 2, "sliding_window": None}  # TINY_HF | MIXTRAL: a tiny Mixtral
+
+
 def hf_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     d, f, v, h = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
     n, k = c["num_attention_heads"] * h, c["num_key_value_heads"] * h
     layer = {"input_layernorm": (d,), "self_attn.q_proj": (n, d), "self_attn.k_proj": (k, d),
-             "self_attn.v_proj": (k, d), "self_attn.o_proj": (d, n), "post_attention_layernorm": (d,),
-             "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
+             "self_attn.v_proj": (k, d), "self_attn.o_proj": (d, n), "post_attention_layernorm": (d,)}
+    if c.get("num_local_experts"):  # Mixtral: a router and per-expert w1 (gate), w3 (up), w2 (down)
+        e = c["num_local_experts"]
+        layer |= {"block_sparse_moe.gate": (e, d)} | {f"block_sparse_moe.experts.{j}.{w}": s for j in range(e)
+                                                      for w, s in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f)))}
+    else:
+        layer |= {"mlp.gate_proj": (f, d), "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
     shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d)}
     for i in range(c["num_hidden_layers"]):
         shapes |= {f"model.layers.{i}.{name}.weight": s for name, s in layer.items()}
@@ -253,6 +296,12 @@ def test_converted_run_fine_tunes_with_train_py(tmp_path):
      "mismatched shapes: model.layers.1.self_attn.qkv_proj.weight [129, 64] (expected [128, 64])"),
     ({"fused": True, "extra": "model.layers.0.mlp.up_proj.weight"},
      "both fused and split tensors: model.layers.0.mlp.gate_up_proj.weight and model.layers.0.mlp.up_proj.weight"),
+    (MIXTRAL | {"sliding_window": 4096}, "sliding_window=4096 is not supported"),
+    (MIXTRAL | {"num_experts_per_tok": 5}, "num_experts_per_tok=5 is above num_local_experts=4"),
+    (MIXTRAL | {"num_local_experts": None}, "config.json lacks num_local_experts: a MixtralForCausalLM config.json"),
+    (MIXTRAL | {"drop": "model.layers.1.block_sparse_moe.experts.3.w2.weight"},
+     "not the Mixtral config.json describes: missing tensors: model.layers.1.block_sparse_moe.experts.3.w2.weight"),
+    ({"num_local_experts": 4}, "a mixture-of-experts Llama is not supported"),
 ])
 def test_bad_hf_input_is_one_clear_line(tmp_path, change, message):
     files = {k: change.pop(k) for k in ("drop", "reshape", "extra", "fused") if k in change}

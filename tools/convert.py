@@ -1,35 +1,36 @@
-"""Hugging Face Llama weights in and out of meshtrain runs (names and layouts: tools/hf_llama.py).
+"""Hugging Face Llama and Mixtral weights in and out of meshtrain runs (names and layouts:
+tools/hf_llama.py).
 
   python -m tools.convert --from-hf DIR --run-dir RUN [--mesh fsdp=8] [--config llama3-8b] [--set ...]
   python train.py --run-dir RUN                        fine-tune it
   python -m tools.convert --to-hf RUN --out DIR        its latest checkpoint as HF safetensors
 
 --from-hf reads DIR/config.json and DIR's safetensors (model.safetensors, or the shards named by
-model.safetensors.index.json; q/k/v and gate/up split or fused, tools/hf_llama.py) and writes
-RUN/config.json and a step-0 checkpoint RUN/checkpoints/0 that `train.py --run-dir RUN` resumes:
-the converted parameters (float32), fresh AdamW moments (zeros) and step 0. The run's config is
---config's preset (default tiny) with the model's shape from config.json and fine-tuning's
-optimizer defaults (FINE_TUNE), then --set; its data is the preset's unless --set data.* names
-the model's own tokens.
+model.safetensors.index.json; q/k/v and gate/up split or fused; Mixtral's experts one tensor per
+layer and expert, tools/hf_llama.py) and writes RUN/config.json and a step-0 checkpoint
+RUN/checkpoints/0 that `train.py --run-dir RUN` resumes: the converted parameters (float32),
+fresh AdamW moments (zeros) and step 0. The run's config is --config's preset (default tiny)
+with the model's shape from config.json and fine-tuning's optimizer defaults (FINE_TUNE), then
+--set; its data is the preset's unless --set data.* names the model's own tokens.
 
 Memory (host): the checkpoint is written a slice at a time (tools/sliced_checkpoint.py): every
 array of the state cut along its first axis into slices of at most the largest layer tensor's
 bytes U (a stacked parameter or moment one layer at a time, embed and head blocks of rows),
 each slice read from the safetensors files (tools/hf_files.py: at most READ_ELEMENTS of a
 tensor's rows per file opening, so that no mapping keeps a whole tensor's pages), written as one
-zarr chunk and dropped.
-The peak is about three slices, 3U (the slice, its copies while read and cast, tensorstore's
-copy), whatever the mesh: no jax array is made. Measured (tests/test_convert.py): 1b widths,
-4 layers, bf16 (U = w_gate's 32 MiB, one layer's tensors 116 MiB): the peak RSS grew by 99 MiB.
-Computed by that law, not measured, in fp32: llama3-8b (U = 224 MiB) about 0.7 GiB,
-llama3-70b (U = 896 MiB) about 2.6 GiB.
+zarr chunk and dropped. The peak is about three slices, 3U (the slice, its copies while read and
+cast, tensorstore's copy), whatever the mesh: no jax array is made. Measured
+(tests/test_convert.py): 1b widths, 4 layers, bf16 (U = w_gate's 32 MiB, one layer's tensors
+116 MiB): the peak RSS grew by 99 MiB. Computed by that law, not measured, in fp32: llama3-8b
+(U = 224 MiB) about 0.7 GiB, llama3-70b (U = 896 MiB) about 2.6 GiB, Mixtral 8x7B (U = one
+layer's 8 experts' w1, 1.75 GiB) about 5.3 GiB.
 
 --to-hf restores the latest checkpoint's parameters one at a time as numpy (checked against the
 checkpoint's checksums), writes them as HF tensors in the parameter dtype, whole parameters per
 file, at most SHARD_BYTES per file unless one is larger, with model.safetensors.index.json and a
 config.json that transformers loads (untied head; q/k/v and gate/up split, as LlamaForCausalLM
-names them, whatever layout the run came from). Peak: one file's tensors plus one stacked
-parameter as restored.
+names them, whatever layout the run came from; a MoE run as MixtralForCausalLM). Peak: one
+file's tensors plus one stacked parameter as restored.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from safetensors.numpy import save_file
 from cli import add_run_args, check_run_dir, make_run_dir, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, get_preset
 from tools.hf_files import ParamPath, Safetensors, check_tensors, per_layer_shapes, read_json, shard_reader
-from tools.hf_llama import TENSORS, Tensor, hf_config, hf_names, model_config
+from tools.hf_llama import Tensor, hf_config, hf_names, model_config, tensors
 
 SHARD_BYTES = 2 * 2**30
 FINE_TUNE = {"lr": 2e-5, "warmup_steps": 10, "weight_decay": 0.0}  # train.* of a converted run
@@ -55,7 +56,8 @@ FINE_TUNE = {"lr": 2e-5, "warmup_steps": 10, "weight_decay": 0.0}  # train.* of 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     way = p.add_mutually_exclusive_group(required=True)
-    way.add_argument("--from-hf", type=Path, metavar="DIR", help="a HF Llama directory: config.json + *.safetensors")
+    way.add_argument("--from-hf", type=Path, metavar="DIR",
+                     help="a HF Llama or Mixtral directory: config.json + *.safetensors")
     way.add_argument("--to-hf", type=Path, metavar="RUN", help="a meshtrain run directory with checkpoints")
     p.add_argument("--run-dir", type=Path, help="with --from-hf: the new run directory")
     p.add_argument("--out", type=Path, help="with --to-hf: the HF directory to write")
@@ -97,7 +99,7 @@ def from_hf(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
     program = make_program(cfg, mesh)
     make_run_dir(args.run_dir)
-    readers = {path: shard_reader(st, path, cfg, tied, np.dtype(cfg.model.param_dtype)) for path in TENSORS}
+    readers = {path: shard_reader(st, path, cfg, tied, np.dtype(cfg.model.param_dtype)) for path in tensors(cfg.model)}
     write_state(args.run_dir / "checkpoints", cfg, program, readers)
     (args.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     print(f"wrote {args.run_dir}/checkpoints/0 ({cfg.model.n_layers} layers, {len(st.files)} HF tensors, "
@@ -118,9 +120,11 @@ def to_hf(args: argparse.Namespace) -> int:
     from tools.sliced_checkpoint import latest_params
 
     cfg, params = latest_params(args.to_hf / "checkpoints")
-    if cfg.model.n_experts:
-        raise ConfigError(f"--to-hf {args.to_hf}: a mixture-of-experts run has no Llama equivalent")
-    shapes = per_layer_shapes(cfg)
+    m = cfg.model
+    if m.n_experts and (m.moe_every > 1 or m.n_shared_experts):
+        raise ConfigError(f"--to-hf {args.to_hf}: model.moe_every={m.moe_every}, model.n_shared_experts="
+                          f"{m.n_shared_experts}: no Mixtral equivalent (every layer a mixture of experts, none shared)")
+    shapes, known = per_layer_shapes(cfg), tensors(m)
     plan = shard_plan(cfg)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -128,15 +132,14 @@ def to_hf(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {args.out}: cannot create it ({e.strerror}); choose another --out") from None
     weight_map, total = {}, 0
     for file, paths in plan.items():
-        tensors = {}
+        written = {}
         for path in paths:
-            stacked = params(path)
-            layers = stacked if path[0] == "blocks" else stacked[None]
-            for name, layer in zip(hf_names(path, cfg.model.n_layers), layers):
-                tensors[name] = hf_layer(TENSORS[path], layer, shapes[path])
-        save_file(tensors, args.out / file, metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(tensors, file)
-        total += sum(x.nbytes for x in tensors.values())
+            units = params(path).reshape(-1, *shapes[path])  # [X(·E), ...]: one row per HF tensor, hf_names' order
+            for name, unit in zip(hf_names(path, m), units, strict=True):
+                written[name] = hf_layer(known[path], unit, shapes[path])
+        save_file(written, args.out / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(written, file)
+        total += sum(x.nbytes for x in written.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (args.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (args.out / "config.json").write_text(json.dumps(hf_config(cfg.model, cfg.train.seq_len), indent=2) + "\n")
@@ -160,7 +163,7 @@ def shard_plan(cfg: RunConfig) -> dict[str, list[ParamPath]]:
     groups: list[list[ParamPath]] = [[]]
     size = 0
     for path, shape in per_layer_shapes(cfg).items():
-        nbytes = math.prod(shape) * itemsize * (cfg.model.n_layers if path[0] == "blocks" else 1)
+        nbytes = math.prod(shape) * itemsize * len(hf_names(path, cfg.model))
         if groups[-1] and size + nbytes > SHARD_BYTES:
             groups.append([])
             size = 0

@@ -24,7 +24,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from configs import ConfigError, RunConfig
-from tools.hf_llama import Tensor, fused_names, hf_names, hf_shape, tensor_of
+from sharding.checks import expert_d_ff
+from tools.hf_llama import Tensor, fused_names, hf_names, hf_shape, per_expert, tensor_of
 
 READ_ELEMENTS = 2**22  # of an HF tensor's rows per file opening (16 MiB in fp32)
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry, recomputed by the model
@@ -114,11 +115,11 @@ def read_json(path: Path) -> dict:
 def check_tensors(st: Safetensors, cfg: RunConfig, tied: bool) -> None:
     """Every expected tensor present (split, or a row block of its fused tensor) with its shape,
     nothing unknown; else one error naming them. Maps the split names onto the fused tensors."""
-    shapes = per_layer_shapes(cfg)
-    expected = {name: hf_shape(tensor_of(path, tied), shape)
-                for path, shape in shapes.items() for name in hf_names(path, cfg.model.n_layers, tied)}
+    m, shapes = cfg.model, per_layer_shapes(cfg)
+    expected = {name: hf_shape(tensor_of(path, m, tied), shape)
+                for path, shape in shapes.items() for name in hf_names(path, m, tied)}
     both, wrong, fused = [], [], set()  # fused: the fused names and their parts, checked here
-    for name, parts in fused_names(cfg.model.n_layers).items():
+    for name, parts in fused_names(m).items():
         if name not in st.files:
             continue
         fused |= {name, *parts}
@@ -139,17 +140,22 @@ def check_tensors(st: Safetensors, cfg: RunConfig, tied: bool) -> None:
                                     ("mismatched shapes", wrong),
                                     ("tensors with no meshtrain parameter", unknown)) if names]
     if problems:
-        raise ConfigError(f"--from-hf: not the Llama config.json describes: {'; '.join(problems)}")
+        raise ConfigError(f"--from-hf: not the {'Mixtral' if m.n_experts else 'Llama'} config.json describes: "
+                          f"{'; '.join(problems)}")
 
 
 def per_layer_shapes(cfg: RunConfig) -> dict[ParamPath, tuple[int, ...]]:
+    """Each parameter's shape per HF tensor: per layer, and per expert for Mixtral's experts."""
     m = cfg.model
     d, n, k, h, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size
+    mlp = ({("blocks", "mlp", "router"): (d, m.n_experts), ("blocks", "mlp", "w_gate"): (d, expert_d_ff(m)),
+            ("blocks", "mlp", "w_up"): (d, expert_d_ff(m)), ("blocks", "mlp", "w_down"): (expert_d_ff(m), d)}
+           if m.n_experts else
+           {("blocks", "mlp", "w_gate"): (d, f), ("blocks", "mlp", "w_up"): (d, f), ("blocks", "mlp", "w_down"): (f, d)})
     return {
         ("embed", "table"): (v, d), ("blocks", "attn_norm", "scale"): (d,), ("blocks", "attn", "wq"): (d, n, h),
         ("blocks", "attn", "wk"): (d, k, h), ("blocks", "attn", "wv"): (d, k, h), ("blocks", "attn", "wo"): (n, h, d),
-        ("blocks", "mlp_norm", "scale"): (d,), ("blocks", "mlp", "w_gate"): (d, f), ("blocks", "mlp", "w_up"): (d, f),
-        ("blocks", "mlp", "w_down"): (f, d), ("final_norm", "scale"): (d,), ("head",): (d, v),
+        ("blocks", "mlp_norm", "scale"): (d,), **mlp, ("final_norm", "scale"): (d,), ("head",): (d, v),
     }
 
 
@@ -173,18 +179,24 @@ def read_layer(st: Safetensors, t: Tensor, name: str, shape: tuple[int, ...], in
 
 
 def shard_reader(st: Safetensors, path: ParamPath, cfg: RunConfig, tied: bool, dtype: np.dtype) -> Callable:
-    """Parameter `path`'s reader: index -> that block of the stacked array, filled layer by
-    layer (one layer's slice, and its transposed copy, beside the block)."""
-    t, shape = tensor_of(path, tied), per_layer_shapes(cfg)[path]
-    names = hf_names(path, cfg.model.n_layers, tied)
+    """Parameter `path`'s reader: index -> that block of the stacked array [X(, E), ...], filled
+    one HF tensor at a time (a layer's, or a layer's expert's, slice and its transposed copy
+    beside the block)."""
+    m = cfg.model
+    t, shape = tensor_of(path, m, tied), per_layer_shapes(cfg)[path]
+    names = hf_names(path, m, tied)
     if path[0] != "blocks":
         return lambda index: read_layer(st, t, names[0], shape, index).astype(dtype, copy=False)
+    stacked = (m.n_layers, m.n_experts) if per_expert(t) else (m.n_layers,)
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
-        layers = range(*index[0].indices(len(names)))
-        out = np.empty((len(layers), *(len(range(*s.indices(n))) for s, n in zip(index[1:], shape))), dtype)
-        for j, i in enumerate(layers):
-            out[j] = read_layer(st, t, names[i], shape, index[1:])
+        units = [range(*s.indices(n)) for s, n in zip(index, stacked)]  # the layers (and experts) asked for
+        inner = index[len(stacked):]
+        out = np.empty((*map(len, units), *(len(range(*s.indices(n))) for s, n in zip(inner, shape))), dtype)
+        for at in np.ndindex(*out.shape[:len(stacked)]):
+            unit = [r[j] for r, j in zip(units, at)]
+            flat = unit[0] * m.n_experts + unit[1] if per_expert(t) else unit[0]  # hf_names' order
+            out[at] = read_layer(st, t, names[flat], shape, inner)
         return out
 
     return read
