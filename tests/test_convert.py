@@ -312,6 +312,21 @@ def test_bad_hf_input_is_one_clear_line(tmp_path, change, message):
     assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("config,sets,message", [
+    (TINY_HF | MIXTRAL, ["model.moe_every=2"], "--set model.moe_every=2: the model's shape comes from "),
+    (TINY_HF, ["model.n_layers=3", "model.d_ff=64"], "--set model.n_layers=3, model.d_ff=64: the model's shape comes "
+                                                   "from "),
+])
+def test_a_set_that_changes_the_hf_models_shape_is_refused(tmp_path, config, sets, message):
+    """config.json decides the model's shape: a --set of it (here moe_every, which would group the
+    layers; n_layers and d_ff) is one error naming config.json's values; nothing is written."""
+    write_hf(tmp_path / "hf", config)
+    out = convert_cli("--from-hf", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "run"),
+                      *[a for s in sets for a in ("--set", s)])
+    assert out.returncode == 2 and out.stderr.startswith(f"error: {message}{tmp_path / 'hf' / 'config.json'} ("), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
 def half(path) -> bytes:
     """The first half of a file's bytes: an interrupted download."""
     data = path.read_bytes()

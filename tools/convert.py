@@ -51,6 +51,9 @@ from tools.hf_llama import Tensor, hf_config, hf_names, model_config, tensors
 
 SHARD_BYTES = 2 * 2**30
 FINE_TUNE = {"lr": 2e-5, "warmup_steps": 10, "weight_decay": 0.0}  # train.* of a converted run
+# model.* that config.json decides (tools/hf_llama.model_config): a --set may not change them
+FROM_CONFIG = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "rope_theta",
+               "norm_eps", "n_experts", "experts_per_token", "moe_every", "n_shared_experts", "expert_d_ff")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -74,9 +77,17 @@ def from_hf_config(args: argparse.Namespace) -> tuple[RunConfig, dict]:
         raise ConfigError(f"--from-hf {args.from_hf}: no config.json there; give a HF model directory")
     hf = read_json(path)
     base = get_preset(args.config or "tiny")
-    base = dataclasses.replace(base, name=f"hf-{args.from_hf.resolve().name}", model=model_config(hf, base.model),
+    model = model_config(hf, base.model)
+    base = dataclasses.replace(base, name=f"hf-{args.from_hf.resolve().name}", model=model,
                                train=dataclasses.replace(base.train, **FINE_TUNE))
-    return run_config(args, base=base), hf
+    cfg = run_config(args, base=base)
+    changed = [f for f in FROM_CONFIG if getattr(cfg.model, f) != getattr(model, f)]
+    if changed:
+        given = ", ".join(f"model.{f}={getattr(cfg.model, f)!r}" for f in changed)
+        raise ConfigError(f"--set {given}: the model's shape comes from {path} "
+                          f"({', '.join(f'{f}={getattr(model, f)!r}' for f in changed)}); drop the --set "
+                          "(train-time fields such as model.remat or model.moe_dispatch may change)")
+    return cfg, hf
 
 
 def from_hf(args: argparse.Namespace) -> int:
