@@ -160,7 +160,7 @@ def flip_a_bit(step_dir):
     data.write_bytes(bytes(damaged))
 
 
-def test_a_reader_leaves_the_run_as_it_is(saved, tmp_path, capsys):
+def test_a_reader_leaves_the_run_as_it_is(saved, tmp_path, capsys, caplog):
     """read_only (--eval-only, tools.generate, possibly beside a training run): a save in flight
     is neither read nor removed, a damaged step is skipped but not moved."""
     import shutil
@@ -174,6 +174,7 @@ def test_a_reader_leaves_the_run_as_it_is(saved, tmp_path, capsys):
     assert int(state.step) == 1 and "is damaged (DamagedCheckpoint: checksum mismatch" in out and "left in place" in out
     assert "3.orbax-checkpoint-tmp was cut off mid-write, or is still being written (never committed): not read" in out
     assert sorted(p.name for p in directory.iterdir()) == ["1", "2", "3.orbax-checkpoint-tmp"]
+    assert "Given directory is read only" not in caplog.text  # orbax's warning of what a reader asked for
 
 
 def test_no_restorable_checkpoint_is_an_error_not_a_fresh_start(saved, tmp_path):

@@ -170,7 +170,13 @@ class Checkpointer:
         writer = {"max_to_keep": t.keep_checkpoints, "cleanup_tmp_directories": True}
         reader = {"max_to_keep": None, "save_interval_steps": 0, "create": False, "read_only": True}
         options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True, **(reader if read_only else writer))
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        absl = logging.getLogger("absl")  # orbax warns that a read-only manager is read only: what a reader asks for
+        said = lambda record: not str(record.msg).startswith("Given directory is read only")  # noqa: E731
+        absl.addFilter(said)
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
+        finally:
+            absl.removeFilter(said)
 
     def due(self, step: int) -> bool:
         return step % self.cfg.train.checkpoint_every == 0 or step == self.cfg.train.steps
