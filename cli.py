@@ -143,21 +143,6 @@ def request_fake_devices(cfg: RunConfig, processes: int = 1) -> int | None:
     return needed
 
 
-def check_backend() -> None:
-    """jax's devices, or one error line when its backend cannot start (JAX_PLATFORMS naming a
-    platform this machine or this jaxlib lacks, a broken CUDA install)."""
-    import jax
-
-    try:
-        jax.devices()
-    except (RuntimeError, AssertionError) as e:  # AssertionError: jax 0.10 with no backend left at all
-        platforms = os.environ.get("JAX_PLATFORMS")
-        cause = (str(e).splitlines() or ["no backend"])[0][:200]
-        hint = (f"JAX_PLATFORMS={platforms} names a platform jax cannot start here: unset it, or set cpu"
-                if platforms else "check the CUDA install (python -c 'import jax; print(jax.devices())')")
-        raise ConfigError(f"jax could not start its backend ({cause or type(e).__name__}); {hint}") from None
-
-
 def run_cli(entry: Callable[[list[str]], int]) -> NoReturn:
     """Exit with entry's code; a ConfigError is one `error:` line and exit code 2, no traceback."""
     try:

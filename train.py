@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from cli import (add_run_args, check_backend, check_run_dir, holds_checkpoint, make_run_dir, request_fake_devices,
+from cli import (add_run_args, check_run_dir, holds_checkpoint, make_run_dir, request_fake_devices,
                  run_cli, run_config, saved_config)
 from configs import ConfigError, RunConfig
 from configs.checks import parse_window
@@ -113,8 +113,7 @@ def main(argv: list[str]) -> int:
     from training.loop import TrainingStopped
 
     initialize(args)
-    check_backend()
-    mesh = build_mesh(cfg.parallel)
+    mesh = build_mesh(cfg.parallel)  # a backend jax cannot start: one error line (check_backend)
     if fake and jax.default_backend() == "cpu":
         print(f"CPU platform: running mesh {format_mesh(dict(mesh.shape))} on {fake} fake host devices "
               f"per process ({jax.process_count()} process(es))")

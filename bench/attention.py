@@ -29,7 +29,8 @@ import argparse
 from pathlib import Path
 
 from bench.common import error_text
-from cli import check_backend, run_cli
+from cli import run_cli
+from sharding.mesh import check_backend
 from configs import ConfigError
 from tools.measure import RESULTS, check_at_least, check_out, environment, median_seconds, run_record, write_report
 

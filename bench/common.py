@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from cli import check_backend
-from configs import RunConfig
+from configs import ConfigError, RunConfig
 from sharding.mesh import format_mesh
 from tools.measure import RESULTS, environment, run_record
 
@@ -43,8 +42,7 @@ def default_out(bench: str, cfg: RunConfig, mesh_text: str) -> Path:
 
 def bench_mesh(cfg: RunConfig, fake: int | None) -> tuple[jax.sharding.Mesh, str, RunConfig]:
     """(mesh, its short text, cfg with the resolved mesh sizes); says when devices are fake; a
-    backend jax cannot start is one error line (cli.check_backend)."""
-    check_backend()
+    backend jax cannot start is one error line (build_mesh: check_backend)."""
     import jax
 
     from sharding.mesh import build_mesh, mesh_config
@@ -58,9 +56,12 @@ def bench_mesh(cfg: RunConfig, fake: int | None) -> tuple[jax.sharding.Mesh, str
 
 def attempt(fn: Callable[..., dict], *args: Any) -> dict:
     """fn(*args)'s figures, or {"error": one line} when it raises: one case's failure (an OOM, a
-    compile error) is a row of the record, and the cases before and after it keep theirs."""
+    compile error) is a row of the record, and the cases before and after it keep theirs. A
+    ConfigError is bad input, not a result: it stops the run (one `error:` line, exit 2)."""
     try:
         return fn(*args)
+    except ConfigError:  # bad input (a core this machine lacks, a shape the mesh refuses): refused, not a result
+        raise
     except Exception as err:  # noqa: BLE001 -- recorded and said; KeyboardInterrupt still stops the run
         print(f"  failed: {error_text(err)}", flush=True)
         return {"error": error_text(err)}

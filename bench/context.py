@@ -161,8 +161,9 @@ def main(argv: list[str]) -> int:
 
     import jax  # noqa: E402 -- after XLA_FLAGS is final
 
-    from sharding.mesh import build_mesh
+    from sharding.mesh import build_mesh, check_backend
 
+    check_backend()
     # every mesh first: an sp larger than the devices is refused before anything runs
     meshes = {sp: build_mesh(next(iter(c.values())).parallel, jax.devices()[:sp]) for sp, c in todo.items()}
     if fake and jax.default_backend() == "cpu":

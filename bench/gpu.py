@@ -76,6 +76,7 @@ from bench.gpu_correctness import correctness
 from bench.gpu_summary import summary_lines
 from cli import run_cli
 from configs import ConfigError
+from sharding.mesh import check_backend
 from sharding.xla_flags import with_flags
 from tools.calibration import estimate_vs_measured
 from tools.measure import RESULTS, check_at_least, check_out, run_record, write_report
@@ -211,6 +212,7 @@ def main(argv: list[str]) -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"  # before jax is imported
     import jax
 
+    check_backend()
     backend = jax.default_backend()
     if backend != "gpu" and not args.cpu_smoke:
         print(f"gpu-check: no GPU found (jax backend is {backend}); nothing to measure (--cpu-smoke runs it on CPU)")

@@ -254,8 +254,9 @@ def main(argv: list[str]) -> int:
 
     import jax  # noqa: E402 -- after XLA_FLAGS is final
 
-    from sharding.mesh import build_mesh
+    from sharding.mesh import build_mesh, check_backend
 
+    check_backend()
     # every mesh first: more devices than exist is refused before anything runs
     meshes = {ep: build_mesh(cfg.parallel, jax.devices()[:args.devices]) for (ep, _), cfg in todo.items()}
     if fake and jax.default_backend() == "cpu":

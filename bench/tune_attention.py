@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 
 from bench.attention import REFERENCES, core_fn, measure
-from cli import check_backend, run_cli
+from cli import run_cli
+from sharding.mesh import check_backend
 from configs import ConfigError
 from tools.measure import RESULTS, check_at_least, check_out, environment, run_record, write_report
 

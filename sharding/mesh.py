@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from configs.base import ConfigError, ParallelConfig
 
@@ -105,11 +106,29 @@ def split_hybrid(sizes: dict[str, int], local_devices: int) -> tuple[list[int], 
     return ici, dcn
 
 
+def check_backend() -> None:
+    """jax's devices, or one error line when its backend cannot start (JAX_PLATFORMS naming a
+    platform this machine or this jaxlib lacks, a broken CUDA install)."""
+    import jax
+
+    try:
+        jax.devices()
+    except (RuntimeError, AssertionError) as e:  # AssertionError: jax 0.10 with no backend left at all
+        platforms = os.environ.get("JAX_PLATFORMS")
+        cause = (str(e).splitlines() or ["no backend"])[0][:200]
+        hint = (f"JAX_PLATFORMS={platforms} names a platform jax cannot start here: unset it, or set cpu"
+                if platforms else "check the CUDA install (python -c 'import jax; print(jax.devices())')")
+        raise ConfigError(f"jax could not start its backend ({cause or type(e).__name__}); {hint}") from None
+
+
 def build_mesh(parallel: ParallelConfig, devices=None):
-    """The 6-axis jax Mesh with Auto axis types (GSPMD propagates what we do not pin)."""
+    """The 6-axis jax Mesh with Auto axis types (GSPMD propagates what we do not pin); on jax's
+    devices by default (a backend that cannot start is one ConfigError: check_backend)."""
     import jax
     from jax.experimental import mesh_utils
 
+    if devices is None:
+        check_backend()
     devices = list(jax.devices() if devices is None else devices)
     sizes = resolve_shape(parallel, len(devices))
     auto = (jax.sharding.AxisType.Auto,) * len(AXES)

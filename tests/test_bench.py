@@ -90,6 +90,21 @@ def test_a_failing_pipeline_case_keeps_the_others_rows(tmp_path):
     assert one_f["one_device_s"] == record["one_device"][0]["step_s"] > 0
 
 
+@pytest.mark.parametrize("module", ["bench.pipeline", "bench.moe"])
+def test_bad_input_inside_a_case_is_refused_not_recorded(tmp_path, module):
+    """A case's ConfigError (here the cudnn core on a CPU, found when the case is built) is bad
+    input: one `error:` line, exit 2, no record, where a case's runtime failure would be its
+    row's error (exit 1)."""
+    out_file = tmp_path / "out.json"
+    sets = [a for s in SMALL if not s.startswith(("model.n_layers", "train.global_batch_size")) for a in ("--set", s)]
+    extra = (["--mesh", "pp=2", "--microbatches", "2", "--schedules", "gpipe"] if module == "bench.pipeline" else
+             ["--set", "model.n_layers=1", "--set", "data.source=synthetic", "--ep", "1", "--ffn-tokens", "0"])
+    out = run_module(module, *sets, "--set", "model.attention=cudnn", "--steps", "1", *extra, "--out", str(out_file))
+    assert out.returncode == 2 and out.stderr.startswith("error: "), out.stderr
+    assert "model.attention=cudnn" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not out_file.exists()
+
+
 def test_pipeline_benchmark_refuses_bad_input_in_one_line():
     for args in (["--mesh", "dp=2"], ["--microbatches", "x"], ["--mesh", "pp=4", "--microbatches", "2"],
                  ["--microbatches", "0"], ["--microbatches", "2q"], ["--schedules", "zb-h2"], ["--steps", "0"]):
@@ -241,22 +256,35 @@ def test_an_out_that_cannot_be_written_is_refused_before_measuring(module, tmp_p
         main(["--out", str(tmp_path)])
 
 
-def test_a_failing_compile_case_of_bench_step_is_its_rows_error(capsys):
-    """bench.step's compile scaling keeps the counts that compiled when one fails (here a layer
-    count the config refuses), and its printed table says which."""
+def test_a_failing_compile_case_of_bench_step_is_its_rows_error(capsys, monkeypatch):
+    """bench.step's compile scaling keeps the counts that compiled when one fails (here the
+    2-layer compile raises, an out-of-memory stand-in), and its printed table says which; a
+    ConfigError (bad input) is not a case's failure: it stops the run."""
     import jax
 
     from bench.step import compile_scaling, print_report
     from conftest import small_config
     from sharding.mesh import build_mesh
+    from training import build as build_module
 
+    real = build_module.compile_step
+
+    def compile_step(step_fn, mesh, state, batch, *rest):
+        if len(jax.tree.leaves(state.params)[0]) == 2:  # the stacked layers of model.n_layers=2
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while compiling")
+        return real(step_fn, mesh, state, batch, *rest)
+
+    monkeypatch.setattr(build_module, "compile_step", compile_step)
     cfg = small_config()
-    scaling = compile_scaling(cfg, build_mesh(cfg.parallel, jax.devices()[:1]), [1, 0])
+    mesh = build_mesh(cfg.parallel, jax.devices()[:1])
+    scaling = compile_scaling(cfg, mesh, [1, 2])
     ok, bad = scaling["rows"]
     assert ok["n_layers"] == 1 and ok["total_s"] == ok["lower_s"] + ok["compile_s"] > 0
-    assert bad["n_layers"] == 0 and bad["error"].startswith("ConfigError: ") and "total_s" not in bad
+    assert bad == {"n_layers": 2, "error": "RuntimeError: RESOURCE_EXHAUSTED: Out of memory while compiling"}
     assert scaling["ratio_largest_to_smallest"] is None  # one count compiled: nothing to weigh
     print_report({"environment": {}, "config": {"name": "tiny"}, "mesh": "single device",
                   "throughput": {"error": "XlaRuntimeError: RESOURCE_EXHAUSTED"}, "compile_scaling": scaling})
     printed = capsys.readouterr().out
-    assert "step: XlaRuntimeError: RESOURCE_EXHAUSTED" in printed and f"0  {bad['error']}" in printed
+    assert "step: XlaRuntimeError: RESOURCE_EXHAUSTED" in printed and f"2  {bad['error']}" in printed
+    with pytest.raises(ConfigError):
+        compile_scaling(cfg, mesh, [0])

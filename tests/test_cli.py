@@ -222,7 +222,7 @@ def test_a_backend_jax_cannot_start_is_one_line(monkeypatch):
     """JAX_PLATFORMS=cuda on a machine without CUDA ended in a bare AssertionError from jax."""
     import jax
 
-    import cli as entry
+    import sharding.mesh as entry
     from configs import ConfigError
 
     def no_backend():
@@ -236,17 +236,22 @@ def test_a_backend_jax_cannot_start_is_one_line(monkeypatch):
 
 
 @pytest.mark.parametrize("args", [["bench.step", "--steps", "1"], ["bench.attention", "--lengths", "128"],
-                                  ["tools.collectives", "--mesh", "dp=2"], ["tools.generate", "--prompt", "a"]],
-                         ids=["bench.step", "bench.attention", "tools.collectives", "tools.generate"])
+                                  ["bench.moe", "--ep", "1"], ["tools.collectives", "--mesh", "dp=2"],
+                                  ["tools.generate", "--prompt", "a"], ["tools.plan", "--config", "tiny"],
+                                  ["tools.topology"], ["tools.convert", "--to-hf"]],
+                         ids=["bench.step", "bench.attention", "bench.moe", "tools.collectives", "tools.generate",
+                              "tools.plan", "tools.topology", "tools.convert"])
 def test_every_entry_point_names_a_backend_jax_cannot_start(tmp_path, monkeypatch, args):
-    """Not only train.py (above): the benches and tools meet the backend through cli.check_backend,
-    one error line and nothing written (--out, and tools.generate's run read-only)."""
+    """Not only train.py (above): the benches and tools meet the backend through
+    sharding.mesh.check_backend (build_mesh calls it), one error line and nothing written."""
     (tmp_path / "config.json").write_text(json.dumps(small_config().to_dict()))
     (tmp_path / "checkpoints" / "5").mkdir(parents=True)
-    where = ["--run-dir", str(tmp_path)] if args[0] == "tools.generate" else ["--out", str(tmp_path / "out.json")]
+    where = {"tools.generate": ["--run-dir", str(tmp_path)], "tools.plan": [], "tools.topology": [],
+             "tools.convert": [str(tmp_path), "--out", str(tmp_path / "hf")]}.get(args[0], ["--out", str(tmp_path / "out.json")])
     monkeypatch.setenv("JAX_PLATFORMS", "bogus")
     out = run_module(*args, *where)
     assert out.returncode == 2 and out.stderr.startswith("error: jax could not start its backend (Unable to "
                                                         "initialize backend 'bogus'"), out.stderr
     assert out.stderr.strip().endswith("JAX_PLATFORMS=bogus names a platform jax cannot start here: unset it, or set cpu")
     assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.json").exists()
+    assert not (tmp_path / "hf").exists()

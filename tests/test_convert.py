@@ -297,6 +297,11 @@ def test_converted_run_fine_tunes_with_train_py(tmp_path):
     ({"fused": True, "extra": "model.layers.0.mlp.up_proj.weight"},
      "both fused and split tensors: model.layers.0.mlp.gate_up_proj.weight and model.layers.0.mlp.up_proj.weight"),
     (MIXTRAL | {"sliding_window": 4096}, "sliding_window=4096 is not supported"),
+    (MIXTRAL | {"router_aux_loss_coef": "abc"}, "config.json: router_aux_loss_coef='abc': expected positive integers"),
+    (MIXTRAL | {"router_aux_loss_coef": None, "rms_norm_eps": -1},
+     "config.json: rms_norm_eps=-1, router_aux_loss_coef=None: expected positive integers for the sizes, positive "
+     "numbers for rope_theta, rms_norm_eps, initializer_range and a number >= 0 for router_aux_loss_coef"),
+    (MIXTRAL | {"router_aux_loss_coef": True}, "config.json: router_aux_loss_coef=True: "),
     (MIXTRAL | {"num_experts_per_tok": 5}, "num_experts_per_tok=5 is above num_local_experts=4"),
     (MIXTRAL | {"num_local_experts": None}, "config.json lacks num_local_experts: a MixtralForCausalLM config.json"),
     (MIXTRAL | {"drop": "model.layers.1.block_sparse_moe.experts.3.w2.weight"},

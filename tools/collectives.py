@@ -234,7 +234,7 @@ def _say(text: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from cli import check_backend, request_fake_devices
+    from cli import request_fake_devices
     from training.distributed import initialize, process_count
 
     args = parse_args(argv)
@@ -242,7 +242,6 @@ def main(argv: list[str]) -> int:
     ops, sizes = parse_ops(args.ops), parse_sizes(args.sizes)
     request_fake_devices(cfg, process_count(args))
     initialize(args)
-    check_backend()
 
     import jax
 

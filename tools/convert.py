@@ -46,6 +46,7 @@ from safetensors.numpy import save_file
 
 from cli import add_run_args, check_run_dir, make_run_dir, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, get_preset
+from sharding.mesh import check_backend
 from tools.hf_files import ParamPath, Safetensors, check_tensors, per_layer_shapes, read_json, shard_reader
 from tools.hf_llama import Tensor, hf_config, hf_names, model_config, tensors
 
@@ -130,6 +131,7 @@ def to_hf(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {args.out} is not empty: choose a new directory")
     from tools.sliced_checkpoint import latest_params
 
+    check_backend()
     cfg, params = latest_params(args.to_hf / "checkpoints")
     m = cfg.model
     if m.n_experts and (m.moe_every > 1 or m.n_shared_experts):

@@ -23,10 +23,10 @@ import math
 import sys
 from pathlib import Path
 
-from cli import check_backend, holds_checkpoint, request_fake_devices, run_cli, saved_config
+from cli import holds_checkpoint, request_fake_devices, run_cli, saved_config
 from configs import ConfigError, RunConfig
 from configs.base import BYTE_SOURCES
-from sharding.mesh import AXES, format_mesh, parse_mesh
+from sharding.mesh import AXES, check_backend, format_mesh, parse_mesh
 
 KEPT_AXES = ("data", "fsdp", "tensor")
 

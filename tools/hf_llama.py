@@ -55,7 +55,8 @@ from configs.base import ConfigError, ModelConfig
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "mixtral": ("MixtralForCausalLM", "mixtral")}
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 SIZES = (*REQUIRED, "num_key_value_heads", "head_dim")  # positive integers where given (the last two may be null)
-NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range")  # numbers where given
+NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range", "router_aux_loss_coef")  # numbers >= 0 where given
+POSITIVE = ("rope_theta", "rms_norm_eps", "initializer_range")  # of them, those that must be above 0
 MIXTRAL_SIZES = ("num_local_experts", "num_experts_per_tok")  # required, positive integers
 
 
@@ -161,6 +162,13 @@ def _rope_theta(hf: dict) -> float:
     return float(hf.get("rope_theta", params.get("rope_theta", 10_000.0)))
 
 
+def _number(value: object, positive: bool) -> bool:
+    """A JSON number (not a bool) above 0 (`positive`) or at least 0; NaN is neither."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return value > 0 if positive else value >= 0
+
+
 def _check_fields(hf: dict, architecture: str, required: tuple[str, ...] = ()) -> None:
     """Refuse a config.json that lacks a required size (REQUIRED and `required`), or whose sizes
     are not positive integers or whose float fields are not numbers: one error naming every
@@ -171,11 +179,11 @@ def _check_fields(hf: dict, architecture: str, required: tuple[str, ...] = ()) -
                           "saves it) gives them; re-download it or add them")
     bad = [f"{k}={hf[k]!r}" for k in (*SIZES, *required) if hf.get(k) is not None
            and (isinstance(hf[k], bool) or not isinstance(hf[k], int) or hf[k] < 1)]
-    bad += [f"{k}={hf[k]!r}" for k in NUMBERS
-            if k in hf and (isinstance(hf[k], bool) or not isinstance(hf[k], (int, float)))]
+    bad += [f"{k}={hf[k]!r}" for k in NUMBERS if k in hf and not _number(hf[k], positive=k in POSITIVE)]
     if bad:
-        raise ConfigError(f"config.json: {', '.join(bad)}: expected positive integers for the sizes and numbers "
-                          f"for {', '.join(NUMBERS)}; fix config.json")
+        raise ConfigError(f"config.json: {', '.join(bad)}: expected positive integers for the sizes, positive "
+                          f"numbers for {', '.join(POSITIVE)} and a number >= 0 for router_aux_loss_coef; "
+                          "fix config.json")
 
 
 def model_config(hf: dict, base: ModelConfig) -> ModelConfig:

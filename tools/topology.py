@@ -101,8 +101,9 @@ def report(mesh_spec: str) -> dict:
     """Everything above, as one dict (jax initialized by the caller)."""
     import jax
 
-    from sharding.mesh import build_mesh
+    from sharding.mesh import build_mesh, check_backend
 
+    check_backend()
     devices = jax.devices()
     mesh = build_mesh(parse_mesh(mesh_spec)) if mesh_spec else None
     return {
