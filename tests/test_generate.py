@@ -192,3 +192,13 @@ def test_cli_generates_from_a_moe_run_trained_on_ep2(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "mesh single device" in out.stdout and "1 row(s) x 9 positions" in out.stdout
     assert "--- sample 0 ---\ndef f" in out.stdout
+
+
+def test_any_dp_decodes_whatever_batch_the_run_trained_with(tmp_path):
+    """The run's train.global_batch_size (16) does not split over dp=3: decoding has its own batch,
+    one row per dp·fsdp rank, so --mesh dp=3 decodes 3 rows (it once said to change the batch)."""
+    initial_run(tmp_path, small_config(), jax.devices()[:1])
+    out = run_module("tools.generate", "--run-dir", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "2",
+                     "--temperature", "0", "--mesh", "dp=3")
+    assert out.returncode == 0, out.stderr
+    assert "mesh dp=3" in out.stdout and "3 row(s) x 4 positions" in out.stdout and "x 3 row(s)" in out.stdout

@@ -92,7 +92,9 @@ def main(argv: list[str]) -> int:
     check_backend()
     n = math.prod(getattr(cfg.parallel, a) for a in AXES)  # negative when one axis is -1 (fill)
     mesh = build_mesh(cfg.parallel, jax.devices()[:n] if n > 0 else None)
-    cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
+    parallel = mesh_config(mesh, cfg.parallel)  # the training batch means nothing here: one row per dp·fsdp rank
+    train = dataclasses.replace(cfg.train, global_batch_size=parallel.data * parallel.fsdp, micro_batch_size=0)
+    cfg = dataclasses.replace(cfg, parallel=parallel, train=train)
     checkpointer = Checkpointer(args.run_dir / "checkpoints", cfg, read_only=True)
     state = checkpointer.restore_latest(make_program(cfg, mesh))
     checkpointer.close()
