@@ -136,7 +136,8 @@ def to_hf(args: argparse.Namespace) -> int:
     m = cfg.model
     if m.n_experts and (m.moe_every > 1 or m.n_shared_experts):
         raise ConfigError(f"--to-hf {args.to_hf}: model.moe_every={m.moe_every}, model.n_shared_experts="
-                          f"{m.n_shared_experts}: no Mixtral equivalent (every layer a mixture of experts, none shared)")
+                          f"{m.n_shared_experts}: no Mixtral equivalent (every layer a mixture of experts, none "
+                          "shared); only a run trained with model.moe_every=1 and model.n_shared_experts=0 converts")
     shapes, known = per_layer_shapes(cfg), tensors(m)
     plan = shard_plan(cfg)
     try:
