@@ -75,14 +75,7 @@ def check_eval_only(args: argparse.Namespace) -> None:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = resolve_config(args)
-    for flag, given, what in (("--bandwidth", args.bandwidth, "sets the links of the plan's step time"),
-                              ("--calibration", args.calibration, "sets the rates of the plan's step time"),
-                              ("--gpu", args.gpu, "names the GPU the plan is for"),
-                              ("--json", args.json, "prints the plan as JSON")):
-        if given and not args.dry_run:
-            raise ConfigError(f"{flag} is for --dry-run: it {what}; add --dry-run or drop {flag}")
-    if args.eval_only:
-        check_eval_only(args)
+    check_flags(args)
     measured = load(args.bandwidth) if args.bandwidth else None
     gpu = rated_gpu(args.gpu or "h100", args.calibration)
     processes = process_count(args)
@@ -91,26 +84,15 @@ def main(argv: list[str]) -> int:
         from tools.plan import dry_run
 
         return dry_run(cfg, gpu, args.json, measured)
-    if processes > 1 and args.run_dir is None:
-        raise ConfigError(f"a run of {processes} processes needs --run-dir: each would name its own default "
-                          "(runs/NAME-<its start time>), and the checkpoints are one directory they all write; "
-                          f"give a folder they share, e.g. --run-dir runs/{cfg.name}")
-    run_dir = args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    check_run_dir(run_dir)
-    if not cfg.train.checkpoint_every and not args.eval_only and holds_checkpoint(run_dir):
-        raise ConfigError(f"--run-dir {run_dir} holds checkpoints, and train.checkpoint_every=0 would neither resume "
-                          "from them nor save: resume with train.checkpoint_every >= 1, or choose a new --run-dir")
+    run_dir = chosen_run_dir(args, cfg, processes)
 
     import jax  # noqa: E402 -- after XLA_FLAGS is final
 
     from sharding.mesh import build_mesh, mesh_config
-    from tools.oom import advice, is_disk_full, is_out_of_memory
     from training.build import make_program
-    from training.checkpoint import Checkpointer
     from training.data import load_tokens
     from training.evaluate import evaluate_run
     from training.distributed import initialize
-    from training.loop import TrainingStopped
 
     initialize(args)
     mesh = build_mesh(cfg.parallel)  # a backend jax cannot start: one error line (check_backend)
@@ -127,7 +109,45 @@ def main(argv: list[str]) -> int:
         return evaluate_run(cfg, mesh, program, corpus, run_dir)
     if cfg.train.eval_every:
         program.held_out(corpus.eval)  # refuses a held-out part shorter than one window, before any write
-    run_dir = make_run_dir(run_dir, fresh=args.run_dir is None)
+    return train_in(make_run_dir(run_dir, fresh=args.run_dir is None), cfg, mesh, program, corpus)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """The flags that mean something only with --dry-run, and --eval-only's needs: refused before
+    anything else."""
+    for flag, given, what in (("--bandwidth", args.bandwidth, "sets the links of the plan's step time"),
+                              ("--calibration", args.calibration, "sets the rates of the plan's step time"),
+                              ("--gpu", args.gpu, "names the GPU the plan is for"),
+                              ("--json", args.json, "prints the plan as JSON")):
+        if given and not args.dry_run:
+            raise ConfigError(f"{flag} is for --dry-run: it {what}; add --dry-run or drop {flag}")
+    if args.eval_only:
+        check_eval_only(args)
+
+
+def chosen_run_dir(args: argparse.Namespace, cfg: RunConfig, processes: int) -> Path:
+    """--run-dir, or runs/NAME-<start time> for a single process; checked (before jax starts)."""
+    if processes > 1 and args.run_dir is None:
+        raise ConfigError(f"a run of {processes} processes needs --run-dir: each would name its own default "
+                          "(runs/NAME-<its start time>), and the checkpoints are one directory they all write; "
+                          f"give a folder they share, e.g. --run-dir runs/{cfg.name}")
+    run_dir = args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_run_dir(run_dir)
+    if not cfg.train.checkpoint_every and not args.eval_only and holds_checkpoint(run_dir):
+        raise ConfigError(f"--run-dir {run_dir} holds checkpoints, and train.checkpoint_every=0 would neither resume "
+                          "from them nor save: resume with train.checkpoint_every >= 1, or choose a new --run-dir")
+    return run_dir
+
+
+def train_in(run_dir: Path, cfg: RunConfig, mesh, program, corpus) -> int:
+    """Train in the created `run_dir`: exit code 0, or 1 when training stopped on bad steps; a
+    full disk or an out-of-memory device is one ConfigError naming the fix."""
+    import jax
+
+    from tools.oom import advice, is_disk_full, is_out_of_memory
+    from training.checkpoint import Checkpointer
+    from training.loop import TrainingStopped
+
     checkpoints = Checkpointer(run_dir / "checkpoints", cfg) if cfg.train.checkpoint_every else None
     try:
         records, job = build_and_train(cfg, mesh, program, corpus, run_dir, checkpoints)
@@ -147,9 +167,7 @@ def main(argv: list[str]) -> int:
     finally:
         if checkpoints:
             checkpoints.close()
-    if job is None:
-        return 0
-    if int(job.state.step) == cfg.train.steps:  # a one-step run logs no record, only its compile
+    if job is not None and int(job.state.step) == cfg.train.steps:  # a one-step run logs no record, only its compile
         loss = f"final loss {records[-1]['loss']:.4f} " if records else ""
         print(f"done: {loss}after {cfg.train.steps} steps; metrics in {run_dir}")
     return 0

@@ -187,15 +187,14 @@ def shard_reader(st: Safetensors, path: ParamPath, cfg: RunConfig, tied: bool, d
     names = hf_names(path, m, tied)
     if path[0] != "blocks":
         return lambda index: read_layer(st, t, names[0], shape, index).astype(dtype, copy=False)
-    stacked = (m.n_layers, m.n_experts) if per_expert(t) else (m.n_layers,)
+    stacked = (m.n_layers, m.n_experts) if per_expert(t) else (m.n_layers,)  # names: row-major over these
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
         units = [range(*s.indices(n)) for s, n in zip(index, stacked)]  # the layers (and experts) asked for
         inner = index[len(stacked):]
         out = np.empty((*map(len, units), *(len(range(*s.indices(n))) for s, n in zip(inner, shape))), dtype)
         for at in np.ndindex(*out.shape[:len(stacked)]):
-            unit = [r[j] for r, j in zip(units, at)]
-            flat = unit[0] * m.n_experts + unit[1] if per_expert(t) else unit[0]  # hf_names' order
+            flat = np.ravel_multi_index(tuple(r[j] for r, j in zip(units, at)), stacked)  # hf_names' order
             out[at] = read_layer(st, t, names[flat], shape, inner)
         return out
 
