@@ -32,7 +32,7 @@ from bench.common import error_text
 from cli import run_cli
 from sharding.mesh import check_backend
 from configs import ConfigError
-from tools.measure import RESULTS, check_at_least, check_out, environment, median_seconds, run_record, write_report
+from tools.measure import RESULTS, check_at_least, check_out, environment, file_path, median_seconds, run_record, write_report
 
 CORES = ("pallas", "cudnn", "xla")
 REFERENCES = ("jax-triton", "jax-mgpu")
@@ -51,7 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--masks", default="causal,full", help="causal, full or both")
     p.add_argument("--steps", type=int, default=10, help="timed calls per measurement (default 10)")
-    p.add_argument("--out", type=Path, help="JSON report (default bench/results/attention-<device>.json)")
+    p.add_argument("--out", type=file_path, help="JSON report (default bench/results/attention-<device>.json)")
     args = p.parse_args(argv)
     args.cores = [c for c in args.cores.split(",") if c]
     args.masks = [m for m in args.masks.split(",") if m]

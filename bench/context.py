@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench.common import attempt, failures, report_head
@@ -40,7 +39,7 @@ from configs import ConfigError, RunConfig, get_preset
 from configs.checks import CHOICES
 from sharding.mesh import AXES, parse_mesh
 from tools.traffic import communication, context
-from tools.measure import RESULTS, check_at_least, check_out, timed, write_report
+from tools.measure import RESULTS, check_at_least, check_out, file_path, timed, write_report
 
 if TYPE_CHECKING:
     import jax
@@ -56,7 +55,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--impls", default="ring,allgather,gspmd",
                    help="parallel.context_impl values to compare, ratios to the first (default ring,allgather,gspmd)")
     p.add_argument("--steps", type=int, default=3, help="timed rounds after the first step (default 3)")
-    p.add_argument("--out", type=Path, help="JSON report (default bench/results/context-<config>.json)")
+    p.add_argument("--out", type=file_path, help="JSON report (default bench/results/context-<config>.json)")
     return p.parse_args(argv)
 
 

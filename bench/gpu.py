@@ -79,7 +79,7 @@ from configs import ConfigError
 from sharding.mesh import check_backend
 from sharding.xla_flags import with_flags
 from tools.calibration import estimate_vs_measured
-from tools.measure import RESULTS, check_at_least, check_out, run_record, write_report
+from tools.measure import RESULTS, check_at_least, check_out, file_path, run_record, write_report
 
 STAGES = ("environment", "ceilings", "correctness", "attention", "training", "flags", "profile")
 
@@ -138,7 +138,7 @@ SMOKE = Sizes(
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {','.join(STAGES)}")
-    p.add_argument("--out", type=Path, help="JSON report (default bench/results/gpu-<device>-<date>.json)")
+    p.add_argument("--out", type=file_path, help="JSON report (default bench/results/gpu-<device>-<date>.json)")
     p.add_argument("--profile-dir", type=Path,
                    help="where the profile stage's run goes (default runs/<out stem>-profile)")
     p.add_argument("--budget", type=float, default=480, help="seconds; later stages are skipped (default 480)")

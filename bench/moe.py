@@ -46,7 +46,6 @@ import argparse
 import dataclasses
 import math
 import statistics
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench.common import attempt, failures, report_head
@@ -55,7 +54,7 @@ from configs import ConfigError, RunConfig, get_preset
 from configs.checks import CHOICES
 from sharding.mesh import AXES, format_mesh, parse_mesh
 from tools.traffic import expert as expert_bytes
-from tools.measure import RESULTS, check_at_least, check_out, timed, write_report
+from tools.measure import RESULTS, check_at_least, check_out, file_path, timed, write_report
 
 if TYPE_CHECKING:
     import jax
@@ -76,7 +75,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ffn-tokens", type=int, metavar="N",
                    help="tokens of the FFN micro-benchmark (default: one device's at ep=1, batch·L/devices); 0 skips it")
     p.add_argument("--ffn-rounds", type=int, default=10, help="timed rounds of the FFN micro-benchmark (default 10)")
-    p.add_argument("--out", type=Path, help="JSON report (default bench/results/moe-<config>[-mid].json)")
+    p.add_argument("--out", type=file_path, help="JSON report (default bench/results/moe-<config>[-mid].json)")
     return p.parse_args(argv)
 
 

@@ -74,7 +74,7 @@ from configs import ConfigError, RunConfig, apply_overrides, get_preset
 from configs.checks import check_values
 from sharding.checks import check_run
 from sharding.mesh import AXES, mesh_config, parse_mesh
-from tools.measure import check_at_least, check_out, timed, write_report
+from tools.measure import check_at_least, check_out, file_path, timed, write_report
 
 if TYPE_CHECKING:
     import jax
@@ -106,7 +106,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--profile", nargs="?", type=Path, const=True, default=None, metavar="DIR",
                    help="trace one more step per case under DIR (default: beside --out, <out>-profile/) "
                         "and report each stage's idle fraction")
-    p.add_argument("--out", type=Path, help="JSON report (default bench/results/pipeline-<config>-<mesh>.json)")
+    p.add_argument("--out", type=file_path, help="JSON report (default bench/results/pipeline-<config>-<mesh>.json)")
     args = p.parse_args(argv)
     check_out(args.out)
     if isinstance(args.profile, Path):

@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench.common import attempt, bench_mesh, default_out, failures, report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides
-from tools.measure import check_at_least, check_out, timed, write_report
+from tools.measure import check_at_least, check_out, file_path, timed, write_report
 
 if TYPE_CHECKING:
     import jax
@@ -44,7 +43,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps after the first (default 10)")
     p.add_argument("--compile-layers", default="", metavar="X,X,...",
                    help="also time lower+compile for these model.n_layers, e.g. 2,8,32")
-    p.add_argument("--out", type=Path, help="JSON report (default bench/results/step-<config>-<mesh>.json)")
+    p.add_argument("--out", type=file_path, help="JSON report (default bench/results/step-<config>-<mesh>.json)")
     args = p.parse_args(argv)
     check_out(args.out)
     return args

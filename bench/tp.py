@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-from pathlib import Path
 
 from bench.common import report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides
-from tools.measure import RESULTS, check_at_least, check_out, timed, write_report
+from tools.measure import RESULTS, check_at_least, check_out, file_path, timed, write_report
 
 VARIANTS = {
     "gspmd": ["parallel.tp_impl=gspmd"],
@@ -41,7 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_run_args(p)
     p.add_argument("--tp", default="2,4,8", help="tensor axis sizes to compare (default 2,4,8)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (one step of each variant per round)")
-    p.add_argument("--out", type=Path, help="JSON report (default bench/results/tp-<config>.json)")
+    p.add_argument("--out", type=file_path, help="JSON report (default bench/results/tp-<config>.json)")
     args = p.parse_args(argv)
     if args.mesh:
         raise ConfigError(f"--mesh {args.mesh}: bench.tp runs each variant on tp=T alone, T from --tp; drop --mesh")

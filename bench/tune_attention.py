@@ -30,13 +30,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
-from pathlib import Path
 
 from bench.attention import REFERENCES, core_fn, measure
 from cli import run_cli
 from sharding.mesh import check_backend
 from configs import ConfigError
-from tools.measure import RESULTS, check_at_least, check_out, environment, run_record, write_report
+from tools.measure import RESULTS, check_at_least, check_out, environment, file_path, run_record, write_report
 
 KERNELS = ("forward", "dq", "dkv")
 
@@ -59,7 +58,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "recorded as skipped, each kernel keeps its best so far (default 480)")
     p.add_argument("--references", default=",".join(("cudnn", *REFERENCES)),
                    help=f"comma-separated of cudnn,{','.join(REFERENCES)}, or none")
-    p.add_argument("--out", type=Path, help="JSON report (default bench/results/tune-attention-<device>-h<H>.json)")
+    p.add_argument("--out", type=file_path, help="JSON report (default bench/results/tune-attention-<device>-h<H>.json)")
     args = p.parse_args(argv)
     args.references = [r for r in args.references.split(",") if r and r != "none"]
     if set(args.references) - {"cudnn", *REFERENCES}:

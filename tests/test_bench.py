@@ -256,6 +256,21 @@ def test_an_out_that_cannot_be_written_is_refused_before_measuring(module, tmp_p
         main(["--out", str(tmp_path)])
 
 
+@pytest.mark.parametrize("module", ["bench.attention", "bench.checkpoint", "bench.context", "bench.gpu", "bench.moe",
+                                    "bench.pipeline", "bench.step", "bench.tp", "bench.tune_attention",
+                                    "tools.collectives"])
+def test_an_out_ending_in_a_separator_is_refused(module, tmp_path, capsys):
+    """`--out DIR/` names a folder: refused by the flag (Path would drop the slash and write a file
+    named DIR), and nothing is created."""
+    main = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as stop:
+        main(["--out", f"{tmp_path}/absent/"])
+    assert stop.value.code == 2
+    assert f"argument --out: {tmp_path}/absent/ names a folder; name the file to write, e.g. " \
+           f"{tmp_path}/absent/record.json" in capsys.readouterr().err
+    assert not (tmp_path / "absent").exists()
+
+
 def test_a_failing_compile_case_of_bench_step_is_its_rows_error(capsys, monkeypatch):
     """bench.step's compile scaling keeps the counts that compiled when one fails (here the
     2-layer compile raises, an out-of-memory stand-in), and its printed table says which; a

@@ -80,6 +80,14 @@ def check_at_least(args: argparse.Namespace, minimum: int, *flags: str) -> None:
             raise ConfigError(f"{flag} {text}: must be >= {minimum}")
 
 
+def file_path(text: str) -> Path:
+    """argparse type of a file to write (--out, --png): a Path, refusing a name that ends in a
+    separator (Path would drop it and write a file named like the folder the user meant)."""
+    if text.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"{text} names a folder; name the file to write, e.g. {text}record.json")
+    return Path(text)
+
+
 def check_out(out: Path | None, flag: str = "--out") -> None:
     """Refuse, before anything is measured, a record that could not be written: `out` a directory,
     under a file, or in a folder this process cannot write (None: the default folder, RESULTS)."""
