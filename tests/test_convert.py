@@ -82,6 +82,8 @@ def test_round_trip_is_bit_exact(meshtrain_runs, name, tmp_path):
     assert config["architectures"] == [arch] and not config["tie_word_embeddings"]
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(hf_tensors(tmp_path / "hf"))
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "hf").iterdir()}
+    assert set(modes.values()) == {modes["config.json"]}, modes  # the umask's, not safetensors' 0600
     if name == "moe":
         assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (4, 2, 48)
         experts = [n for n in index["weight_map"] if ".block_sparse_moe.experts." in n]

@@ -39,6 +39,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -144,7 +145,7 @@ def to_hf(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"--out {args.out}: cannot create it ({e.strerror}); choose another --out") from None
-    weight_map, total = {}, 0
+    weight_map, total, mode = {}, 0, _new_file_mode()
     for file, paths in plan.items():
         written = {}
         for path in paths:
@@ -152,6 +153,7 @@ def to_hf(args: argparse.Namespace) -> int:
             for name, unit in zip(hf_names(path, m), units, strict=True):
                 written[name] = hf_layer(known[path], unit, shapes[path])
         save_file(written, args.out / file, metadata={"format": "pt"})
+        (args.out / file).chmod(mode)  # safetensors writes 0600 whatever the umask
         weight_map |= dict.fromkeys(written, file)
         total += sum(x.nbytes for x in written.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -168,6 +170,13 @@ def hf_layer(t: Tensor, layer: np.ndarray, shape: tuple[int, ...]) -> np.ndarray
         return np.ascontiguousarray(layer)
     flat = layer.reshape(math.prod(shape[:t.row_dims]), -1)
     return np.ascontiguousarray(flat.T if t.transposed else flat)
+
+
+def _new_file_mode() -> int:
+    """The mode `open` gives a new file here: 0666 less the process's umask (read by setting it)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def shard_plan(cfg: RunConfig) -> dict[str, list[ParamPath]]:
