@@ -76,6 +76,9 @@ def cases(args: argparse.Namespace) -> dict[int, dict[str | None, RunConfig]]:
     known = CHOICES["parallel.context_impl"]
     if not impls or set(impls) - set(known):
         raise ConfigError(f"--impls {args.impls!r}: name one or more of {', '.join(known)}")
+    if {"ring", "allgather"} & set(impls) and sizes[-1] > 1 and args.tokens_per_device % 2:
+        raise ConfigError(f"--tokens-per-device {args.tokens_per_device}: ring and allgather lay each device's "
+                          "tokens out as two zigzag chunks; use an even number, or --impls gspmd")
     preset = get_preset(args.config or "tiny")
     base = {sp: dataclasses.replace(preset, parallel=parse_mesh(f"sp={sp}", preset.parallel)) for sp in sizes}
     # every way is checked at every sp (sharding/checks.py refuses unknown ones and L % 2·sp);

@@ -104,9 +104,16 @@ def cases(args: argparse.Namespace) -> dict[tuple[int, str], RunConfig]:
     preset = get_preset(args.config or "moe-tiny")
     sets = MID if args.mid else []
     # run_config checks every case (sharding/checks.py: ep divides n_experts, the batch splits over dp·ep)
-    return {(ep, d): run_config(args, extra_sets=[*sets, f"model.moe_dispatch={d}"], base=dataclasses.replace(
-                preset, parallel=parse_mesh(f"ep={ep},dp={args.devices // ep}", preset.parallel)))
-            for ep in sizes for d in dispatches}
+    return {(ep, d): _case(args, preset, [*sets, f"model.moe_dispatch={d}"], ep) for ep in sizes for d in dispatches}
+
+
+def _case(args: argparse.Namespace, preset: RunConfig, sets: list[str], ep: int) -> RunConfig:
+    """One checked case on the mesh ep=N,dp=devices/N: a refusal names the bench's flags that made it."""
+    mesh = f"ep={ep},dp={args.devices // ep}"
+    try:
+        return run_config(args, extra_sets=sets, base=dataclasses.replace(preset, parallel=parse_mesh(mesh, preset.parallel)))
+    except ConfigError as e:
+        raise ConfigError(f"--ep {ep} --devices {args.devices} (mesh {mesh}): {e}") from None
 
 
 def all_to_alls(compiled, mesh: jax.sharding.Mesh, moe_layers: int) -> dict:

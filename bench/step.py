@@ -60,7 +60,10 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, list[int]]:
     if layers and layers[0] < 1:
         raise ConfigError(f"--compile-layers {args.compile_layers!r}: layer counts must be positive")
     for n in layers:  # each count against the mesh's rules now, not after the throughput run
-        run_config(args, [f"model.n_layers={n}"])
+        try:
+            run_config(args, [f"model.n_layers={n}"])
+        except ConfigError as e:
+            raise ConfigError(f"--compile-layers {args.compile_layers}: {n} layers on this run: {e}") from None
     return cfg, layers
 
 

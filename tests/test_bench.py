@@ -235,7 +235,11 @@ def test_moe_benchmark_refuses_bad_input_in_one_line():
     ("bench.tp", ["--rounds", "0"], "--rounds 0: must be >= 1"),
     ("bench.context", ["--impls", "ring,bogus"], "--impls 'ring,bogus': name one or more of ring, allgather, gspmd"),
     ("bench.tp", ["--mesh", "dp=2"], "--mesh dp=2: bench.tp runs each variant on tp=T alone, T from --tp; drop --mesh"),
-    ("bench.step", ["--mesh", "pp=2", "--compile-layers", "2,3"], "model.n_layers=3 is not divisible by pp"),
+    ("bench.step", ["--mesh", "pp=2", "--compile-layers", "2,3"],
+     "--compile-layers 2,3: 3 layers on this run: model.n_layers=3 is not divisible by pp"),
+    ("bench.context", ["--tokens-per-device", "3"], "--tokens-per-device 3: ring and allgather lay each device's tokens"),
+    ("bench.moe", ["--ep", "3", "--devices", "6"], "--ep 3 --devices 6 (mesh ep=3,dp=2): train.global_batch_size=32 is "
+     "not divisible by dp*fsdp*ep=6"),
     ("bench.pipeline", ["--profile", "/dev/null/trace"], "--profile /dev/null/trace: /dev/null is a file, not a directory"),
 ])
 def test_bad_numbers_are_refused_by_flag_before_jax(module, args, message):
