@@ -217,20 +217,26 @@ def test_no_length_squared_intermediate():
     assert max(np.prod(s) for s in reference) >= length * length
 
 
-def triton_launches(fn, *args) -> dict[str, dict]:
-    """fn(*args) lowered for CUDA on this CPU machine, as it lowers on one H100: {kernel name:
-    its Triton launch (grid, warps, stages, and whether its IR calls libdevice's expf / exp2f)}.
-    Only lowering (jax -> Triton IR): compiling the IR to PTX needs XLA's GPU compiler."""
-    import re
+def cuda_text(fn, *args) -> str:
+    """fn(*args) lowered for CUDA on this CPU machine, as it lowers on one H100 (StableHLO text).
+    Only lowering (jax -> Triton IR, or Mosaic GPU's): compiling that to PTX needs the GPU."""
     from unittest import mock
 
-    from model.kernels import flash_attention as fa
+    from model.kernels import flash_attention as fa, flash_mosaic
 
     h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
     with (mock.patch.object(fa.jax, "default_backend", lambda: "gpu"),
           mock.patch.object(fa, "device_capability", lambda: (9, 0)),
+          mock.patch.object(flash_mosaic, "device_capability", lambda: (9, 0)),
           jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100))):
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def triton_launches(text: str) -> dict[str, dict]:
+    """{kernel name: its Triton launch (grid, warps, stages, and whether its IR calls libdevice's
+    expf / exp2f)} in `cuda_text`'s lowering."""
+    import re
+
     launches = {}
     for call in re.findall(r"custom_call @__gpu\$xla\.gpu\.triton.*", text):
         number = {key: int(re.search(rf"{key} = (\d+)", call).group(1))
@@ -252,7 +258,7 @@ def test_lowers_to_triton_with_each_kernels_tile(causal):
     q, k, v, _ = inputs((b, length, n, h), kv_heads, jnp.bfloat16)
     tiling = Tiling(forward=Tile(128, 64, 8, 3), dq=Tile(64, 32, 4, 2), dkv=Tile(32, 128, 8, 4))
     loss = lambda q, k, v: flash_attention(q, k, v, causal=causal, tiling=tiling).astype(jnp.float32).sum()  # noqa: E731
-    launches = triton_launches(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+    launches = triton_launches(cuda_text(jax.grad(loss, argnums=(0, 1, 2)), q, k, v))
     assert launches == {
         "forward_kernel": {"grid": (b, n, length // 128), "warps": 8, "stages": 3, "expf": False, "exp2f": True},
         "dq_kernel": {"grid": (b, n, length // 64), "warps": 4, "stages": 2, "expf": False, "exp2f": True},

@@ -42,6 +42,12 @@ forward + backward at 0.44x cudnn with the untuned default tiling
 (bench/results/gpu-nvidia-h100-80gb-hbm3-20261124.json). The kernels have since moved to base-2
 exponentials and the dk/dv kernel to transposed [bk, bq] tiles (flash_kernels.py), not yet
 measured on a GPU.
+
+Mosaic GPU: a forward `Tile(64, bk, stages=S, lowering="mosaic")` runs flash_mosaic.py's Hopper
+kernel (TMA + wgmma) for the forward instead, with the same residuals, so the Triton dq and dk/dv
+kernels follow it. Interpreted and lowered on CPU by the tests; `bench.attention`'s
+`pallas-mosaic` core puts it beside the Triton forward on a GPU, and `default_tiling` names the
+winner once that has run (Triton until then, the one measured).
 """
 
 from __future__ import annotations
@@ -55,18 +61,25 @@ from jax.experimental import pallas as pl
 
 from configs.base import ConfigError
 from model.kernels.flash_kernels import Plan, dkv_kernel, dq_kernel, forward_kernel
+from model.kernels.flash_mosaic import mosaic_forward, mosaic_problem
 from sharding.cores import core_problem, device_capability
+
+
+LOWERINGS = ("triton", "mosaic")
 
 
 @dataclass(frozen=True)
 class Tile:
     """One kernel's launch: its [block_q, block_k] score tile (powers of two, clamped to the
-    padded length) and, on a GPU, Triton's num_warps and num_stages."""
+    padded length) and, on a GPU, Triton's num_warps and num_stages. lowering='mosaic' (the
+    forward only) runs flash_mosaic.py's Mosaic GPU kernel instead: block_q 64, block_k a multiple
+    of 64 (not clamped), stages its pipeline depth, warps unused (one warpgroup)."""
 
     block_q: int
     block_k: int
     warps: int = 4
     stages: int = 2
+    lowering: str = "triton"
 
 
 @dataclass(frozen=True)
@@ -138,8 +151,16 @@ def _plans(q: jax.Array, k: jax.Array, causal: bool, tiling: Tiling | None) -> P
         for name, size in (("block_q", tile.block_q), ("block_k", tile.block_k)):
             if size < 1 or size & (size - 1):
                 raise ConfigError(f"flash attention: the {kernel} tile's {name}={size} must be a power of two")
-        plans.append(Plan(causal, length, min(tile.block_q, cap), min(tile.block_k, cap), n // kv_heads,
-                          tile.warps, tile.stages))
+        if tile.lowering not in LOWERINGS or (tile.lowering != "triton" and kernel != "forward"):
+            raise ConfigError(f"flash attention: the {kernel} tile's lowering={tile.lowering!r}: the forward takes "
+                              f"{' or '.join(LOWERINGS)}, dq and dk/dv triton")
+        if tile.lowering == "mosaic":
+            if problem := mosaic_problem(str(q.dtype), h, tile.block_q, tile.block_k):
+                raise ConfigError(f"flash attention: {problem}")
+            blocks = (tile.block_q, tile.block_k)  # fixed by wgmma: the length is padded to them
+        else:
+            blocks = (min(tile.block_q, cap), min(tile.block_k, cap))
+        plans.append(Plan(causal, length, *blocks, n // kv_heads, tile.warps, tile.stages, tile.lowering))
     return tuple(plans)
 
 
@@ -229,6 +250,8 @@ def _stat_heads_of_kv(padded: int, groups: int) -> pl.BlockSpec:
 
 
 def _forward(plan: Plan, q, k, v) -> tuple[jax.Array, jax.Array]:
+    if plan.lowering == "mosaic":
+        return mosaic_forward(plan, q, k, v)
     b, padded, n, h = q.shape
     out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, padded), jnp.float32))
     kv = _kv_of_head(padded, h, plan.groups)

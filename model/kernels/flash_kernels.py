@@ -5,7 +5,7 @@ squeezed dimensions dropped: q, dO, out tiles [bq, H]; k, v rows [L, H] (forward
 [bk, H] (dk/dv); the G q heads of one kv head [L, G, H] (dk/dv); lse, delta [bq] or [G, L].
 Scores, softmax statistics and every accumulator are fp32; matmul inputs keep the input dtype.
 
-Base 2 inside: the logits are q k^T log2(e) / sqrt(H) (`_scale`), so every exponential is
+Base 2 inside: the logits are q k^T log2(e) / sqrt(H) (`logit_scale`), so every exponential is
 exp2(x) = e^(x ln 2). On NVIDIA GPUs the Triton lowering maps fp32 `exp` to libdevice's accurate
 __nv_expf (a range reduction around the hardware's ex2) and `exp2` to __nv_exp2f (the ex2 unit
 itself), and the exponentials of the [bq, bk] tiles, not the matmuls, bound these kernels' inner
@@ -27,8 +27,9 @@ from jax.experimental import pallas as pl
 
 @dataclass(frozen=True)
 class Plan:
-    """Static shape of one kernel launch: mask, real length, blocks, grouping, and Triton's warps
-    and stages on a GPU (hashable for custom_vjp)."""
+    """Static shape of one kernel launch: mask, real length, blocks, grouping, Triton's warps
+    and stages on a GPU (Mosaic GPU's pipeline depth: stages), and the GPU lowering, triton or
+    mosaic (flash_mosaic.py; hashable for custom_vjp)."""
 
     causal: bool
     length: int  # real L; arrays are padded to a multiple of every block of the call
@@ -37,6 +38,7 @@ class Plan:
     groups: int  # G = N / K
     warps: int
     stages: int
+    lowering: str = "triton"
 
 
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
@@ -49,7 +51,7 @@ def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
     return lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
 
 
-def _scale(h: int) -> float:
+def logit_scale(h: int) -> float:
     """The factor that turns q k^T into base-2 logits: softmax(q k^T / sqrt(H)) = 2^x / sum 2^x
     with x = q k^T log2(e) / sqrt(H). Kernels apply it as x = s * scale - m, one fused multiply-add
     per score (the form of Triton's own tutorial), rather than scaling s and subtracting apart."""
@@ -100,7 +102,7 @@ def _q_ranges(plan: Plan, j, n_q: int):
 
 def forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan: Plan):
     i, bq, bk = pl.program_id(2), plan.block_q, plan.block_k
-    q, scale = q_ref[...], _scale(q_ref.shape[-1])
+    q, scale = q_ref[...], logit_scale(q_ref.shape[-1])
 
     def step(j, carry, masked):  # m: the running max of the base-2 logits
         m, l, acc = carry
@@ -120,7 +122,7 @@ def forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan: Plan):
 
 def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, plan: Plan):
     i, bq, bk = pl.program_id(2), plan.block_q, plan.block_k
-    q, do, scale = q_ref[...], do_ref[...], _scale(q_ref.shape[-1])
+    q, do, scale = q_ref[...], do_ref[...], logit_scale(q_ref.shape[-1])
     lse, delta = lse_ref[...][:, None] * LOG2E, delta_ref[...][:, None]
 
     def step(j, dq, masked):
@@ -139,7 +141,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, 
     the [bq, bk] tiles would need a transposed computed operand in both (a register transpose per
     step on a GPU). The formulation of Triton's fused-attention tutorial."""
     j, bq, bk = pl.program_id(2), plan.block_q, plan.block_k
-    k, v, scale = k_ref[...], v_ref[...], _scale(k_ref.shape[-1])
+    k, v, scale = k_ref[...], v_ref[...], logit_scale(k_ref.shape[-1])
 
     def step(i, carry, masked, g):
         dk, dv = carry
