@@ -1,6 +1,6 @@
 """Benchmark the attention cores alone: TFLOP/s of the forward and of forward + backward.
 
-  python -m bench.attention                 # GPU: pallas, cudnn, xla; L 1k-16k; H 64, 128; bf16
+  python -m bench.attention                 # GPU: pallas, pallas-mosaic, cudnn, xla; L 1k-16k; H 64, 128
   python -m bench.attention --lengths 128,256 --head-dims 64 --heads 2 --tokens 256 --steps 2
                                             # CPU: pallas interpreted; proves the script only
 
@@ -10,6 +10,10 @@ two matmuls of each head: forward 4·B·N·L²·H, halved for the causal mask; b
 forward, so forward + backward is 3.5 x. The forward is `core(q, k, v)`, forward + backward the
 gradient of `sum(core(q, k, v))` for q, k and v; each is compiled, run once, then timed over
 --steps calls (median, each waited for with `jax.block_until_ready`).
+
+`pallas-mosaic` is the pallas core with its forward in Mosaic GPU (flash_attention.mosaic_tiling:
+model/kernels/flash_mosaic.py; the backward is the same Triton dq and dk/dv kernels): beside
+`pallas`, it says which lowering the forward should take.
 
 References (`--cores`, not run by default): jax's own Pallas GPU attention kernels,
 jax.experimental.pallas.ops.gpu: `jax-triton` (`attention.mha`, Triton lowering; no GQA, so K
@@ -34,7 +38,7 @@ from sharding.mesh import check_backend
 from configs import ConfigError
 from tools.measure import RESULTS, check_at_least, check_out, environment, file_path, median_seconds, run_record, write_report
 
-CORES = ("pallas", "cudnn", "xla")
+CORES = ("pallas", "pallas-mosaic", "cudnn", "xla")
 REFERENCES = ("jax-triton", "jax-mgpu")
 PASSES = ("forward", "forward_backward")
 
@@ -70,10 +74,12 @@ def core_fn(name: str, causal: bool):
     import jax.numpy as jnp
 
     from model.attention import xla_attention
-    from model.kernels.flash_attention import flash_attention
+    from model.kernels.flash_attention import flash_attention, mosaic_tiling
 
     if name == "pallas":
         return lambda q, k, v: flash_attention(q, k, v, causal=causal)
+    if name == "pallas-mosaic":
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal, tiling=mosaic_tiling(q.shape[-1]))
     if name in ("cudnn", *REFERENCES) and jax.default_backend() != "gpu":
         raise ConfigError(f"{name} needs an NVIDIA GPU (this backend is {jax.default_backend()})")
     if name == "cudnn":
@@ -124,9 +130,9 @@ def measure(core: str, make_fn, causal: bool, length: int, head_dim: int, args: 
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"  {'core':<7}{'mask':<7}{'L':>6}{'H':>5}{'B':>5}  {'fwd ms':>10}{'TFLOP/s':>9}  {'fwd+bwd ms':>11}{'TFLOP/s':>9}")
+    print(f"  {'core':<14}{'mask':<7}{'L':>6}{'H':>5}{'B':>5}  {'fwd ms':>10}{'TFLOP/s':>9}  {'fwd+bwd ms':>11}{'TFLOP/s':>9}")
     for r in rows:
-        head = f"  {r['core']:<7}{'causal' if r['causal'] else 'full':<7}{r['length']:>6}{r['head_dim']:>5}{r['batch']:>5}  "
+        head = f"  {r['core']:<14}{'causal' if r['causal'] else 'full':<7}{r['length']:>6}{r['head_dim']:>5}{r['batch']:>5}  "
         if "error" in r:
             print(head + r["error"])
         else:

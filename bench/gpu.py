@@ -10,17 +10,18 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
   ceilings     bf16 8192^3 matmul TFLOP/s, and a 1 GiB fp32 `x + 1` pass as the copy
                bandwidth (GB/s, read + write counted); both as fractions of the datasheet
                peak (training/metrics.py)                                         (~15 s)
-  correctness  pallas and cudnn cores against the xla core, out and dq/dk/dv, causal GQA
-               (N=8, K=2, H=128): bf16 at L = 1024, 4096 and a ragged 1500, fp32 at 1500,
-               with the tolerances of tests/test_flash_attention.py; fp32 runs under
+  correctness  pallas, pallas-mosaic (its forward in Mosaic GPU) and cudnn cores against the
+               xla core, out and dq/dk/dv, causal GQA (N=8, K=2, H=128): bf16 at L = 1024,
+               4096 and a ragged 1500, fp32 at 1500, with the tolerances of
+               tests/test_flash_attention.py; fp32 runs under
                jax.default_matmul_precision('highest') so TF32 does not stand in for fp32
-               (cuDNN's fused attention takes fp16/bf16 only: its fp32 cases are 'n/a').
+               (cuDNN and the Mosaic forward take fp16/bf16 only: their fp32 cases are 'n/a').
                Pallas in fp32 at that precision compiles for about 2 minutes on an H100
                (measured: 115-124 s at each L), hence one fp32 length. Then one train step
                of the tiny preset per core, loss against xla's                    (~3 min)
-  attention    bench/attention.py `measure` for pallas, cudnn, xla at H=128, N=32, K=8,
-               L = 2k, 4k, 8k, causal, bf16: forward and forward+backward TFLOP/s (causal
-               FLOPs halved), also as fractions of the matmul ceiling and the peak   (~50 s)
+  attention    bench/attention.py `measure` for pallas, pallas-mosaic, cudnn, xla at H=128,
+               N=32, K=8, L = 2k, 4k, 8k, causal, bf16: forward and forward+backward TFLOP/s
+               (causal FLOPs halved), also as fractions of the matmul ceiling and the peak (~70 s)
   training     bench/step.py `measure_steps` for 125m and 1b (model.attention=auto: the
                core it takes is recorded, cudnn on an H100), remat full,
                dots, then none, dp over every GPU: tokens/s, TFLOP/s per device, MFU, peak
@@ -126,8 +127,8 @@ GPU = Sizes(
 _TINY = ("model.n_layers=2", "train.seq_len=64", "train.global_batch_size=8")
 SMOKE = Sizes(
     matmul_n=256, copy_bytes=2**22, timed_runs=3,
-    check_lengths=(128, 100), check_fp32_lengths=(128, 100), check_heads=(4, 2, 32), tiny_sets=_TINY,
-    bench_lengths=(128,), bench_heads=(4, 2, 32), bench_tokens=256,
+    check_lengths=(128, 100), check_fp32_lengths=(128, 100), check_heads=(4, 2, 64), tiny_sets=_TINY,
+    bench_lengths=(128,), bench_heads=(4, 2, 64), bench_tokens=256,  # H = 64: the Mosaic GPU forward's least
     train_cases=(("tiny", "full", _TINY + _batch(4, 2, 64)), ("tiny", "none", _TINY + _batch(4, 2, 64))),
     train_steps=2,
     flag_cases=(("tiny", "none", _TINY + _batch(4, 2, 64), "xla_gpu_enable_dynamic_slice_fusion"),),

@@ -1,9 +1,10 @@
 """`make gpu-check`'s correctness stage (bench/gpu.py): the fused attention cores against xla.
 
-Per point (dtype, L; causal GQA): out, dq, dk, dv of pallas and cudnn against the xla core's,
-computed once per point, as max |core - xla| / max |xla| per output, at the tolerances of
-tests/test_flash_attention.py; fp32 runs under jax.default_matmul_precision('highest') so TF32
-does not stand in for fp32 (cuDNN takes fp16/bf16 only: its fp32 points are 'n/a'). Then one
+Per point (dtype, L; causal GQA): out, dq, dk, dv of pallas, pallas-mosaic (its forward in
+Mosaic GPU, bench/attention.py) and cudnn against the xla core's, computed once per point, as
+max |core - xla| / max |xla| per output, at the tolerances of tests/test_flash_attention.py; fp32
+runs under jax.default_matmul_precision('highest') so TF32 does not stand in for fp32 (cuDNN and
+the Mosaic GPU forward take fp16/bf16 only: their fp32 points are 'n/a'). Then one
 optimizer step of the tiny preset per core, its loss against xla's. Off a GPU cudnn is
 recorded as unavailable.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import time
 
 from bench.common import error_text
+from configs import ConfigError
 
 # The tolerances of tests/test_flash_attention.py: max |core - xla| / max |xla| per output.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -37,8 +39,8 @@ def relative_errors(got, want) -> dict:
 
 
 def check_point(dtype: str, length: int, heads: tuple[int, int, int]) -> list[dict]:
-    """One point: pallas and cudnn against xla (computed once) on causal GQA attention, value and
-    gradients; one row per core."""
+    """One point: pallas, pallas-mosaic and cudnn against xla (computed once) on causal GQA
+    attention, value and gradients; one row per core."""
     import jax
     import jax.numpy as jnp
 
@@ -51,12 +53,13 @@ def check_point(dtype: str, length: int, heads: tuple[int, int, int]) -> list[di
     shapes = [(1, length, n, h), (1, length, kv, h), (1, length, kv, h), (1, length, n, h)]
     q, k, v, d_out = (jax.random.normal(key, s, jnp.float32).astype(dtype) for key, s in zip(keys, shapes))
     want, rows = None, []
-    for core in ("pallas", "cudnn"):
+    for core in ("pallas", "pallas-mosaic", "cudnn"):
         if core == "cudnn" and jax.default_backend() != "gpu":
             rows.append({"core": core} | row | {"status": "unavailable on cpu"})
             continue
-        if core == "cudnn" and dtype == "float32":
-            rows.append({"core": core} | row | {"status": "n/a: cuDNN fused attention takes fp16/bf16 only"})
+        if core != "pallas" and dtype == "float32":
+            what = "cuDNN fused attention" if core == "cudnn" else "the Mosaic GPU forward"
+            rows.append({"core": core} | row | {"status": f"n/a: {what} takes fp16/bf16 only"})
             continue
         start = time.perf_counter()
         try:
@@ -65,6 +68,9 @@ def check_point(dtype: str, length: int, heads: tuple[int, int, int]) -> list[di
                     want = jax.jit(lambda *a: _out_and_grads(core_fn("xla", True), *a))(q, k, v, d_out)
                 got = jax.jit(lambda *a, c=core: _out_and_grads(core_fn(c, True), *a))(q, k, v, d_out)
             errors = relative_errors(got, want)
+        except ConfigError as err:  # the core cannot run here (the Mosaic GPU forward off Hopper): not judged
+            rows.append({"core": core} | row | {"status": f"n/a: {err}"})
+            continue
         except Exception as err:  # noqa: BLE001
             rows.append({"core": core} | row | {"status": "error", "error": error_text(err)})
             continue

@@ -4,8 +4,8 @@ how fast each attention core runs on it.
   environment_info  device name and count, CUDA/cuDNN as jaxlib reports them, versions, the
                     XLA/JAX/NCCL/CUDA environment, jax.print_environment_info()
   ceilings          a bf16 matmul's TFLOP/s and a copy's GB/s, as fractions of the datasheet
-  attention_speed   pallas, cudnn, xla forward and forward+backward TFLOP/s per L (cudnn
-                    recorded as unavailable off a GPU)
+  attention_speed   pallas, pallas-mosaic, cudnn, xla forward and forward+backward TFLOP/s
+                    per L (cudnn recorded as unavailable off a GPU)
 
 A piece jax cannot report is recorded as "unavailable: ...", never fatal.
 """
@@ -16,10 +16,10 @@ import argparse
 import os
 import re
 
+from bench.attention import CORES
 from bench.common import error_text
 from tools.measure import environment, median_seconds
 
-CORES = ("pallas", "cudnn", "xla")
 ENV_PREFIXES = ("XLA_", "JAX_", "NCCL_", "CUDA_", "TF_", "NVIDIA_")
 
 

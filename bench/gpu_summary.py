@@ -16,14 +16,14 @@ def summary_lines(name: str, r: dict) -> list[str]:
         return [f"    matmul {r['matmul_tflops']:.4g} TFLOP/s" + (f" ({100 * frac:.0f}% of peak)" if frac else "")
                 + f", copy {r['copy_gbps']:.4g} GB/s"]
     if name == "correctness":
-        lines = [f"    {c['core']:<7}{c['dtype']:<9}L={c['length']:<6}" + (
+        lines = [f"    {c['core']:<14}{c['dtype']:<9}L={c['length']:<6}" + (
             f"{c['status']:<5} max err {max(c['errors'].values()):.2e} (tol {c['tolerance']:g})"
             if "errors" in c else c["status"] + (f" {c['error']}" if "error" in c else "")) for c in r["cases"]]
-        lines += [f"    step {s['core']:<7}" + (f"loss {s['loss']:.4f} {s['status']}" if "loss" in s else s["status"])
+        lines += [f"    step {s['core']:<14}" + (f"loss {s['loss']:.4f} {s['status']}" if "loss" in s else s["status"])
                   for s in r["train_step"]]
         return lines + [f"    verdict: {r['verdict']}"]
     if name == "attention":
-        return [f"    {x['core']:<7}L={x['length']:<6}" + (
+        return [f"    {x['core']:<14}L={x['length']:<6}" + (
             f"fwd {x['forward_tflops']:8.4g}  fwd+bwd {x['forward_backward_tflops']:8.4g} TFLOP/s"
             if "forward_tflops" in x else x.get("status") or x.get("error", "")) for x in r["rows"]]
     if name == "training":

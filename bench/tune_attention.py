@@ -8,7 +8,9 @@
 The forward, dq and dk/dv kernels are separate launches whose times add
 (model/kernels/flash_attention.py), so each is tuned in turn over the grid of tiles: block_q x
 block_k from --blocks, x --warps, x --stages (Triton's num_warps and num_stages):
-  forward  the forward pass alone, timed per tile;
+  forward  the forward pass alone, timed per tile; also the Mosaic GPU forward
+           (model/kernels/flash_mosaic.py): block_q 64, block_k from --mosaic-blocks, x --stages
+           (its pipeline depth), so the tuned forward also picks the lowering;
   dq       forward + backward, the tuned forward and the default dk/dv tile, dq's tile varied;
   dkv      forward + backward, the tuned forward and dq, dk/dv's tile varied.
 A tile that does not compile or run (Triton out of shared memory, a block above the length)
@@ -53,6 +55,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--blocks", type=ints, default=[32, 64, 128], help="block_q and block_k values (powers of two)")
     p.add_argument("--warps", type=ints, default=[4, 8], help="Triton num_warps values")
     p.add_argument("--stages", type=ints, default=[2, 3], help="Triton num_stages values")
+    p.add_argument("--mosaic-blocks", default="64,128", help="block_k values of the Mosaic GPU forward's tiles "
+                   "(block_q 64; x --stages as its pipeline depth), or none (default 64,128)")
     p.add_argument("--steps", type=int, default=10, help="timed calls per measurement (default 10)")
     p.add_argument("--budget", type=float, default=480, help="seconds for the sweep; later tiles are "
                    "recorded as skipped, each kernel keeps its best so far (default 480)")
@@ -65,6 +69,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise ConfigError(f"--references from cudnn,{','.join(REFERENCES)} or none")
     if any(b < 1 or b & (b - 1) for b in args.blocks) or min(args.warps + args.stages, default=0) < 1:
         raise ConfigError("--blocks must be powers of two, --warps and --stages positive")
+    try:
+        args.mosaic_blocks = [int(x) for x in args.mosaic_blocks.split(",") if x.strip() and x.strip() != "none"]
+    except ValueError:
+        raise ConfigError(f"--mosaic-blocks {args.mosaic_blocks!r}: expected integers, e.g. 64,128, or none") from None
+    if any(b < 64 or b & (b - 1) for b in args.mosaic_blocks):
+        raise ConfigError(f"--mosaic-blocks {','.join(map(str, args.mosaic_blocks))}: powers of two of 64 or more")
     check_at_least(args, 1, "--length", "--head-dim", "--heads", "--kv-heads", "--tokens", "--steps")
     check_out(args.out)
     return args
@@ -80,6 +90,8 @@ def sweep(kernel: str, base, args: argparse.Namespace, deadline: float) -> tuple
 
     passes = ("forward",) if kernel == "forward" else ("forward_backward",)
     grid = [Tile(*t) for t in itertools.product(args.blocks, args.blocks, args.warps, args.stages)]
+    if kernel == "forward":  # the Mosaic GPU form: one warpgroup of 64 rows, warps unused
+        grid += [Tile(64, bk, 4, stages, "mosaic") for bk, stages in itertools.product(args.mosaic_blocks, args.stages)]
     first = getattr(base, kernel)
     rows, best, best_ms = [], base, float("inf")
     for tile in [first] * (first in grid) + [t for t in grid if t != first]:
@@ -94,8 +106,8 @@ def sweep(kernel: str, base, args: argparse.Namespace, deadline: float) -> tuple
         ms = row.get(f"{passes[0]}_ms", float("inf"))
         if "error" not in row and ms < best_ms:
             best, best_ms = tiling, ms
-        print(f"  {kernel:<8} {tile.block_q:>4} x {tile.block_k:<4} warps {tile.warps} stages {tile.stages}  "
-              + (row["error"][:80] if "error" in row else f"{ms:9.3f} ms  {row[f'{passes[0]}_tflops']:7.1f} TFLOP/s"),
+        print(f"  {kernel:<8} {tile.lowering:<7}{tile.block_q:>4} x {tile.block_k:<4} warps {tile.warps} "
+              f"stages {tile.stages}  " + (row["error"][:80] if "error" in row else f"{ms:9.3f} ms  {row[f'{passes[0]}_tflops']:7.1f} TFLOP/s"),
               flush=True)
     return rows, best
 
@@ -135,7 +147,8 @@ def main(argv: list[str]) -> int:
     for r in report["compare"]:
         print(f"  {r['core']:<15}" + (r["error"][:100] if "error" in r else
               f"forward {r['forward_tflops']:6.1f}  forward + backward {r['forward_backward_tflops']:6.1f} TFLOP/s"))
-    report["tuned_line"] = "Tiling(" + ", ".join(f"Tile({t['block_q']}, {t['block_k']}, {t['warps']}, {t['stages']})"
+    mosaic = lambda t: f", lowering={t['lowering']!r}" if t["lowering"] != "triton" else ""  # noqa: E731
+    report["tuned_line"] = "Tiling(" + ", ".join(f"Tile({t['block_q']}, {t['block_k']}, {t['warps']}, {t['stages']}{mosaic(t)})"
                                                  for t in report["tuned"].values()) + ")"
     print(f"\ntuned tiling for head_dim {args.head_dim}: {report['tuned_line']}")
     write_report(report, out)

@@ -30,6 +30,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,6 +39,7 @@ def _enough_devices():
 
 
 ROOT = Path(__file__).resolve().parents[1]
+GPU_INTERPRET = hasattr(plgpu, "InterpretGPUParams")  # jax >= 0.11 runs Mosaic GPU kernels on CPU (flash_mosaic.py)
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -13,18 +13,19 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from configs import ConfigError
-from model.kernels.flash_attention import Tile, Tiling, default_tiling, flash_attention
+from conftest import GPU_INTERPRET
+from model.kernels.flash_attention import Tile, Tiling, default_tiling, flash_attention, mosaic_tiling as default_mosaic
 from test_flash_attention import assert_close, both, cuda_text, inputs, triton_launches
 
-INTERPRETED = pytest.mark.skipif(not hasattr(plgpu, "InterpretGPUParams"),
+INTERPRETED = pytest.mark.skipif(not GPU_INTERPRET,
                                  reason=f"jax {jax.__version__} has no GPU interpret mode (jax >= 0.11)")
 
 
 def mosaic_tiling(h: int, block_k: int = 64, stages: int = 2) -> Tiling:
-    return dataclasses.replace(default_tiling(h), forward=Tile(64, block_k, stages=stages, lowering="mosaic"))
+    """flash_attention.mosaic_tiling with this block_k and pipeline depth."""
+    return dataclasses.replace(default_mosaic(h), forward=Tile(64, block_k, stages=stages, lowering="mosaic"))
 
 
 @INTERPRETED
@@ -84,8 +85,8 @@ def test_backward_kernels_have_no_mosaic_form():
         flash_attention(q, k, v, tiling=tiling)
 
 
-@pytest.mark.skipif(hasattr(plgpu, "InterpretGPUParams"), reason="this jax interprets Mosaic GPU kernels on CPU")
+@pytest.mark.skipif(GPU_INTERPRET, reason="this jax interprets Mosaic GPU kernels on CPU")
 def test_without_interpret_mode_the_cpu_refuses_by_version():
     q, k, v, _ = inputs((1, 128, 2, 64), 2, jnp.bfloat16)
-    with pytest.raises(ConfigError, match=r"on CPU in jax's GPU interpret mode \(jax >= 0.11; this is jax "):
+    with pytest.raises(ConfigError, match=r"on CPU in jax.s GPU interpret mode \(jax >= 0.11; this is jax "):
         flash_attention(q, k, v, tiling=mosaic_tiling(64))

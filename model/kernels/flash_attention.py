@@ -52,6 +52,7 @@ winner once that has run (Triton until then, the one measured).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -101,6 +102,14 @@ def default_tiling(head_dim: int) -> Tiling:
     take smaller kv tiles so a program's tiles stay in SRAM; 8 warps above 64 x 128 tiles."""
     block_q, block_k = (128, 128) if head_dim <= 64 else (128, 64) if head_dim <= 128 else (64, 32)
     return Tiling.uniform(block_q, block_k, 4 if block_q * block_k <= 64 * 128 else 8, 2)
+
+
+def mosaic_tiling(head_dim: int) -> Tiling:
+    """`default_tiling` with the Mosaic GPU forward (flash_mosaic.py; not yet measured): 64 query
+    rows (one warpgroup), 128 keys per tile at H <= 64 and 64 above, 2 pipeline slots: 88 KiB of
+    shared memory per program at H = 64 and 128, two programs per H100 SM."""
+    tile = Tile(64, 128 if head_dim <= 64 else 64, stages=2, lowering="mosaic")
+    return dataclasses.replace(default_tiling(head_dim), forward=tile)
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,

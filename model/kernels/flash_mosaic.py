@@ -78,13 +78,13 @@ def backend_options() -> dict:
     if backend == "gpu":
         capability = device_capability()
         if capability is None or capability < (9, 0):
-            raise ConfigError(f"the Mosaic GPU forward needs an NVIDIA GPU of compute capability 9.0 or later "
-                              f"(this one: {capability}); use the triton lowering")
+            raise ConfigError(f"flash attention: the Mosaic GPU forward needs an NVIDIA GPU of compute capability "
+                              f"9.0 or later (this one: {capability}); use the triton lowering")
         return {}
     interpret = getattr(plgpu, "InterpretGPUParams", None)
     if backend != "cpu" or interpret is None:
-        raise ConfigError(f"the Mosaic GPU forward runs on NVIDIA GPUs, or on CPU in jax's GPU interpret mode "
-                          f"(jax >= 0.11; this is jax {jax.__version__} on {backend}); use the triton lowering")
+        raise ConfigError(f"flash attention: the Mosaic GPU forward runs on NVIDIA GPUs, or on CPU in jax's GPU "
+                          f"interpret mode (jax >= 0.11; this is jax {jax.__version__} on {backend}); use the triton lowering")
     return {"interpret": interpret()}
 
 
