@@ -11,9 +11,10 @@ forward, so forward + backward is 3.5 x. The forward is `core(q, k, v)`, forward
 gradient of `sum(core(q, k, v))` for q, k and v; each is compiled, run once, then timed over
 --steps calls (median, each waited for with `jax.block_until_ready`).
 
-`pallas-mosaic` is the pallas core with its forward in Mosaic GPU (flash_attention.mosaic_tiling:
-model/kernels/flash_mosaic.py; the backward is the same Triton dq and dk/dv kernels): beside
-`pallas`, it says which lowering the forward should take.
+`pallas-mosaic` is the pallas core with its three kernels in Mosaic GPU instead of Triton
+(flash_attention.mosaic_tiling: model/kernels/flash_mosaic.py, flash_mosaic_backward.py): beside
+`pallas`, it says which lowering the kernels should take (bench.tune_attention weighs them one
+kernel at a time).
 
 References (`--cores`, not run by default): jax's own Pallas GPU attention kernels,
 jax.experimental.pallas.ops.gpu: `jax-triton` (`attention.mha`, Triton lowering; no GQA, so K

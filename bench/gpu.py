@@ -10,12 +10,12 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
   ceilings     bf16 8192^3 matmul TFLOP/s, and a 1 GiB fp32 `x + 1` pass as the copy
                bandwidth (GB/s, read + write counted); both as fractions of the datasheet
                peak (training/metrics.py)                                         (~15 s)
-  correctness  pallas, pallas-mosaic (its forward in Mosaic GPU) and cudnn cores against the
+  correctness  pallas, pallas-mosaic (its kernels in Mosaic GPU) and cudnn cores against the
                xla core, out and dq/dk/dv, causal GQA (N=8, K=2, H=128): bf16 at L = 1024,
                4096 and a ragged 1500, fp32 at 1500, with the tolerances of
                tests/test_flash_attention.py; fp32 runs under
                jax.default_matmul_precision('highest') so TF32 does not stand in for fp32
-               (cuDNN and the Mosaic forward take fp16/bf16 only: their fp32 cases are 'n/a').
+               (cuDNN and the Mosaic kernels take fp16/bf16 only: their fp32 cases are 'n/a').
                Pallas in fp32 at that precision compiles for about 2 minutes on an H100
                (measured: 115-124 s at each L), hence one fp32 length. Then one train step
                of the tiny preset per core, loss against xla's                    (~3 min)
@@ -128,7 +128,7 @@ _TINY = ("model.n_layers=2", "train.seq_len=64", "train.global_batch_size=8")
 SMOKE = Sizes(
     matmul_n=256, copy_bytes=2**22, timed_runs=3,
     check_lengths=(128, 100), check_fp32_lengths=(128, 100), check_heads=(4, 2, 64), tiny_sets=_TINY,
-    bench_lengths=(128,), bench_heads=(4, 2, 64), bench_tokens=256,  # H = 64: the Mosaic GPU forward's least
+    bench_lengths=(128,), bench_heads=(4, 2, 64), bench_tokens=256,  # H = 64: the Mosaic GPU kernels' least
     train_cases=(("tiny", "full", _TINY + _batch(4, 2, 64)), ("tiny", "none", _TINY + _batch(4, 2, 64))),
     train_steps=2,
     flag_cases=(("tiny", "none", _TINY + _batch(4, 2, 64), "xla_gpu_enable_dynamic_slice_fusion"),),

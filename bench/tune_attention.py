@@ -8,11 +8,12 @@
 The forward, dq and dk/dv kernels are separate launches whose times add
 (model/kernels/flash_attention.py), so each is tuned in turn over the grid of tiles: block_q x
 block_k from --blocks, x --warps, x --stages (Triton's num_warps and num_stages):
-  forward  the forward pass alone, timed per tile; also the Mosaic GPU forward
-           (model/kernels/flash_mosaic.py): block_q 64, block_k from --mosaic-blocks, x --stages
-           (its pipeline depth), so the tuned forward also picks the lowering;
+  forward  the forward pass alone, timed per tile;
   dq       forward + backward, the tuned forward and the default dk/dv tile, dq's tile varied;
   dkv      forward + backward, the tuned forward and dq, dk/dv's tile varied.
+Each kernel's sweep also runs its Mosaic GPU form (model/kernels/flash_mosaic.py,
+flash_mosaic_backward.py): block_q 64, block_k from --mosaic-blocks (dk/dv: 64 only) x --stages
+(its pipeline depth), so the tuned tiling picks the lowering kernel by kernel.
 A tile that does not compile or run (Triton out of shared memory, a block above the length)
 records its error and the sweep goes on. Each kernel's sweep starts from the tile it has now
 and gets its share of --budget (default 480 s, so that the run fits a 10-minute slot with the
@@ -55,8 +56,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--blocks", type=ints, default=[32, 64, 128], help="block_q and block_k values (powers of two)")
     p.add_argument("--warps", type=ints, default=[4, 8], help="Triton num_warps values")
     p.add_argument("--stages", type=ints, default=[2, 3], help="Triton num_stages values")
-    p.add_argument("--mosaic-blocks", default="64,128", help="block_k values of the Mosaic GPU forward's tiles "
-                   "(block_q 64; x --stages as its pipeline depth), or none (default 64,128)")
+    p.add_argument("--mosaic-blocks", default="64,128", help="block_k values of the Mosaic GPU kernels' tiles "
+                   "(block_q 64; dk/dv 64 only; x --stages as the pipeline depth), or none (default 64,128)")
     p.add_argument("--steps", type=int, default=10, help="timed calls per measurement (default 10)")
     p.add_argument("--budget", type=float, default=480, help="seconds for the sweep; later tiles are "
                    "recorded as skipped, each kernel keeps its best so far (default 480)")
@@ -90,8 +91,9 @@ def sweep(kernel: str, base, args: argparse.Namespace, deadline: float) -> tuple
 
     passes = ("forward",) if kernel == "forward" else ("forward_backward",)
     grid = [Tile(*t) for t in itertools.product(args.blocks, args.blocks, args.warps, args.stages)]
-    if kernel == "forward":  # the Mosaic GPU form: one warpgroup of 64 rows, warps unused
-        grid += [Tile(64, bk, 4, stages, "mosaic") for bk, stages in itertools.product(args.mosaic_blocks, args.stages)]
+    # the Mosaic GPU form: one warpgroup of 64 rows, warps unused; dk/dv takes 64 x 64 only
+    mosaic_blocks = [64] * bool(args.mosaic_blocks) if kernel == "dkv" else args.mosaic_blocks
+    grid += [Tile(64, bk, 4, stages, "mosaic") for bk, stages in itertools.product(mosaic_blocks, args.stages)]
     first = getattr(base, kernel)
     rows, best, best_ms = [], base, float("inf")
     for tile in [first] * (first in grid) + [t for t in grid if t != first]:

@@ -28,12 +28,12 @@ def test_cpu_smoke_writes_real_numbers(tmp_path):
         assert c["status"] == "pass" and 0 <= max(c["errors"].values()) < TOLERANCE[c["dtype"]], c
     assert {c["status"] for c in check["cases"] if c["core"] == "cudnn"} == {"unavailable on cpu"}
     mosaic = [c for c in check["cases"] if c["core"] == "pallas-mosaic"]
-    assert {c["status"] for c in mosaic if c["dtype"] == "float32"} == {"n/a: the Mosaic GPU forward takes fp16/bf16 only"}
+    assert {c["status"] for c in mosaic if c["dtype"] == "float32"} == {"n/a: the Mosaic GPU kernels take fp16/bf16 only"}
     for c in (c for c in mosaic if c["dtype"] == "bfloat16"):  # interpreted where this jax can (>= 0.11)
         if GPU_INTERPRET:
             assert c["status"] == "pass" and max(c["errors"].values()) < TOLERANCE["bfloat16"], c
         else:
-            assert c["status"].startswith("n/a: flash attention: the Mosaic GPU forward runs on NVIDIA GPUs"), c
+            assert c["status"].startswith("n/a: flash attention: the Mosaic GPU kernels run on NVIDIA GPUs"), c
     assert [s["status"] for s in check["train_step"]] == ["pass", "pass", "unavailable on cpu"]
 
     rows = stages["attention"]["rows"]

@@ -43,16 +43,17 @@ forward + backward at 0.44x cudnn with the untuned default tiling
 exponentials and the dk/dv kernel to transposed [bk, bq] tiles (flash_kernels.py), not yet
 measured on a GPU.
 
-Mosaic GPU: a forward `Tile(64, bk, stages=S, lowering="mosaic")` runs flash_mosaic.py's Hopper
-kernel (TMA + wgmma) for the forward instead, with the same residuals, so the Triton dq and dk/dv
-kernels follow it. Interpreted and lowered on CPU by the tests; `bench.attention`'s
-`pallas-mosaic` core puts it beside the Triton forward on a GPU, and `default_tiling` names the
-winner once that has run (Triton until then, the one measured).
+Mosaic GPU: a `Tile(64, bk, stages=S, lowering="mosaic")` runs that kernel's Hopper form (TMA +
+wgmma: flash_mosaic.py for the forward, flash_mosaic_backward.py for dq and dk/dv) with the same
+inputs and outputs, so each kernel takes either lowering whatever the others take
+(`mosaic_tiling`: all three). Interpreted and lowered on CPU by the tests; `bench.attention`'s
+`pallas-mosaic` core puts it beside the Triton kernels on a GPU, `bench.tune_attention` sweeps
+both, and `default_tiling` names the winner once that has run (Triton until then, the one
+measured).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -63,6 +64,7 @@ from jax.experimental import pallas as pl
 from configs.base import ConfigError
 from model.kernels.flash_kernels import Plan, dkv_kernel, dq_kernel, forward_kernel
 from model.kernels.flash_mosaic import mosaic_forward, mosaic_problem
+from model.kernels.flash_mosaic_backward import mosaic_dkv, mosaic_dq
 from sharding.cores import core_problem, device_capability
 
 
@@ -72,9 +74,10 @@ LOWERINGS = ("triton", "mosaic")
 @dataclass(frozen=True)
 class Tile:
     """One kernel's launch: its [block_q, block_k] score tile (powers of two, clamped to the
-    padded length) and, on a GPU, Triton's num_warps and num_stages. lowering='mosaic' (the
-    forward only) runs flash_mosaic.py's Mosaic GPU kernel instead: block_q 64, block_k a multiple
-    of 64 (not clamped), stages its pipeline depth, warps unused (one warpgroup)."""
+    padded length) and, on a GPU, Triton's num_warps and num_stages. lowering='mosaic' runs the
+    kernel's Mosaic GPU form instead (flash_mosaic.py, flash_mosaic_backward.py): block_q 64,
+    block_k a multiple of 64 (64 for dk/dv; not clamped), stages its pipeline depth, warps
+    unused (one warpgroup)."""
 
     block_q: int
     block_k: int
@@ -105,11 +108,11 @@ def default_tiling(head_dim: int) -> Tiling:
 
 
 def mosaic_tiling(head_dim: int) -> Tiling:
-    """`default_tiling` with the Mosaic GPU forward (flash_mosaic.py; not yet measured): 64 query
-    rows (one warpgroup), 128 keys per tile at H <= 64 and 64 above, 2 pipeline slots: 88 KiB of
-    shared memory per program at H = 64 and 128, two programs per H100 SM."""
-    tile = Tile(64, 128 if head_dim <= 64 else 64, stages=2, lowering="mosaic")
-    return dataclasses.replace(default_tiling(head_dim), forward=tile)
+    """All three kernels in Mosaic GPU (flash_mosaic.py, flash_mosaic_backward.py; not yet
+    measured): 64 query rows (one warpgroup) everywhere; the forward's kv tiles 128 keys at
+    H <= 64 and 64 above, dq's 64, dk/dv's 64 keys against q blocks of 64; 2 pipeline slots."""
+    return Tiling(Tile(64, 128 if head_dim <= 64 else 64, stages=2, lowering="mosaic"),
+                  Tile(64, 64, stages=2, lowering="mosaic"), Tile(64, 64, stages=2, lowering="mosaic"))
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
@@ -160,11 +163,11 @@ def _plans(q: jax.Array, k: jax.Array, causal: bool, tiling: Tiling | None) -> P
         for name, size in (("block_q", tile.block_q), ("block_k", tile.block_k)):
             if size < 1 or size & (size - 1):
                 raise ConfigError(f"flash attention: the {kernel} tile's {name}={size} must be a power of two")
-        if tile.lowering not in LOWERINGS or (tile.lowering != "triton" and kernel != "forward"):
-            raise ConfigError(f"flash attention: the {kernel} tile's lowering={tile.lowering!r}: the forward takes "
-                              f"{' or '.join(LOWERINGS)}, dq and dk/dv triton")
+        if tile.lowering not in LOWERINGS:
+            raise ConfigError(f"flash attention: the {kernel} tile's lowering={tile.lowering!r}: choose "
+                              f"{' or '.join(LOWERINGS)}")
         if tile.lowering == "mosaic":
-            if problem := mosaic_problem(str(q.dtype), h, tile.block_q, tile.block_k):
+            if problem := mosaic_problem(kernel, str(q.dtype), h, tile.block_q, tile.block_k):
                 raise ConfigError(f"flash attention: {problem}")
             blocks = (tile.block_q, tile.block_k)  # fixed by wgmma: the length is padded to them
         else:
@@ -271,16 +274,25 @@ def _forward(plan: Plan, q, k, v) -> tuple[jax.Array, jax.Array]:
 
 def _backward(plans: Plans, q, k, v, d_out, lse, delta) -> tuple[jax.Array, jax.Array, jax.Array]:
     _, dq_plan, dkv_plan = plans
+    dq = (mosaic_dq if dq_plan.lowering == "mosaic" else _triton_dq)(dq_plan, q, k, v, d_out, lse, delta)
+    dk, dv = (mosaic_dkv if dkv_plan.lowering == "mosaic" else _triton_dkv)(dkv_plan, q, k, v, d_out, lse, delta)
+    return dq, dk, dv
+
+
+def _triton_dq(dq_plan: Plan, q, k, v, d_out, lse, delta) -> jax.Array:
     b, padded, n, h = q.shape
     tile_q, stat = _tile(dq_plan.block_q, h), _stat_tile(dq_plan.block_q)
     kv = _kv_of_head(padded, h, dq_plan.groups)
-    dq = _launch(dq_kernel, dq_plan, (b, n, padded // dq_plan.block_q),
-                 [tile_q, kv, kv, tile_q, stat, stat], tile_q,
-                 jax.ShapeDtypeStruct(q.shape, q.dtype))(q, k, v, d_out, lse, delta)
+    return _launch(dq_kernel, dq_plan, (b, n, padded // dq_plan.block_q),
+                   [tile_q, kv, kv, tile_q, stat, stat], tile_q,
+                   jax.ShapeDtypeStruct(q.shape, q.dtype))(q, k, v, d_out, lse, delta)
+
+
+def _triton_dkv(dkv_plan: Plan, q, k, v, d_out, lse, delta) -> tuple[jax.Array, jax.Array]:
+    padded, h = q.shape[1], q.shape[-1]
     tile_k = _tile(dkv_plan.block_k, h)
     heads, stats = _heads_of_kv(padded, h, dkv_plan.groups), _stat_heads_of_kv(padded, dkv_plan.groups)
     kv_shapes = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
-    dk, dv = _launch(dkv_kernel, dkv_plan, (b, k.shape[2], padded // dkv_plan.block_k),
-                     [heads, tile_k, tile_k, heads, stats, stats], [tile_k, tile_k], kv_shapes,
-                     )(q, k, v, d_out, lse, delta)
-    return dq, dk, dv
+    return _launch(dkv_kernel, dkv_plan, (q.shape[0], k.shape[2], padded // dkv_plan.block_k),
+                   [heads, tile_k, tile_k, heads, stats, stats], [tile_k, tile_k], kv_shapes,
+                   )(q, k, v, d_out, lse, delta)

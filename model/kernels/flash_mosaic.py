@@ -1,7 +1,8 @@
 """The flash attention forward in Mosaic GPU: Hopper's TMA copies and wgmma, the other Pallas
 GPU lowering (the Triton one is flash_kernels.forward_kernel's; flash_attention.py chooses per
-call by the forward `Tile`'s `lowering`). Same math, same outputs: out [B, L, N, H] and lse fp32
-[B, N, L] in natural-log units, so the Triton dq and dk/dv kernels take its residuals.
+kernel by its `Tile`'s `lowering`). Same math, same outputs: out [B, L, N, H] and lse fp32
+[B, N, L] in natural-log units, so either lowering's dq and dk/dv kernels take its residuals
+(the Mosaic ones: flash_mosaic_backward.py, built on the helpers here).
 
 Why a second form: jax 0.12 deprecates the Pallas Triton backend (it says to move to Mosaic GPU),
 and Triton's forward reached 287 TFLOP/s on one H100 at L = 4096, H = 128 against the issue's
@@ -60,14 +61,18 @@ ROWS = 64  # wgmma's M per warpgroup: the one block_q of this kernel
 SWIZZLE = 128  # bytes: 64 bf16 elements per swizzled row of a tile
 
 
-def mosaic_problem(dtype: str, head_dim: int, block_q: int, block_k: int) -> str | None:
-    """Why the Mosaic GPU forward cannot take these inputs or this tile (None if it can)."""
+def mosaic_problem(kernel: str, dtype: str, head_dim: int, block_q: int, block_k: int) -> str | None:
+    """Why the Mosaic GPU form of `kernel` (forward, dq, dkv) cannot take these inputs or this
+    tile (None if it can): wgmma's 64 rows per warpgroup and 128-byte swizzled 16-bit tiles."""
+    name = {"forward": "forward", "dq": "dq kernel", "dkv": "dk/dv kernel"}[kernel]
     if dtype not in FUSED_DTYPES:
-        return f"the Mosaic GPU forward takes {'/'.join(FUSED_DTYPES)} inputs (got {dtype}); use the triton lowering"
+        return f"the Mosaic GPU {name} takes {'/'.join(FUSED_DTYPES)} inputs (got {dtype}); use the triton lowering"
     if head_dim % 64:
-        return f"the Mosaic GPU forward needs a head dim that is a multiple of 64 (got {head_dim})"
+        return f"the Mosaic GPU {name} needs a head dim that is a multiple of 64 (got {head_dim})"
+    if kernel == "dkv" and (block_q, block_k) != (ROWS, ROWS):
+        return f"the Mosaic GPU {name} needs block_q={ROWS} and block_k={ROWS} (got {block_q}, {block_k})"
     if block_q != ROWS or block_k % 64:
-        return f"the Mosaic GPU forward needs block_q={ROWS} and block_k a multiple of 64 (got {block_q}, {block_k})"
+        return f"the Mosaic GPU {name} needs block_q={ROWS} and block_k a multiple of 64 (got {block_q}, {block_k})"
     return None
 
 
@@ -78,29 +83,40 @@ def backend_options() -> dict:
     if backend == "gpu":
         capability = device_capability()
         if capability is None or capability < (9, 0):
-            raise ConfigError(f"flash attention: the Mosaic GPU forward needs an NVIDIA GPU of compute capability "
+            raise ConfigError(f"flash attention: the Mosaic GPU kernels need an NVIDIA GPU of compute capability "
                               f"9.0 or later (this one: {capability}); use the triton lowering")
         return {}
     interpret = getattr(plgpu, "InterpretGPUParams", None)
     if backend != "cpu" or interpret is None:
-        raise ConfigError(f"flash attention: the Mosaic GPU forward runs on NVIDIA GPUs, or on CPU in jax's GPU "
+        raise ConfigError(f"flash attention: the Mosaic GPU kernels run on NVIDIA GPUs, or on CPU in jax's GPU "
                           f"interpret mode (jax >= 0.11; this is jax {jax.__version__} on {backend}); use the triton lowering")
     return {"interpret": interpret()}
+
+
+def swizzled(dtype) -> tuple:
+    """The transforms of a [rows, 64·k] 16-bit tile in shared memory that wgmma and TMA read:
+    (8, 64) tiles, 128-byte swizzle."""
+    return plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(SWIZZLE)
+
+
+def launch(body, grid: tuple[int, int, int], out_type, scratch: list, *args: jax.Array):
+    """plgpu.kernel over grid (B, heads, blocks) named batch, head, block; one warpgroup."""
+    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
+                        grid_names=("batch", "head", "block"), compiler_params=plgpu.CompilerParams(approx_math=True),
+                        **backend_options())(*args)
 
 
 def mosaic_forward(plan: Plan, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     """out [B, Lp, N, H] and lse fp32 [B, N, Lp] of q [B, Lp, N, H] over k/v [B, Lp, K, H],
     padded along L to a multiple of the plan's blocks (flash_attention._pad)."""
     b, padded, n, h = q.shape  # the tile was checked by flash_attention._plans (mosaic_problem)
-    tiles = (plgpu.TilingTransform((8, SWIZZLE // q.dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE))
+    tiles = swizzled(q.dtype)
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, padded), jnp.float32))
     scratch = [plgpu.SMEM((ROWS, h), q.dtype, transforms=tiles),  # q, then out
                plgpu.SMEM((ROWS, plan.block_k), q.dtype, transforms=tiles),  # p
                plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier()]  # lse; q's copy done
-    kernel = functools.partial(_forward_body, plan=plan, tiles=tiles)
-    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=(b, n, padded // ROWS),
-                        grid_names=("batch", "head", "block"), compiler_params=plgpu.CompilerParams(approx_math=True),
-                        **backend_options())(q, k, v)
+    return launch(functools.partial(_forward_body, plan=plan, tiles=tiles), (b, n, padded // ROWS), out_type, scratch,
+                  q, k, v)
 
 
 def _forward_body(q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, qo_smem, p_smem, lse_smem, q_ready, *, plan: Plan,
@@ -109,42 +125,26 @@ def _forward_body(q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, qo_smem, p_smem, l
     rows, bk, h = pl.ds(i * ROWS, ROWS), plan.block_k, qo_smem.shape[-1]
     plgpu.copy_gmem_to_smem(q_gmem.at[batch, rows, head], qo_smem, q_ready)
     plgpu.barrier_wait(q_ready)
-    factor = logit_scale(h)
-    tile, row = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
+    factor, tile, row = logit_scale(h), plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
 
-    def step(masked: bool, start, index, k_smem, v_smem, carry):  # m: the running max of base-2 logits
+    def step(masked: bool, j, k_smem, v_smem, carry):  # m: the running max of base-2 logits
         m, l, acc = carry
-        s = _product(qo_smem, k_smem.T, (ROWS, bk))
+        s = product(qo_smem, k_smem.T, (ROWS, bk))
         if masked:
-            query = i * ROWS + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=tile)
-            key = (start + index[0]) * bk + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=tile)
-            s = jnp.where(key <= query if plan.causal else key < plan.length, s, -jnp.inf)
+            s = mask(plan, s, i * ROWS, j * bk)
         m_new = jnp.maximum(m, s.max(axis=1) * factor)
         p = jnp.exp2(s * factor - lax.broadcast_in_dim(m_new, s.shape, [0]))
         alpha = jnp.exp2(m - m_new)  # 0 on the first tile (m = -inf), where acc and l are 0
         p_smem[...] = p.astype(p_smem.dtype)
         plgpu.commit_smem()  # p's stores visible to wgmma's reads
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + _product(p_smem, v_smem, (ROWS, h))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + product(p_smem, v_smem, (ROWS, h))
         return m_new, l * alpha + p.sum(axis=1), acc
-
-    def sweep(start, stop, masked: bool, carry):
-        if isinstance(stop, int) and stop == start:  # full attention without padded keys: no masked tiles
-            return carry
-        spec = plgpu.BlockSpec((bk, h), lambda j: (start + j, 0), transforms=tiles)
-        run = plgpu.emit_pipeline(functools.partial(step, masked, start), grid=(stop - start,), in_specs=[spec, spec],
-                                  max_concurrent_steps=plan.stages, init_carry=carry)
-        kv_head = lax.div(head, plan.groups)
-        return run(k_gmem.at[batch, :, kv_head], v_gmem.at[batch, :, kv_head])
 
     carry = (plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row),
              plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row),
              plgpu.layout_cast(jnp.zeros((ROWS, h), jnp.float32), tile))
-    if plan.causal:  # tiles before row i·64 unmasked, then up to the one holding row i·64 + 63
-        visible = lax.div(i * ROWS, bk)
-        carry = sweep(visible, lax.div(i * ROWS + ROWS + bk - 1, bk), True, sweep(0, visible, False, carry))
-    else:
-        padded_keys = plan.length // bk
-        carry = sweep(padded_keys, k_gmem.shape[1] // bk, True, sweep(0, padded_keys, False, carry))
+    kv_head = lax.div(head, plan.groups)
+    carry = kv_sweeps(plan, i, step, carry, (k_gmem.at[batch, :, kv_head], v_gmem.at[batch, :, kv_head]), tiles)
     m, l, acc = carry
     qo_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(qo_smem.dtype)
     lse_smem[...] = m * LN2 + jnp.log(l)  # m is base 2, lse natural
@@ -154,7 +154,36 @@ def _forward_body(q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, qo_smem, p_smem, l
     plgpu.wait_smem_to_gmem(0)
 
 
-def _product(a_smem, b_smem, shape: tuple[int, int]) -> jax.Array:
+def kv_sweeps(plan: Plan, i, step, carry, kv_gmem: tuple, tiles):
+    """The kv tiles that q block i (64 rows) sees, streamed from the [Lp, H] refs kv_gmem by
+    `plgpu.emit_pipeline` into step(masked, j, *tiles, carry) -> carry: causal, those wholly
+    before row 64·i unmasked, then up to the one holding row 64·i + 63 masked; full, the tiles
+    of real keys unmasked, then those holding padded keys masked."""
+    bk, n_kv = plan.block_k, kv_gmem[0].shape[0] // plan.block_k
+    if plan.causal:
+        visible = lax.div(i * ROWS, bk)
+        ranges = [(0, visible, False), (visible, lax.div(i * ROWS + ROWS + bk - 1, bk), True)]
+    else:
+        ranges = [(0, plan.length // bk, False), (plan.length // bk, n_kv, True)]
+    for start, stop, masked in ranges:
+        if isinstance(stop, int) and stop == start:  # static and empty: no padded keys
+            continue
+        spec = plgpu.BlockSpec((bk, kv_gmem[0].shape[1]), lambda j, start=start: (start + j, 0), transforms=tiles)
+        body = lambda index, *refs, start=start, masked=masked: step(masked, start + index[0], *refs)  # noqa: E731
+        carry = plgpu.emit_pipeline(body, grid=(stop - start,), in_specs=[spec] * len(kv_gmem),
+                                    max_concurrent_steps=plan.stages, init_carry=carry)(*kv_gmem)
+    return carry
+
+
+def mask(plan: Plan, s: jax.Array, first_query, first_key) -> jax.Array:
+    """s [bq, bk] in the wgmma accumulator's layout with -inf where a key is hidden from a query
+    (causal: the key after it; full: a padded key)."""
+    query = first_query + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+    key = first_key + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+    return jnp.where(key <= query if plan.causal else key < plan.length, s, -jnp.inf)
+
+
+def product(a_smem, b_smem, shape: tuple[int, int]) -> jax.Array:
     """a @ b of two shared-memory tiles by wgmma, into a fresh fp32 accumulator read back to
     registers (the read waits for the wgmma)."""
 
