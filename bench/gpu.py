@@ -46,7 +46,10 @@ Stage times above were measured on one H100 (2026-11-24, bench/results/gpu-h100-
 recorded as skipped.
 Each stage runs inside try/except: an error is recorded as {"error": ...} under its name and
 the next stage runs; the JSON is rewritten after every stage, so a run cut short keeps what it
-measured. Timing: compile and run once, then the median of several timed runs, each waited
+measured. A kernel that hangs is not caught: --cores drops a core from the correctness and
+attention stages (pallas-mosaic, the Mosaic GPU kernels, is the one never run on a GPU before;
+give it its own short first call, e.g. `timeout 120 python -m bench.attention --cores
+pallas-mosaic --lengths 2048 --head-dims 128`). Timing: compile and run once, then the median of several timed runs, each waited
 for with jax.block_until_ready. All stages share one process, so `peak_memory_bytes_per_device`
 (memory_stats) is the process's peak so far: training cases run smallest first, and XLA's
 static memory analysis of each step is recorded beside it.
@@ -72,6 +75,7 @@ import traceback
 from pathlib import Path
 
 from bench import gpu_device, gpu_training
+from bench.attention import CORES as ATTENTION_CORES
 from bench.common import error_text
 from bench.gpu_correctness import correctness
 from bench.gpu_summary import summary_lines
@@ -103,6 +107,7 @@ class Sizes:
     train_steps: int
     flag_cases: tuple[tuple[str, str, tuple[str, ...], str], ...]  # (preset, remat, overrides, XLA option)
     profile_cases: tuple[tuple[str, tuple[str, ...]], ...]  # (preset, overrides)
+    cores: tuple[str, ...] = ATTENTION_CORES  # those the correctness and attention stages run (--cores)
 
 
 def _batch(micro: int, accum: int, seq: int) -> tuple[str, ...]:
@@ -144,10 +149,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="where the profile stage's run goes (default runs/<out stem>-profile)")
     p.add_argument("--budget", type=float, default=480, help="seconds; later stages are skipped (default 480)")
     p.add_argument("--cpu-smoke", action="store_true", help="run every stage on CPU at tiny shapes (proves the script)")
+    p.add_argument("--cores", default=",".join(ATTENTION_CORES),
+                   help=f"attention cores of the correctness and attention stages, xla among them (default "
+                   f"{','.join(ATTENTION_CORES)}); e.g. leave pallas-mosaic out after a first run found it hangs")
     args = p.parse_args(argv)
     args.stages = [s for s in args.stages.split(",") if s]
     if not args.stages or set(args.stages) - set(STAGES):
         raise ConfigError(f"--stages {','.join(args.stages)!r}: choose from {','.join(STAGES)}")
+    given = [c for c in args.cores.split(",") if c]
+    if set(given) - set(ATTENTION_CORES) or "xla" not in given:
+        raise ConfigError(f"--cores {args.cores!r}: choose from {','.join(ATTENTION_CORES)}, xla among them "
+                          "(the correctness stage's reference)")
+    args.cores = tuple(c for c in ATTENTION_CORES if c in given)
     check_at_least(args, 1, "--budget")
     check_out(args.out)
     return args
@@ -165,11 +178,12 @@ def stage_ceilings(sizes: Sizes) -> dict:
 
 
 def stage_correctness(sizes: Sizes) -> dict:
-    return correctness(sizes.check_lengths, sizes.check_fp32_lengths, sizes.check_heads, sizes.tiny_sets)
+    return correctness(sizes.check_lengths, sizes.check_fp32_lengths, sizes.check_heads, sizes.tiny_sets, sizes.cores)
 
 
 def stage_attention(sizes: Sizes) -> dict:
-    return gpu_device.attention_speed(sizes.bench_lengths, sizes.bench_heads, sizes.bench_tokens, sizes.timed_runs)
+    return gpu_device.attention_speed(sizes.bench_lengths, sizes.bench_heads, sizes.bench_tokens, sizes.timed_runs,
+                                      sizes.cores)
 
 
 # --- stages 5-7: training speed, XLA options on and off, profile (bench/gpu_training.py) ---------
@@ -218,7 +232,7 @@ def main(argv: list[str]) -> int:
     if backend != "gpu" and not args.cpu_smoke:
         print(f"gpu-check: no GPU found (jax backend is {backend}); nothing to measure (--cpu-smoke runs it on CPU)")
         return 0
-    sizes, start = (SMOKE if args.cpu_smoke else GPU), time.perf_counter()
+    sizes, start = dataclasses.replace(SMOKE if args.cpu_smoke else GPU, cores=args.cores), time.perf_counter()
     stages = ["environment"] + [s for s in args.stages if s != "environment"]  # the report's name needs it
     report = run_record("bench.gpu", argv) | {"smoke": args.cpu_smoke}
     if args.cpu_smoke:

@@ -38,9 +38,9 @@ def relative_errors(got, want) -> dict:
     return errors
 
 
-def check_point(dtype: str, length: int, heads: tuple[int, int, int]) -> list[dict]:
-    """One point: pallas, pallas-mosaic and cudnn against xla (computed once) on causal GQA
-    attention, value and gradients; one row per core."""
+def check_point(dtype: str, length: int, heads: tuple[int, int, int], cores: tuple[str, ...]) -> list[dict]:
+    """One point: each of `cores` (of pallas, pallas-mosaic, cudnn; xla is the reference) against
+    xla (computed once) on causal GQA attention, value and gradients; one row per core."""
     import jax
     import jax.numpy as jnp
 
@@ -53,7 +53,7 @@ def check_point(dtype: str, length: int, heads: tuple[int, int, int]) -> list[di
     shapes = [(1, length, n, h), (1, length, kv, h), (1, length, kv, h), (1, length, n, h)]
     q, k, v, d_out = (jax.random.normal(key, s, jnp.float32).astype(dtype) for key, s in zip(keys, shapes))
     want, rows = None, []
-    for core in ("pallas", "pallas-mosaic", "cudnn"):
+    for core in (c for c in cores if c != "xla"):
         if core == "cudnn" and jax.default_backend() != "gpu":
             rows.append({"core": core} | row | {"status": "unavailable on cpu"})
             continue
@@ -119,11 +119,11 @@ def train_steps_check(tiny_sets: tuple[str, ...]) -> list[dict]:
 
 
 def correctness(lengths: tuple[int, ...], fp32_lengths: tuple[int, ...], heads: tuple[int, int, int],
-                tiny_sets: tuple[str, ...]) -> dict:
+                tiny_sets: tuple[str, ...], cores: tuple[str, ...]) -> dict:
     """The stage's record: every point (bf16 at `lengths`, fp32 at `fp32_lengths`; heads N, K,
     H), the tiny train step per core, and a pass/fail verdict over what ran."""
     points = [("bfloat16", n) for n in lengths] + [("float32", n) for n in fp32_lengths]
-    cases = [row for dtype, length in points for row in check_point(dtype, length, heads)]
+    cases = [row for dtype, length in points for row in check_point(dtype, length, heads, cores)]
     steps = train_steps_check(tiny_sets)
     judged = [r["status"] for r in cases + steps if r["status"] in ("pass", "fail", "error")]
     return {"tolerance": TOLERANCE, "cases": cases, "train_step": steps,

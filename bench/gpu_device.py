@@ -87,9 +87,10 @@ def ceilings(n: int, copy_bytes: int, runs: int) -> dict:
     }
 
 
-def attention_speed(lengths: tuple[int, ...], heads: tuple[int, int, int], tokens: int, runs: int) -> dict:
-    """bench/attention.py's `measure` of each core at each L (causal, bf16, heads = N, K, H):
-    forward and forward+backward TFLOP/s, also as fractions of the datasheet peak."""
+def attention_speed(lengths: tuple[int, ...], heads: tuple[int, int, int], tokens: int, runs: int,
+                    cores: tuple[str, ...] = CORES) -> dict:
+    """bench/attention.py's `measure` of each of `cores` at each L (causal, bf16, heads = N, K,
+    H): forward and forward+backward TFLOP/s, also as fractions of the datasheet peak."""
     import jax
 
     from bench.attention import core_fn, measure
@@ -99,7 +100,7 @@ def attention_speed(lengths: tuple[int, ...], heads: tuple[int, int, int], token
     ns = argparse.Namespace(tokens=tokens, heads=n, kv_heads=kv, dtype="bfloat16", steps=runs)
     peak, rows = peak_flops(jax.devices()[0]), []
     for length in lengths:
-        for core in CORES:
+        for core in cores:
             if core == "cudnn" and jax.default_backend() != "gpu":
                 rows.append({"core": core, "causal": True, "length": length, "head_dim": h,
                              "status": "unavailable on cpu"})

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import GPU_INTERPRET, ROOT, child_env, run_module
 
 
@@ -55,6 +57,23 @@ def test_cpu_smoke_writes_real_numbers(tmp_path):
     assert abs(sum(profile["ops"]["fractions"].values()) - 1) < 1e-6
     assert profile["ops"]["fractions"].get("matmul", 0) > 0
     assert "correctness" in done.stdout and "verdict: pass" in done.stdout
+
+
+def test_cores_limits_the_attention_stages(tmp_path):
+    """--cores leaves a core out of the correctness and attention stages (xla must stay: it is
+    the reference)."""
+    from bench.gpu import parse_args
+    from configs import ConfigError
+
+    out = tmp_path / "gpu.json"
+    done = run_module("bench.gpu", "--cpu-smoke", "--stages", "attention", "--cores", "xla,pallas", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert [r["core"] for r in report["stages"]["attention"]["rows"]] == ["pallas", "xla"]
+    assert report["sizes"]["cores"] == ["pallas", "xla"]
+    with pytest.raises(ConfigError, match="--cores 'pallas,cudnn': choose from pallas,pallas-mosaic,cudnn,xla, xla "
+                                          "among them"):
+        parse_args(["--cores", "pallas,cudnn"])
 
 
 def test_without_gpu_says_so_in_one_line(tmp_path):
