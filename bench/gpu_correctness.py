@@ -3,8 +3,9 @@
 Per point (dtype, L; causal GQA): out, dq, dk, dv of pallas, pallas-mosaic (its kernels in
 Mosaic GPU, bench/attention.py) and cudnn against the xla core's, computed once per point, as
 max |core - xla| / max |xla| per output, at the tolerances of tests/test_flash_attention.py; fp32
-runs under jax.default_matmul_precision('highest') so TF32 does not stand in for fp32 (cuDNN and
-the Mosaic GPU kernels take fp16/bf16 only: their fp32 points are 'n/a'). Then one
+runs under jax.default_matmul_precision('highest') so TF32 does not stand in for fp32 (cuDNN takes
+fp16/bf16 only, and a core that refuses its inputs or the device, as the Mosaic GPU kernels do
+fp32, is recorded 'n/a' with its reason). Then one
 optimizer step of the tiny preset per core, its loss against xla's. Off a GPU cudnn is
 recorded as unavailable.
 """
@@ -57,9 +58,8 @@ def check_point(dtype: str, length: int, heads: tuple[int, int, int], cores: tup
         if core == "cudnn" and jax.default_backend() != "gpu":
             rows.append({"core": core} | row | {"status": "unavailable on cpu"})
             continue
-        if core != "pallas" and dtype == "float32":
-            what = "cuDNN fused attention" if core == "cudnn" else "the Mosaic GPU kernels"
-            rows.append({"core": core} | row | {"status": f"n/a: {what} take{'s' * (core == 'cudnn')} fp16/bf16 only"})
+        if core == "cudnn" and dtype == "float32":
+            rows.append({"core": core} | row | {"status": "n/a: cuDNN fused attention takes fp16/bf16 only"})
             continue
         start = time.perf_counter()
         try:
@@ -68,7 +68,7 @@ def check_point(dtype: str, length: int, heads: tuple[int, int, int], cores: tup
                     want = jax.jit(lambda *a: _out_and_grads(core_fn("xla", True), *a))(q, k, v, d_out)
                 got = jax.jit(lambda *a, c=core: _out_and_grads(core_fn(c, True), *a))(q, k, v, d_out)
             errors = relative_errors(got, want)
-        except ConfigError as err:  # the core cannot run here (the Mosaic GPU kernels off Hopper): not judged
+        except ConfigError as err:  # the core refuses these inputs or this device (Mosaic GPU: fp32, pre-Hopper)
             rows.append({"core": core} | row | {"status": f"n/a: {err}"})
             continue
         except Exception as err:  # noqa: BLE001

@@ -66,8 +66,13 @@ def _scores(plan: Plan, q, k, q_start, k_start, masked: bool, keys_first: bool =
         return s
     query = q_start + lax.broadcasted_iota(jnp.int32, s.shape, 1 if keys_first else 0)
     key = k_start + lax.broadcasted_iota(jnp.int32, s.shape, 0 if keys_first else 1)
-    visible = key <= query if plan.causal else key < plan.length
-    return jnp.where(visible, s, -jnp.inf)
+    return jnp.where(visible(plan, query, key), s, -jnp.inf)
+
+
+def visible(plan: Plan, query: jax.Array, key: jax.Array) -> jax.Array:
+    """Whether a key position is seen by a query position: causal, not after it; full, not a
+    padded key."""
+    return key <= query if plan.causal else key < plan.length
 
 
 def _sweep(step, ranges, carry):
@@ -77,7 +82,7 @@ def _sweep(step, ranges, carry):
     return carry
 
 
-def _kv_ranges(plan: Plan, i, n_kv: int):
+def kv_ranges(plan: Plan, i, n_kv: int):
     """kv blocks that q block i visits: unmasked ones first, then those needing the mask.
 
     Causal: block j is wholly visible when its last key precedes row i*bq, and skipped when it
@@ -86,18 +91,18 @@ def _kv_ranges(plan: Plan, i, n_kv: int):
     """
     bq, bk = plan.block_q, plan.block_k
     if plan.causal:
-        visible = lax.div(i * bq, bk)  # lax.div truncates: = // for these ints >= 0, one op to lower
-        return [(0, visible, False), (visible, lax.div(i * bq + bq + bk - 1, bk), True)]
+        whole = lax.div(i * bq, bk)  # lax.div truncates: = // for these ints >= 0, one op to lower
+        return [(0, whole, False), (whole, lax.div(i * bq + bq + bk - 1, bk), True)]
     return [(0, plan.length // bk, False), (plan.length // bk, n_kv, True)]
 
 
-def _q_ranges(plan: Plan, j, n_q: int):
+def q_ranges(plan: Plan, j, n_q: int):
     """q blocks that see kv block j: causal skips those wholly before it and masks the diagonal."""
     if not plan.causal:
         return [(0, n_q, False)]  # padded keys only reach their own dk/dv rows (module docstring)
     bq, last_key = plan.block_q, j * plan.block_k + plan.block_k - 1
-    first, visible = lax.div(j * plan.block_k, bq), lax.div(last_key + bq - 1, bq)  # visible: rows >= last_key
-    return [(first, visible, True), (visible, n_q, False)]
+    first, whole = lax.div(j * plan.block_k, bq), lax.div(last_key + bq - 1, bq)  # whole: rows >= last_key
+    return [(first, whole, True), (whole, n_q, False)]
 
 
 def forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan: Plan):
@@ -115,7 +120,7 @@ def forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan: Plan):
 
     init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
             jnp.zeros(q.shape, jnp.float32))
-    m, l, acc = _sweep(step, _kv_ranges(plan, i, k_ref.shape[0] // bk), init)
+    m, l, acc = _sweep(step, kv_ranges(plan, i, k_ref.shape[0] // bk), init)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m * LN2 + jnp.log(l)  # m is base 2, lse natural
 
@@ -131,7 +136,7 @@ def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, plan: 
         ds = p * (_dot(do, v, NT) - delta)
         return dq + _dot(ds.astype(k.dtype), k, NN)
 
-    dq = _sweep(step, _kv_ranges(plan, i, k_ref.shape[0] // bk), jnp.zeros(q.shape, jnp.float32))
+    dq = _sweep(step, kv_ranges(plan, i, k_ref.shape[0] // bk), jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * (1.0 / math.sqrt(q.shape[-1]))).astype(dq_ref.dtype)
 
 
@@ -153,7 +158,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, 
         return dk + _dot(ds_t.astype(q.dtype), q, NN), dv + _dot(p_t.astype(do.dtype), do, NN)
 
     def head(g, carry):  # the G q heads of this kv head add into the same dk, dv
-        return _sweep(functools.partial(step, g=g), _q_ranges(plan, j, q_ref.shape[0] // bq), carry)
+        return _sweep(functools.partial(step, g=g), q_ranges(plan, j, q_ref.shape[0] // bq), carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, plan.groups, head, (zeros, zeros))

@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from configs.base import ConfigError
-from model.kernels.flash_kernels import LN2, Plan, logit_scale
+from model.kernels.flash_kernels import LN2, Plan, kv_ranges, logit_scale, visible
 from sharding.cores import FUSED_DTYPES, device_capability
 
 ROWS = 64  # wgmma's M per warpgroup: the one block_q of this kernel
@@ -159,13 +159,8 @@ def kv_sweeps(plan: Plan, i, step, carry, kv_gmem: tuple, tiles):
     `plgpu.emit_pipeline` into step(masked, j, *tiles, carry) -> carry: causal, those wholly
     before row 64·i unmasked, then up to the one holding row 64·i + 63 masked; full, the tiles
     of real keys unmasked, then those holding padded keys masked."""
-    bk, n_kv = plan.block_k, kv_gmem[0].shape[0] // plan.block_k
-    if plan.causal:
-        visible = lax.div(i * ROWS, bk)
-        ranges = [(0, visible, False), (visible, lax.div(i * ROWS + ROWS + bk - 1, bk), True)]
-    else:
-        ranges = [(0, plan.length // bk, False), (plan.length // bk, n_kv, True)]
-    for start, stop, masked in ranges:
+    bk = plan.block_k
+    for start, stop, masked in kv_ranges(plan, i, kv_gmem[0].shape[0] // bk):  # flash_kernels.py's ranges
         if isinstance(stop, int) and stop == start:  # static and empty: no padded keys
             continue
         spec = plgpu.BlockSpec((bk, kv_gmem[0].shape[1]), lambda j, start=start: (start + j, 0), transforms=tiles)
@@ -180,7 +175,7 @@ def mask(plan: Plan, s: jax.Array, first_query, first_key) -> jax.Array:
     (causal: the key after it; full: a padded key)."""
     query = first_query + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
     key = first_key + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-    return jnp.where(key <= query if plan.causal else key < plan.length, s, -jnp.inf)
+    return jnp.where(visible(plan, query, key), s, -jnp.inf)
 
 
 def product(a_smem, b_smem, shape: tuple[int, int]) -> jax.Array:

@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from model.kernels.flash_kernels import LOG2E, Plan, logit_scale
+from model.kernels.flash_kernels import LOG2E, Plan, logit_scale, q_ranges
 from model.kernels.flash_mosaic import ROWS, kv_sweeps, launch, mask, product, swizzled
 
 
@@ -132,10 +132,8 @@ def _dkv_body(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, dk_gmem, dv
 
     zeros = plgpu.layout_cast(jnp.zeros((ROWS, h), jnp.float32), plgpu.Layout.WGMMA)
     carry = (zeros, zeros)
-    if plan.causal:  # block j holds the diagonal (bq = bk): masked; the blocks after it see all 64 keys
-        carry = sweep(j + 1, n_q, False, sweep(j, j + 1, True, carry))
-    else:
-        carry = sweep(0, n_q, False, carry)
+    for start, stop, masked in q_ranges(plan, j, n_q):  # causal (bq = bk): the diagonal block masked, then the rest
+        carry = sweep(start, stop, masked, carry)
     dk, dv = carry
     k_smem[...] = (dk * (1.0 / math.sqrt(h))).astype(k_smem.dtype)
     v_smem[...] = dv.astype(v_smem.dtype)
