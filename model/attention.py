@@ -37,7 +37,7 @@ from model.kernels.flash_attention import flash_block_backward, flash_block_forw
 from model.kernels.sharded import sharded_flash_attention
 from model.layers import apply_rotary, param
 from sharding.context_parallel import BlockCore, allgather_attention, ring_attention
-from sharding.cores import core_problem, device_capability
+from sharding.cores import core_problem, target
 from sharding.rules import constrain
 from sharding.tensor_parallel import Local, Sharded, TensorParallel
 
@@ -69,7 +69,7 @@ def attention_core(name: str, cfg: ModelConfig, context: str | None = None):
     parallelism (`context` ring | allgather) the core runs per block of the sequence axis, inside
     the attention region (sharding/context_parallel.py): xla, or the Pallas kernel's block
     forward and backward."""
-    problem = core_problem(name, jax.default_backend(), device_capability(), cfg.compute_dtype, cfg.head_dim)
+    problem = core_problem(name, *target(), cfg.compute_dtype, cfg.head_dim)
     if problem:
         raise ConfigError(f"--set model.attention={name}: {problem}")
     if context:

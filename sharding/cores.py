@@ -27,6 +27,10 @@ causal, H = 128, N = 32, K = 8, bf16, forward + backward TFLOP/s):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 CORES = ("auto", "xla", "cudnn", "pallas")
 FUSED_DTYPES = ("bfloat16", "float16")
 
@@ -83,3 +87,29 @@ def device_capability() -> tuple[int, int] | None:
 
     text = getattr(jax.devices()[0], "compute_capability", None)
     return tuple(int(x) for x in text.split(".")[:2]) if text else None
+
+
+_BUILDING_FOR: contextvars.ContextVar[tuple[str, tuple[int, int] | None] | None] = contextvars.ContextVar(
+    "building_for", default=None)
+
+
+def target() -> tuple[str, tuple[int, int] | None]:
+    """(platform, CUDA capability) that programs traced now are built for: this process's devices
+    (jax's default backend and `device_capability`), or, inside `building_for`, a GPU this
+    process does not have (tools/gpu_compile.py compiles for an H100 on a CPU machine)."""
+    if (chosen := _BUILDING_FOR.get()) is not None:
+        return chosen
+    import jax
+
+    return jax.default_backend(), device_capability()
+
+
+@contextlib.contextmanager
+def building_for(platform: str, capability: tuple[int, int] | None) -> Iterator[None]:
+    """Within: `target()` is (platform, capability), so the attention cores and the Pallas
+    kernels lower for that device whatever this process runs on."""
+    token = _BUILDING_FOR.set((platform, capability))
+    try:
+        yield
+    finally:
+        _BUILDING_FOR.reset(token)

@@ -35,10 +35,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import jax
 
 from configs.base import ModelConfig, RunConfig
-from sharding.cores import choose_core, device_capability
+from sharding.cores import choose_core, target
 from sharding.checks import accumulation_axes, check_run, explicit_context
 from sharding.tensor_parallel import TensorParallel
 
@@ -97,4 +96,4 @@ def parallelize(cfg: RunConfig, sizes: dict[str, int]) -> Strategies:
 
 def device_core(m: ModelConfig, context: bool) -> str:
     """model.attention on the devices this process runs on (auto chosen by sharding/cores.py)."""
-    return choose_core(m.attention, jax.default_backend(), device_capability(), m.compute_dtype, m.head_dim, context)
+    return choose_core(m.attention, *target(), m.compute_dtype, m.head_dim, context)

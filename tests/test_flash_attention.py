@@ -220,14 +220,10 @@ def test_no_length_squared_intermediate():
 def cuda_text(fn, *args) -> str:
     """fn(*args) lowered for CUDA on this CPU machine, as it lowers on one H100 (StableHLO text).
     Only lowering (jax -> Triton IR, or Mosaic GPU's): compiling that to PTX needs the GPU."""
-    from unittest import mock
-
-    from model.kernels import flash_attention as fa, flash_mosaic
+    from sharding.cores import building_for
 
     h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-    with (mock.patch.object(fa.jax, "default_backend", lambda: "gpu"),
-          mock.patch.object(fa, "device_capability", lambda: (9, 0)),
-          mock.patch.object(flash_mosaic, "device_capability", lambda: (9, 0)),
+    with (building_for("gpu", (9, 0)),
           jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100))):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 

@@ -12,7 +12,7 @@ from flax import nnx
 from configs import PRESETS, ConfigError, get_preset
 from conftest import small_config
 from model.transformer import Transformer, count_params
-from sharding.cores import choose_core, core_problem
+from sharding.cores import building_for, choose_core, core_problem
 from training.step import loss_fn
 
 
@@ -184,9 +184,9 @@ def test_auto_takes_the_fastest_core_that_runs(name, platform, capability, dtype
     assert core_problem(core, platform, capability, dtype, head_dim) is None or name != "auto"
 
 
-def test_the_build_resolves_auto_for_its_devices(monkeypatch):
+def test_the_build_resolves_auto_for_its_devices():
     """parallelize hands the model a concrete core: xla on these CPU devices; on a faked H100
-    (platform and capability) cudnn, and under sp > 1 pallas, with the tensor regions' typing
+    (`building_for` an H100) cudnn, and under sp > 1 pallas, with the tensor regions' typing
     off around it."""
     from sharding import strategies
     from sharding.mesh import AXES
@@ -196,11 +196,10 @@ def test_the_build_resolves_auto_for_its_devices(monkeypatch):
         return strategies.parallelize(cfg, {a: getattr(cfg.parallel, a) for a in AXES})
 
     assert resolved("dp=2,tp=2").attention == "xla"
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(strategies, "device_capability", lambda: (9, 0))
-    on_gpu = resolved("dp=2,tp=2")
-    assert on_gpu.attention == "cudnn" and on_gpu.tensor.check_vma and "attention cudnn" in on_gpu.describe()
-    ring = resolved("dp=2,sp=2,tp=2")
-    assert (ring.attention, ring.context, ring.tensor.check_vma) == ("pallas", "ring", False)
-    assert resolved("dp=2,sp=2,tp=2", head_dim=8).attention == "xla"  # Triton's tiles need H >= 16
+    with building_for("gpu", (9, 0)):
+        on_gpu = resolved("dp=2,tp=2")
+        assert on_gpu.attention == "cudnn" and on_gpu.tensor.check_vma and "attention cudnn" in on_gpu.describe()
+        ring = resolved("dp=2,sp=2,tp=2")
+        assert (ring.attention, ring.context, ring.tensor.check_vma) == ("pallas", "ring", False)
+        assert resolved("dp=2,sp=2,tp=2", head_dim=8).attention == "xla"  # Triton's tiles need H >= 16
     assert strategies.Strategies.single_device(small_config().model).attention == "xla"  # fp32

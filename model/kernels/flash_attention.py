@@ -65,7 +65,7 @@ from configs.base import ConfigError
 from model.kernels.flash_kernels import Plan, dkv_kernel, dq_kernel, forward_kernel
 from model.kernels.flash_mosaic import mosaic_forward, mosaic_problem
 from model.kernels.flash_mosaic_backward import mosaic_dkv, mosaic_dq
-from sharding.cores import core_problem, device_capability
+from sharding.cores import core_problem, target
 
 
 LOWERINGS = ("triton", "mosaic")
@@ -220,13 +220,14 @@ def _launch(kernel, plan: Plan, grid, in_specs, out_specs, out_shape):
     dots), on A100 as on H100; it is deprecated, not removed, in 0.11, and its CompilerParams
     keep selecting it. Revisit this one function after measuring on a GPU.
     """
-    if jax.default_backend() != "gpu":
+    platform, capability = target()
+    if platform != "gpu":
         options = {"interpret": True}
     else:
         from jax.experimental.pallas import triton as pltriton
 
         first = jax.tree.leaves(out_shape)[0]  # every first output is [B, L, heads, H]
-        if problem := core_problem("pallas", "gpu", device_capability(), str(first.dtype), first.shape[-1]):
+        if problem := core_problem("pallas", "gpu", capability, str(first.dtype), first.shape[-1]):
             raise ConfigError(f"flash attention on this GPU: {problem}")
         options = {"compiler_params": pltriton.CompilerParams(num_warps=plan.warps, num_stages=plan.stages)}
     return pl.pallas_call(functools.partial(kernel, plan=plan), grid=grid, in_specs=in_specs,

@@ -55,7 +55,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from configs.base import ConfigError
 from model.kernels.flash_kernels import LN2, Plan, kv_ranges, logit_scale, visible
-from sharding.cores import FUSED_DTYPES, device_capability
+from sharding.cores import FUSED_DTYPES, target
 
 ROWS = 64  # wgmma's M per warpgroup: the one block_q of this kernel
 SWIZZLE = 128  # bytes: 64 bf16 elements per swizzled row of a tile
@@ -79,9 +79,8 @@ def mosaic_problem(kernel: str, dtype: str, head_dim: int, block_q: int, block_k
 def backend_options() -> dict:
     """plgpu.kernel's options on this backend: compiled on Hopper or later, interpreted on CPU;
     a ConfigError where neither is possible."""
-    backend = jax.default_backend()
+    backend, capability = target()
     if backend == "gpu":
-        capability = device_capability()
         if capability is None or capability < (9, 0):
             raise ConfigError(f"flash attention: the Mosaic GPU kernels need an NVIDIA GPU of compute capability "
                               f"9.0 or later (this one: {capability}); use the triton lowering")
