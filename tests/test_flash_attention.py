@@ -8,8 +8,9 @@ x B = 1, 3: every value of each axis meets every value of every other axis at le
 `grid()` picks the points greedily, cheapest first on ties: 8 points instead of the 96 of the
 full product (a full product would take several minutes of the suite's 15 on a 2-core CPU;
 the random shapes and padded-key cases below cover the rest). Tiles are the defaults
-(`default_tiling`): 128 x 128 at H = 64, 128 x 64 at H = 128, so L = 384 and 1000 take several
-q and kv blocks, bq != bk is covered, and L = 1000 ends in a ragged block.
+(`default_tiling`): forward and dq 128 x 64, dk/dv 128 x 128 at H = 64 and 64 x 128 at H = 128,
+so L = 384 and 1000 take several q and kv blocks, bq != bk is covered, and L = 1000 ends in a
+ragged block.
 
 Tolerances, on max |pallas - xla| / max |xla| per output (max |xla| floored at 1e-3):
   fp32  1e-5   (observed up to 2e-6)

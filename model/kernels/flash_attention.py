@@ -31,8 +31,9 @@ Under the causal mask, padded keys lie after every real query and are masked alr
 Tiling: each of the three kernels has its own `Tile` (block_q, block_k, Triton's warps and
 pipeline stages): the forward and dq own a q block and sweep kv blocks, dk/dv owns a kv block and
 sweeps q blocks, so each may want its own shape. q, k, v are padded to a multiple of every block
-of the call. `default_tiling` gives them by head dim; `python -m bench.tune_attention` measures
-them on a GPU, one kernel at a time.
+of the call. `default_tiling` gives them by head dim, tiles that ptxas assembles for an H100
+without spilling (`python -m tools.gpu_compile`, which compiles for a GPU on a CPU machine);
+`python -m bench.tune_attention` times them on a GPU, one kernel at a time.
 
 Backend (`_launch`): on CPU the kernels run with `interpret=True` (HLO loops; this is how the
 tests run; warps and stages are ignored). On NVIDIA GPUs they compile with the Pallas Triton
@@ -40,13 +41,15 @@ backend, chosen explicitly by its CompilerParams (see `_launch` for why). On one
 0.11.2) they compile and match xla; the forward ran at 287 TFLOP/s at L = 4096 (H = 128) and the
 forward + backward at 0.44x cudnn with the untuned default tiling
 (bench/results/gpu-nvidia-h100-80gb-hbm3-20261124.json). The kernels have since moved to base-2
-exponentials and the dk/dv kernel to transposed [bk, bq] tiles (flash_kernels.py), not yet
-measured on a GPU.
+exponentials, the dk/dv kernel to transposed [bk, bq] tiles (flash_kernels.py) and the
+default tiles to clean ones (the old ones spilled), none of it yet timed on a GPU.
 
 Mosaic GPU: a `Tile(64, bk, stages=S, lowering="mosaic")` runs that kernel's Hopper form (TMA +
 wgmma: flash_mosaic.py for the forward, flash_mosaic_backward.py for dq and dk/dv) with the same
 inputs and outputs, so each kernel takes either lowering whatever the others take
-(`mosaic_tiling`: all three). Interpreted and lowered on CPU by the tests; `bench.attention`'s
+(`mosaic_tiling`: all three). Interpreted and lowered on CPU by the tests, and all three
+assemble for sm_90a (tools.gpu_compile); at H = 128 the dk/dv kernel spills 564 bytes a
+thread at 255 registers (its fp32 dk and dv accumulators alone hold 128). `bench.attention`'s
 `pallas-mosaic` core puts it beside the Triton kernels on a GPU, `bench.tune_attention` sweeps
 both, and `default_tiling` names the winner once that has run (Triton until then, the one
 measured).
@@ -101,10 +104,18 @@ class Tiling:
 
 
 def default_tiling(head_dim: int) -> Tiling:
-    """By head dim, the same tile for all three kernels (not yet tuned on a GPU): larger heads
-    take smaller kv tiles so a program's tiles stay in SRAM; 8 warps above 64 x 128 tiles."""
-    block_q, block_k = (128, 128) if head_dim <= 64 else (128, 64) if head_dim <= 128 else (64, 32)
-    return Tiling.uniform(block_q, block_k, 4 if block_q * block_k <= 64 * 128 else 8, 2)
+    """By head dim, each kernel's Triton tile: the first that `python -m tools.gpu_compile --sweep`
+    suggests for an H100 (bench/results/gpu-compile-h100.json), i.e. the largest tile that
+    ptxas assembles for sm_90a without spilling registers or serializing its wgmmas, the larger
+    owned block (forward, dq: q rows; dk/dv: keys) first. The tiles these replaced (128 x 128 at
+    H <= 64, 128 x 64 with 4 warps at H = 128) spilled up to 372 bytes a thread in dq and dk/dv
+    at H = 128. Compiled, not timed: `bench.tune_attention` ranks them on a GPU. Head dims
+    compiled: 64, 128, 256; smaller heads take the H = 64 tiles, larger the H = 256 ones."""
+    if head_dim <= 64:
+        return Tiling(Tile(128, 64, 4, 2), Tile(128, 64, 4, 2), Tile(128, 128, 8, 2))
+    if head_dim <= 128:
+        return Tiling(Tile(128, 64, 8, 2), Tile(128, 64, 8, 2), Tile(64, 128, 8, 2))
+    return Tiling(Tile(128, 64, 8, 2), Tile(128, 32, 8, 2), Tile(128, 32, 8, 2))
 
 
 def mosaic_tiling(head_dim: int) -> Tiling:
