@@ -234,6 +234,36 @@ def gpu_table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def gpu_compile_table(record: dict) -> str:
+    """tools.gpu_compile: per head dim and kernel, what ptxas says of the default tile and of
+    mosaic_tiling's (registers; bytes spilled a thread; wgmmas serialized), and how many of the
+    sweep's tiles are clean; then the GPU and the compilers."""
+    found = {(r["head_dim"], r["kernel"], r["lowering"], r["block_q"], r["block_k"], r.get("warps"), r["stages"]): r
+             for r in record["rows"]}
+
+    def said(h: int, kernel: str, tile: str) -> str:
+        lowering, blocks, *rest = tile.split()
+        bq, bk = map(int, blocks.split("x"))
+        warps = int(rest[0][1:]) if len(rest) == 2 else None
+        r = found[h, kernel, lowering, bq, bk, warps, int(rest[-1][1:])]
+        if "registers" not in r:
+            return "does not compile"
+        text = f"{r['registers']} registers" + (f", spills {r['spill_stores']} B" if r["spill_stores"] else "")
+        return text + (", wgmmas serialized" if r["wgmma_serialized"] else "")
+
+    lines = [header("H", "kernel", "default tile", "ptxas", "Mosaic GPU tile", "ptxas", "clean tiles / compiled")]
+    for key, s in record["summary"].items():
+        h, kernel = int(key.split("-")[0][1:]), key.split("-")[1]
+        lines.append(row(h, kernel, s["default"], said(h, kernel, s["default"]), s["mosaic"],
+                         said(h, kernel, s["mosaic"]), f"{len(s['clean_tiles'])} / {s['tiles']}"))
+    env, shape = record["environment"], record["shape"]
+    compilers = ", ".join(f"{name} {v}" for name, v in env["compilers"].items())
+    lines += ["", f"Compiled for {env['compiled_for']} on a CPU machine ({compilers}; jax {env['versions']['jax']}): "
+                  f"the gradient at L = {shape['length']}, N = {shape['heads']}, K = {shape['kv_heads']}, "
+                  f"{SHORT[shape['dtype']]}, causal; `{bench_command(record)}`."]
+    return "\n".join(lines)
+
+
 def step_change_table(pairs: list[tuple[str, dict, dict]]) -> str:
     """bench.step records of one command before and after a change: (commit of `before`, before,
     after) per mesh, one row each. Seconds 2 decimals, ratio 2 decimals."""

@@ -21,7 +21,7 @@ import pytest
 from configs import ConfigError, apply_overrides, get_preset
 from conftest import ROOT, SMALL, child_env, run_module, small_config
 from sharding.mesh import AXES, build_mesh, parse_mesh
-from tools import estimate, op_kinds, roofline, trace_summary, traffic
+from tools import estimate, gpu_target, op_kinds, roofline, trace_summary, traffic
 from tools.bandwidth import load
 from tools.oom import advice
 from tools.plan import format_plan, plan, run_search, xla_figures
@@ -239,10 +239,33 @@ def test_search_without_a_mesh_that_splits_the_batch_names_one_that_does(preset,
     (["--search", "--gpus", "8", "--mesh", "dp=8"], "--mesh dp=8 with --search: the search chooses the mesh"),
     (["--search", "--gpus", "8", "--confirm", "-1"], "--confirm -1: must be >= 0"),
     (["--search", "--gpus", "0"], "--gpus 0: must be >= 1"),
+    (["--mesh", "dp=2", "--compile-for-gpu", "--gpu", "a100"], "--compile-for-gpu with --gpu a100: it compiles for "
+     "h100 or h200"),
+    (["--mesh", "dp=-1", "--compile-for-gpu"], "--compile-for-gpu with --mesh dp=-1: name every axis's size"),
+    (["--search", "--gpus", "8", "--compile-for-gpu"], "--compile-for-gpu with --search: the search compiles"),
 ])
 def test_plan_flags_that_would_be_ignored_or_crash_are_refused(args, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         plan_main(args)
+
+
+@pytest.mark.skipif(not gpu_target.plugin_installed(), reason="jax's CUDA plugin is not installed "
+                    "(pip install -e '.[gpu-compile]')")
+def test_dry_run_compiled_for_h100s_without_one():
+    """--compile-for-gpu: XLA GPU compiles the step for 4 H100s on this CPU machine (the pallas
+    core's Triton kernels under shard_map included); its memory is judged against the GPU, and
+    its census is the GPU program's: the data axis's gradient all-reduce within 5% of the
+    contract (4% above it here: the loss and metrics ride along)."""
+    done = run_module("tools.plan", "--config", "tiny", "--mesh", "dp=2,tp=2", "--compile-for-gpu",
+                      "--set", "model.attention=pallas", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    xla = report["xla"]
+    assert (xla["platform"], xla["device_kind"], xla["attention"]) == ("gpu", "NVIDIA H100 80GB HBM3", "pallas")
+    assert 0 < xla["memory"]["peak"] < 80e9 and "not judged" not in report["verdict"]
+    census = {(r["kind"], r["axes"]): r["bytes_per_device"] for r in xla["census"]}
+    assert set(census) == {("all-reduce", "data"), ("all-reduce", "tensor")}
+    assert census["all-reduce", "data"] == pytest.approx(report["communication"]["data"], rel=0.05)
 
 
 @pytest.mark.slow

@@ -6,11 +6,9 @@ what ptxas says of each: registers, spilled bytes, wgmmas serialized for want of
   python -m tools.gpu_compile --sweep --head-dims 128       # bench.tune_attention's grid of tiles
   python -m tools.gpu_compile --gpu h200 --out F.json
 
-How: jax's CUDA plugin builds a GPU topology from a target description instead of a device
-(XLA's deviceless compilation: `jax.experimental.topologies.get_topology_desc(platform='cuda',
-target_config=...)`, the proto XLA's own GPU specs are written in; `GPUS` below holds the
-datasheet figures). Arrays placed on that compile-only device compile through XLA's whole GPU
-pipeline: Triton and Mosaic GPU lower the kernels and ptxas assembles them for sm_90a. With
+How: on a compile-only device of the GPU (tools/gpu_target.py: XLA's deviceless compilation
+through jax's CUDA plugin) the kernels go through XLA's whole GPU pipeline: Triton and Mosaic
+GPU lower them and ptxas assembles them for sm_90a. With
 `--xla_gpu_ptx_compiler_extra_flags=-v` (Triton kernels) and MOSAIC_GPU_DUMP_PTXAS=1 (Mosaic
 GPU) ptxas logs each kernel's resource use, which this tool reads from the process's own
 stdout/stderr (fds 1 and 2, where the C++ logs go) around each compile. The kernels see the
@@ -36,8 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.metadata
-import importlib.util
 import itertools
 import os
 import re
@@ -47,55 +43,10 @@ from collections.abc import Iterator
 
 from cli import run_cli
 from configs import ConfigError
+from tools.gpu_target import GPUS, check_plugin, compiler_versions, devices
 from tools.measure import RESULTS, check_out, file_path, run_record, write_report
 
 KERNELS = ("forward", "dq", "dkv")
-COMPILERS = ("jax-cuda13-plugin", "jax-cuda12-plugin", "nvidia-cuda-nvcc", "nvidia-cuda-nvcc-cu12")
-MIB = 1 << 20
-
-
-@dataclasses.dataclass(frozen=True)
-class Gpu:
-    """What XLA's GPU compiler reads of a device (GpuDeviceInfoProto), from NVIDIA's H100/H200
-    SXM datasheets; memory as nvidia-smi reports it. Shared memory, registers and thread limits
-    are those of every compute capability 9.0 part."""
-
-    kind: str  # jax's device_kind
-    memory_mib: int
-    bandwidth: float  # bytes/s
-    capability: tuple[int, int] = (9, 0)
-    sms: int = 132
-    l2_bytes: int = 50 * MIB
-    clock_ghz: float = 1.98
-
-    def target_config(self) -> str:
-        major, minor = self.capability
-        return f"""gpu_device_info {{
-  cuda_compute_capability {{ major: {major} minor: {minor} }}
-  threads_per_block_limit: 1024
-  threads_per_warp: 32
-  shared_memory_per_block: 49152
-  shared_memory_per_block_optin: 232448
-  shared_memory_per_core: 233472
-  threads_per_core_limit: 2048
-  registers_per_core_limit: 65536
-  registers_per_block_limit: 65536
-  core_count: {self.sms}
-  fpus_per_core: 128
-  block_dim_limit_x: 2147483647
-  block_dim_limit_y: 65535
-  block_dim_limit_z: 65535
-  memory_bandwidth: {int(self.bandwidth)}
-  l2_cache_size: {self.l2_bytes}
-  clock_rate_ghz: {self.clock_ghz}
-  device_memory_size: {self.memory_mib * MIB}
-}}
-platform_name: "CUDA"
-device_description_str: "{self.kind}"
-"""
-
-
-GPUS = {"h100": Gpu("NVIDIA H100 80GB HBM3", 81559, 3.35e12), "h200": Gpu("NVIDIA H200", 143771, 4.8e12)}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -126,40 +77,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def prepare_environment() -> None:
-    """Before jax is imported: ptxas's verbose log from XLA (Triton kernels) and Mosaic GPU; C++
-    info logs on, with the verbose level of XLA's two ptxas callers (the ptxas binary, the
-    library) raised, since XLA logs a clean ptxas run only at that level; and the CUDA plugin's
-    start-up check of the driver and cuPTI skipped (this machine has neither; compiling needs
-    neither). `--xla_backend_optimization_level` is dropped: the tests turn LLVM's optimisation
-    off to compile CPU programs faster, and it would change the GPU code ptxas sees (the H = 64
-    forward was no longer clean with it off)."""
-    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_backend_optimization_level")]
-    os.environ["XLA_FLAGS"] = " ".join([*kept, "--xla_gpu_ptx_compiler_extra_flags=-v"])
+def ptxas_logs() -> None:
+    """Before jax is imported: ptxas's verbose log from XLA (Triton kernels) and Mosaic GPU, and
+    C++ info logs on with the verbose level of XLA's two ptxas callers (the ptxas binary, the
+    library) raised, since XLA logs a clean ptxas run only at that level."""
+    os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} --xla_gpu_ptx_compiler_extra_flags=-v"
     callers = "subprocess_compilation=2,ptx_compiler_helpers=2"
     vmodule = ",".join(filter(None, (os.environ.get("TF_CPP_VMODULE"), callers)))
-    os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=vmodule,
-                      JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
-
-
-def version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def plugin_installed() -> bool:
-    """Whether jax's CUDA plugin (13 or 12) is installed; it needs no GPU to compile."""
-    if importlib.util.find_spec("jax_plugins") is None:
-        return False
-    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (13, 12))
-
-
-def check_plugin() -> None:
-    if not plugin_installed():
-        raise ConfigError("tools.gpu_compile needs jax's CUDA plugin (no GPU needed): "
-                          "pip install -e '.[gpu-compile]'")
+    os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=vmodule)
 
 
 @contextlib.contextmanager
@@ -199,7 +124,8 @@ def ptxas_report(log: str) -> dict[str, dict]:
 
 
 def candidates(head_dim: int, args: argparse.Namespace) -> list[tuple[str, object]]:
-    """[(kernel the candidate is for, or 'all'; Tiling)], the defaults first, no tiling twice."""
+    """[(kernel the candidate is for, or 'all'; Tiling)]: `default_tiling` first, then each kernel of
+    `mosaic_tiling` beside the default other two, then --sweep's; no tiling twice."""
     from model.kernels.flash_attention import Tile, Tiling, default_tiling, mosaic_tiling
 
     default, mosaic = default_tiling(head_dim), mosaic_tiling(head_dim)
@@ -260,7 +186,7 @@ def rows_for(kernel: str, tiling, log: str, error: str | None, head_dim: int) ->
         if found:
             row.update(found, clean=not (found["spill_stores"] or found["wgmma_serialized"]))
         else:
-            row.update(error=f"the program did not compile: {error}" if error else "ptxas reported nothing for it",
+            row.update(compile_error=f"the program did not compile: {error}" if error else "ptxas reported nothing for it",
                        clean=False)
         rows.append(row)
     return rows
@@ -284,7 +210,7 @@ def print_rows(rows: list[dict]) -> None:
             wgmma = f"serialized: {r['wgmma_serialized']}" if r["wgmma_serialized"] else "ok"
             print(f"{r['head_dim']:>4} {r['kernel']:<8} {tile_text(r):<22} {r['registers']:>5} {spill:>12}  {wgmma}")
         else:
-            print(f"{r['head_dim']:>4} {r['kernel']:<8} {tile_text(r):<22} error: {r['error']}")
+            print(f"{r['head_dim']:>4} {r['kernel']:<8} {tile_text(r):<22} error: {r['compile_error']}")
 
 
 def preference(row: dict) -> tuple:
@@ -295,41 +221,37 @@ def preference(row: dict) -> tuple:
     return -row["block_q"] * row["block_k"], -owned, row.get("warps", 4), row["stages"]
 
 
-def summary(rows: list[dict], defaults: list[dict]) -> dict:
-    """Per H and kernel: the default tile's verdict and the clean tiles, suggested first."""
+def summary(rows: list[dict], defaults: list[dict], mosaic: list[dict]) -> dict:
+    """Per H and kernel: the default tile (`default_tiling`) and `mosaic_tiling`'s, with their
+    verdicts, and the clean tiles, suggested first."""
     out: dict = {}
-    for r in defaults:
+    for r, m in zip(defaults, mosaic):
         clean = sorted((x for x in rows if x["head_dim"] == r["head_dim"] and x["kernel"] == r["kernel"] and x["clean"]),
                        key=preference)
         out[f"h{r['head_dim']}-{r['kernel']}"] = {"default": tile_text(r), "default_clean": r["clean"],
+                                                 "mosaic": tile_text(m), "mosaic_clean": m["clean"],
+                                                 "tiles": sum(x["head_dim"] == r["head_dim"] and x["kernel"] == r["kernel"]
+                                                              for x in rows),
                                                  "clean_tiles": [tile_text(x) for x in clean]}
     return out
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    check_plugin()
-    prepare_environment()
+    gpu = GPUS[args.gpu]
+    check_plugin("tools.gpu_compile")
+    ptxas_logs()
+    with captured_output():
+        device = devices(gpu, 1)[0]
     import jax
-    from jax.experimental import topologies
 
     from tools.measure import environment
 
     jax.config.update("jax_enable_compilation_cache", False)
-    gpu = GPUS[args.gpu]
-    with captured_output() as log:
-        try:
-            topology = topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=gpu.target_config())
-        except (NotImplementedError, jax.errors.JaxRuntimeError) as e:
-            topology = e
-    if isinstance(topology, Exception):
-        raise ConfigError(f"jax {jax.__version__} cannot compile for a GPU without one here: {topology} "
-                          f"(log: {log[0].strip().splitlines()[-1:] or 'empty'})")
-    device = topology.devices[0]
     abstract = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
                                          abstract_device=jax.sharding.AbstractDevice(
                                              device_kind=gpu.kind, num_cores=gpu.sms, platform="gpu"))
-    rows, defaults = [], []
+    rows, defaults, mosaic = [], [], []
     for head_dim in args.head_dims:
         todo = candidates(head_dim, args)
         for i, (kernel, tiling) in enumerate(todo):
@@ -337,13 +259,15 @@ def main(argv: list[str]) -> int:
             found = rows_for(kernel, tiling, *compile_log(tiling, head_dim, args, device, abstract), head_dim)
             if i == 0:
                 defaults += found
+            elif i <= len(KERNELS):  # mosaic_tiling's kernel i - 1 (`candidates`)
+                mosaic += found
             rows += [r for r in found if tile_key(r) not in {tile_key(x) for x in rows}]
     print_rows(rows)
     report = {**run_record("tools.gpu_compile", argv), "gpu": dataclasses.asdict(gpu),
               "environment": {**environment(jax.devices()), "compiled_for": gpu.kind,
-                              "compilers": {p: version(p) for p in COMPILERS}},
+                              "compilers": compiler_versions()},
               "shape": {"length": args.length, "heads": args.heads, "kv_heads": args.kv_heads, "dtype": args.dtype,
-                        "causal": True}, "rows": rows, "summary": summary(rows, defaults)}
+                        "causal": True}, "rows": rows, "summary": summary(rows, defaults, mosaic)}
     for key, s in report["summary"].items():
         print(f"{key}: default {s['default']} {'clean' if s['default_clean'] else 'NOT clean'}; "
               f"{len(s['clean_tiles'])} clean tiles, suggested first: {', '.join(s['clean_tiles'][:3]) or 'none'}")

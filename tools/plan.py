@@ -17,6 +17,9 @@ verdict. Memory on CPU is not GPU memory: XLA CPU keeps bf16 matmuls in fp32 buf
 temp is larger than a GPU's would be (compare under model.compute_dtype=float32); the verdict
 weighs XLA's peak only when it was compiled for a GPU or in fp32.
 
+--compile-for-gpu: the step is compiled by XLA GPU for --gpu (h100, h200) x the mesh's devices,
+on this machine without a GPU (tools/gpu_target.py), so XLA's memory is the GPU's and is judged.
+
 A mesh with pp > 1 compiles the pipelined step of its `parallel.schedule`; the estimate models
 that schedule's memory (gpipe holds M microbatches, 1f1b at most pp: the in-flight peak of its
 table) and bubble (its table's, lock-step and weighted: pipeline/schedule.py).
@@ -77,24 +80,23 @@ def xla_figures(cfg: RunConfig, mesh) -> dict:
     """Compile the real step (pipelined too) on abstract inputs: memory, FLOPs and census per
     device, and the attention core compiled. A core this backend cannot run (cudnn on a
     laptop's CPU) is compiled as model.attention=auto: the plan says so beside XLA's memory."""
-    import jax
-
-    from sharding.cores import core_problem, device_capability
+    from sharding.cores import core_problem, target
     from tools.hlo import census, summary
     from training.build import make_program, compile_step, xla_memory
 
     m = cfg.model
-    if core_problem(m.attention, jax.default_backend(), device_capability(), m.compute_dtype, m.head_dim):
+    if core_problem(m.attention, *target(), m.compute_dtype, m.head_dim):
         cfg = apply_overrides(cfg, ["model.attention=auto"])
     program = make_program(cfg, mesh)  # outside set_mesh (see its docstring)
     compiled, _, _ = compile_step(program.step_fn, mesh, program.state, program.abstract_batch())
     memory = xla_memory(compiled)
     mem = {k: memory[k] for k in ("argument", "output", "alias", "temp")} | {"peak": memory["static_peak"]}
     cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}  # none from a GPU compile without one
     rows = summary(census(compiled.as_text(), dict(mesh.shape)))
-    return {"platform": jax.default_backend(), "attention": program.strategies.attention, "memory": mem,
-            "flops_per_device": cost.get("flops"), "census": rows}
+    return {"platform": target()[0], "device_kind": mesh.devices.flat[0].device_kind,
+            "attention": program.strategies.attention, "memory": mem, "flops_per_device": cost.get("flops"),
+            "census": rows}
 
 
 def links_of(cfg: RunConfig, measured: Measured | None) -> traffic.Links | None:
@@ -169,6 +171,8 @@ def format_plan(report: dict) -> str:
     xla, mem, t = report["xla"], report["memory"], report["time"]
     lines = [f"plan: {report['config']} on {report['mesh']} ({report['devices']} x {report['gpu']}; "
              f"attention {report['attention']})"]
+    if xla and xla["platform"] == "gpu":
+        lines.append(f"  (XLA: compiled by XLA GPU for {report['devices']} x {xla['device_kind']})")
     lines.append(f"\n  {'memory per device':<28}{'estimate':>12}{'XLA':>12}")
     xmem = xla["memory"] if xla else {}
     for name, value in mem.items():
@@ -209,14 +213,33 @@ def format_plan(report: dict) -> str:
     return "\n".join(lines)
 
 
-def dry_run(cfg: RunConfig, gpu: roofline.GPU, as_json: bool, measured: Measured | None = None) -> int:
-    """Compile cfg's step on its mesh (fake devices were requested by the caller) and print the
-    plan, on the measured links where `measured` (tools/bandwidth.py) covers an axis."""
+def dry_run(cfg: RunConfig, gpu: roofline.GPU, as_json: bool, measured: Measured | None = None,
+            compile_for: str | None = None) -> int:
+    """Compile cfg's step on its mesh (fake devices were requested by the caller; or, with
+    `compile_for` a tools/gpu_target.py GPU, that GPU's compile-only devices) and print the plan,
+    on the measured links where `measured` (tools/bandwidth.py) covers an axis."""
     from sharding.mesh import build_mesh, mesh_config
 
-    mesh = build_mesh(cfg.parallel)
+    if compile_for is None:
+        mesh = build_mesh(cfg.parallel)
+        xla = xla_figures(cfg, mesh)
+    else:
+        from sharding.cores import building_for
+        from sharding.mesh import requested_devices
+        from tools.gpu_target import GPUS, devices
+
+        target = GPUS[compile_for]
+        mesh = build_mesh(cfg.parallel, devices(target, requested_devices(cfg.parallel)))
+        with building_for("gpu", target.capability):
+            try:
+                xla = xla_figures(cfg, mesh)
+            except RuntimeError as e:
+                if "cuDNN" not in str(e):
+                    raise
+                raise ConfigError(f"--compile-for-gpu: the cudnn attention core needs cuDNN here to compile ({e}): "
+                                  "pip install nvidia-cudnn-cu13, or plan --set model.attention=pallas") from None
     cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
-    report = plan(cfg, dict(mesh.shape), gpu, xla_figures(cfg, mesh), measured)
+    report = plan(cfg, dict(mesh.shape), gpu, xla, measured)
     print(json.dumps(report, indent=1, default=str) if as_json else format_plan(report))
     return 0
 
@@ -293,11 +316,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--search", action="store_true", help="rank the meshes of --gpus instead of planning --mesh")
     p.add_argument("--confirm", type=int, default=3, help="with --search: compile this many of the top meshes")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--compile-for-gpu", action="store_true",
+                   help="compile the dry run for --gpu's GPUs (h100, h200) on this machine, no GPU needed "
+                   "(jax's CUDA plugin: pip install -e '.[gpu-compile]'), not for fake CPU devices")
     add_bandwidth_arg(p)
     add_calibration_arg(p)
     args = p.parse_args(argv)
     check_at_least(args, 1, "--gpus")
     check_at_least(args, 0, "--confirm")
+    if args.search and args.compile_for_gpu:
+        raise ConfigError("--compile-for-gpu with --search: the search compiles its top meshes on CPU; "
+                          "plan the chosen --mesh with --compile-for-gpu")
     if args.search and args.mesh:
         raise ConfigError(f"--mesh {args.mesh} with --search: the search chooses the mesh of --gpus; drop --mesh, "
                           "or drop --search to plan that mesh")
@@ -314,8 +343,26 @@ def main(argv: list[str]) -> int:
         request_fake_devices(dataclasses.replace(cfg, parallel=dataclasses.replace(
             cfg.parallel, **({a: 1 for a in AXES} | {"data": args.gpus}))))
         return run_search(cfg, args.gpus, gpu, args.confirm, args.json, measured)
+    if args.compile_for_gpu:
+        return compile_for_gpu(cfg, args, gpu, measured)
     request_fake_devices(cfg)
     return dry_run(cfg, gpu, args.json, measured)
+
+
+def compile_for_gpu(cfg: RunConfig, args: argparse.Namespace, gpu: roofline.GPU, measured: Measured | None) -> int:
+    """--compile-for-gpu: the dry run compiled by XLA GPU for --gpu x the mesh's device count
+    (tools/gpu_target.py), so its memory is judged against the GPU and its census is of the
+    GPU program (NCCL collectives as XLA GPU combines and schedules them)."""
+    from sharding.mesh import requested_devices
+    from tools.gpu_target import GPUS, check_plugin
+
+    if args.gpu not in GPUS:
+        raise ConfigError(f"--compile-for-gpu with --gpu {args.gpu}: it compiles for {' or '.join(GPUS)}")
+    if requested_devices(cfg.parallel) is None:
+        raise ConfigError(f"--compile-for-gpu with --mesh {args.mesh or '(none)'}: name every axis's size "
+                          "(no -1), the GPU count it compiles for")
+    check_plugin("tools.plan --compile-for-gpu")
+    return dry_run(cfg, gpu, args.json, measured, compile_for=args.gpu)
 
 
 

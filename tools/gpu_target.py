@@ -1,0 +1,120 @@
+"""Compile for NVIDIA GPUs this machine does not have: an H100 or H200 described, not attached.
+
+jax's CUDA plugin can build a GPU topology from a target description instead of from devices
+(XLA's deviceless compilation: `jax.experimental.topologies.get_topology_desc(platform='cuda',
+topology='1x1xN', target_config=...)`, the GpuTargetConfig proto XLA's own GPU specs are written
+in). Arrays placed on its compile-only devices compile through XLA's whole GPU pipeline: its
+fusion and scheduling passes with meshtrain's GPU flags, NCCL collectives, cuDNN and Triton
+and Mosaic GPU kernels, ptxas down to sm_90a machine code; nothing can run. The code that asks
+which device it is built for (`sharding.cores.target`) must be told, inside
+`sharding.cores.building_for(...)`. Users: tools/gpu_compile.py (the flash kernels' registers)
+and `tools.plan --compile-for-gpu` (a dry run's memory and census as XLA GPU compiles them).
+
+Needs the plugin, ptxas and libdevice (`pip install -e '.[gpu-compile]'`, 1.3 GB; cuDNN too, for
+the cudnn attention core: `jax[cuda13]`), no driver. The figures below are NVIDIA's H100/H200
+SXM datasheets' (memory as nvidia-smi reports it); the rest is every compute capability 9.0
+part's. Why by hand: jax ships no target descriptions, and XLA's live in its source tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import os
+
+from configs import ConfigError
+from sharding.xla_flags import with_flags
+
+MIB = 1 << 20
+COMPILERS = ("jax-cuda13-plugin", "jax-cuda12-plugin", "nvidia-cuda-nvcc", "nvidia-cuda-nvcc-cu12",
+             "nvidia-cudnn-cu13", "nvidia-cudnn-cu12")
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """What XLA's GPU compiler reads of a device (GpuDeviceInfoProto)."""
+
+    kind: str  # jax's device_kind
+    memory_mib: int
+    bandwidth: float  # bytes/s
+    capability: tuple[int, int] = (9, 0)
+    sms: int = 132
+    l2_bytes: int = 50 * MIB
+    clock_ghz: float = 1.98
+
+    def target_config(self) -> str:
+        major, minor = self.capability
+        return f"""gpu_device_info {{
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_block_optin: 232448
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  core_count: {self.sms}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(self.bandwidth)}
+  l2_cache_size: {self.l2_bytes}
+  clock_rate_ghz: {self.clock_ghz}
+  device_memory_size: {self.memory_mib * MIB}
+}}
+platform_name: "CUDA"
+device_description_str: "{self.kind}"
+"""
+
+
+GPUS = {"h100": Gpu("NVIDIA H100 80GB HBM3", 81559, 3.35e12), "h200": Gpu("NVIDIA H200", 143771, 4.8e12)}
+
+
+def version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def compiler_versions() -> dict[str, str]:
+    """The installed plugin, ptxas and cuDNN packages, for a record."""
+    return {p: v for p in COMPILERS if (v := version(p))}
+
+
+def plugin_installed() -> bool:
+    """Whether jax's CUDA plugin (13 or 12) is installed."""
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
+    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (13, 12))
+
+
+def check_plugin(who: str) -> None:
+    """A ConfigError naming the install, where the plugin is missing; else, before jax is
+    imported: meshtrain's GPU flags in XLA_FLAGS (sharding/xla_flags.py, as on a GPU machine;
+    MESHTRAIN_GPU_FLAGS=0 still turns them off), and the plugin's start-up check of the driver
+    and cuPTI skipped (this machine has neither; compiling needs neither). A flag left by the
+    tests, `--xla_backend_optimization_level` (LLVM off, to compile CPU programs faster), is
+    dropped: it changes the GPU code too (the H = 64 flash forward was no longer clean with it)."""
+    if not plugin_installed():
+        raise ConfigError(f"{who} needs jax's CUDA plugin (no GPU needed): pip install -e '.[gpu-compile]'")
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_backend_optimization_level")]
+    os.environ["XLA_FLAGS"] = with_flags(" ".join(kept), env={**os.environ, "JAX_PLATFORMS": "cuda"})
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+
+
+def devices(gpu: Gpu, count: int) -> list:
+    """`count` compile-only devices of `gpu`, one host (`check_plugin` first)."""
+    import jax
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{count}",
+                                                target_config=gpu.target_config())
+    except (NotImplementedError, jax.errors.JaxRuntimeError) as e:
+        raise ConfigError(f"jax {jax.__version__} cannot compile for {count} x {gpu.kind} here: "
+                          f"{str(e).strip().splitlines()[0]}") from None
+    return list(topology.devices)
