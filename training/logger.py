@@ -4,7 +4,9 @@ Only process 0 writes. metrics.jsonl holds one JSON object per log step (step, l
 tokens_per_s, step_time_s, lr, grad_norm, tflops_per_device, mfu, ...) and one per evaluation
 (step, eval_loss, eval_ppl, eval_bpb, eval_time_s: no `loss` key, so a script tells the two
 kinds apart), so runs can be read by scripts; the same scalars go to TensorBoard (tensorboardX,
-no TensorFlow needed), under train/ and eval/.
+no TensorFlow needed), under train/ and eval/. tensorboardX is a dependency, but a GPU image
+with meshtrain installed by `pip install -e . --no-deps` may lack it (the H200 image of
+2026-11-26 did): the run then writes metrics.jsonl alone and says so in one note.
 """
 
 from __future__ import annotations
@@ -33,11 +35,16 @@ class MetricsLogger:
         self.total, self.first = total_steps, first_step  # a resumed run starts at first_step
         self.started = time.perf_counter()
         self.enabled = jax.process_index() == 0
+        self.tb = None
         if self.enabled:
-            from tensorboardX import SummaryWriter
-
             self.jsonl = open(run_dir / "metrics.jsonl", "a")
-            self.tb = SummaryWriter(str(run_dir))
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                say("note: tensorboardX is not installed, so this run writes no TensorBoard event files "
+                    "(metrics.jsonl holds every figure); pip install tensorboardX to have them")
+            else:
+                self.tb = SummaryWriter(str(run_dir))
 
     def log(self, record: dict) -> None:
         """Write one log step's record (must hold step, loss, tokens_per_s, step_time_s, lr, grad_norm)."""
@@ -46,7 +53,7 @@ class MetricsLogger:
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+            if self.tb and key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                 self.tb.add_scalar(f"train/{key}", value, record["step"])
         print(self.line(record), flush=True)
 
@@ -57,7 +64,7 @@ class MetricsLogger:
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         for key in ("eval_loss", "eval_ppl", "eval_bpb"):
-            if record[key] is not None and math.isfinite(record[key]):
+            if self.tb and record[key] is not None and math.isfinite(record[key]):
                 self.tb.add_scalar(f"eval/{key.removeprefix('eval_')}", record[key], record["step"])
         bpb = f" | {record['eval_bpb']:.3f} bits/byte" if record["eval_bpb"] is not None else ""
         print(f"eval {record['step']:>{len(str(self.total))}}/{self.total} | held-out loss {record['eval_loss']:.4f} | "
@@ -88,4 +95,5 @@ class MetricsLogger:
     def close(self) -> None:
         if self.enabled:
             self.jsonl.close()
-            self.tb.close()
+            if self.tb:
+                self.tb.close()
