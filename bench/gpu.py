@@ -141,6 +141,19 @@ SMOKE = Sizes(
 )
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+    """--fp32-lengths: comma-separated positive ints, or none."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated positive lengths, or none")
+    return values
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {','.join(STAGES)}")
@@ -152,6 +165,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cores", default=",".join(ATTENTION_CORES),
                    help=f"attention cores of the correctness and attention stages, xla among them (default "
                    f"{','.join(ATTENTION_CORES)}); e.g. leave pallas-mosaic out after a first run found it hangs")
+    p.add_argument("--fp32-lengths", type=_lengths,
+                   help="L values of the correctness stage's fp32 cases, or none (default: the sizes' own; "
+                   "Pallas Triton in fp32 compiles for about 2 minutes per length on an H100)")
     args = p.parse_args(argv)
     args.stages = [s for s in args.stages.split(",") if s]
     if not args.stages or set(args.stages) - set(STAGES):
@@ -232,7 +248,10 @@ def main(argv: list[str]) -> int:
     if backend != "gpu" and not args.cpu_smoke:
         print(f"gpu-check: no GPU found (jax backend is {backend}); nothing to measure (--cpu-smoke runs it on CPU)")
         return 0
-    sizes, start = dataclasses.replace(SMOKE if args.cpu_smoke else GPU, cores=args.cores), time.perf_counter()
+    sizes = dataclasses.replace(SMOKE if args.cpu_smoke else GPU, cores=args.cores)
+    if args.fp32_lengths is not None:
+        sizes = dataclasses.replace(sizes, check_fp32_lengths=args.fp32_lengths)
+    start = time.perf_counter()
     stages = ["environment"] + [s for s in args.stages if s != "environment"]  # the report's name needs it
     report = run_record("bench.gpu", argv) | {"smoke": args.cpu_smoke}
     if args.cpu_smoke:
