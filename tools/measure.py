@@ -111,6 +111,9 @@ def write_report(report: dict, out: Path, announce: bool = True) -> None:
             print(f"\nwrote {out}")
 
 
+GPU_WARMUP_S = 0.3  # seconds of calls before a GPU timing (median_seconds)
+
+
 def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     """fn(*args), waited for, and the wall-clock seconds from the call to the result."""
     import jax
@@ -121,11 +124,22 @@ def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
 
 
 def median_seconds(fn: Callable[..., Any], args: tuple, steps: int, inner: int = 1) -> float:
-    """Compile and run once; then `steps` times: `inner` calls back to back, waited for; the
-    median per call (inner > 1 hides the host's wait behind short kernels such as one matmul)."""
+    """Compile and run once; on a GPU, run on for GPU_WARMUP_S; then `steps` times: `inner` calls
+    back to back, waited for; the median per call (inner > 1 hides the host's wait behind short
+    kernels such as one matmul).
+
+    The GPU warm-up: a compile leaves the card idle for seconds, and a kernel of a millisecond or
+    two timed ten times right after it measured far apart from one run to the next: the same
+    Mosaic forward at L = 4096, H = 128 gave 257, 291, 367 and 285 TFLOP/s in four processes
+    of one H200 session (2026-11-26, before this warm-up). Idle clocks ramping up under load is
+    the likely cause; the warm-up is what METHOD-style GPU timing asks for in any case. A CPU
+    has no such ramp and is not waited for."""
     import jax
 
     jax.block_until_ready(fn(*args))
+    warm_until = time.perf_counter() + (GPU_WARMUP_S if jax.default_backend() == "gpu" else 0.0)
+    while time.perf_counter() < warm_until:
+        jax.block_until_ready(fn(*args))
     times = []
     for _ in range(steps):
         start = time.perf_counter()
