@@ -198,7 +198,8 @@ def moe_table(record: dict) -> str:
 def gpu_table(record: dict) -> str:
     """bench.gpu on a GPU: the ceilings (TFLOP/s 0 decimals, TB/s 2) and the correctness verdict;
     attention TFLOP/s per length and core, forward / forward + backward (0 decimals); training
-    per case: tokens/s (0 decimals), TFLOP/s per device (0), MFU (% 1 decimal), the measured and
+    per case (", unrolled": model.scan_layers=false): tokens/s (0 decimals), TFLOP/s per device
+    (0), MFU (% 1 decimal), the measured and
     estimated step (ms 0 decimals) and their ratio (2 decimals); the profile's kernel time by
     kind (% 0 decimals)."""
     st = record["stages"]
@@ -215,15 +216,18 @@ def gpu_table(record: dict) -> str:
         at = {r["core"]: r for r in rows if r["length"] == length}
         lines.append(row(length, *[f"{at[k]['forward_tflops']:.0f} / {at[k]['forward_backward_tflops']:.0f}"
                                    for k in cores]))
-    estimate = {(r["preset"], r["remat"]): r for r in record.get("estimate", {}).get("rows", [])}
+    estimate = {(r["preset"], r["remat"], r.get("scan_layers", True)): r
+                for r in record.get("estimate", {}).get("rows", [])}
     lines += ["", header("preset, remat", "tokens/s", "TFLOP/s per device", "MFU", "step measured / estimated",
                          "estimate / measured")]
     for r in st["training"]["rows"]:
+        scan = "model.scan_layers=false" not in r.get("overrides", [])
+        case = f"{r['preset']}, {r['remat']}" + ("" if scan else ", unrolled")
         if r["status"] != "ok":
-            lines.append(row(f"{r['preset']}, {r['remat']}", r["status"], "", "", "", ""))
+            lines.append(row(case, r["status"], "", "", "", ""))
             continue
-        e = estimate.get((r["preset"], r["remat"]))
-        lines.append(row(f"{r['preset']}, {r['remat']}", f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_device']:.0f}",
+        e = estimate.get((r["preset"], r["remat"], scan))
+        lines.append(row(case, f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_device']:.0f}",
                          f"{100 * r['mfu']:.1f}%", f"{1e3 * r['step_time_median_s']:.0f} / "
                          + (f"{1e3 * e['estimate_s']:.0f} ms" if e else "-"), f"{e['ratio']:.2f}" if e else "-"))
     profile = st.get("profile", {})
@@ -276,3 +280,41 @@ def step_change_table(pairs: list[tuple[str, dict, dict]]) -> str:
         lines.append(row(f"`{after['mesh']}`", f"{step(b)} at {commit}", step(a),
                          f"{a['step_time_median_s'] / b['step_time_median_s']:.2f}"))
     return "\n".join(lines)
+
+
+def tile_text(t: dict) -> str:
+    """A sweep row's or tiling's tile: 'triton 128x64 w8 s3' or 'mosaic 64x64 s2'."""
+    warps = f" w{t['warps']}" if t["lowering"] == "triton" else ""
+    return f"{t['lowering']} {t['block_q']}x{t['block_k']}{warps} s{t['stages']}"
+
+
+def tune_table(record: dict) -> str:
+    """bench.tune_attention: per kernel, the tile it started from, the fastest tile, and the
+    fastest of each lowering, with TFLOP/s (0 decimals; the forward's forward alone, dq's and
+    dk/dv's forward + backward); then the start, tuned and reference tilings together, forward
+    / forward + backward TFLOP/s and the ratio of forward + backward to cudnn's (2 decimals)."""
+    shape, env = record["shape"], record["environment"]
+    lines = [f"{env['device_kind']}, jax {env['versions']['jax']}: H = {shape['head_dim']}, L = {shape['length']}, "
+             f"N = {shape['heads']}, K = {shape['kv_heads']}, B = {shape['batch']}, "
+             f"{'causal' if shape['causal'] else 'full'}, {SHORT[shape['dtype']]}.", "",
+             header("kernel", "start tile", "fastest", "fastest triton", "fastest mosaic")]
+    for kernel in ("forward", "dq", "dkv"):
+        key = "forward_tflops" if kernel == "forward" else "forward_backward_tflops"
+        ran = [r for r in record["sweep"] if r["kernel"] == kernel and key in r]
+        start = next(r for r in ran if tile_text(r) == tile_text(record["default"][kernel]))
+
+        def best(rows: list[dict]) -> str:
+            top = max(rows, key=lambda r: r[key], default=None)
+            return f"{tile_text(top)}: {top[key]:.0f}" if top else "-"
+
+        lines.append(row(kernel, f"{tile_text(start)}: {start[key]:.0f}", best(ran),
+                         *(best([r for r in ran if r["lowering"] == lowering]) for lowering in ("triton", "mosaic"))))
+    lines += ["", header("tiling", "forward / forward + backward TFLOP/s", "fwd+bwd / cudnn")]
+    cudnn = next((r for r in record["compare"] if r["core"] == "cudnn" and "error" not in r), None)
+    for r in record["compare"]:
+        if "error" in r:
+            lines.append(row(r["core"], r["error"], "-"))
+            continue
+        ratio = f"{r['forward_backward_tflops'] / cudnn['forward_backward_tflops']:.2f}" if cudnn else "-"
+        lines.append(row(r["core"], f"{r['forward_tflops']:.0f} / {r['forward_backward_tflops']:.0f}", ratio))
+    return "\n".join(lines + ["", f"Tuned: `{record['tuned_line']}`."])

@@ -23,7 +23,7 @@ import shlex
 from pathlib import Path
 
 from bench.figures import (context_table, gpu_compile_table, gpu_table, moe_table, pipeline_table, step_change_table,
-                           step_table, tp_table)
+                           step_table, tp_table, tune_table)
 from cli import run_cli
 from configs import ConfigError
 
@@ -44,7 +44,8 @@ BEFORE = re.compile(r"^(.+)-([0-9a-f]{7,40})$")  # STEM-COMMIT: STEM's record me
 
 # the benchmarks whose table renders one record (bench.step's renders several: step_table)
 TABLES = {"bench.pipeline": pipeline_table, "bench.tp": tp_table, "bench.context": context_table,
-          "bench.moe": moe_table, "bench.gpu": gpu_table, "tools.gpu_compile": gpu_compile_table}
+          "bench.moe": moe_table, "bench.gpu": gpu_table, "tools.gpu_compile": gpu_compile_table,
+          "bench.tune_attention": tune_table}
 
 
 def render(name: str, results: Path) -> str:
