@@ -127,7 +127,7 @@ def main(argv: list[str]) -> int:
     env, causal = environment(jax.devices()[:1]), not args.full
     name = "cpu-interpret-smoke" if env["backend"] != "gpu" else env["device_kind"].lower().replace(" ", "-")
     out = args.out or RESULTS / f"tune-attention-{name}-h{args.head_dim}.json"
-    default = default_tiling(args.head_dim)
+    default = default_tiling(args.head_dim, args.dtype)
     report = run_record("bench.tune_attention", argv) | {
         "environment": env, "interpret_mode": env["backend"] != "gpu",
         "shape": {"length": args.length, "head_dim": args.head_dim, "heads": args.heads, "kv_heads": args.kv_heads,

@@ -97,4 +97,5 @@ def test_kernels_compile_for_an_h100_and_the_default_tiles_are_clean(tmp_path):
         for kernel in ("forward", "dq", "dkv"):
             verdict = record["summary"][f"h{h}-{kernel}"]
             assert verdict["default_clean"], (h, kernel, verdict)
-    assert "h128-dkv: default triton 64x128 w8 s2 clean" in done.stdout
+    assert "h128-dkv: default triton 64x128 w8 s3 clean" in done.stdout
+    assert "h128-forward: default mosaic 64x64" in done.stdout  # the Hopper default at H = 128

@@ -19,8 +19,10 @@ from conftest import ROOT, run_module
 README = ROOT / "README.md"
 RESULTS = ROOT / "bench" / "results"
 STEP_CHANGE = "step-issue18-dp8-55231f2 step-issue18-dp8 step-issue18-fsdp4_tp2-55231f2 step-issue18-fsdp4_tp2"
-MARKED = ["gpu-compile-h100", "pipeline-tiny-pp4", "step-125m-single step-tiny-single step-tiny-dp2_tp2", STEP_CHANGE, "tp-tiny",
-          "context-tiny", "moe-tiny", "moe-tiny-mid", "gpu-nvidia-h100-80gb-hbm3-20261124"]
+TUNE = ["tune-attention-nvidia-h200-h128-warmup", "tune-attention-nvidia-h200-h128", "tune-attention-nvidia-h200-h64"]
+MARKED = [*TUNE, "gpu-compile-h100", "pipeline-tiny-pp4", "step-125m-single step-tiny-single step-tiny-dp2_tp2", STEP_CHANGE, "tp-tiny",
+          "context-tiny", "moe-tiny", "moe-tiny-mid", "gpu-nvidia-h100-80gb-hbm3-20261124",
+          "gpu-nvidia-h200-20261126"]
 
 
 def test_every_readme_figure_block_is_its_records_rendering():
@@ -49,12 +51,21 @@ def test_tables_hold_the_records_figures():
         "moe-tiny": ["| 4, 2 | 1.25 / 0.40 | 158.1 / 70.8 | 5 (3+2) / 4 (2+2) | 24.0 (12.0) / 7.5 (3.8) |",
                      "Capacity dispatch is 2.0-3.1x as fast as dropless", "grouped 65.1 ms, dense loop 1.03x, batched 0.21x."],
         "moe-tiny-mid": ["| 1, 8 | 1.00 (8.34 s) / 0.44 |"],
-        "gpu-compile-h100": ["| 128 | dkv | triton 64x128 w8 s2 | 250 registers | mosaic 64x64 s2 | 255 registers, "
-                             "spills 564 B | 20 / 38 |", "Compiled for NVIDIA H100 80GB HBM3 on a CPU machine"],
+        "gpu-compile-h100": ["| 128 | dkv | triton 64x128 w8 s3 | 255 registers | mosaic 64x64 s2 | 255 registers, "
+                             "spills 564 B | 20 / 38 |", "| 128 | dq | mosaic 64x64 s2 | 182 registers | mosaic 64x64 s2 | "
+                             "182 registers |", "Compiled for NVIDIA H100 80GB HBM3 on a CPU machine"],
         "gpu-nvidia-h100-80gb-hbm3-20261124": [
             "bf16 8192³ GEMM 699 TFLOP/s (71% of peak, __cublas$lt$matmul), copy 2.88 TB/s; correctness pass (10 checks).",
             "| 8192 | 338 / 196 | 521 / 496 | 42 / 57 |", "| 1b, dots | 68,560 | 455 | 46.1% | 478 / 450 ms | 0.94 |",
             "Profile (1b, 2 steps): matmul 45%, elementwise/other 30%, copy 17%, attention kernel 9% of the kernel time."],
+        "gpu-nvidia-h200-20261126": [
+            "| 4096 | 225 / 274 | 257 / 263 | 313 / 417 | 44 / 59 |", "| 1b, none | 63,914 | 425 | 42.9% | 513 / 380 ms | 0.74 |",
+            "| 1b, none, unrolled | 79,117 | 526 | 53.1% | 414 / 380 ms | 0.92 |"],
+        "tune-attention-nvidia-h200-h128-warmup": [
+            "| forward | triton 128x64 w8 s2: 228 | mosaic 64x64 s2: 401 | triton 128x64 w4 s2: 370 | mosaic 64x64 s2: 401 |",
+            "| dkv | triton 64x128 w8 s2: 354 | triton 64x128 w8 s3: 360 | triton 64x128 w8 s3: 360 | mosaic 64x64 s2: 288 |",
+            "| pallas-tuned | 364 / 360 | 0.81 |", "| cudnn | 429 / 443 | 1.00 |"],
+        "tune-attention-nvidia-h200-h64": ["| pallas-tuned | 180 / 237 | - |"],
     }
     for name, figures in expected.items():
         table = render(name, RESULTS)
@@ -73,7 +84,8 @@ def test_every_record_readme_names_is_marked_or_prose_only():
     named |= set(re.findall(r"bench/results/([\w-]+)\.json", text))
     marked = {stem for name, _, _ in blocks(text) for stem in name.split()}
     assert marked == {"gpu-compile-h100", "pipeline-tiny-pp4", "step-125m-single", "step-tiny-single", "step-tiny-dp2_tp2", "tp-tiny",
-                      "context-tiny", "moe-tiny", "moe-tiny-mid", "gpu-nvidia-h100-80gb-hbm3-20261124", *STEP_CHANGE.split()}
+                      "context-tiny", "moe-tiny", "moe-tiny-mid", "gpu-nvidia-h100-80gb-hbm3-20261124",
+                      "gpu-nvidia-h200-20261126", *TUNE, *STEP_CHANGE.split()}
     assert named - marked == set(PROSE_ONLY)
     assert not marked & set(PROSE_ONLY)
 

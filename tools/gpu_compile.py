@@ -18,10 +18,12 @@ bench.tune_attention); a tile that spills or serializes its wgmmas is slow there
 this report names. The persistent compilation cache is off here, since a cached kernel
 skips ptxas.
 
-Candidates, per head dim: the default tiling (`default_tiling`, Triton) and `mosaic_tiling`;
+Candidates, per head dim: the Triton tiles (`triton_tiling`) and each kernel of `mosaic_tiling`
+beside them; the default (`default_tiling` for --gpu and --dtype: at H = 128 the Mosaic GPU
+forward and dq beside the Triton dk/dv) is read from those;
 `--sweep` adds every Triton tile of --blocks x --warps x --stages (all three kernels at once)
 and each kernel's Mosaic GPU tiles (block_q 64, block_k from --mosaic-blocks, dk/dv 64 only, x
---stages), a Mosaic kernel compiled beside the default Triton ones so the log names it alone.
+--stages), a Mosaic kernel compiled beside the Triton other two so the log names it alone.
 A tile that does not compile (Triton out of shared memory) records its error. Shapes: B 1, L
 --length, N --heads, K --kv-heads, causal, --dtype; the gradient (forward, dq, dk/dv).
 
@@ -124,22 +126,46 @@ def ptxas_report(log: str) -> dict[str, dict]:
 
 
 def candidates(head_dim: int, args: argparse.Namespace) -> list[tuple[str, object]]:
-    """[(kernel the candidate is for, or 'all'; Tiling)]: `default_tiling` first, then each kernel of
-    `mosaic_tiling` beside the default other two, then --sweep's; no tiling twice."""
-    from model.kernels.flash_attention import Tile, Tiling, default_tiling, mosaic_tiling
+    """[(kernel the candidate is for, or 'all'; Tiling)]: `triton_tiling` first, then each kernel
+    of `mosaic_tiling` beside the Triton other two, then --sweep's; no tiling twice. A program
+    holds at most one Mosaic GPU kernel: ptxas names each of them anonymous_mosaic_gpu_kernel,
+    so two in one log could not be told apart (the default at H = 128 has two: its rows are
+    read from these candidates', `default_for`)."""
+    from model.kernels.flash_attention import Tile, Tiling, mosaic_tiling, triton_tiling
 
-    default, mosaic = default_tiling(head_dim), mosaic_tiling(head_dim)
-    found = [("all", default)] + [(k, dataclasses.replace(default, **{k: getattr(mosaic, k)})) for k in KERNELS]
+    triton, mosaic = triton_tiling(head_dim), mosaic_tiling(head_dim)
+    found = [("all", triton)] + [(k, dataclasses.replace(triton, **{k: getattr(mosaic, k)})) for k in KERNELS]
     if args.sweep:
         found += [("all", Tiling.uniform(bq, bk, w, s))
                   for bq, bk, w, s in itertools.product(args.blocks, args.blocks, args.warps, args.stages)]
         for kernel, bk, s in itertools.product(KERNELS, args.mosaic_blocks, args.stages):
             if kernel != "dkv" or bk == 64:
-                found.append((kernel, dataclasses.replace(default, **{kernel: Tile(64, bk, stages=s, lowering="mosaic")})))
+                found.append((kernel, dataclasses.replace(triton, **{kernel: Tile(64, bk, stages=s, lowering="mosaic")})))
     unique: dict = {}
     for kernel, tiling in found:
         unique.setdefault(tiling, kernel)
     return [(kernel, tiling) for tiling, kernel in unique.items()]
+
+
+def default_for(head_dim: int, args: argparse.Namespace):
+    """`default_tiling` as --gpu in --dtype gets it."""
+    from model.kernels.flash_attention import default_tiling
+    from sharding.cores import building_for
+
+    with building_for("gpu", GPUS[args.gpu].capability):
+        return default_tiling(head_dim, args.dtype)
+
+
+def own_rows(rows: list[dict], head_dim: int, tiling) -> list[dict]:
+    """Each kernel's row of `tiling` among the compiled rows (every kernel's tile was compiled in
+    some candidate: `candidates`)."""
+    found = []
+    for k in KERNELS:
+        tile = dataclasses.asdict(getattr(tiling, k))
+        if tile["lowering"] == "mosaic":
+            tile.pop("warps")
+        found.append(next(r for r in rows if tile_key(r) == (head_dim, k, tile_text(tile))))
+    return found
 
 
 def compile_log(tiling, head_dim: int, args: argparse.Namespace, device, abstract) -> tuple[str, str | None]:
@@ -251,17 +277,17 @@ def main(argv: list[str]) -> int:
     abstract = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
                                          abstract_device=jax.sharding.AbstractDevice(
                                              device_kind=gpu.kind, num_cores=gpu.sms, platform="gpu"))
+    from model.kernels.flash_attention import mosaic_tiling
+
     rows, defaults, mosaic = [], [], []
     for head_dim in args.head_dims:
         todo = candidates(head_dim, args)
         for i, (kernel, tiling) in enumerate(todo):
             print(f"H {head_dim}: compiling {i + 1}/{len(todo)}", file=sys.stderr, flush=True)
             found = rows_for(kernel, tiling, *compile_log(tiling, head_dim, args, device, abstract), head_dim)
-            if i == 0:
-                defaults += found
-            elif i <= len(KERNELS):  # mosaic_tiling's kernel i - 1 (`candidates`)
-                mosaic += found
             rows += [r for r in found if tile_key(r) not in {tile_key(x) for x in rows}]
+        defaults += own_rows(rows, head_dim, default_for(head_dim, args))
+        mosaic += own_rows(rows, head_dim, mosaic_tiling(head_dim))
     print_rows(rows)
     report = {**run_record("tools.gpu_compile", argv), "gpu": dataclasses.asdict(gpu),
               "environment": {**environment(jax.devices()), "compiled_for": gpu.kind,

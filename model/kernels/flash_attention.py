@@ -31,28 +31,32 @@ Under the causal mask, padded keys lie after every real query and are masked alr
 Tiling: each of the three kernels has its own `Tile` (block_q, block_k, Triton's warps and
 pipeline stages): the forward and dq own a q block and sweep kv blocks, dk/dv owns a kv block and
 sweeps q blocks, so each may want its own shape. q, k, v are padded to a multiple of every block
-of the call. `default_tiling` gives them by head dim, tiles that ptxas assembles for an H100
-without spilling (`python -m tools.gpu_compile`, which compiles for a GPU on a CPU machine);
-`python -m bench.tune_attention` times them on a GPU, one kernel at a time.
+of the call. `default_tiling` gives them by head dim, dtype and device: tiles timed by
+`python -m bench.tune_attention` on a GPU, one kernel at a time, among those that ptxas assembles
+for an H100 without spilling (`python -m tools.gpu_compile`, which compiles for a GPU on a CPU
+machine).
 
 Backend (`_launch`): on CPU the kernels run with `interpret=True` (HLO loops; this is how the
-tests run; warps and stages are ignored). On NVIDIA GPUs they compile with the Pallas Triton
-backend, chosen explicitly by its CompilerParams (see `_launch` for why). On one H100 (jax
-0.11.2) they compile and match xla; the forward ran at 287 TFLOP/s at L = 4096 (H = 128) and the
-forward + backward at 0.44x cudnn with the untuned default tiling
-(bench/results/gpu-nvidia-h100-80gb-hbm3-20261124.json). The kernels have since moved to base-2
-exponentials, the dk/dv kernel to transposed [bk, bq] tiles (flash_kernels.py) and the
-default tiles to clean ones (the old ones spilled), none of it yet timed on a GPU.
+tests run; warps and stages are ignored). On NVIDIA GPUs the Triton tiles compile with the Pallas
+Triton backend, chosen explicitly by its CompilerParams (see `_launch` for why).
 
 Mosaic GPU: a `Tile(64, bk, stages=S, lowering="mosaic")` runs that kernel's Hopper form (TMA +
 wgmma: flash_mosaic.py for the forward, flash_mosaic_backward.py for dq and dk/dv) with the same
 inputs and outputs, so each kernel takes either lowering whatever the others take
 (`mosaic_tiling`: all three). Interpreted and lowered on CPU by the tests, and all three
 assemble for sm_90a (tools.gpu_compile); at H = 128 the dk/dv kernel spills 564 bytes a
-thread at 255 registers (its fp32 dk and dv accumulators alone hold 128). `bench.attention`'s
-`pallas-mosaic` core puts it beside the Triton kernels on a GPU, `bench.tune_attention` sweeps
-both, and `default_tiling` names the winner once that has run (Triton until then, the one
-measured).
+thread at 255 registers (its fp32 dk and dv accumulators alone hold 128).
+
+Measured on one H200 (jax 0.11.2, 2026-11-26; bench/results/gpu-nvidia-h200-20261126.json and
+the tune-attention-nvidia-h200-* sweeps): both lowerings match xla on the GPU (bf16, causal GQA,
+L = 1024, 4096 and a ragged 1500). The choice by measurement, at L = 4096, H = 128, causal:
+the Mosaic forward (64 x 64, 2 slots) ran 367 and 401 TFLOP/s in two sweeps, the best Triton
+forward 360 and 370 (and it spills); Mosaic's dq 331 / 351 fwd+bwd against Triton's best clean
+316 / 340; Mosaic's dk/dv (spilling) 258 / 288 against Triton's 351 / 360. Hence on Hopper in
+16 bits at H = 128 the default runs forward and dq in Mosaic and dk/dv in Triton: 364 TFLOP/s
+forward and 360 forward + backward, 0.81x of cudnn's 443 in the same process. At H = 64 Triton
+wins or ties each kernel and stays. Before (H100, 2026-11-24, untuned Triton): forward 287,
+forward + backward 0.44x cudnn.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ from configs.base import ConfigError
 from model.kernels.flash_kernels import Plan, dkv_kernel, dq_kernel, forward_kernel
 from model.kernels.flash_mosaic import mosaic_forward, mosaic_problem
 from model.kernels.flash_mosaic_backward import mosaic_dkv, mosaic_dq
-from sharding.cores import core_problem, target
+from sharding.cores import FUSED_DTYPES, core_problem, target
 
 
 LOWERINGS = ("triton", "mosaic")
@@ -103,25 +107,50 @@ class Tiling:
         return cls(tile, tile, tile)
 
 
-def default_tiling(head_dim: int) -> Tiling:
-    """By head dim, each kernel's Triton tile: the first that `python -m tools.gpu_compile --sweep`
-    suggests for an H100 (bench/results/gpu-compile-h100.json), i.e. the largest tile that
-    ptxas assembles for sm_90a without spilling registers or serializing its wgmmas, the larger
-    owned block (forward, dq: q rows; dk/dv: keys) first. The tiles these replaced (128 x 128 at
-    H <= 64, 128 x 64 with 4 warps at H = 128) spilled up to 372 bytes a thread in dq and dk/dv
-    at H = 128. Compiled, not timed: `bench.tune_attention` ranks them on a GPU. Head dims
-    compiled: 64, 128, 256; smaller heads take the H = 64 tiles, larger the H = 256 ones."""
+def triton_tiling(head_dim: int) -> Tiling:
+    """By head dim, each kernel's Triton tile. Every one assembles for sm_90a without spilling
+    or serializing its wgmmas (bench/results/gpu-compile-h100.json). At H <= 64, the largest
+    such tiles (the H = 64 sweep on an H200, tune-attention-nvidia-h200-h64.json, found
+    nothing faster: its pick ran 237 TFLOP/s forward + backward against these tiles' 260 in
+    the same process). At H = 128, the clean tile of each kernel that ran fastest in both H200
+    sweeps (tune-attention-nvidia-h200-h128.json and -h128-warmup.json, L = 4096, causal, bf16):
+    forward 128 x 64, 8 warps, 3 stages (353 / 281 TFLOP/s against 201 / 228 with the 2 stages
+    it had), dq 128 x 64 w8 s3 (316 / 340 fwd+bwd, against 308 / 314), dk/dv 64 x 128 w8 s3
+    (351 / 360, against 326 / 354). Faster tiles that spill (forward 128 x 64 with 4 warps:
+    360 / 370, 8 bytes a thread) are left out: on Hopper in 16 bits `default_tiling` runs the
+    Mosaic GPU forward instead, and elsewhere (fp32, an older GPU) no measurement says they win.
+    Above H = 128: clean tiles, not timed."""
     if head_dim <= 64:
         return Tiling(Tile(128, 64, 4, 2), Tile(128, 64, 4, 2), Tile(128, 128, 8, 2))
     if head_dim <= 128:
-        return Tiling(Tile(128, 64, 8, 2), Tile(128, 64, 8, 2), Tile(64, 128, 8, 2))
+        return Tiling(Tile(128, 64, 8, 3), Tile(128, 64, 8, 3), Tile(64, 128, 8, 3))
     return Tiling(Tile(128, 64, 8, 2), Tile(128, 32, 8, 2), Tile(128, 32, 8, 2))
 
 
+def default_tiling(head_dim: int, dtype: str = "bfloat16") -> Tiling:
+    """The tiling a call without one runs, for the device programs are built for
+    (sharding.cores.target). On Hopper (compute capability 9.0) with bf16/fp16 inputs at H = 128,
+    the forward and dq kernels in Mosaic GPU (64 x 64, 2 pipeline slots) and dk/dv in Triton
+    (64 x 128, 8 warps, 3 stages): 364 TFLOP/s forward and 360 forward + backward at L = 4096
+    on one H200 (cudnn 429 and 443 in the same process: 0.81x), where the all-Triton default
+    before it ran 231 and 288 (bench/results/tune-attention-nvidia-h200-h128-warmup.json).
+    Mosaic's dk/dv (64 x 64: 258 / 288 in the two sweeps, 564 bytes a thread spilled) lost to
+    Triton's. Everywhere else (fp32, other head dims, another GPU, CPU interpretation) the
+    Triton tiles of `triton_tiling`: at H = 64 the Triton forward beat Mosaic's (244 against at
+    most 169 TFLOP/s, tune-attention-nvidia-h200-h64.json) and dq matched it (233 against 238)."""
+    triton = triton_tiling(head_dim)
+    platform, capability = target()
+    if platform == "gpu" and capability == (9, 0) and dtype in FUSED_DTYPES and head_dim == 128:
+        mosaic = mosaic_tiling(head_dim)
+        return Tiling(mosaic.forward, mosaic.dq, triton.dkv)
+    return triton
+
+
 def mosaic_tiling(head_dim: int) -> Tiling:
-    """All three kernels in Mosaic GPU (flash_mosaic.py, flash_mosaic_backward.py; not yet
-    measured): 64 query rows (one warpgroup) everywhere; the forward's kv tiles 128 keys at
-    H <= 64 and 64 above, dq's 64, dk/dv's 64 keys against q blocks of 64; 2 pipeline slots."""
+    """All three kernels in Mosaic GPU (flash_mosaic.py, flash_mosaic_backward.py): 64 query
+    rows (one warpgroup) everywhere; the forward's kv tiles 128 keys at H <= 64 and 64 above,
+    dq's 64, dk/dv's 64 keys against q blocks of 64; 2 pipeline slots (at H = 128 on an H200,
+    2 slots beat 3 in the forward, 401 against 260 TFLOP/s, and in dq, 351 against 312)."""
     return Tiling(Tile(64, 128 if head_dim <= 64 else 64, stages=2, lowering="mosaic"),
                   Tile(64, 64, stages=2, lowering="mosaic"), Tile(64, 64, stages=2, lowering="mosaic"))
 
@@ -130,7 +159,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
                     tiling: Tiling | None = None) -> jax.Array:
     """Attention of q [B, L, N, H] over k/v [B, L, K, H] -> [B, L, N, H] (K divides N).
 
-    tiling: the three kernels' tiles, default `default_tiling(H)`; blocks must be powers of two
+    tiling: the three kernels' tiles, default `default_tiling(H, dtype)`; blocks must be powers of two
     and are clamped to the length, which needs no relation to them (it is padded).
     """
     plans = _plans(q, k, causal, tiling)
@@ -167,7 +196,7 @@ def _plans(q: jax.Array, k: jax.Array, causal: bool, tiling: Tiling | None) -> P
         raise ValueError(f"flash attention: q has {length} rows, k and v {k.shape[1]}; they must be equal")
     if n % kv_heads:
         raise ConfigError(f"flash attention: n_heads={n} is not a multiple of n_kv_heads={kv_heads}")
-    tiling = tiling or default_tiling(h)
+    tiling = tiling or default_tiling(h, str(q.dtype))
     cap = pl.next_power_of_2(length)  # a block longer than the padded sequence is wasted work
     plans = []
     for kernel, tile in (("forward", tiling.forward), ("dq", tiling.dq), ("dkv", tiling.dkv)):

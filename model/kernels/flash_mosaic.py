@@ -6,9 +6,11 @@ kernel by its `Tile`'s `lowering`). Same math, same outputs: out [B, L, N, H] an
 
 Why a second form: jax 0.12 deprecates the Pallas Triton backend (it says to move to Mosaic GPU),
 and Triton's forward reached 287 TFLOP/s on one H100 at L = 4096, H = 128 against the issue's
-350 (bench/results/gpu-nvidia-h100-80gb-hbm3-20261124.json). Which lowering is the default is
-decided by `python -m bench.attention --cores pallas,pallas-mosaic` on a GPU; until that has run
-the default stays Triton, the measured one.
+350 (bench/results/gpu-nvidia-h100-80gb-hbm3-20261124.json). Measured on one H200 (2026-11-26,
+bench/results/tune-attention-nvidia-h200-h128*.json): at H = 128 this forward (64 x 64, 2 slots)
+ran 367 and 401 TFLOP/s in two sweeps against Triton's best 360 and 370, so on Hopper in 16 bits
+at H = 128 `default_tiling` takes it (and the Mosaic dq); at H = 64 Triton's forward won (244
+against 169) and stays.
 
 Kernel (`plgpu.kernel`, grid (B, N, L/64), one warpgroup of 128 threads per program):
   q       the program's [64, H] rows of head n, one TMA copy into shared memory;
