@@ -34,7 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from configs.base import ConfigError, ModelConfig
 from model.kernels.flash_attention import flash_block_backward, flash_block_forward
-from model.kernels.sharded import sharded_flash_attention
+from model.kernels.sharded import per_device, sharded_flash_attention
 from model.layers import apply_rotary, param
 from sharding.context_parallel import BlockCore, allgather_attention, ring_attention
 from sharding.cores import core_problem, target
@@ -76,7 +76,9 @@ def attention_core(name: str, cfg: ModelConfig, context: str | None = None):
         block = "xla" if name == "xla" else BlockCore(flash_block_forward, flash_block_backward)
         impl = {"ring": ring_attention, "allgather": allgather_attention}[context]
         return functools.partial(impl, core=block)
-    return {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": sharded_flash_attention}[name]
+    if name == "cudnn":
+        return per_device(cudnn_attention, "cudnn")
+    return {"xla": xla_attention, "pallas": sharded_flash_attention}[name]
 
 
 NAMES = {

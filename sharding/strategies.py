@@ -82,7 +82,7 @@ def parallelize(cfg: RunConfig, sizes: dict[str, int]) -> Strategies:
     context = explicit_context(cfg, sizes["sequence"])
     core = device_core(m, context=context is not None)
     return Strategies(
-        tensor=TensorParallel(p.tp_impl, p.sequence_parallel, p.tp_overlap, check_vma=core != "pallas",
+        tensor=TensorParallel(p.tp_impl, p.sequence_parallel, p.tp_overlap, check_vma=core == "xla",
                               context=context is not None),
         context=context,
         attention=core,

@@ -51,7 +51,8 @@ inside the region (an all-reduce, where GSPMD reduce-scatters FSDP gradients on 
 Backward collectives come from the manual-axis types (check_vma): `pcast` to varying
 transposes to the all-reduce of dx, and a weight replicated over a manual axis gets its
 gradient summed over it. A Pallas kernel cannot run under that typing (interpret mode cannot
-type its loops), so with the pallas core the attention region runs with check_vma=False (the
+type its loops), and the cudnn core runs the same way (`model/kernels/sharded.py`), so with either
+fused core the attention region runs with check_vma=False (the
 MLP's, the embedding's and the head's stay typed), where shard_map's transpose does the same at
 the region's edge: an input not split over a manual axis has its cotangent summed over that
 axis (x's dx: the same one all-reduce per region). Its row all-reduce is then written as
@@ -180,7 +181,7 @@ class TensorParallel:
     impl: str = "shard_map"
     sequence_parallel: bool = False
     overlap: bool = False
-    check_vma: bool = True  # False around Pallas kernels (see the module docstring)
+    check_vma: bool = True  # False around the fused cores, pallas and cudnn (see the module docstring)
     context: bool = False  # context parallelism: the regions are manual over `sequence` too
 
     @property
