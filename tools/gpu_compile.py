@@ -79,6 +79,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+# XLA assembles the Triton kernels' PTX with the ptxas binary, whose verbose log this tool reads,
+# unless it can load libnvJitLink, which then compiles in-process and logs nothing (a venv where
+# torch's CUDA wheels bring libnvJitLink in: CI's newest pass, with the hf extra). So ptxas it is.
+PTXAS = {"xla_gpu_libnvjitlink_mode": "LIB_NV_JIT_LINK_MODE_DISABLED"}
+
+
 def ptxas_logs() -> None:
     """Before jax is imported: ptxas's verbose log from XLA (Triton kernels) and Mosaic GPU, and
     C++ info logs on with the verbose level of XLA's two ptxas callers (the ptxas binary, the
@@ -189,7 +195,7 @@ def compile_log(tiling, head_dim: int, args: argparse.Namespace, device, abstrac
     with captured_output() as log:
         try:
             with building_for("gpu", gpu.capability), jax.sharding.use_abstract_mesh(abstract):
-                jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+                jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile(compiler_options=PTXAS)
         except (ConfigError, jax.errors.JaxRuntimeError, ValueError) as e:
             error = str(e).strip().splitlines()[0][:300]
     return log[0], error
