@@ -27,13 +27,13 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
                dots, then none, dp over every GPU: tokens/s, TFLOP/s per device, MFU, peak
                memory; an out-of-memory case is recorded as "oom" and the run goes on (~70 s);
                then 1b under none with model.scan_layers=false (the layers unrolled: no stacks
-               of activations, model/transformer.py), not yet timed on a GPU
+               of activations, model/transformer.py): on one H200 414 ms against the scan's 513
   flags        XLA options on and off, each compiled for the same training case in this process
                (compile options over XLA_FLAGS): 1b under remat none with
                xla_gpu_enable_dynamic_slice_fusion (XLA's default from jax 0.11: GEMMs write into
                the layer scan's stacks; on in the H100 record, whose 1b profile under none still
                spent 96 ms of a step in memcpy and 32 ms in dynamic-update-slice, against 12 and
-               0 under full); step time off / on (not yet timed on a GPU)
+               0 under full); step time off / on (0.998 on one H200: no effect)
   profile      three steps of 1b with steps 2..3 traced (training/profiling.py), summed by
                tools/trace_summary.py (scopes) and tools/op_kinds.py (op kinds): top ops, and the
                fractions in attention kernels, matmuls, collectives, copies, elementwise/other;
@@ -41,16 +41,19 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
                1b's default remat is none: profiled with the layer scan, then unrolled
                (model.scan_layers=false), so the two copy fractions sit side by side
 
-Stage times above were measured on one H100 (2026-11-24, bench/results/gpu-h100-*.json). The
+Stage times above were measured on one H100 (2026-11-24, bench/results/gpu-nvidia-h100-*.json);
+on one H200 the first five stages without fp32 took 134 s (gpu-nvidia-h200-20261126.json). The
 --budget (default 480 s) is checked before each stage: a stage that would start after it is
 recorded as skipped.
 Each stage runs inside try/except: an error is recorded as {"error": ...} under its name and
 the next stage runs; the JSON is rewritten after every stage, so a run cut short keeps what it
 measured. A kernel that hangs is not caught: --cores drops a core from the correctness and
-attention stages (pallas-mosaic, the Mosaic GPU kernels, is the one never run on a GPU before;
-give it its own short first call, e.g. `timeout 120 python -m bench.attention --cores
-pallas-mosaic --lengths 2048 --head-dims 128`). Timing: compile and run once, then the median of several timed runs, each waited
-for with jax.block_until_ready. All stages share one process, so `peak_memory_bytes_per_device`
+attention stages (give a new kernel its own short first call, as pallas-mosaic had before its
+first GPU run on an H200, e.g. `timeout 120 python -m bench.attention --cores pallas-mosaic
+--lengths 2048 --head-dims 128`). --fp32-lengths none leaves out the fp32 correctness cases
+(Pallas Triton's fp32 compile, about 2 minutes per length). Timing (tools.measure.median_seconds):
+compile and run once, on a GPU 0.3 s more of calls, then the median of several timed runs, each
+waited for with jax.block_until_ready. All stages share one process, so `peak_memory_bytes_per_device`
 (memory_stats) is the process's peak so far: training cases run smallest first, and XLA's
 static memory analysis of each step is recorded beside it.
 
