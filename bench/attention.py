@@ -37,7 +37,7 @@ from bench.common import error_text
 from cli import run_cli
 from sharding.mesh import check_backend
 from configs import ConfigError
-from tools.measure import RESULTS, check_at_least, check_out, environment, file_path, median_seconds, run_record, write_report
+from tools.measure import RESULTS, check_at_least, check_out, environment, file_path, int_list, median_seconds, run_record, write_report
 
 CORES = ("pallas", "pallas-mosaic", "cudnn", "xla")
 REFERENCES = ("jax-triton", "jax-mgpu")
@@ -46,10 +46,9 @@ PASSES = ("forward", "forward_backward")
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
     p.add_argument("--cores", default=",".join(CORES), help=f"comma-separated, of {','.join(CORES + REFERENCES)}")
-    p.add_argument("--lengths", type=ints, default=[1024, 4096, 8192, 16384], help="L values")
-    p.add_argument("--head-dims", type=ints, default=[64, 128], help="H values")
+    p.add_argument("--lengths", type=int_list, default=[1024, 4096, 8192, 16384], help="L values")
+    p.add_argument("--head-dims", type=int_list, default=[64, 128], help="H values")
     p.add_argument("--heads", type=int, default=16, help="N query heads (default 16)")
     p.add_argument("--kv-heads", type=int, default=0, help="K kv heads (default: N, no grouping)")
     p.add_argument("--tokens", type=int, default=16384, help="B·L per call (default 16384)")

@@ -12,6 +12,7 @@ import shlex
 from bench.moe import per_layer_text
 from bench.tp import VARIANTS, tensor_collectives
 from tools.estimate import DTYPE_BYTES
+from tools.gpu_compile import tile_text
 
 MIB = 2**20
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -280,12 +281,6 @@ def step_change_table(pairs: list[tuple[str, dict, dict]]) -> str:
         lines.append(row(f"`{after['mesh']}`", f"{step(b)} at {commit}", step(a),
                          f"{a['step_time_median_s'] / b['step_time_median_s']:.2f}"))
     return "\n".join(lines)
-
-
-def tile_text(t: dict) -> str:
-    """A sweep row's or tiling's tile: 'triton 128x64 w8 s3' or 'mosaic 64x64 s2'."""
-    warps = f" w{t['warps']}" if t["lowering"] == "triton" else ""
-    return f"{t['lowering']} {t['block_q']}x{t['block_k']}{warps} s{t['stages']}"
 
 
 def tune_table(record: dict) -> str:

@@ -87,7 +87,7 @@ from configs import ConfigError
 from sharding.mesh import check_backend
 from sharding.xla_flags import with_flags
 from tools.calibration import estimate_vs_measured
-from tools.measure import RESULTS, check_at_least, check_out, file_path, run_record, write_report
+from tools.measure import RESULTS, check_at_least, check_out, file_path, int_list, run_record, write_report
 
 STAGES = ("environment", "ceilings", "correctness", "attention", "training", "flags", "profile")
 
@@ -144,19 +144,6 @@ SMOKE = Sizes(
 )
 
 
-def _lengths(text: str) -> tuple[int, ...]:
-    """--fp32-lengths: comma-separated positive ints, or none."""
-    if text.strip().lower() == "none":
-        return ()
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated positive lengths, or none")
-    return values
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {','.join(STAGES)}")
@@ -168,7 +155,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cores", default=",".join(ATTENTION_CORES),
                    help=f"attention cores of the correctness and attention stages, xla among them (default "
                    f"{','.join(ATTENTION_CORES)}); e.g. leave pallas-mosaic out after a first run found it hangs")
-    p.add_argument("--fp32-lengths", type=_lengths,
+    p.add_argument("--fp32-lengths", type=lambda s: [] if s.strip().lower() == "none" else int_list(s),
                    help="L values of the correctness stage's fp32 cases, or none (default: the sizes' own; "
                    "Pallas Triton in fp32 compiles for about 2 minutes per length on an H100)")
     args = p.parse_args(argv)
@@ -180,7 +167,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise ConfigError(f"--cores {args.cores!r}: choose from {','.join(ATTENTION_CORES)}, xla among them "
                           "(the correctness stage's reference)")
     args.cores = tuple(c for c in ATTENTION_CORES if c in given)
-    check_at_least(args, 1, "--budget")
+    check_at_least(args, 1, "--budget", "--fp32-lengths")
     check_out(args.out)
     return args
 
@@ -253,7 +240,7 @@ def main(argv: list[str]) -> int:
         return 0
     sizes = dataclasses.replace(SMOKE if args.cpu_smoke else GPU, cores=args.cores)
     if args.fp32_lengths is not None:
-        sizes = dataclasses.replace(sizes, check_fp32_lengths=args.fp32_lengths)
+        sizes = dataclasses.replace(sizes, check_fp32_lengths=tuple(args.fp32_lengths))
     start = time.perf_counter()
     stages = ["environment"] + [s for s in args.stages if s != "environment"]  # the report's name needs it
     report = run_record("bench.gpu", argv) | {"smoke": args.cpu_smoke}

@@ -38,14 +38,13 @@ from bench.attention import REFERENCES, core_fn, measure
 from cli import run_cli
 from sharding.mesh import check_backend
 from configs import ConfigError
-from tools.measure import RESULTS, check_at_least, check_out, environment, file_path, run_record, write_report
+from tools.measure import RESULTS, check_at_least, check_out, environment, file_path, int_list, run_record, write_report
 
 KERNELS = ("forward", "dq", "dkv")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
     p.add_argument("--length", type=int, default=4096, help="L (default 4096)")
     p.add_argument("--head-dim", type=int, default=128, help="H (default 128)")
     p.add_argument("--heads", type=int, default=32, help="N query heads (default 32)")
@@ -53,9 +52,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=16384, help="B·L per call (default 16384: B = 4 at L = 4096)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--full", action="store_true", help="full attention instead of causal")
-    p.add_argument("--blocks", type=ints, default=[32, 64, 128], help="block_q and block_k values (powers of two)")
-    p.add_argument("--warps", type=ints, default=[4, 8], help="Triton num_warps values")
-    p.add_argument("--stages", type=ints, default=[2, 3], help="Triton num_stages values")
+    p.add_argument("--blocks", type=int_list, default=[32, 64, 128], help="block_q and block_k values (powers of two)")
+    p.add_argument("--warps", type=int_list, default=[4, 8], help="Triton num_warps values")
+    p.add_argument("--stages", type=int_list, default=[2, 3], help="Triton num_stages values")
     p.add_argument("--mosaic-blocks", default="64,128", help="block_k values of the Mosaic GPU kernels' tiles "
                    "(block_q 64; dk/dv 64 only; x --stages as the pipeline depth), or none (default 64,128)")
     p.add_argument("--steps", type=int, default=10, help="timed calls per measurement (default 10)")

@@ -81,16 +81,19 @@ def test_fp32_lengths_replace_the_correctness_stages_fp32_cases(tmp_path):
     """--fp32-lengths none drops the fp32 cases (Pallas Triton compiles about 2 minutes per fp32
     length on an H100); a list replaces the sizes' own; anything else is argparse's error."""
     from bench.gpu import GPU, parse_args
+    from configs import ConfigError
 
     out = tmp_path / "gpu.json"
     done = run_module("bench.gpu", "--cpu-smoke", "--stages", "environment", "--fp32-lengths", "none", "--out", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads(out.read_text())["sizes"]["check_fp32_lengths"] == []
-    assert parse_args(["--fp32-lengths", "100,128"]).fp32_lengths == (100, 128)
+    assert parse_args(["--fp32-lengths", "100,128"]).fp32_lengths == [100, 128]
     assert parse_args([]).fp32_lengths is None and GPU.check_fp32_lengths == (1500,)
-    for bad in ("0", "x", ""):
-        with pytest.raises(SystemExit):
+    for bad in ("x", ""):
+        with pytest.raises(SystemExit):  # argparse's error: not integers
             parse_args(["--fp32-lengths", bad])
+    with pytest.raises(ConfigError, match="--fp32-lengths 0: must be >= 1"):
+        parse_args(["--fp32-lengths", "0"])
 
 
 def test_without_gpu_says_so_in_one_line(tmp_path):

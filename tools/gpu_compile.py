@@ -46,25 +46,24 @@ from collections.abc import Iterator
 from cli import run_cli
 from configs import ConfigError
 from tools.gpu_target import GPUS, check_plugin, compiler_versions, devices
-from tools.measure import RESULTS, check_out, file_path, run_record, write_report
+from tools.measure import RESULTS, check_out, file_path, int_list, run_record, write_report
 
 KERNELS = ("forward", "dq", "dkv")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
     p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="the GPU compiled for (default h100)")
-    p.add_argument("--head-dims", type=ints, default=[64, 128], help="H values (default 64,128)")
+    p.add_argument("--head-dims", type=int_list, default=[64, 128], help="H values (default 64,128)")
     p.add_argument("--length", type=int, default=4096, help="L (default 4096)")
     p.add_argument("--heads", type=int, default=32, help="N query heads (default 32)")
     p.add_argument("--kv-heads", type=int, default=8, help="K kv heads (default 8)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--sweep", action="store_true", help="every tile of the grid below, not only the defaults")
-    p.add_argument("--blocks", type=ints, default=[32, 64, 128], help="--sweep: block_q and block_k values")
-    p.add_argument("--warps", type=ints, default=[4, 8], help="--sweep: Triton num_warps values")
-    p.add_argument("--stages", type=ints, default=[2, 3], help="--sweep: Triton num_stages, Mosaic pipeline depth")
-    p.add_argument("--mosaic-blocks", type=ints, default=[64, 128], help="--sweep: Mosaic GPU block_k values")
+    p.add_argument("--blocks", type=int_list, default=[32, 64, 128], help="--sweep: block_q and block_k values")
+    p.add_argument("--warps", type=int_list, default=[4, 8], help="--sweep: Triton num_warps values")
+    p.add_argument("--stages", type=int_list, default=[2, 3], help="--sweep: Triton num_stages, Mosaic pipeline depth")
+    p.add_argument("--mosaic-blocks", type=int_list, default=[64, 128], help="--sweep: Mosaic GPU block_k values")
     p.add_argument("--out", type=file_path, help="JSON record (default bench/results/gpu-compile-<gpu>.json)")
     args = p.parse_args(argv)
     for flag in ("head_dims", "blocks", "warps", "stages", "mosaic_blocks"):
@@ -165,13 +164,8 @@ def default_for(head_dim: int, args: argparse.Namespace):
 def own_rows(rows: list[dict], head_dim: int, tiling) -> list[dict]:
     """Each kernel's row of `tiling` among the compiled rows (every kernel's tile was compiled in
     some candidate: `candidates`)."""
-    found = []
-    for k in KERNELS:
-        tile = dataclasses.asdict(getattr(tiling, k))
-        if tile["lowering"] == "mosaic":
-            tile.pop("warps")
-        found.append(next(r for r in rows if tile_key(r) == (head_dim, k, tile_text(tile))))
-    return found
+    return [next(r for r in rows if tile_key(r) == (head_dim, k, tile_text(dataclasses.asdict(getattr(tiling, k)))))
+            for k in KERNELS]
 
 
 def compile_log(tiling, head_dim: int, args: argparse.Namespace, device, abstract) -> tuple[str, str | None]:
@@ -229,9 +223,11 @@ def tile_key(row: dict) -> tuple:
     return row["head_dim"], row["kernel"], tile_text(row)
 
 
-def tile_text(row: dict) -> str:
-    warps = f" w{row['warps']}" if "warps" in row else ""
-    return f"{row['lowering']} {row['block_q']}x{row['block_k']}{warps} s{row['stages']}"
+def tile_text(tile: dict) -> str:
+    """A row's or Tile's (as a dict) tile: 'triton 128x64 w8 s3', 'mosaic 64x64 s2' (a Mosaic
+    kernel is one warpgroup: its warps are not part of it)."""
+    warps = f" w{tile['warps']}" if tile["lowering"] == "triton" else ""
+    return f"{tile['lowering']} {tile['block_q']}x{tile['block_k']}{warps} s{tile['stages']}"
 
 
 def print_rows(rows: list[dict]) -> None:

@@ -80,6 +80,14 @@ def check_at_least(args: argparse.Namespace, minimum: int, *flags: str) -> None:
             raise ConfigError(f"{flag} {text}: must be >= {minimum}")
 
 
+def int_list(text: str) -> list[int]:
+    """argparse type of a comma-separated list of integers ('64,128'); an empty list is refused."""
+    values = [int(x) for x in text.split(",") if x.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 64,128")
+    return values
+
+
 def file_path(text: str) -> Path:
     """argparse type of a file to write (--out, --png): a Path, refusing a name that ends in a
     separator (Path would drop it and write a file named like the folder the user meant)."""
