@@ -92,6 +92,32 @@ ENTRY %main (a: f32[8]) -> f32[8] {
         "t": (("tensor",), 4), "d": (("tensor",), 2), "s": (("data", "tensor"), 4), "p": (("tensor",), 4)}
 
 
+def test_census_reads_the_async_form_with_aliased_operands():
+    """XLA GPU of jax 0.12 types an async collective's start as ((operands), result): lines of the
+    tiny step compiled for H100s (tools.plan --compile-for-gpu, metadata cut). The operand is not
+    a second buffer: before this was read, an all-reduce counted twice its bytes and a
+    reduce-scatter three times (the tensor axis's census was 1.56x its contract)."""
+    module = """HloModule m
+
+%add (a: bf16[], b: bf16[]) -> bf16[] {
+  ROOT %s = bf16[] add(bf16[] %a, bf16[] %b)
+}
+
+ENTRY %main (a: bf16[16,128,128]) -> bf16[16,128,128] {
+  %ar = ((bf16[16,128,128]{2,1,0}), bf16[16,128,128]{2,1,0}) all-reduce-start(%a), channel_id=1, replica_groups=mesh['stage'=1,'data'=2,'fsdp'=1,'expert'=1,'sequence'=1,'tensor'=2] {'tensor'}, use_global_device_ids=true, to_apply=%add, output_to_operand_aliasing={{1}: (0, {})}
+  %rs = ((bf16[256,128]{1,0}), bf16[256,64]{1,0}) reduce-scatter-start(%b), channel_id=2, replica_groups=[2,2]<=[2,2]T(1,0), dimensions={1}, to_apply=%add
+  %cp = ((bf16[8,128,128]{2,1,0}), bf16[8,128,128]{2,1,0}) collective-permute-start(%c), channel_id=3, source_target_pairs={{0,2},{2,0},{1,3},{3,1}}
+  ROOT %d = bf16[16,128,128]{2,1,0} all-reduce-done(%ar)
+}
+"""
+    found = {c.name: c for c in census(module, {"data": 2, "tensor": 2})}
+    assert {n: (c.kind, c.axes, c.dtype, c.elements) for n, c in found.items()} == {
+        "ar": ("all-reduce", ("tensor",), "bf16", 16 * 128 * 128),
+        "rs": ("reduce-scatter", ("data",), "bf16", 256 * 128),
+        "cp": ("collective-permute", ("data",), "bf16", 8 * 128 * 128)}
+    assert found["ar"].bytes_per_run == 2 * (16 * 128 * 128 * 2) / 2
+
+
 def test_cli_prints_the_census_as_json():
     out = run_module("tools.hlo", *[a for s in SMALL for a in ("--set", s)], "--mesh", "dp=2,tp=2", "--json")
     assert out.returncode == 0, out.stderr

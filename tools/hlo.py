@@ -103,7 +103,10 @@ def _arrays(type_text: str) -> list[tuple[str, int]]:
 def _buffer(kind: str, started: bool, type_text: str) -> tuple[str, int]:
     """(dtype, elements) of the buffer S that the byte formula of `kind` takes."""
     parts = _top_level(type_text)
-    if started and kind in ("all-gather", "collective-permute"):
+    if started and parts[0].startswith("("):
+        parts = parts[1:2] if kind in ("all-gather", "collective-permute") else parts[1:]
+        # ((operands), results): XLA GPU of jax >= 0.12 aliases the operands into the output
+    elif started and kind in ("all-gather", "collective-permute"):
         parts = [parts[1]]  # (operand, result[, sync flags]): the result
     arrays = [a for p in parts for a in _arrays(p)]
     return arrays[0][0], sum(n for _, n in arrays)
