@@ -118,6 +118,51 @@ ENTRY %main (a: bf16[16,128,128]) -> bf16[16,128,128] {
     assert found["ar"].bytes_per_run == 2 * (16 * 128 * 128 * 2) / 2
 
 
+def test_census_counts_a_loop_without_trip_count_from_its_condition():
+    """XLA GPU unrolls tiny's accumulation scan (4 microbatches on fsdp=2: one peeled, the rest
+    in a loop) and drops its known_trip_count: the trips are read off the condition, i < 3 in a
+    fused compare, with i starting at constant 0 through copies (the shape of that program)."""
+    module = """HloModule m
+
+%add (a: bf16[], b: bf16[]) -> bf16[] {
+  ROOT %s = bf16[] add(bf16[] %a, bf16[] %b)
+}
+
+%fused_compare (param_0.92: s32[]) -> pred[] {
+  %param_0.92 = s32[] parameter(0)
+  %constant_831_1 = s32[] constant(3)
+  ROOT %compare.6.1 = pred[] compare(%param_0.92, %constant_831_1), direction=LT
+}
+
+%cond (p: (s32[], bf16[8])) -> pred[] {
+  %p = (s32[], bf16[8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] fusion(%i), kind=kLoop, calls=%fused_compare
+}
+
+%body (p: (s32[], bf16[8])) -> (s32[], bf16[8]) {
+  %ag = bf16[8]{0} all-gather(%x), channel_id=1, replica_groups=[4,2]<=[8], dimensions={0}
+  ROOT %t = (s32[], bf16[8]) tuple(%i, %ag)
+}
+
+%opaque (p: (s32[], bf16[8])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: bf16[8]) -> bf16[8] {
+  %constant_354 = s32[] constant(0)
+  %copy.699 = s32[] copy(%constant_354)
+  %copy.306 = s32[] copy(%copy.699)
+  %tuple.137 = (s32[], bf16[8]) tuple(%copy.306, %a)
+  %while.127 = (s32[], bf16[8]) while(%tuple.137), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"},"dynamic_variables":[]}
+  %while.128 = (s32[], bf16[8]) while(%tuple.137), condition=%opaque, body=%body
+  ROOT %r = bf16[8]{0} get-tuple-element(%while.127), index=1
+}
+"""
+    (gather,) = census(module, {"data": 4, "tensor": 2})
+    assert (gather.name, gather.axes, gather.trips) == ("ag", ("tensor",), 3 + 1)  # 3 + 1: the opaque loop once
+
+
 def test_cli_prints_the_census_as_json():
     out = run_module("tools.hlo", *[a for s in SMALL for a in ("--set", s)], "--mesh", "dp=2,tp=2", "--json")
     assert out.returncode == 0, out.stderr

@@ -13,8 +13,10 @@ It reads the text of the compiled (partitioned, optimised) HLO, what runs on eac
   flat device order (the compiled program's device assignment), so a group's coordinates on
   the mesh show which axes it spans (e.g. `data+fsdp`).
 - Loops: a collective inside a while body runs `known_trip_count` times per step (nested loops
-  multiply), so a layer scan's body counts once per layer (a loop XLA gives no trip count
-  counts once). `ops` counts instructions in the text, `count` counts executions per step.
+  multiply), so a layer scan's body counts once per layer. XLA GPU drops the count from a loop
+  it has unrolled (the accumulation scan over microbatches): its trips are then read off its
+  condition, `i < N` with i starting at a constant (`_counted_trips`); a loop read neither way
+  counts once. `ops` counts instructions in the text, `count` counts executions per step.
 - Bytes per device, with S the full buffer and N the group size: all-reduce 2S(N-1)/N (ring);
   all-gather S(N-1)/N (S = its result); reduce-scatter S(N-1)/N (S = its operand, N times the
   result); all-to-all S(N-1)/N; collective-permute S (each device sends its buffer once).
@@ -48,6 +50,8 @@ _ARRAY = re.compile(r"([a-z]\w*)\[([\d,]*)\]")
 _CALLS = re.compile(r"(condition|body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_INDUCTION = re.compile(r'"known_induction_variable":\{"tuple_index":"(\d+)"\}')
+_OPERANDS = re.compile(r"%([\w.\-]+)")
 _GROUPS = re.compile(r"replica_groups=(\{(?:\{[\d,]*\},?)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
 # XLA of jax >= 0.12 may print groups as a mesh and the axes each group spans, e.g.
 # mesh['data'=2,'tensor'=4] {'tensor'} or mesh['a'=4,'b'=2], device_ids=(...) {'a':(1)2}
@@ -177,7 +181,7 @@ def _multipliers(text: str) -> tuple[dict[str, list[str]], dict[str, int]]:
     edges = defaultdict(list)  # caller -> [(callee, times)]
     for comp, lines in body.items():
         for line in lines:
-            trips = int(t.group(1)) if (t := _TRIPS.search(line)) else 1
+            trips = int(t.group(1)) if (t := _TRIPS.search(line)) else _counted_trips(line, comp, body)
             for role, callee in _CALLS.findall(line):
                 edges[comp].append((callee, trips if role == "body" else 1))
             for group in _BRANCHES.findall(line):
@@ -191,6 +195,44 @@ def _multipliers(text: str) -> tuple[dict[str, list[str]], dict[str, int]]:
 
     visit(entry, 1)
     return body, runs
+
+
+def _definitions(lines: list[str]) -> dict[str, tuple[str, str, str]]:
+    """A computation's instructions by name: (result type, opcode, the rest of the line)."""
+    return {m.group(1): m.groups()[1:] for line in lines if (m := INSTRUCTION.match(line))}
+
+
+def _constant(name: str, defs: dict[str, tuple[str, str, str]]) -> int | None:
+    """The integer an s32 scalar holds, followed through copies and bitcasts; None if not constant."""
+    while name in defs:
+        _, opcode, rest = defs[name]
+        if opcode == "constant":
+            return int(c.group(1)) if (c := re.match(r"(-?\d+)\)", rest)) else None
+        if opcode not in ("copy", "bitcast") or not (o := _OPERANDS.search(rest)):
+            return None
+        name = o.group(1)
+    return None
+
+
+def _counted_trips(line: str, comp: str, body: dict[str, list[str]]) -> int:
+    """Trips of a while with no known_trip_count: its condition compares the induction variable
+    (the tuple element XLA names, else the first) `< N`, N a constant (in the condition or a
+    fusion it calls), and the loop's tuple starts it at a constant K: N - K. Else 1."""
+    cond, start = re.search(r"condition=%?([\w.\-]+)", line), re.search(r" while\(%([\w.\-]+)\)", line)
+    if not (cond and start):
+        return 1
+    limit = None
+    for name in [cond.group(1)] + re.findall(r"calls=%?([\w.\-]+)", "\n".join(body.get(cond.group(1), []))):
+        defs = _definitions(body.get(name, []))
+        for _, opcode, rest in defs.values():
+            if opcode == "compare" and "direction=LT" in rest and len(ops := _OPERANDS.findall(rest)) >= 2:
+                limit = _constant(ops[1], defs) if limit is None else limit
+    defs = _definitions(body[comp])
+    tuple_def = defs.get(start.group(1))
+    index = int(i.group(1)) if (i := _INDUCTION.search(line)) else 0
+    elements = _OPERANDS.findall(tuple_def[2]) if tuple_def and tuple_def[1] == "tuple" else []
+    first = _constant(elements[index], defs) if index < len(elements) else None
+    return limit - first if limit is not None and first is not None and limit > first else 1
 
 
 def census(hlo_text: str, axis_sizes: dict[str, int]) -> list[Collective]:
