@@ -15,7 +15,7 @@ It reads the text of the compiled (partitioned, optimised) HLO, what runs on eac
 - Loops: a collective inside a while body runs `known_trip_count` times per step (nested loops
   multiply), so a layer scan's body counts once per layer. XLA GPU drops the count from a loop
   it has unrolled (the accumulation scan over microbatches): its trips are then read off its
-  condition, `i < N` with i starting at a constant (`_counted_trips`); a loop read neither way
+  condition, `i < N` with i starting at a constant (`_trips`); a loop read neither way
   counts once. `ops` counts instructions in the text, `count` counts executions per step.
 - Bytes per device, with S the full buffer and N the group size: all-reduce 2S(N-1)/N (ring);
   all-gather S(N-1)/N (S = its result); reduce-scatter S(N-1)/N (S = its operand, N times the
@@ -181,9 +181,8 @@ def _multipliers(text: str) -> tuple[dict[str, list[str]], dict[str, int]]:
     edges = defaultdict(list)  # caller -> [(callee, times)]
     for comp, lines in body.items():
         for line in lines:
-            trips = int(t.group(1)) if (t := _TRIPS.search(line)) else _counted_trips(line, comp, body)
             for role, callee in _CALLS.findall(line):
-                edges[comp].append((callee, trips if role == "body" else 1))
+                edges[comp].append((callee, _trips(line, comp, body) if role == "body" else 1))
             for group in _BRANCHES.findall(line):
                 edges[comp] += [(c.strip().lstrip("%"), 1) for c in group.split(",") if c.strip()]
     runs: dict[str, int] = defaultdict(int)
@@ -214,10 +213,13 @@ def _constant(name: str, defs: dict[str, tuple[str, str, str]]) -> int | None:
     return None
 
 
-def _counted_trips(line: str, comp: str, body: dict[str, list[str]]) -> int:
-    """Trips of a while with no known_trip_count: its condition compares the induction variable
-    (the tuple element XLA names, else the first) `< N`, N a constant (in the condition or a
-    fusion it calls), and the loop's tuple starts it at a constant K: N - K. Else 1."""
+def _trips(line: str, comp: str, body: dict[str, list[str]]) -> int:
+    """How often the while instruction `line` (in computation `comp`) runs its body: XLA's
+    known_trip_count; without one its condition compares the induction variable (the tuple
+    element XLA names, else the first) `< N`, N a constant (in the condition or a fusion it
+    calls), and the loop's tuple starts it at a constant K: N - K. Else 1."""
+    if t := _TRIPS.search(line):
+        return int(t.group(1))
     cond, start = re.search(r"condition=%?([\w.\-]+)", line), re.search(r" while\(%([\w.\-]+)\)", line)
     if not (cond and start):
         return 1
