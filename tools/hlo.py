@@ -107,9 +107,8 @@ def _arrays(type_text: str) -> list[tuple[str, int]]:
 def _buffer(kind: str, started: bool, type_text: str) -> tuple[str, int]:
     """(dtype, elements) of the buffer S that the byte formula of `kind` takes."""
     parts = _top_level(type_text)
-    if started and parts[0].startswith("("):
+    if started and parts[0].startswith("("):  # ((operands), results): XLA GPU of jax >= 0.12
         parts = parts[1:2] if kind in ("all-gather", "collective-permute") else parts[1:]
-        # ((operands), results): XLA GPU of jax >= 0.12 aliases the operands into the output
     elif started and kind in ("all-gather", "collective-permute"):
         parts = [parts[1]]  # (operand, result[, sync flags]): the result
     arrays = [a for p in parts for a in _arrays(p)]
@@ -181,8 +180,10 @@ def _multipliers(text: str) -> tuple[dict[str, list[str]], dict[str, int]]:
     edges = defaultdict(list)  # caller -> [(callee, times)]
     for comp, lines in body.items():
         for line in lines:
-            for role, callee in _CALLS.findall(line):
-                edges[comp].append((callee, _trips(line, comp, body) if role == "body" else 1))
+            calls = _CALLS.findall(line)
+            for role, callee in calls:  # a while names its condition beside its body
+                times = _trips(line, dict(calls)["condition"], comp, body) if role == "body" else 1
+                edges[comp].append((callee, times))
             for group in _BRANCHES.findall(line):
                 edges[comp] += [(c.strip().lstrip("%"), 1) for c in group.split(",") if c.strip()]
     runs: dict[str, int] = defaultdict(int)
@@ -213,28 +214,33 @@ def _constant(name: str, defs: dict[str, tuple[str, str, str]]) -> int | None:
     return None
 
 
-def _trips(line: str, comp: str, body: dict[str, list[str]]) -> int:
-    """How often the while instruction `line` (in computation `comp`) runs its body: XLA's
-    known_trip_count; without one its condition compares the induction variable (the tuple
-    element XLA names, else the first) `< N`, N a constant (in the condition or a fusion it
-    calls), and the loop's tuple starts it at a constant K: N - K. Else 1."""
-    if t := _TRIPS.search(line):
-        return int(t.group(1))
-    cond, start = re.search(r"condition=%?([\w.\-]+)", line), re.search(r" while\(%([\w.\-]+)\)", line)
-    if not (cond and start):
-        return 1
-    limit = None
-    for name in [cond.group(1)] + re.findall(r"calls=%?([\w.\-]+)", "\n".join(body.get(cond.group(1), []))):
+def _limit(condition: str, body: dict[str, list[str]]) -> int | None:
+    """N of a loop condition `i < N`, N a constant, in the condition or a fusion it calls."""
+    fused = [callee for role, callee in _CALLS.findall("\n".join(body.get(condition, []))) if role == "calls"]
+    for name in [condition, *fused]:
         defs = _definitions(body.get(name, []))
         for _, opcode, rest in defs.values():
             if opcode == "compare" and "direction=LT" in rest and len(ops := _OPERANDS.findall(rest)) >= 2:
-                limit = _constant(ops[1], defs) if limit is None else limit
+                return _constant(ops[1], defs)
+    return None
+
+
+def _trips(line: str, condition: str, comp: str, body: dict[str, list[str]]) -> int:
+    """How often the while instruction `line` (in computation `comp`) runs its body: XLA's
+    known_trip_count; without one its `condition` compares the induction variable (the tuple
+    element XLA names, else the first) `< N` (`_limit`), and the loop's tuple starts it at a
+    constant K: N - K. Else 1."""
+    if t := _TRIPS.search(line):
+        return int(t.group(1))
+    limit, start = _limit(condition, body), re.search(r" while\(%([\w.\-]+)\)", line)
+    if limit is None or not start:
+        return 1
     defs = _definitions(body[comp])
     tuple_def = defs.get(start.group(1))
     index = int(i.group(1)) if (i := _INDUCTION.search(line)) else 0
     elements = _OPERANDS.findall(tuple_def[2]) if tuple_def and tuple_def[1] == "tuple" else []
     first = _constant(elements[index], defs) if index < len(elements) else None
-    return limit - first if limit is not None and first is not None and limit > first else 1
+    return limit - first if first is not None and limit > first else 1
 
 
 def census(hlo_text: str, axis_sizes: dict[str, int]) -> list[Collective]:
