@@ -81,13 +81,16 @@ def test_expert_all_to_all_bytes_by_hand(dispatch):
         per_layer = 4 * (ep - 1) / ep * ep * s * d * c
     assert estimate.dispatch_rows(cfg, sizes) == s
     assert traffic.expert(cfg, sizes) == pytest.approx(k * layers * per_layer)
-    # the expert term adds the gradients of every weight but the routed experts, as over data
+    # the expert term adds the gradients of every weight but the routed experts, as over data,
+    # per microbatch as the backward leaves them: bf16 but for the fp32 head, norms and routers
     non_expert = param_counts(cfg.model)[0] - layers * 8 * 3 * d * 192
+    fp32 = 256 * d + (2 * layers + 1) * d + layers * d * 8
+    grads = c * (non_expert - fp32) + 4 * fp32
     comm = traffic.communication(cfg, sizes)
-    assert comm["expert"] == pytest.approx(traffic.expert(cfg, sizes) + k * 2 * 4 * non_expert * 3 / 4)
-    # data reduces the device's own experts (E/ep of them) with the rest
+    assert comm["expert"] == pytest.approx(traffic.expert(cfg, sizes) + k * 2 * grads * 3 / 4)
+    # data reduces the device's own experts (E/ep of them, bf16) with the rest
     local = non_expert + layers * 8 // ep * 3 * d * 192
-    assert comm["data"] == pytest.approx(k * 2 * 4 * local / 2)
+    assert comm["data"] == pytest.approx(k * 2 * (grads + c * layers * 8 // ep * 3 * d * 192) / 2)
     assert estimate.local_params(cfg, sizes) == pytest.approx(local)
 
 

@@ -151,11 +151,13 @@ def plan(cfg: RunConfig, sizes: dict[str, int], gpu: roofline.GPU, xla: dict | N
 
 
 def census_note(cfg: RunConfig, xla: dict | None) -> str:
-    """Why a CPU census of a 16-bit program shows twice the contract on the activations' axes."""
+    """Why a CPU census of a 16-bit program shows up to twice the contract (tools/traffic.py
+    counts what XLA GPU moves)."""
     if xla is None or xla["platform"] != "cpu" or cfg.model.compute_dtype == "float32":
         return ""
-    return (f"XLA CPU computes {cfg.model.compute_dtype} matmuls in fp32 and reduces their fp32 results: the census "
-            "of tensor, sequence and stage is twice the contract, which counts the program's dtype")
+    return (f"XLA CPU computes {cfg.model.compute_dtype} matmuls in fp32 and moves their fp32 results: the census "
+            "of the activations (tensor, sequence, stage) and of gradients reduced per microbatch is up to twice "
+            "the contract, which counts what XLA GPU moves")
 
 
 def above_best_mfu(mfu: float, gpu: roofline.GPU) -> str:

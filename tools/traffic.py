@@ -3,26 +3,41 @@ the time they take on the link that axis crosses.
 
 Pure arithmetic, with tools/estimate.py's letters and per-device shape (`estimate.shape`).
 
-Communication (bytes per device per step), the contract of DESIGN.md:
+Communication (bytes per device per step), the contract of DESIGN.md, in the bytes XLA GPU
+moves (the census of `tools.plan --compile-for-gpu`; XLA CPU widens bf16 and moves fp32, so
+its census is compared at model.compute_dtype=float32, where the two agree):
+  gradients: a reduction once per step moves the fp32 sum of the k microbatches, G = 4·P'
+          (P' the parameters of this device's shard); a reduction per microbatch moves each as
+          the backward leaves it, G_c = c·(P' - h - n - r) + 4·(h + n + r): the layers' and the
+          embedding's gradients in the compute dtype (bf16 matmuls, a bf16 scatter-add), the
+          head's and the routers' (their matmuls make fp32 logits) and the norms' in fp32;
+          h = V·D/(f·t), n the norms' (2X + 1)·D, r the routers' D·E/f per MoE layer
   data    2 · G(N-1)/N              once per step (the k microbatches summed first; per
-                                    microbatch, times k, where sharding.checks.accumulation_axes
-                                    is empty: k = 1, MoE, sp > 1, gpipe and interleaved;
+                                    microbatch, k · 2 · G_c(N-1)/N, where
+                                    sharding.checks.accumulation_axes is empty: k = 1, MoE,
+                                    sp > 1, gpipe and interleaved;
                                     the 1F1B family reduces over data once per step);
-                                    G = fp32 gradient bytes of this device's shard (its E/ep
-                                    experts included: they are reduced over data), where the
-                                    wk, wv that tensor replicates (t does not divide K) count
-                                    one kv head: each device's gradient covers the head it uses,
-                                    and XLA reduces that slice over data before the tensor sum
-  fsdp    k·(2p + 4) · P(N-1)/N     P in parameters: XLA's ZeRO-3, per microbatch 2 all-gathers
-                                    of each layer's weights (param dtype, p bytes) and a
-                                    reduce-scatter of its fp32 gradient; with
-                                    parallel.fsdp_gather_once (c + 4) · P(N-1)/N: the weights
-                                    gathered whole in the compute dtype once per step, the
-                                    gradients reduce-scattered once; so too under the 1F1B
-                                    family (pipeline/one_f_one_b.py), manual over fsdp
+                                    P' counts this device's E/ep experts (they are reduced over
+                                    data), and of the wk, wv that tensor replicates (t does not
+                                    divide K) one kv head when reduced per microbatch: each
+                                    device's gradient covers the head it uses, and XLA reduces
+                                    that slice over data before the tensor sum
+  fsdp    k·((3c·(w + h) + 4h)·f + 8n)·(f-1)/f    XLA's ZeRO-3 per microbatch, w the layers' weights
+                                    of the device (after the fsdp split), h the head's as the
+                                    embedding's: the layers' weights all-gathered forward
+                                    and again backward in the compute dtype (cast, then
+                                    gathered), the embedding and head forward only (the head's
+                                    kept for backward, the lookup's backward needs no table);
+                                    the gradients reduce-scattered as G_c, the norms (not split)
+                                    all-reduced in fp32; with parallel.fsdp_gather_once
+                                    ((c + 4)·(P'-n)·f + 8n)·(f-1)/f: the weights gathered whole
+                                    in the compute dtype once per step, the fp32 gradient sum
+                                    reduce-scattered once (norms all-reduced); so too under
+                                    the 1F1B family (pipeline/one_f_one_b.py), manual over fsdp
                                     (the device's E/ep experts included)
-  expert  2 · G'(ep-1)/ep           G' = G less the routed experts: every other weight treats
-                                    `expert` as a data axis (summed per axis, as sequence's)
+  expert  k · 2 · G'(ep-1)/ep       G' = G_c less the routed experts: every other weight treats
+                                    `expert` as a data axis (summed per microbatch and axis, as
+                                    sequence's)
           + all-to-alls, per MoE layer and microbatch: dispatch and combine forward, their
           transposes backward, 4 · (ep-1)/ep · ep·S·D·c; dropless adds the int32 expert ids
           forward, (ep-1)/ep · ep·S·4; remat=full repeats the forward's (6 and 2 ids;
@@ -42,7 +57,8 @@ Communication (bytes per device per step), the contract of DESIGN.md:
           all-gather (the MLP's reduce-scatter is dead the same way): r = 1.5. The census of the
           compiled tiny step on dp=2,tp=4 agrees within 0.1% with and without remat and SP
           (tests/test_hlo.py). remat dots/attn: modelled as none (r = 0), not measured.
-  sequence the gradients, as over data (every weight is replicated over sequence): 2 · G(N-1)/N;
+  sequence the gradients per microbatch, as over data (every weight is replicated over
+          sequence): k · 2 · G_c(N-1)/N;
           plus K and V per layer and microbatch, E = b·(L/sp)·K'·H elements of one local block
           (K' = the kv heads of the device: K/t, or 1 when t does not divide K):
             ring       2E(sp-1)·c forward; backward 2E(sp-1)·c (K, V again) + 2E·sp·4
@@ -84,10 +100,9 @@ Links = dict[str, tuple[float, float]]  # measured {axis: (latency_s, bytes_per_
 
 def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     """Bytes per device per step on each mesh axis of size > 1 (the contract formulas)."""
-    m, s = cfg.model, shape(cfg, sizes)
-    c, param_b = DTYPE_BYTES[m.compute_dtype], DTYPE_BYTES[m.param_dtype]
+    m, s, f = cfg.model, shape(cfg, sizes), sizes["fsdp"]
+    c = DTYPE_BYTES[m.compute_dtype]
     non_expert, experts = local_param_parts(cfg, sizes)
-    shard = (non_expert + experts) * sizes["fsdp"]  # this device's parameters before fsdp splits them
     frac = {a: (n - 1) / n for a, n in sizes.items()}
     act = s.tokens * m.d_model * c  # S: one layer's input for one microbatch (its L/sp rows)
     sp = cfg.parallel.sequence_parallel
@@ -96,19 +111,26 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     kv_grads = 2 * 4 * m.d_model * m.n_kv_heads * m.head_dim * kv_replicated
     tensor = s.layers * ((4 + recompute) * 2 * act + 2 * kv_grads) + 2 * 2 * act
     local = accumulation_axes(cfg, sizes)  # gradients reduced once per step (training/step.py)
+    own = non_expert + experts  # P': this device's parameters (norms whole, the rest split by fsdp)
     # XLA's per-microbatch reduction over data takes one kv head of the replicated wk, wv per
     # device, not all K; the step's once-per-step psum takes the whole (tensor-summed) weights
-    shard -= kv_replicated * (not local) * s.layers * 2 * m.d_model * (m.n_kv_heads - 1) * m.head_dim
-    replicated = shard - experts * sizes["fsdp"]  # what `expert` reduces: every weight but the experts
-    reduces = {axis: 1 if axis in local else s.k for axis in ("data", "fsdp")}
-    once = cfg.parallel.fsdp_gather_once or sizes["stage"] > 1  # the 1F1B family gathers once per step
-    gathers = (1 if once else s.k) * c if "fsdp" in local else s.k * 2 * param_b
+    own -= kv_replicated * (not local) * s.layers * 2 * m.d_model * (m.n_kv_heads - 1) * m.head_dim / f
+    head = m.vocab_size * m.d_model / (f * sizes["tensor"])  # h: the head's (and the embedding's) share
+    norms = (2 * s.layers + 1) * m.d_model  # n
+    fp32 = head + norms + s.moe * m.d_model * m.n_experts / f  # what a per-microbatch reduction moves in fp32
+    grads = {"once": 4 * own, "per microbatch": c * (own - fp32) + 4 * fp32}  # G, G_c
+    data = 2 * grads["once"] if "data" in local else s.k * 2 * grads["per microbatch"]
+    if "fsdp" in local:  # gathered whole once per step, the fp32 sum reduce-scattered once
+        fsdp = ((c + 4) * (own - norms) * f + 8 * norms) * frac["fsdp"]
+    else:  # ZeRO-3 per microbatch: the layers' weights gathered twice, embedding and head once
+        layers = own - norms - 2 * head
+        fsdp = s.k * ((3 * c * (layers + head) + 4 * head) * f + 8 * norms) * frac["fsdp"]
     volume = {
         "stage": 2 * s.k * act / sizes["tensor"] * (sizes["stage"] > 1),
-        "data": reduces["data"] * 2 * shard / sizes["fsdp"] * 4 * frac["data"],
-        "fsdp": (gathers + reduces["fsdp"] * 4) * shard * frac["fsdp"],
-        "expert": s.k * 2 * replicated / sizes["fsdp"] * 4 * frac["expert"] + expert(cfg, sizes),
-        "sequence": s.k * 2 * shard / sizes["fsdp"] * 4 * frac["sequence"] + context(cfg, sizes),
+        "data": data * frac["data"],
+        "fsdp": fsdp,
+        "expert": s.k * 2 * (grads["per microbatch"] - c * experts) * frac["expert"] + expert(cfg, sizes),
+        "sequence": s.k * 2 * grads["per microbatch"] * frac["sequence"] + context(cfg, sizes),
         "tensor": s.k * tensor * frac["tensor"],
     }
     return {a: v for a, v in volume.items() if sizes[a] > 1}
