@@ -174,16 +174,53 @@ def test_zb_h1_splits_the_backward_without_repeating_work(remat):
     assert last == 3 + backward
 
 
+def stage_bytes(ops) -> float:
+    return sum(c.bytes_per_step for c in ops if c.axes == ("stage",))
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_memory):
+    """pp=2 at M = 4, 8, 16: the ticks permute [b, L, D] (b = 2 sequences per microbatch), no
+    stacked weight is gathered over stage, and the bytes over stage are tools.traffic.stage's
+    exactly: 2T permutes of a microbatch for the T ticks of the table (bubble ticks included),
+    gpipe's outputs and embedded batch (2 permutes and 2 all-reduces of all M), 1f1b's
+    all-reduce of the replicated embedding, head and norm gradients."""
+    from tools import traffic
     from tools.hlo import census
 
-    (compiled, mesh) = temp_memory[1][schedule, 4]
+    for m in (4, 8, 16):
+        (compiled, mesh) = temp_memory[1][schedule, m]
+        ops = census(compiled.as_text(), dict(mesh.shape))
+        permutes = [c for c in ops if c.kind == "collective-permute" and c.axes == ("stage",)]
+        assert permutes and all(c.elements == 2 * 32 * 64 for c in permutes if "ppermute" in c.op_name)
+        assert not [c for c in ops if c.kind == "all-gather" and "stage" in c.axes]
+        cfg = small_config("pp=2", f"parallel.schedule={schedule}", f"parallel.microbatches={m}",
+                           f"train.global_batch_size={2 * m}")
+        sizes = {a: getattr(cfg.parallel, a) for a in ("stage", "data", "fsdp", "expert", "sequence", "tensor")}
+        assert stage_bytes(ops) == pytest.approx(traffic.stage(cfg, sizes), rel=1e-3), m
+
+
+@pytest.mark.parametrize("schedule, v", [("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved", 2)])
+def test_stage_census_is_the_tick_program_contract(schedule, v):
+    """pp=2, M = 4, 4 layers: the bytes over stage are tools.traffic.stage's (2T permutes for the
+    T ticks of zb-h1's and interleaved-1f1b's tables; interleaved as gpipe with V·M + p - 1
+    ticks), but for the interleaved schedules' all-to-alls, which re-lay the contiguously
+    stored layers every step: half of the device's layer weights forward and their gradients
+    back at p = V = 2 (not in the contract: pipeline/circular.py)."""
+    from tools import traffic
+    from tools.estimate import local_param_parts
+    from tools.hlo import census
+
+    cfg = small_config("pp=2", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
+                       "parallel.microbatches=4", "train.global_batch_size=8", "model.n_layers=4")
+    compiled, mesh = _compiled(cfg)
     ops = census(compiled.as_text(), dict(mesh.shape))
-    permutes = [c for c in ops if c.kind == "collective-permute" and c.axes == ("stage",)]
-    # [b, L, D] per tick, b = 2 sequences per microbatch
-    assert permutes and all(c.elements == 2 * 32 * 64 for c in permutes if "ppermute" in c.op_name)
-    assert not [c for c in ops if c.kind == "all-gather" and "stage" in c.axes]
+    sizes = {a: getattr(cfg.parallel, a) for a in ("stage", "data", "fsdp", "expert", "sequence", "tensor")}
+    relayout = sum(c.bytes_per_step for c in ops if c.kind == "all-to-all" and c.axes == ("stage",))
+    assert stage_bytes(ops) - relayout == pytest.approx(traffic.stage(cfg, sizes), rel=1e-3)
+    m = cfg.model
+    layers = local_param_parts(cfg, sizes)[0] - 2 * m.vocab_size * m.d_model - m.d_model  # 2 of the 4
+    assert relayout == pytest.approx(2 * 4 * layers / 2 if v > 1 else 0, rel=1e-3)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])

@@ -70,8 +70,23 @@ its census is compared at model.compute_dtype=float32, where the two agree):
             gspmd      2 all-gathers of K and V per layer forward, 2 reduce-scatters backward
   (data and fsdp times k: the compiled step gathers the weights and reduces the gradients in
   each microbatch of the accumulation scan, as the census of a k > 1 step shows)
-  stage   a permute of b·L·D·c per microbatch per stage boundary, forward and backward;
-          the bubble is the lock-step weighted bubble of the schedule's table
+  stage   what the lock-step tick programs send (pipeline/), bubble ticks included, with
+          a = b·L·D·c/t one microbatch's activations and T the ticks of the schedule's table:
+            1F1B family  2T·a: each tick sends its activation on and its cotangent back
+                         (T counts F and B ticks), plus the all-reduce of the gradients of the
+                         weights every stage holds (embedding, head, final norm: their fp32 sum
+                         over the schedule), 2·4·(2h + D)·(p-1)/p
+            gpipe, interleaved  2T·a: T forward ticks, autodiff's transpose as many back; plus
+                         the M·a of the last stage's outputs permuted to where the head runs and
+                         their cotangent back, 2M·a, and two all-reduces of M·a (the outputs
+                         read on every stage, the embedded batch's cotangent summed over stage),
+                         2·2M·a·(p-1)/p
+          Not counted: the interleaved schedules re-lay the contiguously stored layers every
+          step, each device's layer weights and gradients over stage (pipeline/circular.py;
+          measured on tiny: 0.5x, 1.75x and 0.75x of them each way at p, V = 2, 2; 4, 2; 4, 4).
+          The contract of DESIGN.md (one permute per microbatch and boundary, 2k·a) is what
+          must travel: a table with M ≫ p comes close to it.
+          The bubble is the lock-step weighted bubble of the schedule's table
           (pipeline.schedule.weighted: every tick lasts as long as its most expensive cell) with
           `estimate.cell_costs`: F = 1, B = 2, or split (zb-h1) B = 1 and W = 1; B one more under
           model.remat=full (the layers' forward recomputed) and, for the 1F1B family under
@@ -92,7 +107,7 @@ import math
 from configs.base import RunConfig
 from sharding.checks import accumulation_axes
 from sharding.mesh import AXES
-from tools.estimate import DTYPE_BYTES, dispatch_rows, local_param_parts, shape
+from tools.estimate import DTYPE_BYTES, STASHING, dispatch_rows, local_param_parts, pipeline_figures, shape
 
 NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8
 Links = dict[str, tuple[float, float]]  # measured {axis: (latency_s, bytes_per_s)}
@@ -126,7 +141,7 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         layers = own - norms - 2 * head
         fsdp = s.k * ((3 * c * (layers + head) + 4 * head) * f + 8 * norms) * frac["fsdp"]
     volume = {
-        "stage": 2 * s.k * act / sizes["tensor"] * (sizes["stage"] > 1),
+        "stage": stage(cfg, sizes),
         "data": data * frac["data"],
         "fsdp": fsdp,
         "expert": s.k * 2 * (grads["per microbatch"] - c * experts) * frac["expert"] + expert(cfg, sizes),
@@ -134,6 +149,20 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         "tensor": s.k * tensor * frac["tensor"],
     }
     return {a: v for a, v in volume.items() if sizes[a] > 1}
+
+
+def stage(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """Bytes per device per step over stage (module docstring): the tick programs' permutes and
+    all-reduces; none at p = 1."""
+    m, s, p = cfg.model, shape(cfg, sizes), sizes["stage"]
+    if p == 1:
+        return 0.0
+    a = s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype] / sizes["tensor"]
+    sends = 2 * pipeline_figures(cfg, sizes)["ticks"] * a
+    if cfg.parallel.schedule in STASHING:
+        replicated = 2 * m.vocab_size * m.d_model / (sizes["fsdp"] * sizes["tensor"]) + m.d_model
+        return sends + 2 * 4 * replicated * (p - 1) / p
+    return sends + 2 * s.k * a + 2 * 2 * s.k * a * (p - 1) / p
 
 
 def expert(cfg: RunConfig, sizes: dict[str, int]) -> float:
