@@ -85,7 +85,9 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           step, each device's layer weights and gradients over stage (pipeline/circular.py;
           measured on tiny: 0.5x, 1.75x and 0.75x of them each way at p, V = 2, 2; 4, 2; 4, 4).
           The contract of DESIGN.md (one permute per microbatch and boundary, 2k·a) is what
-          must travel: a table with M ≫ p comes close to it.
+          must travel: gpipe with M ≫ p comes close to it; the 1F1B family sends twice it
+          (T ≈ 2M, and every tick permutes both buffers, since in one tick some stages run F
+          and others B).
           The bubble is the lock-step weighted bubble of the schedule's table
           (pipeline.schedule.weighted: every tick lasts as long as its most expensive cell) with
           `estimate.cell_costs`: F = 1, B = 2, or split (zb-h1) B = 1 and W = 1; B one more under
