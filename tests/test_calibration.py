@@ -13,7 +13,7 @@ from conftest import ROOT, run_module
 from sharding.mesh import AXES, parse_mesh
 from tools import estimate, roofline
 from tools.calibration import case_config, estimate_vs_measured, rated_gpu
-from tools.plan import above_best_mfu, format_plan, plan
+from tools.plan_report import above_best_mfu, format_plan, plan
 from training.metrics import attention_flops_per_token, flops_per_token
 
 

@@ -12,7 +12,7 @@ from conftest import run_module
 from sharding.mesh import AXES
 from tools import estimate, roofline, traffic
 from tools.bandwidth import load
-from tools.plan import format_plan, plan
+from tools.plan_report import format_plan, plan
 from tools.search import meshes, search
 from training.metrics import flops_per_token, matmul_params, param_counts
 

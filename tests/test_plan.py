@@ -25,8 +25,9 @@ from sharding.mesh import AXES, build_mesh, parse_mesh
 from tools import estimate, gpu_target, op_kinds, roofline, trace_summary, traffic
 from tools.bandwidth import load
 from tools.oom import advice
-from tools.plan import format_plan, plan, run_search, xla_figures
 from tools.plan import main as plan_main
+from tools.plan import run_search, xla_figures
+from tools.plan_report import format_plan, plan
 from tools.search import meshes, search
 
 MEMORY_CASES = {"tiny": ["train.global_batch_size=8"],
