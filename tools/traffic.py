@@ -11,7 +11,11 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           the backward leaves it, G_c = c·(P' - h - n - r) + 4·(h + n + r): the layers' and the
           embedding's gradients in the compute dtype (bf16 matmuls, a bf16 scatter-add), the
           head's and the routers' (their matmuls make fp32 logits) and the norms' in fp32;
-          h = V·D/(f·t), n the norms' (2X + 1)·D, r the routers' D·E/f per MoE layer
+          h = V·D/(f·t), n the norms' (2X + 1)·D, r the routers' D·E/f per MoE layer.
+          Under gpipe and interleaved (autodiff's transpose of the tick scan) XLA reduces the
+          layers' gradients in every tick, bubble ticks included (T/V times, T the table's
+          ticks), the head's per microbatch, the embedding's and norms' once per step
+          (`per_microbatch_reductions`; the census of tiny on pp=2,dp=2 compiled for H100s)
   data    2 · G(N-1)/N              once per step (the k microbatches summed first; per
                                     microbatch, k · 2 · G_c(N-1)/N, where
                                     sharding.checks.accumulation_axes is empty: k = 1, MoE,
@@ -78,9 +82,10 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                          over the schedule), 2·4·(2h + D)·(p-1)/p
             gpipe, interleaved  2T·a: T forward ticks, autodiff's transpose as many back; plus
                          the M·a of the last stage's outputs permuted to where the head runs and
-                         their cotangent back, 2M·a, and two all-reduces of M·a (the outputs
-                         read on every stage, the embedded batch's cotangent summed over stage),
-                         2·2M·a·(p-1)/p
+                         their cotangent back, 2M·a, and two all-reduces of M microbatches
+                         (the outputs read on every stage, in fp32 as the head takes them, and
+                         the embedded batch's cotangent summed over stage), 2M·(a4 + a)·(p-1)/p,
+                         a4 = b·L·D·4/t
           Not counted: the interleaved schedules re-lay the contiguously stored layers every
           step, each device's layer weights and gradients over stage (pipeline/circular.py;
           measured on tiny: 0.5x, 1.75x and 0.75x of them each way at p, V = 2, 2; 4, 2; 4, 4).
@@ -109,7 +114,8 @@ import math
 from configs.base import RunConfig
 from sharding.checks import accumulation_axes
 from sharding.mesh import AXES
-from tools.estimate import DTYPE_BYTES, STASHING, dispatch_rows, local_param_parts, pipeline_figures, shape
+from tools.estimate import (DTYPE_BYTES, STASHING, dispatch_rows, local_param_parts, pipeline_figures, shape,
+                            virtual)
 
 NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8
 Links = dict[str, tuple[float, float]]  # measured {axis: (latency_s, bytes_per_s)}
@@ -134,9 +140,8 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     own -= kv_replicated * (not local) * s.layers * 2 * m.d_model * (m.n_kv_heads - 1) * m.head_dim / f
     head = m.vocab_size * m.d_model / (f * sizes["tensor"])  # h: the head's (and the embedding's) share
     norms = (2 * s.layers + 1) * m.d_model  # n
-    fp32 = head + norms + s.moe * m.d_model * m.n_experts / f  # what a per-microbatch reduction moves in fp32
-    grads = {"once": 4 * own, "per microbatch": c * (own - fp32) + 4 * fp32}  # G, G_c
-    data = 2 * grads["once"] if "data" in local else s.k * 2 * grads["per microbatch"]
+    reduced, expert_share = per_microbatch_reductions(cfg, sizes, own, experts)
+    data = 2 * 4 * own if "data" in local else 2 * reduced
     if "fsdp" in local:  # gathered whole once per step, the fp32 sum reduce-scattered once
         fsdp = ((c + 4) * (own - norms) * f + 8 * norms) * frac["fsdp"]
     else:  # ZeRO-3 per microbatch: the layers' weights gathered twice, embedding and head once
@@ -146,11 +151,29 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         "stage": stage(cfg, sizes),
         "data": data * frac["data"],
         "fsdp": fsdp,
-        "expert": s.k * 2 * (grads["per microbatch"] - c * experts) * frac["expert"] + expert(cfg, sizes),
-        "sequence": s.k * 2 * grads["per microbatch"] * frac["sequence"] + context(cfg, sizes),
+        "expert": 2 * (reduced - expert_share) * frac["expert"] + expert(cfg, sizes),
+        "sequence": 2 * reduced * frac["sequence"] + context(cfg, sizes),
         "tensor": s.k * tensor * frac["tensor"],
     }
     return {a: v for a, v in volume.items() if sizes[a] > 1}
+
+
+def per_microbatch_reductions(cfg: RunConfig, sizes: dict[str, int], own: float,
+                              experts: float) -> tuple[float, float]:
+    """(bytes, of which routed experts) per step of the gradients a reduction per microbatch
+    moves (module docstring, G_c), `own` the device's parameters P': k·G_c, but under gpipe and
+    interleaved (autodiff's transpose of the tick scan) the layers' gradients are reduced in every
+    tick, bubble ticks included (T/V per chunk), the head's per microbatch and the embedding's and
+    norms' once (the vmapped lookup and norms sum the M microbatches first)."""
+    m, s, f, c = cfg.model, shape(cfg, sizes), sizes["fsdp"], DTYPE_BYTES[cfg.model.compute_dtype]
+    head = m.vocab_size * m.d_model / (f * sizes["tensor"])
+    norms, routers = (2 * s.layers + 1) * m.d_model, s.moe * m.d_model * m.n_experts / f
+    layers = c * (own - 2 * head - norms - routers) + 4 * routers  # one microbatch's, experts included
+    if sizes["stage"] > 1 and cfg.parallel.schedule not in STASHING:
+        trips, once = pipeline_figures(cfg, sizes)["ticks"] / virtual(cfg), 1
+    else:
+        trips, once = s.k, s.k
+    return trips * layers + s.k * 4 * head + once * (c * head + 4 * norms), trips * c * experts
 
 
 def stage(cfg: RunConfig, sizes: dict[str, int]) -> float:
@@ -164,7 +187,8 @@ def stage(cfg: RunConfig, sizes: dict[str, int]) -> float:
     if cfg.parallel.schedule in STASHING:
         replicated = 2 * m.vocab_size * m.d_model / (sizes["fsdp"] * sizes["tensor"]) + m.d_model
         return sends + 2 * 4 * replicated * (p - 1) / p
-    return sends + 2 * s.k * a + 2 * 2 * s.k * a * (p - 1) / p
+    widened = a * 4 / DTYPE_BYTES[m.compute_dtype]  # the head's fp32 input
+    return sends + 2 * s.k * a + 2 * s.k * (widened + a) * (p - 1) / p
 
 
 def expert(cfg: RunConfig, sizes: dict[str, int]) -> float:
