@@ -89,6 +89,13 @@ def corpus():
 STEPS = 5
 
 
+def mesh_sizes(cfg) -> dict[str, int]:
+    """{axis: size} of cfg's mesh, every axis of sharding.mesh.AXES."""
+    from sharding.mesh import AXES
+
+    return {a: getattr(cfg.parallel, a) for a in AXES}
+
+
 def pipeline_devices(cfg) -> list:
     """The first devices, as many as cfg's mesh (every axis) needs."""
     import math

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from configs.base import ConfigError
-from conftest import pipeline_devices as _devices, small_config
+from conftest import mesh_sizes, pipeline_devices as _devices, small_config
 from pipeline.stages import FILL
 from sharding.mesh import build_mesh
 from training.build import make_program, build
@@ -196,8 +196,7 @@ def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_
         assert not [c for c in ops if c.kind == "all-gather" and "stage" in c.axes]
         cfg = small_config("pp=2", f"parallel.schedule={schedule}", f"parallel.microbatches={m}",
                            f"train.global_batch_size={2 * m}")
-        sizes = {a: getattr(cfg.parallel, a) for a in ("stage", "data", "fsdp", "expert", "sequence", "tensor")}
-        assert stage_bytes(ops) == pytest.approx(traffic.stage(cfg, sizes), rel=1e-3), m
+        assert stage_bytes(ops) == pytest.approx(traffic.stage(cfg, mesh_sizes(cfg)), rel=1e-3), m
 
 
 @pytest.mark.parametrize("schedule, v", [("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved", 2)])
@@ -215,7 +214,7 @@ def test_stage_census_is_the_tick_program_contract(schedule, v):
                        "parallel.microbatches=4", "train.global_batch_size=8", "model.n_layers=4")
     compiled, mesh = _compiled(cfg)
     ops = census(compiled.as_text(), dict(mesh.shape))
-    sizes = {a: getattr(cfg.parallel, a) for a in ("stage", "data", "fsdp", "expert", "sequence", "tensor")}
+    sizes = mesh_sizes(cfg)
     relayout = sum(c.bytes_per_step for c in ops if c.kind == "all-to-all" and c.axes == ("stage",))
     assert stage_bytes(ops) - relayout == pytest.approx(traffic.stage(cfg, sizes), rel=1e-3)
     m = cfg.model

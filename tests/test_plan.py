@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from configs import ConfigError, apply_overrides, get_preset
-from conftest import ROOT, SMALL, child_env, run_module, small_config
+from conftest import ROOT, SMALL, child_env, mesh_sizes, run_module, small_config
 from sharding.mesh import AXES, build_mesh, parse_mesh
 from tools import estimate, gpu_target, op_kinds, roofline, trace_summary, traffic
 from tools.bandwidth import load
@@ -37,10 +37,6 @@ MEMORY_CASES = {"tiny": ["train.global_batch_size=8"],
 ONE = dict.fromkeys(AXES, 1)
 
 
-def sizes_of(cfg) -> dict[str, int]:
-    return {a: getattr(cfg.parallel, a) for a in AXES}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full"])
 @pytest.mark.parametrize("mesh", ["dp=8", "fsdp=8", "dp=2,fsdp=2,tp=2"])
@@ -50,7 +46,7 @@ def test_memory_estimate_within_15_percent_of_xla(preset, mesh, remat):
                                                                       "model.compute_dtype=float32"])
     cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
     xla = xla_figures(cfg, build_mesh(cfg.parallel))
-    est = estimate.memory(cfg, sizes_of(cfg))
+    est = estimate.memory(cfg, mesh_sizes(cfg))
     print(f"{preset} {mesh} remat={remat}: estimate {est['peak'] / 2**20:.1f} MiB, "
           f"XLA {xla['memory']['peak'] / 2**20:.1f} MiB")
     assert est["peak"] == pytest.approx(xla["memory"]["peak"], rel=0.15)
@@ -62,7 +58,7 @@ def test_census_beside_the_contract_formulas():
     layer and 2 more for the embedding and head (on CPU the buffers are f32, so S counts 4 bytes
     per element: the small config computes in fp32)."""
     cfg = small_config("dp=4,tp=2")
-    report = plan(cfg, sizes_of(cfg), roofline.GPUS["h100"], xla_figures(cfg, build_mesh(cfg.parallel)))
+    report = plan(cfg, mesh_sizes(cfg), roofline.GPUS["h100"], xla_figures(cfg, build_mesh(cfg.parallel)))
     rows = {}
     for r in report["xla"]["census"]:
         rows[r["axes"]] = rows.get(r["axes"], 0) + r["bytes_per_device"]
@@ -81,13 +77,13 @@ def test_a_dry_run_on_cpu_compiles_the_core_that_runs_there():
     memory against it; in fp32 auto is xla on both, and XLA's memory is judged."""
     cfg = small_config("dp=8", "model.attention=cudnn", "model.compute_dtype=bfloat16")
     xla = xla_figures(cfg, build_mesh(cfg.parallel))
-    report = plan(cfg, sizes_of(cfg), roofline.GPUS["h100"], xla)
+    report = plan(cfg, mesh_sizes(cfg), roofline.GPUS["h100"], xla)
     assert (xla["attention"], report["attention"]) == ("xla", "cudnn")
     assert ("(cpu's fp32 buffers of a bf16 program and its xla core where the GPU takes cudnn: not judged)"
             in report["verdict"])
     assert "(8 x H100 SXM 80GB; attention cudnn)" in format_plan(report)
     fp32 = small_config("dp=8")
-    report = plan(fp32, sizes_of(fp32), roofline.GPUS["h100"], xla_figures(fp32, build_mesh(fp32.parallel)))
+    report = plan(fp32, mesh_sizes(fp32), roofline.GPUS["h100"], xla_figures(fp32, build_mesh(fp32.parallel)))
     assert report["attention"] == report["xla"]["attention"] == "xla" and "not judged" not in report["verdict"]
 
 
@@ -418,7 +414,7 @@ def test_search_top_meshes_build_with_their_settings():
 def test_dry_run_compiles_a_pipelined_step():
     cfg = small_config("pp=2,dp=4", "parallel.schedule=1f1b", "parallel.microbatches=2")
     xla = xla_figures(cfg, build_mesh(cfg.parallel))
-    report = plan(cfg, sizes_of(cfg), roofline.GPUS["h100"], xla)
+    report = plan(cfg, mesh_sizes(cfg), roofline.GPUS["h100"], xla)
     assert xla["memory"]["peak"] > 0 and xla["flops_per_device"] > 0
     assert any(r["axes"] == "stage" and r["kind"] == "collective-permute" for r in xla["census"])
     assert "stage" in report["communication"]
@@ -431,7 +427,7 @@ def test_presets_fit_their_target_out_of_the_box(preset, mesh):
     meshes README names, with no --set (the analytic verdict; the XLA column is the slow test)."""
     cfg = get_preset(preset)
     cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
-    report = plan(cfg, sizes_of(cfg), roofline.GPUS["h100"], None)
+    report = plan(cfg, mesh_sizes(cfg), roofline.GPUS["h100"], None)
     assert report["fits"], report["verdict"]
 
 
@@ -447,7 +443,7 @@ def test_measured_links_set_the_step_time(tmp_path):
     tensor with no bandwidth (its time did not grow): data takes 100 us + 2G(N-1)/N / 20 GB/s,
     tensor keeps NVLink, and the plan names each source."""
     cfg = dataclasses.replace(get_preset("llama3-8b"), parallel=parse_mesh("dp=8,tp=8"))
-    sizes = sizes_of(cfg)
+    sizes = mesh_sizes(cfg)
     path = bandwidth_record(tmp_path, {"data": {"all-reduce": {"latency_us": 100.0, "busbw_GBps": 20.0},
                                                 "permute": {"latency_us": 1.0, "busbw_GBps": 1.0}},
                                        "tensor": {"all-reduce": {"latency_us": 5.0, "busbw_GBps": None}},

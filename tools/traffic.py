@@ -138,8 +138,7 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     # XLA's per-microbatch reduction over data takes one kv head of the replicated wk, wv per
     # device, not all K; the step's once-per-step psum takes the whole (tensor-summed) weights
     own -= kv_replicated * (not local) * s.layers * 2 * m.d_model * (m.n_kv_heads - 1) * m.head_dim / f
-    head = m.vocab_size * m.d_model / (f * sizes["tensor"])  # h: the head's (and the embedding's) share
-    norms = (2 * s.layers + 1) * m.d_model  # n
+    head, norms, _ = small_parts(cfg, sizes)
     reduced, expert_share = per_microbatch_reductions(cfg, sizes, own, experts)
     data = 2 * 4 * own if "data" in local else 2 * reduced
     if "fsdp" in local:  # gathered whole once per step, the fp32 sum reduce-scattered once
@@ -158,6 +157,15 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     return {a: v for a, v in volume.items() if sizes[a] > 1}
 
 
+def small_parts(cfg: RunConfig, sizes: dict[str, int]) -> tuple[float, float, float]:
+    """(h, n, r) of the module docstring, parameters per device: the head's share (the
+    embedding's too), V·D/(f·t); the norms', (2X + 1)·D (not split); the routers', D·E/f per MoE
+    layer (X and the MoE layers this stage's)."""
+    m, s = cfg.model, shape(cfg, sizes)
+    return (m.vocab_size * m.d_model / (sizes["fsdp"] * sizes["tensor"]), (2 * s.layers + 1) * m.d_model,
+            s.moe * m.d_model * m.n_experts / sizes["fsdp"])
+
+
 def per_microbatch_reductions(cfg: RunConfig, sizes: dict[str, int], own: float,
                               experts: float) -> tuple[float, float]:
     """(bytes, of which routed experts) per step of the gradients a reduction per microbatch
@@ -165,9 +173,8 @@ def per_microbatch_reductions(cfg: RunConfig, sizes: dict[str, int], own: float,
     interleaved (autodiff's transpose of the tick scan) the layers' gradients are reduced in every
     tick, bubble ticks included (T/V per chunk), the head's per microbatch and the embedding's and
     norms' once (the vmapped lookup and norms sum the M microbatches first)."""
-    m, s, f, c = cfg.model, shape(cfg, sizes), sizes["fsdp"], DTYPE_BYTES[cfg.model.compute_dtype]
-    head = m.vocab_size * m.d_model / (f * sizes["tensor"])
-    norms, routers = (2 * s.layers + 1) * m.d_model, s.moe * m.d_model * m.n_experts / f
+    s, c = shape(cfg, sizes), DTYPE_BYTES[cfg.model.compute_dtype]
+    head, norms, routers = small_parts(cfg, sizes)
     layers = c * (own - 2 * head - norms - routers) + 4 * routers  # one microbatch's, experts included
     if sizes["stage"] > 1 and cfg.parallel.schedule not in STASHING:
         trips, once = pipeline_figures(cfg, sizes)["ticks"] / virtual(cfg), 1
@@ -185,7 +192,7 @@ def stage(cfg: RunConfig, sizes: dict[str, int]) -> float:
     a = s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype] / sizes["tensor"]
     sends = 2 * pipeline_figures(cfg, sizes)["ticks"] * a
     if cfg.parallel.schedule in STASHING:
-        replicated = 2 * m.vocab_size * m.d_model / (sizes["fsdp"] * sizes["tensor"]) + m.d_model
+        replicated = 2 * small_parts(cfg, sizes)[0] + m.d_model  # embedding, head, final norm
         return sends + 2 * 4 * replicated * (p - 1) / p
     widened = a * 4 / DTYPE_BYTES[m.compute_dtype]  # the head's fp32 input
     return sends + 2 * s.k * a + 2 * s.k * (widened + a) * (p - 1) / p
