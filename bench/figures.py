@@ -12,6 +12,7 @@ import shlex
 from bench.moe import per_layer_text
 from bench.tp import VARIANTS, tensor_collectives
 from tools.estimate import DTYPE_BYTES
+from tools.calibration import scanned
 from tools.gpu_compile import tile_text
 
 MIB = 2**20
@@ -201,8 +202,8 @@ def gpu_table(record: dict) -> str:
     attention TFLOP/s per length and core, forward / forward + backward (0 decimals); training
     per case (", unrolled": model.scan_layers=false): tokens/s (0 decimals), TFLOP/s per device
     (0), MFU (% 1 decimal), the measured and
-    estimated step (ms 0 decimals) and their ratio (2 decimals); the profile's kernel time by
-    kind (% 0 decimals)."""
+    estimated step (ms 0 decimals) and their ratio (2 decimals); per profiled case, its kernel
+    time a step (ms 0 decimals) and the fraction of it by kind (% 0 decimals)."""
     st = record["stages"]
     env, c, check = st["environment"], st["ceilings"], st["correctness"]
     judged = [r for r in check["cases"] + check["train_step"] if r["status"] in ("pass", "fail", "error")]
@@ -222,7 +223,7 @@ def gpu_table(record: dict) -> str:
     lines += ["", header("preset, remat", "tokens/s", "TFLOP/s per device", "MFU", "step measured / estimated",
                          "estimate / measured")]
     for r in st["training"]["rows"]:
-        scan = "model.scan_layers=false" not in r.get("overrides", [])
+        scan = scanned(r)
         case = f"{r['preset']}, {r['remat']}" + ("" if scan else ", unrolled")
         if r["status"] != "ok":
             lines.append(row(case, r["status"], "", "", "", ""))
@@ -232,10 +233,13 @@ def gpu_table(record: dict) -> str:
                          f"{100 * r['mfu']:.1f}%", f"{1e3 * r['step_time_median_s']:.0f} / "
                          + (f"{1e3 * e['estimate_s']:.0f} ms" if e else "-"), f"{e['ratio']:.2f}" if e else "-"))
     profile = st.get("profile", {})
-    if "ops" in profile:
-        kinds = sorted(profile["ops"]["fractions"].items(), key=lambda kv: -kv[1])
-        lines += ["", f"Profile ({profile['preset']}, {profile['ops']['steps']} steps): "
-                      + ", ".join(f"{name} {100 * f:.0f}%" for name, f in kinds) + " of the kernel time."]
+    cases = profile.get("cases", [profile] if "ops" in profile else [])  # older records: one case
+    lines += [""] if any("ops" in p for p in cases) else []
+    for p in (p for p in cases if "ops" in p):
+        kinds = sorted(p["ops"]["fractions"].items(), key=lambda kv: -kv[1])
+        case = p["preset"] + (f", {p['remat']}" if "remat" in p else "") + ("" if p.get("scan_layers", True) else ", unrolled")
+        lines.append(f"Profile ({case}, {p['ops']['steps']} steps: {p['ops']['total_ms']:.0f} ms of kernels a step): "
+                     + ", ".join(f"{name} {100 * f:.0f}%" for name, f in kinds) + " of the kernel time.")
     return "\n".join(lines)
 
 

@@ -24,25 +24,29 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
                (causal FLOPs halved), also as fractions of the matmul ceiling and the peak (~70 s)
   training     bench/step.py `measure_steps` for 125m and 1b (model.attention=auto: the
                core it takes is recorded, cudnn on an H100), remat full,
-               dots, then none, dp over every GPU: tokens/s, TFLOP/s per device, MFU, peak
+               dots, then none, dp over every GPU, 1b with the layer scan
+               (model.scan_layers=true): tokens/s, TFLOP/s per device, MFU, peak
                memory; an out-of-memory case is recorded as "oom" and the run goes on (~70 s);
-               then 1b under none with model.scan_layers=false (the layers unrolled: no stacks
-               of activations, model/transformer.py): on one H200 414 ms against the scan's 513
+               then 1b under none unrolled, its preset's default (model.scan_layers=false: no
+               stacks of activations, model/transformer.py): 431 ms against the scan's 579 on
+               one H100, 414 against 513 on one H200
   flags        XLA options on and off, each compiled for the same training case in this process
-               (compile options over XLA_FLAGS): 1b under remat none with
+               (compile options over XLA_FLAGS): 1b under remat none, layer scan, with
                xla_gpu_enable_dynamic_slice_fusion (XLA's default from jax 0.11: GEMMs write into
                the layer scan's stacks; on in the H100 record, whose 1b profile under none still
                spent 96 ms of a step in memcpy and 32 ms in dynamic-update-slice, against 12 and
-               0 under full); step time off / on (0.998 on one H200: no effect)
+               0 under full); step time off / on (0.998 on one H200, 1.002 on
+               one H100: no effect)
   profile      three steps of 1b with steps 2..3 traced (training/profiling.py), summed by
                tools/trace_summary.py (scopes) and tools/op_kinds.py (op kinds): top ops, and the
                fractions in attention kernels, matmuls, collectives, copies, elementwise/other;
                a kernel run inside a CUDA graph is kinded by its name (trace_summary) (~15 s);
                1b's default remat is none: profiled with the layer scan, then unrolled
-               (model.scan_layers=false), so the two copy fractions sit side by side
+               (its default), so the two copy fractions sit side by side
 
 Stage times above were measured on one H100 (2026-11-24, bench/results/gpu-nvidia-h100-*.json);
-on one H200 the first five stages without fp32 took 134 s (gpu-nvidia-h200-20261126.json). The
+on one H200 the first five stages without fp32 took 134 s (gpu-nvidia-h200-20261126.json); on
+one H100 all seven without fp32 took 237 s (gpu-nvidia-h100-80gb-hbm3-20261126.json). The
 --budget (default 480 s) is checked before each stage: a stage that would start after it is
 recorded as skipped.
 Each stage runs inside try/except: an error is recorded as {"error": ...} under its name and
@@ -120,17 +124,19 @@ def _batch(micro: int, accum: int, seq: int) -> tuple[str, ...]:
             f"train.seq_len={seq}", "data.source=synthetic")
 
 
+SCAN, UNROLLED = ("model.scan_layers=true",), ("model.scan_layers=false",)  # 1b's default: unrolled
+
 GPU = Sizes(
     matmul_n=8192, copy_bytes=2**30, timed_runs=10,
     check_lengths=(1024, 4096, 1500), check_fp32_lengths=(1500,), check_heads=(8, 2, 128), tiny_sets=(),
     bench_lengths=(2048, 4096, 8192), bench_heads=(32, 8, 128), bench_tokens=16384,
     train_cases=tuple((preset, remat, batch)
-                      for preset, batch in (("125m", _batch(16, 2, 1024)), ("1b", _batch(8, 2, 2048)))
+                      for preset, batch in (("125m", _batch(16, 2, 1024)), ("1b", _batch(8, 2, 2048) + SCAN))
                       for remat in ("full", "dots", "none"))
-    + (("1b", "none", _batch(8, 2, 2048) + ("model.scan_layers=false",)),),
+    + (("1b", "none", _batch(8, 2, 2048) + UNROLLED),),
     train_steps=5,
-    flag_cases=(("1b", "none", _batch(8, 2, 2048), "xla_gpu_enable_dynamic_slice_fusion"),),
-    profile_cases=(("1b", _batch(8, 2, 2048)), ("1b", _batch(8, 2, 2048) + ("model.scan_layers=false",))),
+    flag_cases=(("1b", "none", _batch(8, 2, 2048) + SCAN, "xla_gpu_enable_dynamic_slice_fusion"),),
+    profile_cases=(("1b", _batch(8, 2, 2048) + SCAN), ("1b", _batch(8, 2, 2048) + UNROLLED)),
 )
 _TINY = ("model.n_layers=2", "train.seq_len=64", "train.global_batch_size=8")
 SMOKE = Sizes(

@@ -43,7 +43,7 @@ def training_case(preset: str, remat: str, overrides: tuple[str, ...], steps: in
 
     cfg = case_config(preset, overrides, [f"model.remat={remat}"], jax.device_count())
     row = {"preset": preset, "remat": remat, "attention": device_core(cfg.model, context=False),
-           "overrides": list(overrides)}
+           "scan_layers": cfg.model.scan_layers, "overrides": list(overrides)}
     try:
         mesh = build_mesh(cfg.parallel)
         cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))

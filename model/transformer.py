@@ -8,7 +8,9 @@ on a GPU copies around every cuBLAS output (the H100's 1b step under none spent 
 memcpy). `model.scan_layers=false` runs the layers as a Python loop instead, each on its slice
 of the stacked parameters (`jnp.split`, whose transpose is one concatenate of the gradients):
 each layer keeps its activations in its own buffers, with no stack to copy them into and out of,
-for a compile that grows with the depth (MaxText's `scan_layers`; not yet timed on a GPU).
+for a compile that grows with the depth (MaxText's `scan_layers`). Timed on one GPU, 1b under
+remat none: 431 ms a step unrolled against the scan's 579 (H100), 414 against 513 (H200); the
+1b preset runs unrolled.
 
   tokens [B, L] -> embed [B, L, D] -> X x (x + attn(norm(x)); x + mlp(norm(x))) -> norm
   -> head [D, V] ('embed', 'vocab') -> logits [B, L, V] (fp32)

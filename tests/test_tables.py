@@ -19,10 +19,11 @@ from conftest import ROOT, run_module
 README = ROOT / "README.md"
 RESULTS = ROOT / "bench" / "results"
 STEP_CHANGE = "step-issue18-dp8-55231f2 step-issue18-dp8 step-issue18-fsdp4_tp2-55231f2 step-issue18-fsdp4_tp2"
-TUNE = ["tune-attention-nvidia-h200-h128-warmup", "tune-attention-nvidia-h200-h128", "tune-attention-nvidia-h200-h64"]
+TUNE = ["tune-attention-nvidia-h200-h128-warmup", "tune-attention-nvidia-h200-h128", "tune-attention-nvidia-h200-h64",
+        "tune-attention-nvidia-h100-80gb-hbm3-h128"]
+GPU = ["gpu-nvidia-h100-80gb-hbm3-20261124", "gpu-nvidia-h200-20261126", "gpu-nvidia-h100-80gb-hbm3-20261126"]
 MARKED = [*TUNE, "gpu-compile-h100", "pipeline-tiny-pp4", "step-125m-single step-tiny-single step-tiny-dp2_tp2", STEP_CHANGE, "tp-tiny",
-          "context-tiny", "moe-tiny", "moe-tiny-mid", "gpu-nvidia-h100-80gb-hbm3-20261124",
-          "gpu-nvidia-h200-20261126"]
+          "context-tiny", "moe-tiny", "moe-tiny-mid", *GPU]
 
 
 def test_every_readme_figure_block_is_its_records_rendering():
@@ -57,7 +58,8 @@ def test_tables_hold_the_records_figures():
         "gpu-nvidia-h100-80gb-hbm3-20261124": [
             "bf16 8192³ GEMM 699 TFLOP/s (71% of peak, __cublas$lt$matmul), copy 2.88 TB/s; correctness pass (10 checks).",
             "| 8192 | 338 / 196 | 521 / 496 | 42 / 57 |", "| 1b, dots | 68,560 | 455 | 46.1% | 478 / 450 ms | 0.94 |",
-            "Profile (1b, 2 steps): matmul 45%, elementwise/other 30%, copy 17%, attention kernel 9% of the kernel time."],
+            "Profile (1b, 2 steps: 582 ms of kernels a step): matmul 45%, elementwise/other 30%, copy 17%, "
+            "attention kernel 9% of the kernel time."],
         "gpu-nvidia-h200-20261126": [
             "| 4096 | 225 / 274 | 257 / 263 | 313 / 417 | 44 / 59 |", "| 1b, none | 63,914 | 425 | 42.9% | 513 / 380 ms | 0.74 |",
             "| 1b, none, unrolled | 79,117 | 526 | 53.1% | 414 / 380 ms | 0.92 |"],
@@ -66,6 +68,15 @@ def test_tables_hold_the_records_figures():
             "| dkv | triton 64x128 w8 s2: 354 | triton 64x128 w8 s3: 360 | triton 64x128 w8 s3: 360 | mosaic 64x64 s2: 288 |",
             "| pallas-tuned | 364 / 360 | 0.81 |", "| cudnn | 429 / 443 | 1.00 |"],
         "tune-attention-nvidia-h200-h64": ["| pallas-tuned | 180 / 237 | - |"],
+        "gpu-nvidia-h100-80gb-hbm3-20261126": [
+            "| 8192 | 398 / 416 | 402 / 312 | 486 / 485 | 42 / 58 |", "| 1b, none | 56,585 | 376 | 38.0% | 579 / 410 ms | 0.71 |",
+            "| 1b, none, unrolled | 76,019 | 505 | 51.1% | 431 / 410 ms | 0.95 |",
+            "Profile (1b, none, 2 steps: 585 ms of kernels a step): matmul 45%, elementwise/other 30%, copy 16%",
+            "Profile (1b, none, unrolled, 2 steps: 428 ms of kernels a step): matmul 65%, elementwise/other 21%, "
+            "attention kernel 14%, copy 0%"],
+        "tune-attention-nvidia-h100-80gb-hbm3-h128": [
+            "| dkv | triton 64x128 w8 s3: 378 | triton 64x128 w8 s3: 378 | triton 64x128 w8 s3: 378 | mosaic 64x64 s2: 295 |",
+            "| pallas-default | 373 / 377 | 0.90 |", "| pallas-tuned | 357 / 372 | 0.88 |"],
     }
     for name, figures in expected.items():
         table = render(name, RESULTS)
@@ -84,8 +95,7 @@ def test_every_record_readme_names_is_marked_or_prose_only():
     named |= set(re.findall(r"bench/results/([\w-]+)\.json", text))
     marked = {stem for name, _, _ in blocks(text) for stem in name.split()}
     assert marked == {"gpu-compile-h100", "pipeline-tiny-pp4", "step-125m-single", "step-tiny-single", "step-tiny-dp2_tp2", "tp-tiny",
-                      "context-tiny", "moe-tiny", "moe-tiny-mid", "gpu-nvidia-h100-80gb-hbm3-20261124",
-                      "gpu-nvidia-h200-20261126", *TUNE, *STEP_CHANGE.split()}
+                      "context-tiny", "moe-tiny", "moe-tiny-mid", *GPU, *TUNE, *STEP_CHANGE.split()}
     assert named - marked == set(PROSE_ONLY)
     assert not marked & set(PROSE_ONLY)
 

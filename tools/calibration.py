@@ -128,6 +128,12 @@ def case_config(preset: str, overrides: tuple[str, ...], extra: list[str], n_dev
     return apply_overrides(cfg, [f"train.global_batch_size={cfg.train.global_batch_size * n_devices}"])
 
 
+def scanned(case: dict) -> bool:
+    """Whether a bench.gpu training case ran the layer scan. Records before 2026-11-26's H100 one
+    do not say; every preset scanned then unless the case set model.scan_layers=false."""
+    return case.get("scan_layers", "model.scan_layers=false" not in case["overrides"])
+
+
 def estimate_vs_measured(path: Path) -> list[dict]:
     """The training stage of the bench.gpu record at `path` against the roofline at that
     record's own measured rates: per case (preset, remat, devices) the measured median step,
@@ -150,7 +156,7 @@ def estimate_vs_measured(path: Path) -> list[dict]:
                           [f"model.remat={case['remat']}", f"model.attention={case['attention']}"], case["devices"])
         estimate = step_time(cfg, {a: 1 for a in AXES} | {"data": case["devices"]}, gpu)["overlap_s"]
         measured = case["step_time_median_s"]
-        rows.append({"preset": case["preset"], "remat": case["remat"], "scan_layers": cfg.model.scan_layers,
+        rows.append({"preset": case["preset"], "remat": case["remat"], "scan_layers": scanned(case),
                      "devices": case["devices"],
                      "measured_s": measured, "estimate_s": estimate, "ratio": estimate / measured})
     return rows
