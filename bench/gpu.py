@@ -24,11 +24,11 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
                (causal FLOPs halved), also as fractions of the matmul ceiling and the peak (~70 s)
   training     bench/step.py `measure_steps` for 125m and 1b (model.attention=auto: the
                core it takes is recorded, cudnn on an H100), remat full,
-               dots, then none, dp over every GPU, 1b with the layer scan
+               dots, then none, dp over every GPU, with the layer scan
                (model.scan_layers=true): tokens/s, TFLOP/s per device, MFU, peak
                memory; an out-of-memory case is recorded as "oom" and the run goes on (~70 s);
-               then 1b under none unrolled, its preset's default (model.scan_layers=false: no
-               stacks of activations, model/transformer.py): 431 ms against the scan's 579 on
+               then each under none unrolled, the presets' default (model.scan_layers=false: no
+               stacks of activations, model/transformer.py): 1b 431 ms against the scan's 579 on
                one H100, 414 against 513 on one H200
   flags        XLA options on and off, each compiled for the same training case in this process
                (compile options over XLA_FLAGS): 1b under remat none, layer scan, with
@@ -124,16 +124,16 @@ def _batch(micro: int, accum: int, seq: int) -> tuple[str, ...]:
             f"train.seq_len={seq}", "data.source=synthetic")
 
 
-SCAN, UNROLLED = ("model.scan_layers=true",), ("model.scan_layers=false",)  # 1b's default: unrolled
+SCAN, UNROLLED = ("model.scan_layers=true",), ("model.scan_layers=false",)  # 125m's and 1b's default: unrolled
 
 GPU = Sizes(
     matmul_n=8192, copy_bytes=2**30, timed_runs=10,
     check_lengths=(1024, 4096, 1500), check_fp32_lengths=(1500,), check_heads=(8, 2, 128), tiny_sets=(),
     bench_lengths=(2048, 4096, 8192), bench_heads=(32, 8, 128), bench_tokens=16384,
-    train_cases=tuple((preset, remat, batch)
-                      for preset, batch in (("125m", _batch(16, 2, 1024)), ("1b", _batch(8, 2, 2048) + SCAN))
+    train_cases=tuple((preset, remat, batch + SCAN)
+                      for preset, batch in (("125m", _batch(16, 2, 1024)), ("1b", _batch(8, 2, 2048)))
                       for remat in ("full", "dots", "none"))
-    + (("1b", "none", _batch(8, 2, 2048) + UNROLLED),),
+    + (("125m", "none", _batch(16, 2, 1024) + UNROLLED), ("1b", "none", _batch(8, 2, 2048) + UNROLLED)),
     train_steps=5,
     flag_cases=(("1b", "none", _batch(8, 2, 2048) + SCAN, "xla_gpu_enable_dynamic_slice_fusion"),),
     profile_cases=(("1b", _batch(8, 2, 2048) + SCAN), ("1b", _batch(8, 2, 2048) + UNROLLED)),

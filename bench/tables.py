@@ -37,6 +37,8 @@ PROSE_ONLY = {
     "collectives-cpu-smoke": "a smoke run: README describes its table's layout and trend in words",
     "gpu-cpu-smoke": "a smoke run of the GPU check on CPU: README quotes no figure of it",
     "moe-h100-1gpu": "one GPU at ep=1, quoted in a sentence: its table would hold one row",
+    "scan-vs-unrolled-nvidia-h100-80gb-hbm3-20261126": "an inline script's twelve cases on one GPU, quoted in "
+                                                       "sentences beside the gpu-check record of that session",
 }
 
 

@@ -29,6 +29,7 @@ def gpt_125m() -> RunConfig:
         model=ModelConfig(
             vocab_size=32768, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12,
             head_dim=64, d_ff=2048,
+            scan_layers=False,  # unrolled, as 1b (below): 73 ms a step against the scan's 100 on one H100
         ),
         train=TrainConfig(seq_len=1024, global_batch_size=64, lr=6e-4, warmup_steps=100, steps=1000),
     )
@@ -41,8 +42,10 @@ def llama_1b() -> RunConfig:
             vocab_size=32768, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
             head_dim=64, d_ff=8192, rope_theta=500_000.0,
             # Unrolled: under remat none (the default) the layer scan's stacking copies cost a
-            # quarter of the step; one GPU's step 431 ms unrolled against 579 (H100), 414 against
-            # 513 (H200): bench/results/gpu-nvidia-*-20261126.json. 16 layers compile in seconds.
+            # quarter of the step, and the stacks memory: one GPU's step 431 ms unrolled against
+            # 579 (H100), 414 against 513 (H200), 40 GiB against 58 (bench/results/
+            # gpu-nvidia-*-20261126.json, scan-vs-unrolled-*.json). 16 layers compile in seconds.
+            # Remat saves nothing unrolled (train.remat_hint): with it, set scan_layers=true.
             scan_layers=False,
         ),
         train=TrainConfig(seq_len=2048, global_batch_size=64, lr=3e-4, warmup_steps=200, steps=1000),

@@ -35,6 +35,8 @@ def _apply(cfg, suggestion: str, sizes: dict):
     "preset, sets, mesh, fix",
     [
         ("125m", ["model.remat=none", "model.attention=xla"], ONE, "--set model.remat=full"),  # its scores
+        # unrolled (the preset's default), remat keeps none's: the advice takes the scan too
+        ("125m", ["model.remat=full", "model.attention=xla"], ONE, "--set model.remat=full --set model.scan_layers=true"),
         ("llama3-8b", ["train.micro_batch_size=0"], ONE | {"fsdp": 8}, "--set train.micro_batch_size="),
         ("llama3-8b", ["train.micro_batch_size=0"], ONE | {"data": 8}, "--mesh "),
     ],

@@ -50,6 +50,9 @@ Memory (bytes per device), the terms `memory()` returns:
                             expert output, returned) + 4·F_e/t (gate, up, silu, hidden)
                 remat full  D (the layer input)
                 remat dots/attn: between the two (modelled as none; an upper bound)
+                unrolled layers (model.scan_layers=false): none's under every policy, as
+                            XLA compiles them (1b on one H100: 40.2 GiB under full, dots and
+                            none; tests/test_model.py holds it on CPU)
   working     the larger of: one layer's backward working set, and the logits [T, V/t] fp32 of
               the head and loss (of all M microbatches at once after a gpipe/interleaved pipe).
               The working set is the gradients of one layer's 'none' terms (one more layer's
@@ -237,21 +240,22 @@ def zb_stash(cfg: RunConfig, sizes: dict[str, int]) -> float:
 def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     """The memory terms per device, in bytes, and their peak (module docstring)."""
     m, s = cfg.model, shape(cfg, sizes)
+    kept = m.remat if m.scan_layers else "none"  # unrolled, XLA keeps what none keeps (module docstring)
     p_local, param_b = local_params(cfg, sizes), DTYPE_BYTES[m.param_dtype]
     piped, v = sizes["stage"] > 1, virtual(cfg)
     stashing = piped and cfg.parallel.schedule in STASHING
     table = pipeline_figures(cfg, sizes)
     if stashing:  # stage 0's in-flight residual slots, the inputs/inbox, zb-h1's stash of dy's
         c = DTYPE_BYTES[m.compute_dtype]
-        chunk = s.tokens * m.d_model * c if m.remat == "full" else stack_activations(cfg, sizes, m.remat) / v
+        chunk = s.tokens * m.d_model * c if kept == "full" else stack_activations(cfg, sizes, kept) / v
         saved = table["in_flight"] * chunk + 3 * s.tokens * m.d_model * c
         if cfg.parallel.schedule == "zb-h1":
             saved += table["in_flight"] * zb_stash(cfg, sizes)
     elif piped:  # gpipe, interleaved: autodiff keeps every tick's residuals
-        saved = table["ticks"] / v * stack_activations(cfg, sizes, m.remat)
+        saved = table["ticks"] / v * stack_activations(cfg, sizes, kept)
         saved += 4 * s.k * s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype]  # [M, b, L, D] in, out, cotangents
     else:
-        saved = stack_activations(cfg, sizes, m.remat)
+        saved = stack_activations(cfg, sizes, kept)
     heads_at_once = s.k if piped and not stashing else 1
     logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * 4
     # context parallel with the xla core: one block piece's fp32 scores, probs and their
@@ -271,7 +275,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         if "fsdp" in accumulation_axes(cfg, sizes) else 0.0,
         "update": p_local * 4 if sizes["fsdp"] == 1 else 0.0,
         "saved activations": saved,
-        "working": max((1 if m.remat == "none" else 1.5) * layer + piece, logits),
+        "working": max((1 if kept == "none" else 1.5) * layer + piece, logits),
     }
     fixed = sum(terms[n] for n in ("params", "optimizer", "gradients", "gathered", "gathered once"))
     terms["peak"] = fixed + max(terms["update"], saved + terms["working"])

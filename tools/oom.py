@@ -4,7 +4,7 @@ XLA reports a failed device allocation (at compile time for the step's static bu
 the first step runs) as an XlaRuntimeError whose text starts with RESOURCE_EXHAUSTED. train.py
 turns that into a ConfigError with this module's advice instead of a traceback. The advice
 uses tools/estimate.py and tools/search.py (no jax), in order of least change to the run:
-full remat on the same mesh, a smaller micro_batch_size (more accumulation steps, same global
+full remat on the same mesh (with the layer scan, where alone remat saves memory), a smaller micro_batch_size (more accumulation steps, same global
 batch), then the best-ranked mesh of the same device count (or, when no mesh of that count
 splits the batch, the batch that one splits). The estimate is a model, not XLA's allocator: the
 advice says so.
@@ -44,13 +44,17 @@ def advice(cfg: RunConfig, sizes: dict[str, int], device_bytes: float, device: s
     kind = next((g for name, g in GPUS.items() if name in device.lower()), GPUS["h100"])
     gpu = dataclasses.replace(kind, memory=device_bytes)
     what = (f"out of device memory on {device} ({device_bytes / GiB:.1f} GiB each): {cfg.name} on mesh "
-            f"{format_mesh(sizes)} with model.remat={cfg.model.remat}, train.micro_batch_size="
+            f"{format_mesh(sizes)} with model.remat={cfg.model.remat}"
+            f"{'' if cfg.model.scan_layers else ', model.scan_layers=false'}, train.micro_batch_size="
             f"{t.micro_batch_size or 'all'} needs about {memory(cfg, sizes)['peak'] / GiB:.1f} GiB per device "
             "(tools.estimate)")
-    remat_full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full"))
-    if cfg.model.remat != "full" and memory(remat_full, sizes)["peak"] <= device_bytes:
-        return f"{what}; try --set model.remat=full"
-    for trial, extra in ((cfg, ""), (remat_full, " --set model.remat=full")):
+    # remat saves memory in the layer scan only (tools.estimate): the advice scans where it remats
+    remat_full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full", scan_layers=True))
+    full = ["model.remat=full"] + ([] if cfg.model.scan_layers else ["model.scan_layers=true"])
+    full_sets = " ".join(f"--set {s}" for s in full)
+    if (cfg.model.remat, cfg.model.scan_layers) != ("full", True) and memory(remat_full, sizes)["peak"] <= device_bytes:
+        return f"{what}; try {full_sets}"
+    for trial, extra in ((cfg, ""), (remat_full, f" {full_sets}")):
         smaller = fit(trial, sizes, gpu)
         if smaller is not None:
             return f"{what}; try --set train.micro_batch_size={smaller.train.micro_batch_size}{extra}"
@@ -58,7 +62,7 @@ def advice(cfg: RunConfig, sizes: dict[str, int], device_bytes: float, device: s
     ranked, rejected = search(remat_full, devices, gpu)
     if ranked:
         best = ranked[0]
-        sets = " ".join(f"--set {s}" for s in ["model.remat=full", *settings(best)])
+        sets = " ".join(f"--set {s}" for s in [*full, *settings(best)])
         return f"{what}; try --mesh {format_mesh(best['sizes'])} {sets} (the planner's best fit: python train.py --dry-run)"
     if not rejected:  # no mesh was too big: none splits the batch
         return f"{what}; {no_mesh_takes(cfg, devices)}"
