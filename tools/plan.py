@@ -143,7 +143,8 @@ def run_search(cfg: RunConfig, gpus: int, gpu: roofline.GPU, confirm: int, as_js
     if not ranked and not rejected:
         raise ConfigError(no_mesh_takes(cfg, gpus))
     if not ranked:
-        raise ConfigError(f"no mesh of {gpus} GPUs fits {cfg.name} on {gpu.name}: add GPUs or use model.remat=full")
+        remat = "model.remat=full" + ("" if cfg.model.scan_layers else " model.scan_layers=true")
+        raise ConfigError(f"no mesh of {gpus} GPUs fits {cfg.name} on {gpu.name}: add GPUs or use {remat}")
     rows = []
     for i, c in enumerate(ranked[:5]):
         rows.append({"mesh": format_mesh(c["sizes"]), "set": settings(c),
