@@ -54,3 +54,20 @@ def test_advice_names_a_change_that_fits(preset, sets, mesh, fix):
 def test_advice_when_nothing_fits_says_add_devices():
     line = advice(get_preset("llama3-8b"), ONE, H100, "NVIDIA H100 80GB HBM3")
     assert "no mesh of 1 devices fits it: add devices" in line
+
+
+def test_a_plan_that_does_not_fit_unrolled_layers_advises_remat_with_the_scan():
+    """1b (unrolled, remat none) with 64 sequences a microbatch on one H100: the plan's verdict
+    advises remat full with the layer scan, as remat saves nothing unrolled; the same run scanned
+    is advised remat full alone. Estimated: unrolled remat full keeps none's activations."""
+    from tools.plan_report import plan
+    from tools.roofline import GPUS
+
+    cfg = apply_overrides(get_preset("1b"), ["train.micro_batch_size=64"])
+    verdict = plan(cfg, ONE, GPUS["h100"], None)["verdict"]
+    assert "does NOT fit" in verdict and "use --set model.remat=full --set model.scan_layers=true, or" in verdict
+    scanned = apply_overrides(cfg, ["model.scan_layers=true"])
+    assert "use --set model.remat=full, or" in plan(scanned, ONE, GPUS["h100"], None)["verdict"]
+    unrolled_full = apply_overrides(cfg, ["model.remat=full"])
+    assert memory(unrolled_full, ONE)["peak"] == memory(cfg, ONE)["peak"] > 2 * memory(
+        apply_overrides(unrolled_full, ["model.scan_layers=true"]), ONE)["peak"]

@@ -237,6 +237,12 @@ def zb_stash(cfg: RunConfig, sizes: dict[str, int]) -> float:
     return (1 + (m.remat == "full")) * s.layers * s.tokens * per_token * DTYPE_BYTES[m.compute_dtype]
 
 
+def remat_full_sets(cfg: RunConfig) -> list[str]:
+    """The --set values that make `cfg` keep remat full's activations: the policy, and the layer
+    scan where the layers are unrolled (there XLA keeps none's whatever the policy, `memory`)."""
+    return ["model.remat=full"] + ([] if cfg.model.scan_layers else ["model.scan_layers=true"])
+
+
 def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     """The memory terms per device, in bytes, and their peak (module docstring)."""
     m, s = cfg.model, shape(cfg, sizes)

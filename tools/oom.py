@@ -4,8 +4,8 @@ XLA reports a failed device allocation (at compile time for the step's static bu
 the first step runs) as an XlaRuntimeError whose text starts with RESOURCE_EXHAUSTED. train.py
 turns that into a ConfigError with this module's advice instead of a traceback. The advice
 uses tools/estimate.py and tools/search.py (no jax), in order of least change to the run:
-full remat on the same mesh (with the layer scan, where alone remat saves memory), a smaller micro_batch_size (more accumulation steps, same global
-batch), then the best-ranked mesh of the same device count (or, when no mesh of that count
+full remat on the same mesh (with the layer scan, where alone remat saves memory), a smaller
+micro_batch_size (more accumulation steps, same global batch), then the best-ranked mesh of the same device count (or, when no mesh of that count
 splits the batch, the batch that one splits). The estimate is a model, not XLA's allocator: the
 advice says so.
 """
@@ -17,7 +17,7 @@ import math
 
 from configs import RunConfig
 from sharding.mesh import format_mesh
-from tools.estimate import memory
+from tools.estimate import memory, remat_full_sets
 from tools.roofline import GPUS
 from tools.search import fit, no_mesh_takes, search, settings
 
@@ -48,9 +48,8 @@ def advice(cfg: RunConfig, sizes: dict[str, int], device_bytes: float, device: s
             f"{'' if cfg.model.scan_layers else ', model.scan_layers=false'}, train.micro_batch_size="
             f"{t.micro_batch_size or 'all'} needs about {memory(cfg, sizes)['peak'] / GiB:.1f} GiB per device "
             "(tools.estimate)")
-    # remat saves memory in the layer scan only (tools.estimate): the advice scans where it remats
     remat_full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full", scan_layers=True))
-    full = ["model.remat=full"] + ([] if cfg.model.scan_layers else ["model.scan_layers=true"])
+    full = remat_full_sets(cfg)
     full_sets = " ".join(f"--set {s}" for s in full)
     if (cfg.model.remat, cfg.model.scan_layers) != ("full", True) and memory(remat_full, sizes)["peak"] <= device_bytes:
         return f"{what}; try {full_sets}"
