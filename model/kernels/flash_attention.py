@@ -133,7 +133,9 @@ def default_tiling(head_dim: int, dtype: str = "bfloat16") -> Tiling:
     the forward and dq kernels in Mosaic GPU (64 x 64, 2 pipeline slots) and dk/dv in Triton
     (64 x 128, 8 warps, 3 stages): 364 TFLOP/s forward and 360 forward + backward at L = 4096
     on one H200 (cudnn 429 and 443 in the same process: 0.81x), where the all-Triton default
-    before it ran 231 and 288 (bench/results/tune-attention-nvidia-h200-h128-warmup.json).
+    before it ran 231 and 288 (bench/results/tune-attention-nvidia-h200-h128-warmup.json). On
+    one H100 a sweep from this tiling found each kernel's fastest tile to be this one (373 / 377
+    against cudnn's 417 / 421: 0.90x; tune-attention-nvidia-h100-80gb-hbm3-h128.json).
     Mosaic's dk/dv (64 x 64: 258 / 288 in the two sweeps, 564 bytes a thread spilled) lost to
     Triton's. Everywhere else (fp32, other head dims, another GPU, CPU interpretation) the
     Triton tiles of `triton_tiling`: at H = 64 the Triton forward beat Mosaic's (244 against at
