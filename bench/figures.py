@@ -233,9 +233,9 @@ def gpu_table(record: dict) -> str:
                          f"{100 * r['mfu']:.1f}%", f"{1e3 * r['step_time_median_s']:.0f} / "
                          + (f"{1e3 * e['estimate_s']:.0f} ms" if e else "-"), f"{e['ratio']:.2f}" if e else "-"))
     profile = st.get("profile", {})
-    cases = profile.get("cases", [profile] if "ops" in profile else [])  # older records: one case
-    lines += [""] if any("ops" in p for p in cases) else []
-    for p in (p for p in cases if "ops" in p):
+    cases = [p for p in profile.get("cases", [profile]) if "ops" in p]  # older records: one case, no "cases"
+    lines += [""] if cases else []
+    for p in cases:
         kinds = sorted(p["ops"]["fractions"].items(), key=lambda kv: -kv[1])
         case = p["preset"] + (f", {p['remat']}" if "remat" in p else "") + ("" if p.get("scan_layers", True) else ", unrolled")
         lines.append(f"Profile ({case}, {p['ops']['steps']} steps: {p['ops']['total_ms']:.0f} ms of kernels a step): "

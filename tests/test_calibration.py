@@ -165,6 +165,17 @@ def gpu_records() -> list[Path]:
     return found
 
 
+def gpu_training_rows() -> list[tuple[str, dict]]:
+    """(record name, training case) of every GPU record: the gpu-check ones and the
+    scan-vs-unrolled ones (bench.gpu_training's rows, without the stages around them)."""
+    paths = gpu_records() + sorted((ROOT / "bench" / "results").glob("scan-vs-unrolled-*.json"))
+    found = []
+    for path in paths:
+        record = json.loads(path.read_text())
+        found += [(path.name, r) for r in (record["stages"]["training"]["rows"] if "stages" in record else record["rows"])]
+    return found
+
+
 @pytest.mark.skipif(not gpu_records(), reason="no `make gpu-check` record from a GPU committed yet "
                                               "(bench/results/gpu-<device>-<date>.json)")
 def test_the_estimate_is_within_15_percent_of_the_measured_gpu_step():
@@ -193,16 +204,14 @@ def test_125m_and_1b_run_unrolled_where_every_gpu_record_timed_it_faster():
     gpu-check records, scan-vs-unrolled-*.json) found the unrolled step at most 0.85x the scanned
     one (1b: H100 431 / 579 ms, H200 414 / 513; 125m: H100 73 / 100), so the presets unroll; a
     record that found otherwise fails this until the default is looked at again."""
-    paths = gpu_records() + sorted((ROOT / "bench" / "results").glob("scan-vs-unrolled-*.json"))
     ratios: dict[str, list[float]] = {"125m": [], "1b": []}
-    for path in paths:
-        record = json.loads(path.read_text())
-        rows = record["stages"]["training"]["rows"] if "stages" in record else record["rows"]
-        for preset, found in ratios.items():
-            step = {scanned(r): r["step_time_median_s"] for r in rows
-                    if r["preset"] == preset and r["remat"] == "none" and r["status"] == "ok"}
-            if len(step) == 2:
-                found.append(step[False] / step[True])
+    steps: dict[tuple[str, str], dict[bool, float]] = {}
+    for name, r in gpu_training_rows():
+        if r["preset"] in ratios and r["remat"] == "none" and r["status"] == "ok":
+            steps.setdefault((name, r["preset"]), {})[scanned(r)] = r["step_time_median_s"]
+    for (_, preset), step in steps.items():
+        if len(step) == 2:
+            ratios[preset].append(step[False] / step[True])
     assert len(ratios["1b"]) >= 3 and len(ratios["125m"]) >= 1, ratios
     assert all(r <= 0.85 for found in ratios.values() for r in found), ratios
     for preset in ratios:
@@ -215,21 +224,18 @@ def test_the_memory_estimate_of_unrolled_layers_is_remat_nones():
     within 15%, remat none's figure under every policy, as XLA keeps every layer's intermediates
     there (125m 9.83 GiB estimated against 9.78 under full, dots and none on one H100; 1b 43.0
     against 40.2); scanned, remat full is estimated at under half of that."""
-    paths = gpu_records() + sorted((ROOT / "bench" / "results").glob("scan-vs-unrolled-*.json"))
     checked = 0
-    for path in paths:
-        record = json.loads(path.read_text())
-        for r in record["stages"]["training"]["rows"] if "stages" in record else record["rows"]:
-            if r["status"] != "ok" or scanned(r) or "static_peak" not in r.get("memory_analysis", {}):
-                continue
-            cfg = case_config(r["preset"], tuple(r["overrides"]), [f"model.remat={r['remat']}",
-                              f"model.attention={r['attention']}"], r["devices"])
-            sizes = {a: 1 for a in AXES} | {"data": r["devices"]}
-            est = estimate.memory(cfg, sizes)["peak"]
-            assert est == pytest.approx(r["memory_analysis"]["static_peak"], rel=0.15), (path.name, r["preset"], r["remat"])
-            scan_full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full", scan_layers=True))
-            assert estimate.memory(scan_full, sizes)["peak"] < 0.5 * est
-            checked += 1
+    for name, r in gpu_training_rows():
+        if r["status"] != "ok" or scanned(r) or "static_peak" not in r.get("memory_analysis", {}):
+            continue
+        cfg = case_config(r["preset"], tuple(r["overrides"]), [f"model.remat={r['remat']}",
+                          f"model.attention={r['attention']}"], r["devices"])
+        sizes = {a: 1 for a in AXES} | {"data": r["devices"]}
+        est = estimate.memory(cfg, sizes)["peak"]
+        assert est == pytest.approx(r["memory_analysis"]["static_peak"], rel=0.15), (name, r["preset"], r["remat"])
+        scan_full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full", scan_layers=True))
+        assert estimate.memory(scan_full, sizes)["peak"] < 0.5 * est
+        checked += 1
     assert checked >= 6
 
 

@@ -5,8 +5,8 @@ the first step runs) as an XlaRuntimeError whose text starts with RESOURCE_EXHAU
 turns that into a ConfigError with this module's advice instead of a traceback. The advice
 uses tools/estimate.py and tools/search.py (no jax), in order of least change to the run:
 full remat on the same mesh (with the layer scan, where alone remat saves memory), a smaller
-micro_batch_size (more accumulation steps, same global batch), then the best-ranked mesh of the same device count (or, when no mesh of that count
-splits the batch, the batch that one splits). The estimate is a model, not XLA's allocator: the
+micro_batch_size (more accumulation steps, same global batch), then the best-ranked mesh of the
+same device count (or, when no mesh of that count splits the batch, the batch that one splits). The estimate is a model, not XLA's allocator: the
 advice says so.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from configs import RunConfig
+from configs import RunConfig, apply_overrides
 from sharding.mesh import format_mesh
 from tools.estimate import memory, remat_full_sets
 from tools.roofline import GPUS
@@ -48,10 +48,9 @@ def advice(cfg: RunConfig, sizes: dict[str, int], device_bytes: float, device: s
             f"{'' if cfg.model.scan_layers else ', model.scan_layers=false'}, train.micro_batch_size="
             f"{t.micro_batch_size or 'all'} needs about {memory(cfg, sizes)['peak'] / GiB:.1f} GiB per device "
             "(tools.estimate)")
-    remat_full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full", scan_layers=True))
     full = remat_full_sets(cfg)
-    full_sets = " ".join(f"--set {s}" for s in full)
-    if (cfg.model.remat, cfg.model.scan_layers) != ("full", True) and memory(remat_full, sizes)["peak"] <= device_bytes:
+    remat_full, full_sets = apply_overrides(cfg, full), " ".join(f"--set {s}" for s in full)
+    if remat_full != cfg and memory(remat_full, sizes)["peak"] <= device_bytes:
         return f"{what}; try {full_sets}"
     for trial, extra in ((cfg, ""), (remat_full, f" {full_sets}")):
         smaller = fit(trial, sizes, gpu)
