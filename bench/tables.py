@@ -39,6 +39,10 @@ PROSE_ONLY = {
     "moe-h100-1gpu": "one GPU at ep=1, quoted in a sentence: its table would hold one row",
     "scan-vs-unrolled-nvidia-h100-80gb-hbm3-20261126": "an inline script's twelve cases on one GPU, quoted in "
                                                        "sentences beside the gpu-check record of that session",
+    "gpu-nvidia-h100-80gb-hbm3-20261126-second": "a second gpu-check on the same day and card, quoted as the "
+                                                 "differences from the first, whose table README shows",
+    "batch-1b-nvidia-h100-80gb-hbm3-20261126": "bench.step runs of 1b at nine micro batches and cores, "
+                                               "quoted in sentences",
 }
 
 

@@ -52,10 +52,11 @@ def forward_only(h: int, block_k: int) -> Tiling:
     # the Mosaic forward's lse through the Triton backward
     ("bfloat16", False, 1, 384, (2, 2), 64, forward_only(64, 128)),
     ("bfloat16", True, 1, 256, (4, 1), 128, forward_only(128, 64)),
-    # the default on Hopper at H = 128: Mosaic forward and dq, Triton dk/dv (64 x 128); ragged
+    # the default on Hopper: Mosaic forward and dq, Triton dk/dv (64 x 128 at H = 128, 64 x 64 at 64); ragged
     ("bfloat16", True, 1, 200, (4, 2), 128, hopper_default(128)),
+    ("bfloat16", True, 1, 200, (4, 2), 64, hopper_default(64)),
 ], ids=["all-causal-gqa", "all-full-padded-h128", "all-ragged-fp16", "forward-full", "forward-causal-gqa4",
-        "hopper-default-h128"])
+        "hopper-default-h128", "hopper-default-h64"])
 def test_matches_reference(dtype, causal, batch, length, heads, h, tiling):
     (n, kv_heads), dt = heads, jnp.dtype(dtype)
     q, k, v, d_out = inputs((batch, length, n, h), kv_heads, dt)
@@ -79,29 +80,33 @@ def test_lowers_to_mosaic_gpu_kernels(causal):
     ran for each kernel (layouts, tiles, transposed wgmma operands and TMA copies accepted) and
     the gradient holds three Mosaic GPU custom calls and no Triton kernel; with only the forward
     in Mosaic, one custom call and the Triton dq and dk/dv kernels; with no tiling given (the
-    Hopper default at H = 128), two custom calls and the Triton dk/dv kernel."""
-    b, length, n, kv_heads, h = 1, 512, 4, 2, 128
-    q, k, v, _ = inputs((b, length, n, h), kv_heads, jnp.bfloat16)
-    for tiling, mosaics, tritons in ((mosaic_tiling(h), 3, set()), (forward_only(h, 128), 1, {"dq_kernel", "dkv_kernel"}),
-                                     (None, 2, {"dkv_kernel"})):
+    Hopper default at H = 128 and 64), two custom calls and the Triton dk/dv kernel."""
+    b, length, n, kv_heads = 1, 512, 4, 2
+    for h, tiling, mosaics, tritons in ((128, mosaic_tiling(128), 3, set()),
+                                        (128, forward_only(128, 128), 1, {"dq_kernel", "dkv_kernel"}),
+                                        (128, None, 2, {"dkv_kernel"}), (64, None, 2, {"dkv_kernel"})):
+        q, k, v, _ = inputs((b, length, n, h), kv_heads, jnp.bfloat16)
         loss = lambda q, k, v, t=tiling: flash_attention(q, k, v, causal=causal, tiling=t).astype(jnp.float32).sum()  # noqa: E731
         text = cuda_text(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
         assert len(re.findall(r"custom_call @mosaic_gpu", text)) == mosaics
         assert set(triton_launches(text)) == tritons
 
 
-def test_the_default_is_mosaic_forward_and_dq_only_on_hopper_in_16_bits_at_h128():
-    """default_tiling by device, dtype and head dim (its docstring holds the H200 figures)."""
+def test_the_default_is_mosaic_forward_and_dq_only_on_hopper_in_16_bits_at_h64_and_h128():
+    """default_tiling by device, dtype and head dim (its docstring holds the H100/H200 figures)."""
     hopper = hopper_default(128)
     assert (hopper.forward, hopper.dq) == (mosaic_tiling(128).forward, mosaic_tiling(128).dq)
     assert hopper.dkv == triton_tiling(128).dkv == Tile(64, 128, 8, 3)
+    assert hopper_default(64) == Tiling(mosaic(64, 2), mosaic(64, 3), Tile(64, 64, 4, 3))  # the H100 sweep's
     with building_for("gpu", (9, 0)):
         assert default_tiling(128, "float16") == hopper
         assert default_tiling(128, "float32") == triton_tiling(128)  # Mosaic takes 16-bit inputs only
-        assert default_tiling(64, "bfloat16") == triton_tiling(64)  # Triton won or tied at H = 64
+        assert default_tiling(64, "float32") == triton_tiling(64)
+        assert default_tiling(256, "bfloat16") == triton_tiling(256)  # not measured
     for platform, capability in (("gpu", (8, 0)), ("gpu", (10, 0)), ("cpu", None)):  # not measured there
         with building_for(platform, capability):
             assert default_tiling(128, "bfloat16") == triton_tiling(128)
+            assert default_tiling(64, "bfloat16") == triton_tiling(64)
     for h in (32, 64, 128, 256):
         tiling = triton_tiling(h)
         assert {t.lowering for t in (tiling.forward, tiling.dq, tiling.dkv)} == {"triton"}

@@ -19,8 +19,9 @@ this report names. The persistent compilation cache is off here, since a cached 
 skips ptxas.
 
 Candidates, per head dim: the Triton tiles (`triton_tiling`) and each kernel of `mosaic_tiling`
-beside them; the default (`default_tiling` for --gpu and --dtype: at H = 128 the Mosaic GPU
-forward and dq beside the Triton dk/dv) is read from those;
+and of the default (`default_tiling` for --gpu and --dtype: on Hopper in 16 bits at H = 64 and
+128 the Mosaic GPU forward and dq beside the Triton dk/dv) beside them, each kernel compiled
+alone in its lowering;
 `--sweep` adds every Triton tile of --blocks x --warps x --stages (all three kernels at once)
 and each kernel's Mosaic GPU tiles (block_q 64, block_k from --mosaic-blocks, dk/dv 64 only, x
 --stages), a Mosaic kernel compiled beside the Triton other two so the log names it alone.
@@ -132,14 +133,15 @@ def ptxas_report(log: str) -> dict[str, dict]:
 
 def candidates(head_dim: int, args: argparse.Namespace) -> list[tuple[str, object]]:
     """[(kernel the candidate is for, or 'all'; Tiling)]: `triton_tiling` first, then each kernel
-    of `mosaic_tiling` beside the Triton other two, then --sweep's; no tiling twice. A program
-    holds at most one Mosaic GPU kernel: ptxas names each of them anonymous_mosaic_gpu_kernel,
-    so two in one log could not be told apart (the default at H = 128 has two: its rows are
-    read from these candidates', `default_for`)."""
+    of `mosaic_tiling` and of the default (`default_for`) beside the Triton other two, then
+    --sweep's; no tiling twice. A program holds at most one Mosaic GPU kernel: ptxas names each
+    of them anonymous_mosaic_gpu_kernel, so two in one log could not be told apart (the Hopper
+    default has two: its rows are read from these candidates')."""
     from model.kernels.flash_attention import Tile, Tiling, mosaic_tiling, triton_tiling
 
-    triton, mosaic = triton_tiling(head_dim), mosaic_tiling(head_dim)
-    found = [("all", triton)] + [(k, dataclasses.replace(triton, **{k: getattr(mosaic, k)})) for k in KERNELS]
+    triton, mosaic, default = triton_tiling(head_dim), mosaic_tiling(head_dim), default_for(head_dim, args)
+    found = [("all", triton)] + [(k, dataclasses.replace(triton, **{k: getattr(tiling, k)}))
+                                 for tiling in (mosaic, default) for k in KERNELS]
     if args.sweep:
         found += [("all", Tiling.uniform(bq, bk, w, s))
                   for bq, bk, w, s in itertools.product(args.blocks, args.blocks, args.warps, args.stages)]

@@ -54,9 +54,10 @@ the Mosaic forward (64 x 64, 2 slots) ran 367 and 401 TFLOP/s in two sweeps, the
 forward 360 and 370 (and it spills); Mosaic's dq 331 / 351 fwd+bwd against Triton's best clean
 316 / 340; Mosaic's dk/dv (spilling) 258 / 288 against Triton's 351 / 360. Hence on Hopper in
 16 bits at H = 128 the default runs forward and dq in Mosaic and dk/dv in Triton: 364 TFLOP/s
-forward and 360 forward + backward, 0.81x of cudnn's 443 in the same process. At H = 64 Triton
-wins or ties each kernel and stays. Before (H100, 2026-11-24, untuned Triton): forward 287,
-forward + backward 0.44x cudnn.
+forward and 360 forward + backward, 0.81x of cudnn's 443 in the same process. At H = 64 on one
+H100 (tune-attention-nvidia-h100-80gb-hbm3-h64.json) the same split won: Mosaic forward and dq,
+Triton dk/dv, 295 / 295 against the Triton tiles' 242 / 254 (cudnn 288 / 313). Before (H100,
+2026-11-24, untuned Triton): forward 287, forward + backward 0.44x cudnn.
 """
 
 from __future__ import annotations
@@ -108,18 +109,18 @@ class Tiling:
 
 
 def triton_tiling(head_dim: int) -> Tiling:
-    """By head dim, each kernel's Triton tile. Every one assembles for sm_90a without spilling
-    or serializing its wgmmas (bench/results/gpu-compile-h100.json). At H <= 64, the largest
-    such tiles (the H = 64 sweep on an H200, tune-attention-nvidia-h200-h64.json, found
-    nothing faster: its pick ran 237 TFLOP/s forward + backward against these tiles' 260 in
-    the same process). At H = 128, the clean tile of each kernel that ran fastest in both H200
-    sweeps (tune-attention-nvidia-h200-h128.json and -h128-warmup.json, L = 4096, causal, bf16):
-    forward 128 x 64, 8 warps, 3 stages (353 / 281 TFLOP/s against 201 / 228 with the 2 stages
-    it had), dq 128 x 64 w8 s3 (316 / 340 fwd+bwd, against 308 / 314), dk/dv 64 x 128 w8 s3
-    (351 / 360, against 326 / 354). Faster tiles that spill (forward 128 x 64 with 4 warps:
-    360 / 370, 8 bytes a thread) are left out: on Hopper in 16 bits `default_tiling` runs the
-    Mosaic GPU forward instead, and elsewhere (fp32, an older GPU) no measurement says they win.
-    Above H = 128: clean tiles, not timed."""
+    """By head dim, each kernel's Triton tile. Every one assembles for sm_90a without spilling or
+    serializing its wgmmas (bench/results/gpu-compile-h100.json). At H <= 64, the largest such
+    tiles, not tuned: the one H = 64 sweep that counts ran on Hopper in bf16, where `default_tiling`
+    takes `HOPPER_16BIT` (tune-attention-nvidia-h100-80gb-hbm3-h64.json; there Triton's best
+    forward, 128 x 64 w8 s3, ran 289 TFLOP/s against this one's 240). At H = 128, the clean tile of
+    each kernel that ran fastest in both H200 sweeps (tune-attention-nvidia-h200-h128.json and
+    -h128-warmup.json, L = 4096, causal, bf16): forward 128 x 64, 8 warps, 3 stages (353 / 281
+    TFLOP/s against 201 / 228 with the 2 stages it had), dq 128 x 64 w8 s3 (316 / 340 fwd+bwd,
+    against 308 / 314), dk/dv 64 x 128 w8 s3 (351 / 360, against 326 / 354). Faster tiles that spill
+    (forward 128 x 64 with 4 warps: 360 / 370, 8 bytes a thread) are left out: on Hopper in 16 bits
+    `default_tiling` runs the Mosaic GPU forward instead, and elsewhere (fp32, an older GPU) no
+    measurement says they win. Above H = 128: clean tiles, not timed."""
     if head_dim <= 64:
         return Tiling(Tile(128, 64, 4, 2), Tile(128, 64, 4, 2), Tile(128, 128, 8, 2))
     if head_dim <= 128:
@@ -127,25 +128,41 @@ def triton_tiling(head_dim: int) -> Tiling:
     return Tiling(Tile(128, 64, 8, 2), Tile(128, 32, 8, 2), Tile(128, 32, 8, 2))
 
 
+# On Hopper (compute capability 9.0) in bf16/fp16, by head dim: each kernel's fastest tile in the
+# sweeps of `default_tiling`'s docstring; forward and dq in Mosaic GPU, dk/dv in Triton.
+HOPPER_16BIT = {
+    64: Tiling(Tile(64, 64, stages=2, lowering="mosaic"), Tile(64, 64, stages=3, lowering="mosaic"),
+               Tile(64, 64, 4, 3)),
+    128: Tiling(Tile(64, 64, stages=2, lowering="mosaic"), Tile(64, 64, stages=2, lowering="mosaic"),
+                Tile(64, 128, 8, 3)),
+}
+
+
 def default_tiling(head_dim: int, dtype: str = "bfloat16") -> Tiling:
     """The tiling a call without one runs, for the device programs are built for
-    (sharding.cores.target). On Hopper (compute capability 9.0) with bf16/fp16 inputs at H = 128,
-    the forward and dq kernels in Mosaic GPU (64 x 64, 2 pipeline slots) and dk/dv in Triton
-    (64 x 128, 8 warps, 3 stages): 364 TFLOP/s forward and 360 forward + backward at L = 4096
-    on one H200 (cudnn 429 and 443 in the same process: 0.81x), where the all-Triton default
-    before it ran 231 and 288 (bench/results/tune-attention-nvidia-h200-h128-warmup.json). On
-    one H100 a sweep from this tiling found each kernel's fastest tile to be this one (373 / 377
-    against cudnn's 417 / 421: 0.90x; tune-attention-nvidia-h100-80gb-hbm3-h128.json).
-    Mosaic's dk/dv (64 x 64: 258 / 288 in the two sweeps, 564 bytes a thread spilled) lost to
-    Triton's. Everywhere else (fp32, other head dims, another GPU, CPU interpretation) the
-    Triton tiles of `triton_tiling`: at H = 64 the Triton forward beat Mosaic's (244 against at
-    most 169 TFLOP/s, tune-attention-nvidia-h200-h64.json) and dq matched it (233 against 238)."""
-    triton = triton_tiling(head_dim)
+    (sharding.cores.target): `HOPPER_16BIT` on Hopper with bf16/fp16 inputs at H = 64 and 128,
+    the Triton tiles of `triton_tiling` everywhere else (fp32, other head dims, another GPU, CPU
+    interpretation). All by `python -m bench.tune_attention` at L = 4096, causal, N 32, K 8:
+    - H = 128: the forward and dq in Mosaic GPU (64 x 64, 2 pipeline slots), dk/dv in Triton
+      (64 x 128, 8 warps, 3 stages): 364 TFLOP/s forward and 360 forward + backward on one H200
+      (cudnn 429 and 443 in the same process: 0.81x), where the all-Triton default before it
+      ran 231 and 288 (tune-attention-nvidia-h200-h128-warmup.json); on one H100 a sweep from
+      this tiling found each kernel's fastest tile to be this one (373 / 377 against cudnn's
+      417 / 421: 0.90x; tune-attention-nvidia-h100-80gb-hbm3-h128.json). Mosaic's dk/dv
+      (64 x 64: 258 / 288 in the two H200 sweeps, 564 bytes a thread spilled) lost to Triton's.
+    - H = 64: the H100 sweep's fastest tile of each kernel (tune-attention-nvidia-h100-80gb-
+      hbm3-h64.json): Mosaic forward 64 x 64, 2 slots (303 TFLOP/s, against the Triton 128 x 64
+      w4 s2 it replaced: 240, and Mosaic's 64 x 128: 283), Mosaic dq 64 x 64, 3 slots (290
+      fwd+bwd, 2 slots 289, Triton's best 284), Triton dk/dv 64 x 64 w4 s3 (305, against
+      128 x 128 w8 s2: 297). In one process: 295 forward and 295 forward + backward against
+      the Triton tiles' 242 / 254 and cudnn's 288 / 313 (1.03x and 0.94x cudnn). The H200's
+      H = 64 sweep, which ranked Triton's forward first (244 against Mosaic's 169 at most), ran
+      before the tuner warmed the GPU up (tools.measure) and is not taken. All three tiles
+      assemble for sm_90a without spilling (gpu-compile-h100.json)."""
     platform, capability = target()
-    if platform == "gpu" and capability == (9, 0) and dtype in FUSED_DTYPES and head_dim == 128:
-        mosaic = mosaic_tiling(head_dim)
-        return Tiling(mosaic.forward, mosaic.dq, triton.dkv)
-    return triton
+    if platform == "gpu" and capability == (9, 0) and dtype in FUSED_DTYPES and head_dim in HOPPER_16BIT:
+        return HOPPER_16BIT[head_dim]
+    return triton_tiling(head_dim)
 
 
 def mosaic_tiling(head_dim: int) -> Tiling:

@@ -9,8 +9,10 @@ and Triton's forward reached 287 TFLOP/s on one H100 at L = 4096, H = 128 agains
 350 (bench/results/gpu-nvidia-h100-80gb-hbm3-20261124.json). Measured on one H200 (2026-11-26,
 bench/results/tune-attention-nvidia-h200-h128*.json): at H = 128 this forward (64 x 64, 2 slots)
 ran 367 and 401 TFLOP/s in two sweeps against Triton's best 360 and 370, so on Hopper in 16 bits
-at H = 128 `default_tiling` takes it (and the Mosaic dq); at H = 64 Triton's forward won (244
-against 169) and stays.
+at H = 128 `default_tiling` takes it (and the Mosaic dq). At H = 64 on one H100 (2026-11-26,
+tune-attention-nvidia-h100-80gb-hbm3-h64.json) it ran 303 TFLOP/s (64 x 64, 2 slots) against
+Triton's best 289, and the default takes it there too (an earlier H200 sweep ranked Triton
+first, but ran before the tuner warmed the GPU up).
 
 Kernel (`plgpu.kernel`, grid (B, N, L/64), one warpgroup of 128 threads per program):
   q       the program's [64, H] rows of head n, one TMA copy into shared memory;
