@@ -12,7 +12,8 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
                peak (training/metrics.py)                                         (~15 s)
   correctness  pallas, pallas-mosaic (its kernels in Mosaic GPU) and cudnn cores against the
                xla core, out and dq/dk/dv, causal GQA (N=8, K=2, H=128): bf16 at L = 1024,
-               4096 and a ragged 1500, fp32 at 1500, with the tolerances of
+               4096 and a ragged 1500, fp32 at 1500, bf16 at 1500 with H = 64 (the 1b
+               preset's head dim, whose Hopper tiles differ), with the tolerances of
                tests/test_flash_attention.py; fp32 runs under
                jax.default_matmul_precision('highest') so TF32 does not stand in for fp32
                (cuDNN and the Mosaic kernels take fp16/bf16 only: their fp32 cases are 'n/a').
@@ -106,6 +107,7 @@ class Sizes:
     check_lengths: tuple[int, ...]  # bf16
     check_fp32_lengths: tuple[int, ...]
     check_heads: tuple[int, int, int]  # N, K, H
+    check_more_head_dims: tuple[int, ...]  # bf16 at the last check length, N and K as above
     tiny_sets: tuple[str, ...]  # overrides of the tiny preset for the per-core train step
     bench_lengths: tuple[int, ...]
     bench_heads: tuple[int, int, int]  # N, K, H
@@ -128,7 +130,8 @@ SCAN, UNROLLED = ("model.scan_layers=true",), ("model.scan_layers=false",)  # 12
 
 GPU = Sizes(
     matmul_n=8192, copy_bytes=2**30, timed_runs=10,
-    check_lengths=(1024, 4096, 1500), check_fp32_lengths=(1500,), check_heads=(8, 2, 128), tiny_sets=(),
+    check_lengths=(1024, 4096, 1500), check_fp32_lengths=(1500,), check_heads=(8, 2, 128),
+    check_more_head_dims=(64,), tiny_sets=(),
     bench_lengths=(2048, 4096, 8192), bench_heads=(32, 8, 128), bench_tokens=16384,
     train_cases=tuple((preset, remat, batch + SCAN)
                       for preset, batch in (("125m", _batch(16, 2, 1024)), ("1b", _batch(8, 2, 2048)))
@@ -141,7 +144,8 @@ GPU = Sizes(
 _TINY = ("model.n_layers=2", "train.seq_len=64", "train.global_batch_size=8")
 SMOKE = Sizes(
     matmul_n=256, copy_bytes=2**22, timed_runs=3,
-    check_lengths=(128, 100), check_fp32_lengths=(128, 100), check_heads=(4, 2, 64), tiny_sets=_TINY,
+    check_lengths=(128, 100), check_fp32_lengths=(128, 100), check_heads=(4, 2, 64), check_more_head_dims=(128,),
+    tiny_sets=_TINY,
     bench_lengths=(128,), bench_heads=(4, 2, 64), bench_tokens=256,  # H = 64: the Mosaic GPU kernels' least
     train_cases=(("tiny", "full", _TINY + _batch(4, 2, 64)), ("tiny", "none", _TINY + _batch(4, 2, 64))),
     train_steps=2,
@@ -190,7 +194,8 @@ def stage_ceilings(sizes: Sizes) -> dict:
 
 
 def stage_correctness(sizes: Sizes) -> dict:
-    return correctness(sizes.check_lengths, sizes.check_fp32_lengths, sizes.check_heads, sizes.tiny_sets, sizes.cores)
+    return correctness(sizes.check_lengths, sizes.check_fp32_lengths, sizes.check_heads, sizes.check_more_head_dims,
+                       sizes.tiny_sets, sizes.cores)
 
 
 def stage_attention(sizes: Sizes) -> dict:

@@ -26,6 +26,7 @@ def test_cpu_smoke_writes_real_numbers(tmp_path):
     assert check["verdict"] == "pass"
     pallas = [c for c in check["cases"] if c["core"] == "pallas"]
     assert {c["dtype"] for c in pallas} == {"bfloat16", "float32"} and len(pallas) >= 4
+    assert [(c["dtype"], c["length"], c["head_dim"]) for c in pallas if c["head_dim"] != 64] == [("bfloat16", 100, 128)]
     for c in pallas:
         assert c["status"] == "pass" and 0 <= max(c["errors"].values()) < TOLERANCE[c["dtype"]], c
     assert {c["status"] for c in check["cases"] if c["core"] == "cudnn"} == {"unavailable on cpu"}
