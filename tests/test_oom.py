@@ -34,11 +34,19 @@ def _apply(cfg, suggestion: str, sizes: dict):
 @pytest.mark.parametrize(
     "preset, sets, mesh, fix",
     [
-        ("125m", ["model.remat=none", "model.attention=xla"], ONE, "--set model.remat=full"),  # its scores
-        # unrolled (the preset's default), remat keeps none's: the advice takes the scan too
-        ("125m", ["model.remat=full", "model.attention=xla"], ONE, "--set model.remat=full --set model.scan_layers=true"),
+        # a smaller micro batch first: the same FLOPs, where remat recomputes the forward
+        ("125m", ["model.remat=none", "model.attention=xla"], ONE, "--set train.micro_batch_size=32"),  # its scores
+        # one sequence of 64k tokens: only remat helps; unrolled (the preset's default), remat
+        # keeps none's, so the advice takes the scan too
+        ("1b", ["train.seq_len=65536", "train.global_batch_size=1"], ONE,
+         "--set model.remat=full --set model.scan_layers=true"),
+        ("1b", ["train.seq_len=65536", "train.global_batch_size=1", "model.scan_layers=true"], ONE,
+         "try --set model.remat=full"),
+        # remat alone does not fit 8 such sequences at once: both
+        ("1b", ["train.seq_len=65536", "train.global_batch_size=8"], ONE,
+         "--set train.micro_batch_size=4 --set model.remat=full --set model.scan_layers=true"),
         ("llama3-8b", ["train.micro_batch_size=0"], ONE | {"fsdp": 8}, "--set train.micro_batch_size="),
-        ("llama3-8b", ["train.micro_batch_size=0"], ONE | {"data": 8}, "--mesh "),
+        ("llama3-8b", ["train.micro_batch_size=0"], ONE | {"data": 8}, "--mesh fsdp=4,sp=2 --set model.remat=full"),
     ],
 )
 def test_advice_names_a_change_that_fits(preset, sets, mesh, fix):
@@ -47,7 +55,10 @@ def test_advice_names_a_change_that_fits(preset, sets, mesh, fix):
     line = advice(cfg, mesh, H100, "NVIDIA H100 80GB HBM3")
     assert line.startswith("out of device memory on NVIDIA H100") and fix in line
     assert f"model.remat={cfg.model.remat}" in line and "GiB per device" in line
-    fixed, sizes = _apply(cfg, line.split("; try ")[1], mesh)
+    fix_given = line.split("; try ")[1]
+    for setting in ("model.remat=full", "model.scan_layers=true"):  # each only where the case expects it
+        assert (setting in fix_given) == (setting in fix), (setting, fix_given)
+    fixed, sizes = _apply(cfg, fix_given, mesh)
     assert memory(fixed, sizes)["peak"] <= H100
 
 
