@@ -20,8 +20,8 @@ skips ptxas.
 
 Candidates, per head dim: the Triton tiles (`triton_tiling`) and each kernel of `mosaic_tiling`
 and of the default (`default_tiling` for --gpu and --dtype: on Hopper in 16 bits at H = 64 and
-128 the Mosaic GPU forward and dq beside the Triton dk/dv) beside them, each kernel compiled
-alone in its lowering;
+128 the Mosaic GPU forward and dq beside the Triton dk/dv), each such kernel beside the
+Triton tiles of the other two;
 `--sweep` adds every Triton tile of --blocks x --warps x --stages (all three kernels at once)
 and each kernel's Mosaic GPU tiles (block_q 64, block_k from --mosaic-blocks, dk/dv 64 only, x
 --stages), a Mosaic kernel compiled beside the Triton other two so the log names it alone.
