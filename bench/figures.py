@@ -199,7 +199,8 @@ def moe_table(record: dict) -> str:
 
 def gpu_table(record: dict) -> str:
     """bench.gpu on a GPU: the ceilings (TFLOP/s 0 decimals, TB/s 2) and the correctness verdict;
-    attention TFLOP/s per length and core, forward / forward + backward (0 decimals); training
+    attention TFLOP/s per length and core, forward / forward + backward (0 decimals; a row at
+    another head dim than the first row's names it); training
     per case (", unrolled": model.scan_layers=false): tokens/s (0 decimals), TFLOP/s per device
     (0), MFU (% 1 decimal), the measured and
     estimated step (ms 0 decimals) and their ratio (2 decimals); per profiled case, its kernel
@@ -214,10 +215,11 @@ def gpu_table(record: dict) -> str:
     rows = st["attention"]["rows"]
     cores = list(dict.fromkeys(r["core"] for r in rows))
     lines.append(header("L", *[f"{core}: fwd / fwd+bwd TFLOP/s" for core in cores]))
-    for length in dict.fromkeys(r["length"] for r in rows):
-        at = {r["core"]: r for r in rows if r["length"] == length}
-        lines.append(row(length, *[f"{at[k]['forward_tflops']:.0f} / {at[k]['forward_backward_tflops']:.0f}"
-                                   for k in cores]))
+    first_h = rows[0]["head_dim"]
+    for length, h in dict.fromkeys((r["length"], r["head_dim"]) for r in rows):
+        at = {r["core"]: r for r in rows if (r["length"], r["head_dim"]) == (length, h)}
+        lines.append(row(length if h == first_h else f"{length}, H = {h}",
+                         *[f"{at[k]['forward_tflops']:.0f} / {at[k]['forward_backward_tflops']:.0f}" for k in cores]))
     estimate = {(r["preset"], r["remat"], r.get("scan_layers", True)): r
                 for r in record.get("estimate", {}).get("rows", [])}
     lines += ["", header("preset, remat", "tokens/s", "TFLOP/s per device", "MFU", "step measured / estimated",

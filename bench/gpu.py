@@ -21,8 +21,9 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
                (measured: 115-124 s at each L), hence one fp32 length. Then one train step
                of the tiny preset per core, loss against xla's                    (~3 min)
   attention    bench/attention.py `measure` for pallas, pallas-mosaic, cudnn, xla at H=128,
-               N=32, K=8, L = 2k, 4k, 8k, causal, bf16: forward and forward+backward TFLOP/s
-               (causal FLOPs halved), also as fractions of the matmul ceiling and the peak (~70 s)
+               N=32, K=8, L = 2k, 4k, 8k, and at H = 64 (the 1b preset's) at L = 4k, causal,
+               bf16: forward and forward+backward TFLOP/s (causal FLOPs halved), also as
+               fractions of the matmul ceiling and the peak (~90 s)
   training     bench/step.py `measure_steps` for 125m and 1b (model.attention=auto: the
                core it takes is recorded, cudnn on an H100), remat full,
                dots, then none, dp over every GPU, with the layer scan
@@ -111,6 +112,7 @@ class Sizes:
     tiny_sets: tuple[str, ...]  # overrides of the tiny preset for the per-core train step
     bench_lengths: tuple[int, ...]
     bench_heads: tuple[int, int, int]  # N, K, H
+    bench_more: tuple[tuple[int, int], ...]  # more (L, H) points, N and K as above
     bench_tokens: int
     train_cases: tuple[tuple[str, str, tuple[str, ...]], ...]  # (preset, remat, overrides)
     train_steps: int
@@ -132,7 +134,7 @@ GPU = Sizes(
     matmul_n=8192, copy_bytes=2**30, timed_runs=10,
     check_lengths=(1024, 4096, 1500), check_fp32_lengths=(1500,), check_heads=(8, 2, 128),
     check_more_head_dims=(64,), tiny_sets=(),
-    bench_lengths=(2048, 4096, 8192), bench_heads=(32, 8, 128), bench_tokens=16384,
+    bench_lengths=(2048, 4096, 8192), bench_heads=(32, 8, 128), bench_more=((4096, 64),), bench_tokens=16384,
     train_cases=tuple((preset, remat, batch + SCAN)
                       for preset, batch in (("125m", _batch(16, 2, 1024)), ("1b", _batch(8, 2, 2048)))
                       for remat in ("full", "dots", "none"))
@@ -146,7 +148,8 @@ SMOKE = Sizes(
     matmul_n=256, copy_bytes=2**22, timed_runs=3,
     check_lengths=(128, 100), check_fp32_lengths=(128, 100), check_heads=(4, 2, 64), check_more_head_dims=(128,),
     tiny_sets=_TINY,
-    bench_lengths=(128,), bench_heads=(4, 2, 64), bench_tokens=256,  # H = 64: the Mosaic GPU kernels' least
+    bench_lengths=(128,), bench_heads=(4, 2, 64), bench_more=((128, 128),),  # H = 64: the Mosaic GPU kernels' least
+    bench_tokens=256,
     train_cases=(("tiny", "full", _TINY + _batch(4, 2, 64)), ("tiny", "none", _TINY + _batch(4, 2, 64))),
     train_steps=2,
     flag_cases=(("tiny", "none", _TINY + _batch(4, 2, 64), "xla_gpu_enable_dynamic_slice_fusion"),),
@@ -199,8 +202,8 @@ def stage_correctness(sizes: Sizes) -> dict:
 
 
 def stage_attention(sizes: Sizes) -> dict:
-    return gpu_device.attention_speed(sizes.bench_lengths, sizes.bench_heads, sizes.bench_tokens, sizes.timed_runs,
-                                      sizes.cores)
+    return gpu_device.attention_speed(sizes.bench_lengths, sizes.bench_heads, sizes.bench_more, sizes.bench_tokens,
+                                      sizes.timed_runs, sizes.cores)
 
 
 # --- stages 5-7: training speed, XLA options on and off, profile (bench/gpu_training.py) ---------

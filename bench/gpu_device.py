@@ -87,19 +87,20 @@ def ceilings(n: int, copy_bytes: int, runs: int) -> dict:
     }
 
 
-def attention_speed(lengths: tuple[int, ...], heads: tuple[int, int, int], tokens: int, runs: int,
-                    cores: tuple[str, ...] = CORES) -> dict:
+def attention_speed(lengths: tuple[int, ...], heads: tuple[int, int, int], more: tuple[tuple[int, int], ...],
+                    tokens: int, runs: int, cores: tuple[str, ...] = CORES) -> dict:
     """bench/attention.py's `measure` of each of `cores` at each L (causal, bf16, heads = N, K,
-    H): forward and forward+backward TFLOP/s, also as fractions of the datasheet peak."""
+    H), then at each (L, H) of `more` (N and K as before): forward and forward+backward TFLOP/s,
+    also as fractions of the datasheet peak."""
     import jax
 
     from bench.attention import core_fn, measure
     from training.metrics import peak_flops
 
-    n, kv, h = heads
+    n, kv, head_dim = heads
     ns = argparse.Namespace(tokens=tokens, heads=n, kv_heads=kv, dtype="bfloat16", steps=runs)
     peak, rows = peak_flops(jax.devices()[0]), []
-    for length in lengths:
+    for length, h in [(length, head_dim) for length in lengths] + list(more):
         for core in cores:
             if core == "cudnn" and jax.default_backend() != "gpu":
                 rows.append({"core": core, "causal": True, "length": length, "head_dim": h,

@@ -43,6 +43,7 @@ def test_cpu_smoke_writes_real_numbers(tmp_path):
     rows = stages["attention"]["rows"]
     ran = [r for r in rows if r["core"] != "cudnn" and (GPU_INTERPRET or r["core"] != "pallas-mosaic")]
     assert {r["core"] for r in ran} >= {"pallas", "xla"}
+    assert {(r["length"], r["head_dim"]) for r in rows} == {(128, 64), (128, 128)}  # bench_lengths, then bench_more
     assert all(r["forward_tflops"] > 0 and r["forward_backward_tflops"] > 0 for r in ran), ran
     training = stages["training"]["rows"]
     assert {r["remat"] for r in training} == {"none", "full"}
@@ -71,7 +72,7 @@ def test_cores_limits_the_attention_stages(tmp_path):
     done = run_module("bench.gpu", "--cpu-smoke", "--stages", "attention", "--cores", "xla,pallas", "--out", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
-    assert [r["core"] for r in report["stages"]["attention"]["rows"]] == ["pallas", "xla"]
+    assert [r["core"] for r in report["stages"]["attention"]["rows"]] == ["pallas", "xla"] * 2  # H = 64, then 128
     assert report["sizes"]["cores"] == ["pallas", "xla"]
     with pytest.raises(ConfigError, match="--cores 'pallas,cudnn': choose from pallas,pallas-mosaic,cudnn,xla, xla "
                                           "among them"):

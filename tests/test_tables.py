@@ -87,6 +87,19 @@ def test_tables_hold_the_records_figures():
             assert figure in table, (name, figure)
 
 
+def test_a_gpu_record_names_the_head_dim_of_an_attention_row_at_another():
+    """bench.gpu's attention stage adds H = 64 at L = 4096 after the H = 128 lengths: its row
+    says so, the H = 128 rows read as before."""
+    from bench.figures import gpu_table
+
+    record = json.loads((RESULTS / "gpu-nvidia-h100-80gb-hbm3-20261126.json").read_text())
+    rows = record["stages"]["attention"]["rows"]
+    rows += [r | {"head_dim": 64, "forward_tflops": r["forward_tflops"] / 2} for r in rows if r["length"] == 4096]
+    table = gpu_table(record)
+    assert "| 4096 | 364 / 374 | 378 / 291 | 463 / 418 | 41 / 55 |" in table
+    assert "| 4096, H = 64 | 182 / 374 | 189 / 291 | 231 / 418 | 20 / 55 |" in table
+
+
 def test_memory_fields_of_old_and_new_records():
     assert xla({"temp_size_in_bytes": 7}, "temp") == 7
     assert xla({"temp": 5, "temp_size_in_bytes": 7}, "temp") == 5
