@@ -233,7 +233,7 @@ def test_the_memory_estimate_of_unrolled_layers_is_remat_nones():
         sizes = {a: 1 for a in AXES} | {"data": r["devices"]}
         est = estimate.memory(cfg, sizes)["peak"]
         assert est == pytest.approx(r["memory_analysis"]["static_peak"], rel=0.15), (name, r["preset"], r["remat"])
-        scan_full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full", scan_layers=True))
+        scan_full = apply_overrides(cfg, estimate.remat_full_sets(cfg))  # remat full with the scan
         assert estimate.memory(scan_full, sizes)["peak"] < 0.5 * est
         checked += 1
     assert checked >= 6
