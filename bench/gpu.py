@@ -108,7 +108,7 @@ class Sizes:
     check_lengths: tuple[int, ...]  # bf16
     check_fp32_lengths: tuple[int, ...]
     check_heads: tuple[int, int, int]  # N, K, H
-    check_more_head_dims: tuple[int, ...]  # bf16 at the last check length, N and K as above
+    check_more: tuple[tuple[int, int], ...]  # more bf16 (L, H) points, N and K as above
     tiny_sets: tuple[str, ...]  # overrides of the tiny preset for the per-core train step
     bench_lengths: tuple[int, ...]
     bench_heads: tuple[int, int, int]  # N, K, H
@@ -133,7 +133,7 @@ SCAN, UNROLLED = ("model.scan_layers=true",), ("model.scan_layers=false",)  # 12
 GPU = Sizes(
     matmul_n=8192, copy_bytes=2**30, timed_runs=10,
     check_lengths=(1024, 4096, 1500), check_fp32_lengths=(1500,), check_heads=(8, 2, 128),
-    check_more_head_dims=(64,), tiny_sets=(),
+    check_more=((1500, 64),), tiny_sets=(),
     bench_lengths=(2048, 4096, 8192), bench_heads=(32, 8, 128), bench_more=((4096, 64),), bench_tokens=16384,
     train_cases=tuple((preset, remat, batch + SCAN)
                       for preset, batch in (("125m", _batch(16, 2, 1024)), ("1b", _batch(8, 2, 2048)))
@@ -146,7 +146,7 @@ GPU = Sizes(
 _TINY = ("model.n_layers=2", "train.seq_len=64", "train.global_batch_size=8")
 SMOKE = Sizes(
     matmul_n=256, copy_bytes=2**22, timed_runs=3,
-    check_lengths=(128, 100), check_fp32_lengths=(128, 100), check_heads=(4, 2, 64), check_more_head_dims=(128,),
+    check_lengths=(128, 100), check_fp32_lengths=(128, 100), check_heads=(4, 2, 64), check_more=((100, 128),),
     tiny_sets=_TINY,
     bench_lengths=(128,), bench_heads=(4, 2, 64), bench_more=((128, 128),),  # H = 64: the Mosaic GPU kernels' least
     bench_tokens=256,
@@ -197,7 +197,7 @@ def stage_ceilings(sizes: Sizes) -> dict:
 
 
 def stage_correctness(sizes: Sizes) -> dict:
-    return correctness(sizes.check_lengths, sizes.check_fp32_lengths, sizes.check_heads, sizes.check_more_head_dims,
+    return correctness(sizes.check_lengths, sizes.check_fp32_lengths, sizes.check_heads, sizes.check_more,
                        sizes.tiny_sets, sizes.cores)
 
 

@@ -119,13 +119,13 @@ def train_steps_check(tiny_sets: tuple[str, ...]) -> list[dict]:
 
 
 def correctness(lengths: tuple[int, ...], fp32_lengths: tuple[int, ...], heads: tuple[int, int, int],
-                more_head_dims: tuple[int, ...], tiny_sets: tuple[str, ...], cores: tuple[str, ...]) -> dict:
+                more: tuple[tuple[int, int], ...], tiny_sets: tuple[str, ...], cores: tuple[str, ...]) -> dict:
     """The stage's record: every point (bf16 at `lengths`, fp32 at `fp32_lengths`; heads N, K,
-    H; then bf16 at the last of `lengths` for each head dim of `more_head_dims`), the tiny train
+    H; then bf16 at each (L, H) of `more`, N and K as before), the tiny train
     step per core, and a pass/fail verdict over what ran."""
     n, kv, _ = heads
     points = ([("bfloat16", length, heads) for length in lengths] + [("float32", length, heads) for length in fp32_lengths]
-              + [("bfloat16", lengths[-1], (n, kv, h)) for h in more_head_dims])
+              + [("bfloat16", length, (n, kv, h)) for length, h in more])
     cases = [row for dtype, length, point_heads in points for row in check_point(dtype, length, point_heads, cores)]
     steps = train_steps_check(tiny_sets)
     judged = [r["status"] for r in cases + steps if r["status"] in ("pass", "fail", "error")]
