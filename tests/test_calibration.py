@@ -12,7 +12,7 @@ from configs import ConfigError, apply_overrides, get_preset
 from conftest import ROOT, run_module
 from sharding.mesh import AXES, parse_mesh
 from tools import estimate, roofline
-from tools.calibration import case_config, estimate_vs_measured, rated_gpu, scanned
+from tools.calibration import case_config, estimate_vs_measured, rated_gpu, recorded_config, scanned
 from tools.plan_report import above_best_mfu, format_plan, plan
 from training.metrics import attention_flops_per_token, flops_per_token
 
@@ -65,13 +65,13 @@ def test_compute_runs_at_the_matmul_attention_and_copy_rates():
 
 def test_memory_bound_bytes_count_the_layer_passes_logits_and_optimizer():
     """125m on one GPU (cudnn core), 2 microbatches of 16 x 1024: 4 passes over the remat-none
-    activations (6 when a forward is recomputed), the fp32 logits 4 times, the optimizer 28
-    bytes a parameter."""
+    activations (6 when a forward is recomputed; with the core's fp32 logsumexp), the fp32
+    logits 4 times, the optimizer 28 bytes a parameter."""
     cfg = case_config("125m", ("train.micro_batch_size=16", "train.global_batch_size=32", "train.seq_len=1024"),
                       ["model.remat=none", "model.attention=cudnn"], 1)
     sizes = {a: 1 for a in AXES}
     m, tokens = cfg.model, 16 * 1024
-    per_token = (4 * m.d_model + 6 * m.n_heads * m.head_dim + 4 * m.d_ff) * 2  # bf16; H = N·h here (K = N)
+    per_token = (4 * m.d_model + 4 * m.n_heads * m.head_dim + 3 * m.d_ff) * 2 + 4 * m.n_heads  # K = N here
     acts = m.n_layers * tokens * per_token
     logits, optimizer = 4 * tokens * m.vocab_size * 4, 28 * estimate.local_params(cfg, sizes)
     assert roofline.memory_bound_bytes(cfg, sizes) == pytest.approx(2 * (4 * acts + logits) + optimizer)
@@ -219,24 +219,43 @@ def test_125m_and_1b_run_unrolled_where_every_gpu_record_timed_it_faster():
 
 
 @pytest.mark.skipif(not gpu_records(), reason="no `make gpu-check` record from a GPU committed yet")
-def test_the_memory_estimate_of_unrolled_layers_is_remat_nones():
-    """Every unrolled case a GPU record compiled (XLA's static peak, memory_analysis): tools.estimate
-    within 15%, remat none's figure under every policy, as XLA keeps every layer's intermediates
-    there (125m 9.83 GiB estimated against 9.78 under full, dots and none on one H100; 1b 43.0
-    against 40.2); scanned, remat full is estimated at under half of that."""
-    checked = 0
+def test_the_memory_estimate_bounds_every_measured_gpu_step_within_10_percent():
+    """Every case a GPU record compiled (XLA's static peak, memory_analysis, which memory_stats'
+    peak equals on the GPU to the KiB): tools.estimate is an upper bound within 10%, under every
+    remat, scanned and unrolled (1.02-1.06x on the H100 records of 2026-11-26; before the terms
+    were measured, 0.73x for scanned none and 1.27x for dots). Unrolled, XLA keeps remat none's
+    intermediates under every policy (125m 9.78 GiB, 1b 40.16, whatever the remat)."""
+    checked = set()
     for name, r in gpu_training_rows():
-        if r["status"] != "ok" or scanned(r) or "static_peak" not in r.get("memory_analysis", {}):
+        if r["status"] != "ok" or "static_peak" not in r.get("memory_analysis", {}):
             continue
-        cfg = case_config(r["preset"], tuple(r["overrides"]), [f"model.remat={r['remat']}",
-                          f"model.attention={r['attention']}"], r["devices"])
-        sizes = {a: 1 for a in AXES} | {"data": r["devices"]}
-        est = estimate.memory(cfg, sizes)["peak"]
-        assert est == pytest.approx(r["memory_analysis"]["static_peak"], rel=0.15), (name, r["preset"], r["remat"])
-        scan_full = apply_overrides(cfg, estimate.remat_full_sets(cfg))  # remat full with the scan
-        assert estimate.memory(scan_full, sizes)["peak"] < 0.5 * est
-        checked += 1
-    assert checked >= 6
+        cfg, sizes = recorded_config(r), {a: 1 for a in AXES} | {"data": r["devices"]}
+        ratio = estimate.memory(cfg, sizes)["peak"] / r["memory_analysis"]["static_peak"]
+        assert 1.0 <= ratio <= 1.10, (name, r["preset"], r["remat"], scanned(r), ratio)
+        checked.add((r["preset"], r["remat"], scanned(r)))
+    assert checked >= {(p, m, True) for p in ("125m", "1b") for m in ("full", "dots", "none")}
+    assert {("125m", "none", False), ("1b", "none", False)} <= checked
+
+
+BATCH_RECORDS = sorted((ROOT / "bench" / "results").glob("batch-*.json"))
+
+
+@pytest.mark.skipif(not BATCH_RECORDS, reason="no micro-batch sweep measured on a GPU committed yet")
+def test_the_memory_estimate_bounds_the_measured_micro_batch_sweep():
+    """1b on one H100 at 4 to 20 sequences a microbatch, 1 to 4 accumulated (bench.step, one
+    process each, memory_stats' peak): the estimate is an upper bound within 12% of every row
+    (1.03-1.11x; 16 x 2 is the loosest: XLA overlaps the fp32 accumulator with the gradients
+    there). Before the terms were measured it was 1.22x at 16 x 1 and 0.93x at 4 x 4, and
+    tools.oom advised 8 sequences where 16 fit."""
+    rows = [r for path in BATCH_RECORDS for r in json.loads(path.read_text())["rows"]]
+    assert len(rows) >= 6
+    for r in rows:
+        sets = [f"train.micro_batch_size={r['micro_batch_size']}", f"train.global_batch_size={r['global_batch_size']}",
+                f"model.remat={r['remat']}", f"model.scan_layers={str(r['scan_layers']).lower()}"]
+        sets += [] if r["attention"] == "auto" else [f"model.attention={r['attention']}"]
+        cfg = apply_overrides(get_preset("1b"), ["train.seq_len=2048", *sets])
+        ratio = estimate.memory(cfg, {a: 1 for a in AXES})["peak"] / r["peak_memory_bytes_per_device"]
+        assert 1.0 <= ratio <= 1.12, (r["label"], ratio)
 
 
 def test_estimate_rows_rebuild_each_case_of_a_record(tmp_path):

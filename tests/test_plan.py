@@ -50,7 +50,7 @@ def test_memory_estimate_within_15_percent_of_xla(preset, mesh, remat):
                                                                       "model.compute_dtype=float32"])
     cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
     xla = xla_figures(cfg, build_mesh(cfg.parallel))
-    est = estimate.memory(cfg, mesh_sizes(cfg))
+    est = estimate.memory(cfg, mesh_sizes(cfg), scan_copies=1)  # XLA CPU holds the scan's stack once
     print(f"{preset} {mesh} remat={remat}: estimate {est['peak'] / 2**20:.1f} MiB, "
           f"XLA {xla['memory']['peak'] / 2**20:.1f} MiB")
     assert est["peak"] == pytest.approx(xla["memory"]["peak"], rel=0.15)

@@ -134,6 +134,15 @@ def scanned(case: dict) -> bool:
     return case.get("scan_layers", "model.scan_layers=false" not in case["overrides"])
 
 
+def recorded_config(case: dict) -> RunConfig:
+    """The config a bench.gpu training case ran: its preset, overrides, remat, core and layer
+    scan (`scanned`: a record from before the presets unrolled ran the scan without saying so,
+    and today's preset would rebuild it unrolled), the global batch times its devices."""
+    sets = [f"model.remat={case['remat']}", f"model.attention={case['attention']}",
+            f"model.scan_layers={str(scanned(case)).lower()}"]
+    return case_config(case["preset"], tuple(case["overrides"]), sets, case["devices"])
+
+
 def estimate_vs_measured(path: Path) -> list[dict]:
     """The training stage of the bench.gpu record at `path` against the roofline at that
     record's own measured rates: per case (preset, remat, devices) the measured median step,
@@ -152,9 +161,7 @@ def estimate_vs_measured(path: Path) -> list[dict]:
     for case in stages.get("training", {}).get("rows", []):
         if case.get("status") != "ok":
             continue
-        cfg = case_config(case["preset"], tuple(case["overrides"]),
-                          [f"model.remat={case['remat']}", f"model.attention={case['attention']}"], case["devices"])
-        estimate = step_time(cfg, {a: 1 for a in AXES} | {"data": case["devices"]}, gpu)["overlap_s"]
+        estimate = step_time(recorded_config(case), {a: 1 for a in AXES} | {"data": case["devices"]}, gpu)["overlap_s"]
         measured = case["step_time_median_s"]
         rows.append({"preset": case["preset"], "remat": case["remat"], "scan_layers": scanned(case),
                      "devices": case["devices"],

@@ -38,32 +38,58 @@ Memory (bytes per device), the terms `memory()` returns:
               input, T·D), plus 3·T·D of inputs and gradients in flight, plus under zb-h1 the
               in-flight peak of B's stash for W (`zb_stash`). Per layer and token, in elements:
                 remat none  4·D (block inputs, norm outputs) + (N+2K)·H/t (q, k, v)
-                            + 2·N·H/t (K, V repeated to N heads by the xla core) + N·H/t (output)
-                            + 4·F/t (gate, up, silu, hidden)
-                            + 3·N/t·L (scores, masked scores, probs: fp32, xla core only;
-                            model.attention=auto is resolved as on the GPU: `core`)
+                            + N·H/t (output) + 3·F/t (gate, up, hidden: the silu is recomputed
+                            in the backward's fusion); a fused core (pallas, cudnn) adds its
+                            fp32 logsumexp, 4·N/t bytes; the xla core adds 2·N·H/t (K, V
+                            repeated to N heads) and 3·N/t·L (scores, masked scores, probs:
+                            fp32; model.attention=auto is resolved as on the GPU: `core`).
+                            Measured on XLA GPU's own compile for an H100 (tools.plan
+                            --compile-for-gpu, 1b at 2 and 4 layers x 4 and 8 sequences of
+                            2048): 75,920 bytes per token and layer under cudnn and pallas,
+                            the terms' 75,904; d_ff 4096 and n_kv_heads 32 move it by the
+                            terms' 3·F and 2·K·H exactly. Its xla core: 434,448 bytes
+                            against these terms' 870,400 (fewer fp32 score copies than
+                            counted: an upper bound there).
                 context parallel (ring, allgather): q, k, v, out and the fp32 lse only,
                             (2N+2K)·H/t + 4·N/t bytes: its custom_vjp saves no scores
-                MoE layer   the dense layer's terms with 4·n_shared·F_e/t for the MLP's,
+                MoE layer   the dense layer's terms with 3·n_shared·F_e/t for the MLP's,
                             plus 2·E fp32 (router logits, probabilities) per token, plus per
                             routed row (R of them, not per token): 4·D (sent, received,
-                            expert output, returned) + 4·F_e/t (gate, up, silu, hidden)
+                            expert output, returned) + 3·F_e/t (gate, up, hidden; the
+                            dense MLP's measured count, not measured on a MoE compile)
                 remat full  D (the layer input)
-                remat dots/attn: between the two (modelled as none; an upper bound)
+                remat dots  (N+2K)·H/t + 2·D + 2·F/t: the projections' outputs (q, k, v,
+                            the attention's and the MLP's output projections, gate, up)
+                remat attn  D + (2N+2K)·H/t: the layer input, q, k, v, the core's output
+                            (MoE layers under dots and attn: none's, an upper bound)
+                the layer scan under none: twice the layers' terms (XLA GPU stacks each
+                            layer's residuals and copies them; 148,276 bytes per token and
+                            layer for 1b's 75,920 unrolled; XLA CPU holds them once:
+                            `memory(scan_copies=)`); under dots, attn and full the
+                            terms exactly (47,104, 14,336 and 4,096 bytes; same compiles)
                 unrolled layers (model.scan_layers=false): none's under every policy, as
                             XLA compiles them (1b on one H100: 40.2 GiB under full, dots and
                             none; tests/test_model.py holds it on CPU)
-  working     the larger of: one layer's backward working set, and the logits [T, V/t] fp32 of
-              the head and loss (of all M microbatches at once after a gpipe/interleaved pipe).
+  accumulator k > 1 microbatches without a pipeline: the step's fp32 gradient sum, P_local·4,
+              beside each microbatch's gradients (1b on one H100, 8 sequences a microbatch:
+              36.04 GiB at k = 1, 40.16 at k = 2: +P·4); under fsdp_gather_once the local
+              part of the whole accumulator, `gathered once` the rest
+  working     the larger of: one layer's backward working set, and the logits [T, V/t] of the
+              head and loss, in the compute dtype and in fp32 (of all M microbatches at once
+              after a gpipe/interleaved pipe; 1b on an H100: 205,332 bytes per token beside the
+              layers, the logits' 196,608).
               The working set is the gradients of one layer's 'none' terms (one more layer's
               worth; the larger of a dense and a MoE layer, the dispatch buffers included); under remat it is twice that, the layer's forward being
               recomputed first. Under context parallelism with the xla core, plus one block
               piece's fp32 scores, probs and their gradient, 3·b·N/t·(L/sp)² · 4 (the ring's
               pieces are at most L/sp square; a flash core tiles them away).
 
-Peak = params + optimizer + gradients + gathered + max(update, saved + working): the optimizer
-phase and the backward phase do not overlap in time. Against XLA's static peak on CPU (fp32):
-within 15% without a pipeline (tests/test_plan.py); 0.8-1.3x under 1f1b and 0.5-0.9x under
+Peak = params + optimizer + gradients + gathered + accumulator + max(update, saved + working):
+the optimizer phase and the backward phase do not overlap in time. Against the 1b step measured
+on one H100 (unrolled, remat none, 4 to 20 sequences a microbatch, k = 1 to 4): 1.03-1.11x
+(bench/results/batch-1b-*.json; tests/test_calibration.py), and 1.02-1.06x XLA's static peak of
+every case of the H100 gpu-check records (125m and 1b; none, dots and full; scanned and unrolled).
+Against XLA's static peak on CPU (fp32): within 15% without a pipeline (tests/test_plan.py); 0.8-1.3x under 1f1b and 0.5-0.9x under
 gpipe (tiny and 125m, pp=2 and 4, M=4 and 8, remat none and full): gpipe keeps more around its
 tick scan and its all-microbatch head than these terms count, so tools.search plans pipelines
 with 1f1b.
@@ -205,15 +231,22 @@ def layer_activations(cfg: RunConfig, sizes: dict[str, int], remat: str, moe: bo
     c = DTYPE_BYTES[m.compute_dtype]
     if remat == "full":
         return s.tokens * m.d_model * c
-    mlp = 4 * m.d_ff / tp
+    if remat == "dots" and not moe:  # the projections' outputs: q, k, v, the two D-wide ones, gate, up
+        return s.tokens * ((m.n_heads + 2 * m.n_kv_heads) * m.head_dim / tp + 2 * m.d_model + 2 * m.d_ff / tp) * c
+    if remat == "attn" and not moe:  # the layer input, q, k, v and the core's output
+        return s.tokens * (m.d_model + (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim / tp) * c
+    mlp = 3 * m.d_ff / tp
     routed = 0.0
     if moe:  # shared experts per token; the routed rows; fp32 router logits and probabilities
         fe = expert_d_ff(m)
-        mlp = 4 * m.n_shared_experts * fe / tp
+        mlp = 3 * m.n_shared_experts * fe / tp
         rows = sizes.get("expert", 1) * dispatch_rows(cfg, sizes)
-        routed = rows * (4 * m.d_model + 4 * fe / tp) * c + s.tokens * 2 * m.n_experts * 4
-    heads = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim + 3 * m.n_heads * m.head_dim
-    scores = 3 * m.n_heads / tp * cfg.train.seq_len * 4 if core(cfg, sizes) == "xla" else 0
+        routed = rows * (4 * m.d_model + 3 * fe / tp) * c + s.tokens * 2 * m.n_experts * 4
+    heads = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim + m.n_heads * m.head_dim  # q, k, v, output
+    if core(cfg, sizes) == "xla":  # K, V repeated to N heads; fp32 scores, masked scores, probs
+        heads, scores = heads + 2 * m.n_heads * m.head_dim, 3 * m.n_heads / tp * cfg.train.seq_len * 4
+    else:  # the fused core's fp32 logsumexp
+        scores = m.n_heads / tp * 4
     if explicit_context(cfg, sizes["sequence"]):  # keeps q, k, v, out, lse
         heads, scores = (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim, m.n_heads / tp * 4
     per_token = 4 * m.d_model + heads / tp + mlp
@@ -243,8 +276,10 @@ def remat_full_sets(cfg: RunConfig) -> list[str]:
     return ["model.remat=full"] + ([] if cfg.model.scan_layers else ["model.scan_layers=true"])
 
 
-def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
-    """The memory terms per device, in bytes, and their peak (module docstring)."""
+def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[str, float]:
+    """The memory terms per device, in bytes, and their peak (module docstring). scan_copies: how
+    many times the layer scan under remat none holds its stacked residuals, 2 as XLA GPU
+    compiles it; XLA CPU holds them once (tests/test_plan.py compares with a CPU compile)."""
     m, s = cfg.model, shape(cfg, sizes)
     kept = m.remat if m.scan_layers else "none"  # unrolled, XLA keeps what none keeps (module docstring)
     p_local, param_b = local_params(cfg, sizes), DTYPE_BYTES[m.param_dtype]
@@ -260,10 +295,10 @@ def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     elif piped:  # gpipe, interleaved: autodiff keeps every tick's residuals
         saved = table["ticks"] / v * stack_activations(cfg, sizes, kept)
         saved += 4 * s.k * s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype]  # [M, b, L, D] in, out, cotangents
-    else:
-        saved = stack_activations(cfg, sizes, kept)
+    else:  # the layer scan under none stacks each layer's residuals and copies them: twice
+        saved = (scan_copies if m.scan_layers and kept == "none" else 1) * stack_activations(cfg, sizes, kept)
     heads_at_once = s.k if piped and not stashing else 1
-    logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * 4
+    logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * (4 + DTYPE_BYTES[m.compute_dtype])
     # context parallel with the xla core: one block piece's fp32 scores, probs and their
     # gradient [b, N/t, L/sp, L/sp] at a time (a flash core tiles them away)
     blockwise_xla = explicit_context(cfg, sizes["sequence"]) is not None and core(cfg, sizes) == "xla"
@@ -279,10 +314,11 @@ def memory(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         # gradient accumulator, for the step (training/step.py)
         "gathered once": p_local * (sizes["fsdp"] - 1) * (DTYPE_BYTES[m.compute_dtype] + 4)
         if "fsdp" in accumulation_axes(cfg, sizes) else 0.0,
+        "accumulator": p_local * 4 if s.k > 1 and not piped else 0.0,
         "update": p_local * 4 if sizes["fsdp"] == 1 else 0.0,
         "saved activations": saved,
         "working": max((1 if kept == "none" else 1.5) * layer + piece, logits),
     }
-    fixed = sum(terms[n] for n in ("params", "optimizer", "gradients", "gathered", "gathered once"))
+    fixed = sum(terms[n] for n in ("params", "optimizer", "gradients", "gathered", "gathered once", "accumulator"))
     terms["peak"] = fixed + max(terms["update"], saved + terms["working"])
     return terms

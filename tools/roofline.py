@@ -23,7 +23,8 @@ rate, not the datasheet peak (GPU.rates names the published figures; `tools.plan
              their gradient written and read); per step the optimizer's 7 x 4 bytes per
              parameter (AdamW reads params, gradients and two moments, writes three). On one
              H100, 1b at remat full: the profile's elementwise and copy kernels took 118 ms a
-             step, this counts 126 ms (bench/results/gpu-nvidia-h100-80gb-hbm3-20261124.json). Under remat
+             step, this counts 100 ms (bench/results/gpu-nvidia-h100-80gb-hbm3-20261124.json;
+             126 ms before the layer's terms were measured, tools/estimate.py). Under remat
              none the measured step is slower than this model (the layer scan's copies of its
              stacked residuals: tests/test_calibration.py holds the gap).
 MFU is still model FLOPs over the datasheet peak. Each axis's bytes take their link's time
