@@ -43,6 +43,8 @@ PROSE_ONLY = {
                                                  "differences from the first, whose table README shows",
     "batch-1b-nvidia-h100-80gb-hbm3-20261126": "bench.step runs of 1b at nine micro batches and cores, "
                                                "quoted in sentences",
+    "memory-terms-1b-h100-compiled": "XLA GPU's compiled memory per token and layer, quoted in the memory "
+                                     "model's paragraph",
 }
 
 
