@@ -229,12 +229,13 @@ def layer_activations(cfg: RunConfig, sizes: dict[str, int], remat: str, moe: bo
     docstring)."""
     m, tp, s = cfg.model, sizes["tensor"], shape(cfg, sizes)
     c = DTYPE_BYTES[m.compute_dtype]
+    qkv, out = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim / tp, m.n_heads * m.head_dim / tp
     if remat == "full":
         return s.tokens * m.d_model * c
     if remat == "dots" and not moe:  # the projections' outputs: q, k, v, the two D-wide ones, gate, up
-        return s.tokens * ((m.n_heads + 2 * m.n_kv_heads) * m.head_dim / tp + 2 * m.d_model + 2 * m.d_ff / tp) * c
+        return s.tokens * (qkv + 2 * m.d_model + 2 * m.d_ff / tp) * c
     if remat == "attn" and not moe:  # the layer input, q, k, v and the core's output
-        return s.tokens * (m.d_model + (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim / tp) * c
+        return s.tokens * (m.d_model + qkv + out) * c
     mlp = 3 * m.d_ff / tp
     routed = 0.0
     if moe:  # shared experts per token; the routed rows; fp32 router logits and probabilities
@@ -242,14 +243,12 @@ def layer_activations(cfg: RunConfig, sizes: dict[str, int], remat: str, moe: bo
         mlp = 3 * m.n_shared_experts * fe / tp
         rows = sizes.get("expert", 1) * dispatch_rows(cfg, sizes)
         routed = rows * (4 * m.d_model + 3 * fe / tp) * c + s.tokens * 2 * m.n_experts * 4
-    heads = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim + m.n_heads * m.head_dim  # q, k, v, output
-    if core(cfg, sizes) == "xla":  # K, V repeated to N heads; fp32 scores, masked scores, probs
-        heads, scores = heads + 2 * m.n_heads * m.head_dim, 3 * m.n_heads / tp * cfg.train.seq_len * 4
-    else:  # the fused core's fp32 logsumexp
-        scores = m.n_heads / tp * 4
-    if explicit_context(cfg, sizes["sequence"]):  # keeps q, k, v, out, lse
-        heads, scores = (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim, m.n_heads / tp * 4
-    per_token = 4 * m.d_model + heads / tp + mlp
+    heads, scores = qkv + out, m.n_heads / tp * 4  # q, k, v, output; the fp32 logsumexp
+    if core(cfg, sizes) == "xla" and not explicit_context(cfg, sizes["sequence"]):  # context
+        # parallelism's custom_vjp keeps the above whatever the core; the xla core alone keeps K, V
+        # repeated to N heads and its fp32 scores, masked scores and probs instead of the logsumexp
+        heads, scores = heads + 2 * out, 3 * m.n_heads / tp * cfg.train.seq_len * 4
+    per_token = 4 * m.d_model + heads + mlp
     return s.tokens * (per_token * c + scores) + routed
 
 
