@@ -134,29 +134,42 @@ def pipeline_devices(cfg) -> list:
     return jax.devices()[: math.prod(max(n, 1) for n in (p.stage, p.data, p.fsdp, p.expert, p.sequence, p.tensor))]
 
 
-def run_steps(cfg, corpus, devices=None):
-    """(loss, grads) of step 0 and the losses of STEPS steps, all on host."""
-    import functools
+def first_step_grads(opt_state, grad_norm: float, train):
+    """The gradients the train step handed its optimizer at the first step, read back from the
+    state after it: AdamW's first moment starts at 0, so mu = (1 - b1)·g', where g' is g after
+    the global-norm clip (optax: g' = g·c/|g| when |g| >= c); the step's own grad_norm metric,
+    taken before the clip, undoes it. So a test compiles only the train step (the program users
+    run) and still compares every gradient: a wrong scale (a mean missing its 1/N) changes |g|
+    and so the recovered g. mu is fp32 here (the parameters' dtype): the read-back costs a
+    rounding or two, far below assert_same_run's tolerances."""
+    import numpy as np
+    import optax
 
+    mu = optax.tree_utils.tree_get(opt_state, "mu")
+    clip = train.grad_clip > 0 and grad_norm >= train.grad_clip
+    scale = (grad_norm / train.grad_clip if clip else 1.0) / (1.0 - train.b1)
+    return jax.tree.map(lambda m: np.asarray(m, np.float64) * scale, jax.device_get(mu))
+
+
+def run_steps(cfg, corpus, devices=None):
+    """(loss, grads) of step 0 and the losses of STEPS steps, all on host, from STEPS calls of
+    the run's jitted train step (one compile): step 0's gradients by `first_step_grads`."""
     import numpy as np
 
     from sharding.mesh import build_mesh
     from training.build import build
-    from training.step import loss_and_grads
 
     mesh = build_mesh(cfg.parallel, devices)
     job = build(cfg, mesh, corpus=corpus)
-    grad_fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
-                                        schedule=job.strategies.schedule,
-                                        accumulation=job.strategies.accumulation,
-                                        gather_once=job.strategies.fsdp_gather_once))
     with jax.set_mesh(mesh):
-        loss, grads, _ = jax.device_get(grad_fn(job.state.params, batch=job.batches(0)))
         state, losses = job.state, []
         for step in range(STEPS):
             state, metrics = job.step_fn(state, job.batches(step))
+            metrics = jax.device_get(metrics)
+            if step == 0:
+                grads = first_step_grads(state.opt_state, float(metrics["grad_norm"]), cfg.train)
             losses.append(float(metrics["loss"]))
-    return float(loss), grads, np.array(losses)
+    return losses[0], grads, np.array(losses)
 
 
 @pytest.fixture(scope="session")
