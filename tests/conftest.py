@@ -165,7 +165,6 @@ def run_steps(cfg, corpus, devices=None):
         state, losses = job.state, []
         for step in range(STEPS):
             state, metrics = job.step_fn(state, job.batches(step))
-            metrics = jax.device_get(metrics)
             if step == 0:
                 grads = first_step_grads(state.opt_state, float(metrics["grad_norm"]), cfg.train)
             losses.append(float(metrics["loss"]))
