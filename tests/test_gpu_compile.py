@@ -79,6 +79,19 @@ def test_without_the_cuda_plugin_it_says_what_to_install(monkeypatch):
         gpu_compile.main([])
 
 
+@pytest.mark.parametrize("given, level", [("", "0"), ("--xla_gpu_autotune_level=4", "4")])
+def test_compile_only_flags_turn_autotuning_off_unless_asked(monkeypatch, given, level):
+    """check_plugin's XLA_FLAGS: autotuning off (a compile-only device cannot time a candidate)
+    unless the user set a level; the tests' LLVM-off flag dropped."""
+    monkeypatch.setattr(gpu_target, "plugin_installed", lambda: True)
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_backend_optimization_level=0 {given}")
+    monkeypatch.delenv("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", raising=False)  # check_plugin sets it: restored after
+    gpu_target.check_plugin("test")
+    flags = gpu_target.os.environ["XLA_FLAGS"].split()
+    assert [f for f in flags if f.startswith(gpu_target.AUTOTUNE)] == [f"{gpu_target.AUTOTUNE}={level}"]
+    assert not [f for f in flags if f.startswith("--xla_backend_optimization_level")]
+
+
 @pytest.mark.skipif(not PLUGIN, reason="jax's CUDA plugin is not installed (pip install -e '.[gpu-compile]')")
 def test_kernels_compile_for_an_h100_and_the_default_tiles_are_clean(tmp_path):
     """Every kernel of the default and the Mosaic GPU tilings assembles for sm_90a (registers
