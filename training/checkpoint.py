@@ -14,7 +14,8 @@ position (= the step) and the two seeds are the whole RNG state; resume checks t
 
 Cost of a save: the caller blocks while the checksums are computed (one read of the state on
 device, a few scalars to the host) and while orbax copies this process's shards to host memory
-(state bytes / processes: 12 bytes per parameter with fp32 AdamW); the disk write runs in
+(state bytes / processes: 12 bytes per parameter with fp32 AdamW; in one process each shard
+whole from one replica, `whole_shard_saves`); the disk write runs in
 background threads while training goes on, holding that host copy until it ends. Disk: those
 12 bytes per parameter zstd-compressed by orbax (its default), 9.2 measured on 125m after 4 steps
 (bench/results/checkpoint-125m-fsdp2.json); the ratio depends on the values. Restore: the targets are ShapeDtypeStructs carrying the
@@ -155,6 +156,23 @@ def stream_changes(saved: dict, cfg: RunConfig) -> list[str]:
             for part, key in STREAM if saved[part].get(key) != now[part][key]]
 
 
+def whole_shard_saves() -> None:
+    """In one process, save each shard whole from one of its replicas (orbax's jax.Array handler
+    with `use_replica_parallel=False`, registered for the process).
+
+    orbax's replica-parallel save (its default off GPUs) splits each replicated shard among its
+    replicas so that several hosts share the writing. In one process every replica is this
+    process's: the same bytes are written from the same host, but each replica's part is cut
+    out by an eager slice on its device, compiled once per array, replica and device. train.py
+    on dp=8,tp=8 (the tiny preset over 64 fake devices, 3 steps, one save; jax 0.12, 2 cores):
+    46 s -> 25 s, the difference the save's slice compiles. Across processes orbax's default
+    stands. The handler leaves out orbax's ArrayMetadata store, which records PRNG-key arrays:
+    a TrainState holds none."""
+    if jax.process_count() == 1:
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+
+
 class Checkpointer:
     """Saves and restores a run's TrainState under `directory` (RUN_DIR/checkpoints)."""
 
@@ -170,6 +188,7 @@ class Checkpointer:
         writer = {"max_to_keep": t.keep_checkpoints, "cleanup_tmp_directories": True}
         reader = {"max_to_keep": None, "save_interval_steps": 0, "create": False, "read_only": True}
         options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True, **(reader if read_only else writer))
+        whole_shard_saves()
         absl = logging.getLogger("absl")  # orbax warns that a read-only manager is read only: what a reader asks for
         said = lambda record: not str(record.msg).startswith("Given directory is read only")  # noqa: E731
         absl.addFilter(said)
