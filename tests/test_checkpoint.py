@@ -59,29 +59,29 @@ def test_restore_onto_another_mesh(source, target, saved, tmp_path):
 
 def test_a_save_in_one_process_compiles_no_replica_slices(tmp_path):
     """dp=8 replicates every array over 8 devices of this one process: the save writes each
-    shard whole from one replica (training.checkpoint.whole_shard_saves), so it compiles at most
-    the checksums' program. orbax's replica-parallel default cut each replica's part out with an
-    eagerly compiled slice: 73 compiles for this state (41 arrays)."""
+    shard whole from one replica (training.checkpoint.whole_shard_saves), so it compiles no
+    slice. orbax's replica-parallel default cut each replica's part out with an eagerly
+    compiled slice: 72 `jit(slice)` compiles for this state (41 arrays) beside the checksums'.
+    (A slice compiles in milliseconds, under the tests' 0.5 s floor for the persistent cache,
+    so none can come from it unseen.)"""
     cfg = small_config("dp=8")
     mesh = build_mesh(cfg.parallel)
     program = make_program(cfg, mesh)
     with jax.set_mesh(mesh):
         state = program.init_fn()
     checkpoints = Checkpointer(tmp_path, cfg)
-    compiles = []
-    count = lambda event, *args, **kwargs: compiles.append(event) if event.endswith(  # noqa: E731
-        ("backend_compile_duration", "cache_hits")) else None
+    compiled = []
+    count = lambda event, seconds, fun_name="", **kwargs: compiled.append(fun_name) if event.endswith(  # noqa: E731
+        "backend_compile_duration") else None
     jax.monitoring.register_event_duration_secs_listener(count)
-    jax.monitoring.register_event_listener(count)
     try:
         with jax.set_mesh(mesh):
             checkpoints.save(1, state)
             checkpoints.wait()
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
-        jax.monitoring.unregister_event_listener(count)
         checkpoints.close()
-    assert len(compiles) <= 1, compiles
+    assert not [name for name in compiled if "slice" in name], compiled
     assert (tmp_path / "1" / "state").is_dir()
 
 
