@@ -160,8 +160,8 @@ def whole_shard_saves() -> None:
     """In one process, save each shard whole from one of its replicas (orbax's jax.Array handler
     with `use_replica_parallel=False`, registered for the process).
 
-    orbax's replica-parallel save (its default off GPUs) splits each replicated shard among its
-    replicas so that several hosts share the writing. In one process every replica is this
+    orbax's replica-parallel save (its default unless JAX_PLATFORMS names cuda or gpu) splits
+    each replicated shard among its replicas so that several hosts share the writing. In one process every replica is this
     process's: the same bytes are written from the same host, but each replica's part is cut
     out by an eager slice on its device, compiled once per array, replica and device. train.py
     on dp=8,tp=8 (the tiny preset over 64 fake devices, 3 steps, one save; jax 0.12, 2 cores):
