@@ -3,6 +3,7 @@ installed (the `gpu-compile` extra, CI's newest-jax pass), the flash attention k
 for an H100 on this CPU machine with the default tiles clean (no spill, no serialized wgmma)."""
 
 import json
+import os
 
 import pytest
 
@@ -87,7 +88,7 @@ def test_compile_only_flags_turn_autotuning_off_unless_asked(monkeypatch, given,
     monkeypatch.setenv("XLA_FLAGS", f"--xla_backend_optimization_level=0 {given}")
     monkeypatch.delenv("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", raising=False)  # check_plugin sets it: restored after
     gpu_target.check_plugin("test")
-    flags = gpu_target.os.environ["XLA_FLAGS"].split()
+    flags = os.environ["XLA_FLAGS"].split()
     assert [f for f in flags if f.startswith(gpu_target.AUTOTUNE)] == [f"{gpu_target.AUTOTUNE}={level}"]
     assert not [f for f in flags if f.startswith("--xla_backend_optimization_level")]
 
