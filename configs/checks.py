@@ -14,6 +14,7 @@ No jax here: train.py checks its arguments before it imports jax.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from typing import Callable
@@ -137,14 +138,22 @@ def flag(key: str, value: object) -> str:
     return f"{FLAGS[key]} {value}" if key in FLAGS else f"--set {key}={value}"
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, type]:
+    """cls's field types, resolved once: the annotations are strings (`from __future__ import
+    annotations`), and resolving them on every check made `tools.plan --search`, which checks
+    thousands of candidate configs, spend most of its time in typing.get_type_hints."""
+    return typing.get_type_hints(cls)
+
+
 def _fields(cfg: RunConfig):
     """(dotted key, value, annotated type) of every leaf field."""
     for section in dataclasses.fields(cfg):
         value = getattr(cfg, section.name)
         if not dataclasses.is_dataclass(value):
-            yield section.name, value, typing.get_type_hints(RunConfig)[section.name]
+            yield section.name, value, _hints(RunConfig)[section.name]
             continue
-        hints = typing.get_type_hints(type(value))
+        hints = _hints(type(value))
         for f in dataclasses.fields(value):
             yield f"{section.name}.{f.name}", getattr(value, f.name), hints[f.name]
 
