@@ -7,6 +7,15 @@
          the elementwise work, norms and softmax
   attn   keep the tagged q, k, v and attention output (checkpoint_name tags in model/),
          recompute the MLP: a middle ground when the MLP hidden [B, L, F] dominates memory
+
+`stash_policy` is what a pipeline stage keeps of a whole chunk of layers between its forward
+and its backward (the 1F1B family, pipeline/cells.py), where the kept values are stored in slots
+and XLA cannot fuse, rematerialise or drop any of them as it does inside one program: remat
+none there keeps the outputs of every operation but the cheap ones (`CHEAP`: elementwise
+arithmetic, casts, reshapes, slices, transposes and row reductions), which the backward
+recomputes: the matmuls', the attention kernels' (output and logsumexp), the collectives'
+and any other's. So nothing costly or communicating runs twice, and nothing derived from the
+weights alone (their slices, casts, transposes) is kept.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from typing import Callable
 import jax
 
 from configs.base import ConfigError
+from sharding.context_parallel import KEPT_NAME  # context parallelism's kept out and lse
 
 POLICIES: dict[str, Callable | None] = {
     "none": None,
@@ -23,6 +33,33 @@ POLICIES: dict[str, Callable | None] = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "attn": jax.checkpoint_policies.save_only_these_names("query", "key", "value", "attn_core"),
 }
+
+
+# Primitives whose outputs a chunk's backward recomputes under `stash_policy('none')` (names as in
+# jax 0.10 to 0.12): no matmul, kernel or collective among them, and all of them fuse into the
+# backward's consumers on XLA.
+CHEAP = frozenset({
+    "abs", "add", "and", "broadcast_in_dim", "concatenate", "convert_element_type", "copy",
+    "copy_p", "cos", "div", "dynamic_slice", "dynamic_update_slice", "eq", "erf", "exp", "exp2",
+    "expand_dims", "gather", "ge", "gt", "integer_pow", "iota", "le", "log", "log1p",
+    "logistic", "lt", "max", "min", "mul", "name", "ne", "neg", "not", "or", "pad", "pow",
+    "pvary", "reduce_max", "reduce_min", "reduce_sum", "rem", "reshape", "rev", "rsqrt",
+    "scatter", "scatter-add", "select_n", "sharding_constraint", "sign", "sin", "slice",
+    "split", "sqrt", "square", "squeeze", "stop_gradient", "sub", "tanh", "transpose",
+})
+
+
+def _costly(prim, *_, **params) -> bool:
+    return prim.name not in CHEAP or params.get("name") == KEPT_NAME
+
+
+def stash_policy(name: str) -> Callable | None:
+    """The jax.checkpoint policy of a whole chunk whose residuals a pipeline stage stores between
+    its forward and backward (module docstring): the layers' own policy under dots and attn,
+    nothing saved under full (the chunk input alone), all but the `CHEAP` outputs under none."""
+    if name not in POLICIES:
+        raise ConfigError(f"--set model.remat={name}: unknown policy; choose one of {', '.join(POLICIES)}")
+    return _costly if name == "none" else POLICIES[name]
 
 
 def remat(fn: Callable, name: str) -> Callable:

@@ -22,6 +22,7 @@ from jax.typing import DTypeLike
 from configs.base import ModelConfig
 from model.loss import cross_entropy
 from model.moe import router_loss
+from model.remat import stash_policy
 from model.transformer import Transformer
 from pipeline.split_backward import split_vjp
 from pipeline.stages import with_part
@@ -30,16 +31,15 @@ from sharding.checks import moe_layers
 @dataclass(frozen=True)
 class Static:
     """What the cells take besides arrays: the model's structure and config (its router losses'
-    weights), the compute dtype, the loss's z-loss weight, M (each microbatch's loss counts
-    1/M), whether a chunk is one checkpoint (remat full), whether B and W are split (zb-h1),
-    and, once traced (`residual_layout`), the residuals' layout and the split's (b_fn, w_fn)."""
+    weights and remat policy), the compute dtype, the loss's z-loss weight, M (each
+    microbatch's loss counts 1/M), whether B and W are split (zb-h1), and, once traced
+    (`residual_layout`), the residuals' layout and the split's (b_fn, w_fn)."""
 
     graphdef: nnx.GraphDef
     model: ModelConfig
     dtype: DTypeLike
     z_loss: float
     m_count: int
-    whole_chunk_remat: bool
     split_backward: bool = False
     layout: Any = None
     split: Any = None
@@ -76,12 +76,13 @@ def _router_share(st: Static, stats: dict) -> jax.Array:
 
 
 def _chunk(st: Static, model: Transformer, layers: nnx.State, x: jax.Array) -> tuple[tuple[jax.Array, jax.Array], dict]:
-    """(chunk output [b, L, D], its router share), and its router statistics as aux."""
+    """(chunk output [b, L, D], its router share), and its router statistics as aux. The chunk is
+    one checkpoint whose policy (model.remat.stash_policy) decides what its vjp keeps for B."""
     def run(layers, x):
         y, stats = model.run_layers(x, layers)
         return (y, _router_share(st, stats)), stats
 
-    return (jax.checkpoint(run, prevent_cse=False) if st.whole_chunk_remat else run)(layers, x)
+    return jax.checkpoint(run, prevent_cse=False, policy=stash_policy(st.model.remat))(layers, x)
 
 
 def _head(st: Static, local: nnx.State, y: jax.Array, target: jax.Array) -> tuple[jax.Array, dict, jax.Array]:

@@ -36,13 +36,19 @@ pipeline/tick_program.py; the cells are pipeline/cells.py):
             (B + W hold the unsplit B's matmuls, none twice)
   4. embedding backward: the table's gradient from stage 0 chunk 0's dx (zero elsewhere).
 
-Residuals and the remat policy (model.remat): the residuals are exactly what `jax.vjp` keeps,
-the parameters excepted (re-supplied at B from the stage's own, never stashed). With remat
-none, dots or attn the layers' policy decides them (none: every intermediate; dots: matmul
-outputs; attn: q, k, v and the attention output; plus each layer's input): B runs only the
-backward, no forward is recomputed. With remat full the whole chunk is one checkpoint, so its
-residual is its input [b, L, D] and B recomputes the chunk's forward (inside which each layer
-is rematerialised again): the least memory, 2 extra forwards per microbatch.
+Residuals and the remat policy (model.remat): a chunk runs as one jax.checkpoint whose policy is
+model.remat.stash_policy, so the residuals are what it saves, the parameters excepted (re-supplied
+at B from the stage's own, never stashed), and nothing derived from the weights alone (their
+per-layer slices, casts and transposes are redone at B). remat none keeps the outputs of the
+matmuls, attention kernels and collectives and B recomputes the cheap elementwise work (norms,
+rotary, activations, residual adds: +1.3% of the tiny step's XLA FLOPs), because a slot, unlike
+one program's intermediates, is opaque to XLA's fusion: keeping every intermediate of jax.vjp
+stored 6 [b, L, F] arrays a layer, 4 [b, L, D] in fp32 and the weight slices (125m compiled for
+an H100, pp=2,dp=2: 13.65 GiB, now 8.11). dots and attn keep what the layers' own policy names
+(B recomputes what they leave, as without a pipeline). With remat full the chunk's residual is
+its input [b, L, D] and B recomputes the chunk's forward (inside which each layer is
+rematerialised again): the least memory, 2 extra forwards per microbatch. tools.estimate's
+`chunk_residuals` counts a slot (tests/test_pipeline.py holds it against `stash_bytes`).
 
 Memory per stage, flat in M (`stash_bytes`; slot counts from the table, the most any stage
 holds at once): `inputs` 2 slots x [b, L, D], `inbox` 1 (2 interleaved) x [b, L, D], and
@@ -101,7 +107,7 @@ def stash_bytes(cfg: RunConfig, graphdef: nnx.GraphDef, params: nnx.State, micro
     p, v_count = stages(), max(cfg.parallel.virtual_stages, 1)
     prog = program(cfg.parallel.schedule, p, microbatches(cfg, p), v_count)
     dtype = jnp.dtype(cfg.model.compute_dtype)
-    st = Static(graphdef, cfg.model, dtype, cfg.train.z_loss, 1, cfg.model.remat == "full", prog.split)
+    st = Static(graphdef, cfg.model, dtype, cfg.train.z_loss, 1, prog.split)
     local = with_part(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), params), "blocks", jax.tree.map(
         lambda a: jax.ShapeDtypeStruct((v_count, a.shape[0] // (p * v_count), *a.shape[1:]), dtype), params["blocks"]))
     act = jax.ShapeDtypeStruct((micro_batch, cfg.train.seq_len, cfg.model.d_model), dtype)
@@ -170,8 +176,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     p, (m_count, _, length) = stages(), batch["inputs"].shape
     v_count = max(cfg.parallel.virtual_stages, 1)
     prog = program(cfg.parallel.schedule, p, m_count, v_count)
-    st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, m_count,
-                cfg.model.remat == "full", prog.split)
+    st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, m_count, prog.split)
     ring = v_count > 1
     down = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
     up = [((i + 1) % p, i) for i in range(p if ring else p - 1)]

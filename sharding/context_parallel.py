@@ -87,11 +87,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from sharding.context_cores import F32, BlockCore, merge, piece_core
 
 IMPLS = ("ring", "allgather")
+# the checkpoint_name of what the forward keeps for the backward (out, lse): a remat policy keeps
+# these rather than the blocks' scores they come from (model.remat.stash_policy)
+KEPT_NAME = "attention_residual"
 AXIS = "sequence"
 
 
@@ -260,7 +264,7 @@ def _attention(setup: _Setup, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.A
 
 
 def _attention_fwd(setup: _Setup, q, k, v):
-    out, lse = _forward(setup, q, k, v)
+    out, lse = (checkpoint_name(a, KEPT_NAME) for a in _forward(setup, q, k, v))
     return out, (q, k, v, out, lse)
 
 

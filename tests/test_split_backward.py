@@ -286,7 +286,7 @@ def test_one_f_one_b_stage_function_splits():
 
     cfg = dataclasses.replace(small_config().model, remat="full", attention="xla")
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-    st = Static(graphdef, cfg, jnp.float32, 0.0, 2, whole_chunk_remat=True, split_backward=True)
+    st = Static(graphdef, cfg, jnp.float32, 0.0, 2, split_backward=True)
     chunk, params = partial(_chunk, st, nnx.merge(graphdef, params)), params["blocks"]
     x = jax.random.normal(jax.random.key(1), (2, 16, cfg.d_model))
     split = split_vjp(chunk, params, x, has_aux=True, shrink_stash=False)  # as its zb-h1 cells do
