@@ -45,6 +45,8 @@ PROSE_ONLY = {
                                                "quoted in sentences",
     "memory-terms-1b-h100-compiled": "XLA GPU's compiled memory per token and layer, quoted in the memory "
                                      "model's paragraph",
+    "pipeline-memory-125m-h100-compiled": "XLA GPU's compiled memory of pipelined steps before and after a "
+                                          "change, quoted in the planner's pipeline paragraph",
 }
 
 

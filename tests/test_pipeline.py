@@ -2,6 +2,7 @@
 collectives on `stage` and under fsdp, and bad input. Equality with one device:
 tests/test_pipeline_equal.py. Pipeline buffers start as NaN (pipeline.stages.FILL)."""
 
+import dataclasses
 import functools
 import math
 
@@ -76,6 +77,67 @@ def test_1f1b_stash_bytes_explain_the_compiled_memory(temp_memory):
     extra, more = figures["1f1b", 16] - full, stash["none", 16]["residuals"] - stash["full", 16]["residuals"]
     print(f"\nremat none over full: compiled temp +{extra} B, residual stash +{more} B, R = {stash['none', 16]}")
     assert more <= extra <= more + 2 * stash["none", 16]["per_microbatch"]
+
+
+# (preset, mesh, --set values, tolerance): dense scanned (tiny, GQA) and unrolled (125m), both
+# cores, batch and sequence splits, capacity and dropless experts
+SLOT_CASES = [
+    ("tiny", "pp=2", ("model.attention=xla",), 0),
+    ("tiny", "pp=2", ("model.attention=pallas",), 0),
+    ("tiny", "pp=2,dp=2", ("model.attention=xla",), 0),
+    ("125m", "pp=2", ("model.attention=pallas", "model.n_layers=4"), 0),
+    ("tiny", "pp=2,sp=2", ("model.attention=pallas", "parallel.context_impl=allgather"), 0.01),
+    ("moe-tiny", "pp=2", ("model.attention=pallas",), 0.01),
+    ("moe-tiny", "pp=2", ("model.attention=pallas", "model.moe_dispatch=dropless"), 0.01),
+]
+
+
+@pytest.mark.parametrize("preset, mesh, sets, rel", SLOT_CASES)
+def test_estimate_counts_what_a_1f1b_slot_holds(preset, mesh, sets, rel):
+    """tools.estimate.chunk_residuals, the planner's bytes of one residual slot, against
+    stash_bytes (an abstract trace of the chunk's vjp under model.remat.stash_policy: what the
+    slot holds) for every remat policy, bf16 compute: exact for dense layers on a batch split;
+    within 1% where the trace keeps a few small integer arrays the formula leaves out (the
+    sequence split's zigzag positions, the experts' routing bookkeeping). The trace's shapes are
+    global over the mesh's batch and sequence axes: divided by their sizes, per device."""
+    from configs import apply_overrides, get_preset
+    from pipeline.one_f_one_b import stash_bytes
+    from sharding.mesh import parse_mesh
+    from tools.estimate import chunk_residuals
+
+    for remat in ("none", "dots", "attn", "full"):
+        cfg = apply_overrides(get_preset(preset), [f"model.remat={remat}", "parallel.schedule=1f1b",
+                                                    "train.seq_len=256", "parallel.microbatches=2", *sets])
+        cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
+        sizes = mesh_sizes(cfg)
+        ranks = math.prod(max(sizes[a], 1) for a in ("data", "fsdp", "expert", "sequence"))
+        cfg = apply_overrides(cfg, [f"train.global_batch_size={2 * 2 * ranks}"])  # 2 sequences a microbatch per rank
+        program = make_program(cfg, build_mesh(cfg.parallel, _devices(cfg)))
+        with jax.set_mesh(build_mesh(cfg.parallel, _devices(cfg))):
+            held = stash_bytes(cfg, program.graphdef, program.state.params, 2 * ranks)["per_microbatch"] / ranks
+        assert chunk_residuals(cfg, sizes) == pytest.approx(held, rel=rel or 1e-12), (remat, held)
+
+
+@pytest.mark.parametrize("preset, sets", [
+    ("tiny", ("model.attention=xla",)),
+    ("125m", ("model.attention=pallas", "model.n_layers=4", "model.n_kv_heads=4", "model.head_dim=32"))])
+def test_estimate_counts_what_zb_h1_leaves_for_w(preset, sets):
+    """tools.estimate.zb_stash against the traced stash of zb-h1's B for its W (stash_bytes), for
+    every remat policy, pp=2, dense layers (125m with N·H, K·H and D all different)."""
+    from configs import apply_overrides, get_preset
+    from pipeline.one_f_one_b import stash_bytes
+    from sharding.mesh import parse_mesh
+    from tools.estimate import zb_stash
+
+    for remat in ("none", "dots", "attn", "full"):
+        cfg = apply_overrides(get_preset(preset), [f"model.remat={remat}", "parallel.schedule=zb-h1", "train.seq_len=256",
+                                                    "parallel.microbatches=2", "train.global_batch_size=4", *sets])
+        cfg = dataclasses.replace(cfg, parallel=parse_mesh("pp=2", cfg.parallel))
+        mesh = build_mesh(cfg.parallel, _devices(cfg))
+        program = make_program(cfg, mesh)
+        with jax.set_mesh(mesh):
+            held = stash_bytes(cfg, program.graphdef, program.state.params, 2)["stash_per_microbatch"]
+        assert zb_stash(cfg, mesh_sizes(cfg)) == pytest.approx(held, rel=1e-12), (remat, held)
 
 
 def held_activations(hlo: str, act: tuple[int, ...]) -> int:

@@ -62,6 +62,18 @@ Memory (bytes per device), the terms `memory()` returns:
                             the attention's and the MLP's output projections, gate, up)
                 remat attn  D + (2N+2K)·H/t: the layer input, q, k, v, the core's output
                             (MoE layers under dots and attn: none's, an upper bound)
+                1F1B-family slot (`chunk_residuals`: model.remat.stash_policy keeps no
+                            elementwise intermediates, B recomputes them) under none:
+                            ((N+2K)·H/t + N·H/t + 2·D + 2·F/t)·c (q, k, v before rotary,
+                            the core's output, the two D-wide projections, gate, up), plus
+                            the fp32 logsumexp 4·N/t (a fused core; context parallel) or
+                            the xla core's fp32 scores 4·N/t·L; a MoE layer the attention's,
+                            the router's 4·E + 8·k, per expert row D + 2·F_e/t and per
+                            routed copy (k per token) D (twice under ep) and its positions;
+                            dots and attn as above (attn without each layer's input); the
+                            chunk input once where the layers are scanned. Equal to the
+                            traced slot (pipeline.one_f_one_b.stash_bytes) for dense layers,
+                            within 1% for MoE and context parallel (tests/test_pipeline.py)
                 the layer scan under none: twice the layers' terms (XLA GPU stacks each
                             layer's residuals and copies them; 148,276 bytes per token and
                             layer for 1b's 75,920 unrolled; XLA CPU holds them once:
@@ -89,10 +101,13 @@ the optimizer phase and the backward phase do not overlap in time. Against the 1
 on one H100 (unrolled, remat none, 4 to 20 sequences a microbatch, k = 1 to 4): 1.03-1.11x
 (bench/results/batch-1b-*.json; tests/test_calibration.py), and 1.02-1.06x XLA's static peak of
 every case of the H100 gpu-check records (125m and 1b; none, dots and full; scanned and unrolled).
-Against XLA's static peak on CPU (fp32): within 15% without a pipeline (tests/test_plan.py); 0.8-1.3x under 1f1b and 0.5-0.9x under
-gpipe (tiny and 125m, pp=2 and 4, M=4 and 8, remat none and full): gpipe keeps more around its
-tick scan and its all-microbatch head than these terms count, so tools.search plans pipelines
-with 1f1b.
+Against XLA's static peak on CPU (fp32): within 15% without a pipeline (tests/test_plan.py);
+0.5-0.9x under gpipe (tiny and 125m, pp=2 and 4, M=4 and 8, remat none and full): gpipe keeps
+more around its tick scan and its all-microbatch head than these terms count. Against XLA GPU's
+compile for H100s (125m, `tools.plan --compile-for-gpu`, M = pp = 2): gpipe 0.65-0.71x; the 1F1B
+family 0.94x (1f1b, pp=2,dp=2, remat none and dots), 0.96x (interleaved-1f1b), 0.85x (remat
+full), 0.77x (pp=2,tp=2), 0.93x (zb-h1). tools.search scales each schedule's estimate by its
+measured floor (`MEMORY_LOW`).
 
 CPU vs GPU: XLA on CPU computes bf16 matmuls in fp32 and keeps f32 buffers, so compare with a
 CPU compile only under model.compute_dtype=float32 (tests/test_plan.py does); on a GPU c = 2.
@@ -260,13 +275,57 @@ def stack_activations(cfg: RunConfig, sizes: dict[str, int], remat: str) -> floa
     return dense + s.moe * layer_activations(cfg, sizes, remat, moe=True) if s.moe else dense
 
 
-def zb_stash(cfg: RunConfig, sizes: dict[str, int]) -> float:
-    """Bytes zb-h1's B leaves for its W per microbatch (pipeline/split_backward.py): each layer's
-    output cotangents of its 7 matmuls and 2 norms, ((N+2K)·H/t + 4·D + 2·F/t) per token, twice
-    that under remat full (the recomputed matmul inputs W reads)."""
+def chunk_residuals(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """Bytes of one chunk's residuals for one microbatch, one slot of the 1F1B family's stash:
+    what model.remat.stash_policy keeps of X/(pp·V) layers (module docstring, saved)."""
     m, s, tp = cfg.model, shape(cfg, sizes), sizes["tensor"]
-    per_token = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim / tp + 4 * m.d_model + 2 * m.d_ff / tp
-    return (1 + (m.remat == "full")) * s.layers * s.tokens * per_token * DTYPE_BYTES[m.compute_dtype]
+    c, n, layers = DTYPE_BYTES[m.compute_dtype], s.tokens, s.layers / virtual(cfg)
+    qkv, out = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim / tp, m.n_heads * m.head_dim / tp
+    if m.remat == "full":
+        return n * m.d_model * c
+    if m.remat == "attn":  # the chunk input; q, k, v and the core's output of every layer
+        return n * m.d_model * c + layers * n * (qkv + out) * c
+    # the chunk input, kept apart from the layers' residuals where the layers are scanned (unrolled,
+    # it takes the place of the last layer's MLP output, which the backward does not need)
+    x = n * m.d_model * c if m.scan_layers else 0.0
+    if m.remat == "dots":
+        moe = s.moe / virtual(cfg)  # a MoE layer: its attention's projections and the router's logits
+        return x + ((layers - moe) * layer_activations(cfg, sizes, "dots")
+                    + moe * n * ((qkv + m.d_model) * c + 4 * m.n_experts))
+    fused = core(cfg, sizes) != "xla" or explicit_context(cfg, sizes["sequence"]) is not None
+    attention = n * ((qkv + out + m.d_model) * c + 4 * m.n_heads / tp * (1 if fused else cfg.train.seq_len))
+    dense = attention + n * (m.d_model + 2 * m.d_ff / tp) * c
+    if not s.moe:
+        return x + layers * dense
+    fe, k, ep = expert_d_ff(m), m.experts_per_token, sizes.get("expert", 1)
+    rows = ep * dispatch_rows(cfg, sizes)  # the rows the device's experts compute
+    shared = n * (m.d_model + 2 * m.n_shared_experts * fe / tp) * c if m.n_shared_experts else 0.0
+    bookkeeping = 4 * m.n_experts if m.moe_dispatch == "capacity" else 12  # positions per routed row
+    moe = (attention + shared + n * (4 * m.n_experts + 8 * k) + rows * (m.d_model + 2 * fe / tp) * c
+           + n * k * ((1 + (ep > 1)) * m.d_model * c + bookkeeping))
+    moe_count = s.moe / virtual(cfg)
+    return x + (layers - moe_count) * dense + moe_count * moe
+
+
+# zb-h1's stash per layer by remat policy: (extra N·H/t of query cotangents, D-wide and F-wide
+# bf16 arrays, fp32 [T, 1] norm statistics, fp32 copies of the norms' scales)
+_ZB_TERMS = {"none": (0, 2, 3, 2, 2), "dots": (1, 2, 3, 2, 2), "attn": (0, 3, 4, 1, 1), "full": (1, 4, 4, 0, 0)}
+
+
+def zb_stash(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """Bytes zb-h1's B leaves for its W per microbatch (pipeline/split_backward.py), per layer:
+    the output cotangents of its q, k, v projections and of its MLP, the matmul inputs W reads
+    that B recomputed (the norms' outputs, the MLP hidden: under none too, the chunk's
+    checkpoint keeping no elementwise result), and each norm's fp32 normalised input for its
+    scale's gradient, 4·D·4 bytes a token (`_ZB_TERMS` by policy; dense layers, equal to the
+    traced stash: tests/test_pipeline.py)."""
+    m, s, tp = cfg.model, shape(cfg, sizes), sizes["tensor"]
+    queries, d, f, stats, scales = _ZB_TERMS[m.remat]
+    heads = (m.n_heads * (1 + queries) + 2 * m.n_kv_heads) * m.head_dim / tp
+    per_token = (heads + d * m.d_model + f * m.d_ff / tp) * DTYPE_BYTES[m.compute_dtype] + 4 * (4 * m.d_model + stats)
+    if m.remat == "dots" and core(cfg, sizes) == "xla" and not explicit_context(cfg, sizes["sequence"]):
+        per_token += DTYPE_BYTES[m.compute_dtype] * m.n_heads / tp * cfg.train.seq_len  # the recomputed probabilities
+    return s.layers * (s.tokens * per_token + scales * m.d_model * 4)
 
 
 def remat_full_sets(cfg: RunConfig) -> list[str]:
@@ -287,8 +346,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
     table = pipeline_figures(cfg, sizes)
     if stashing:  # stage 0's in-flight residual slots, the inputs/inbox, zb-h1's stash of dy's
         c = DTYPE_BYTES[m.compute_dtype]
-        chunk = s.tokens * m.d_model * c if kept == "full" else stack_activations(cfg, sizes, kept) / v
-        saved = table["in_flight"] * chunk + 3 * s.tokens * m.d_model * c
+        saved = table["in_flight"] * chunk_residuals(cfg, sizes) + 3 * s.tokens * m.d_model * c
         if cfg.parallel.schedule == "zb-h1":
             saved += table["in_flight"] * zb_stash(cfg, sizes)
     elif piped:  # gpipe, interleaved: autodiff keeps every tick's residuals
