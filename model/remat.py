@@ -53,19 +53,21 @@ def _costly(prim, *_, **params) -> bool:
     return prim.name not in CHEAP or params.get("name") == KEPT_NAME
 
 
+def _policy(name: str) -> Callable | None:
+    """POLICIES[name], or the error naming the choices."""
+    if name not in POLICIES:
+        raise ConfigError(f"--set model.remat={name}: unknown policy; choose one of {', '.join(POLICIES)}")
+    return POLICIES[name]
+
+
 def stash_policy(name: str) -> Callable | None:
     """The jax.checkpoint policy of a whole chunk whose residuals a pipeline stage stores between
     its forward and backward (module docstring): the layers' own policy under dots and attn,
     nothing saved under full (the chunk input alone), all but the `CHEAP` outputs under none."""
-    if name not in POLICIES:
-        raise ConfigError(f"--set model.remat={name}: unknown policy; choose one of {', '.join(POLICIES)}")
-    return _costly if name == "none" else POLICIES[name]
+    return _policy(name) or _costly
 
 
 def remat(fn: Callable, name: str) -> Callable:
     """`fn` wrapped in jax.checkpoint with the named policy ('none' returns fn unchanged)."""
-    if name not in POLICIES:
-        raise ConfigError(f"--set model.remat={name}: unknown policy; choose one of {', '.join(POLICIES)}")
-    if name == "none":
-        return fn
-    return jax.checkpoint(fn, policy=POLICIES[name], prevent_cse=False)
+    policy = _policy(name)
+    return fn if policy is None else jax.checkpoint(fn, policy=policy, prevent_cse=False)

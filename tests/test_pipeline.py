@@ -79,6 +79,27 @@ def test_1f1b_stash_bytes_explain_the_compiled_memory(temp_memory):
     assert more <= extra <= more + 2 * stash["none", 16]["per_microbatch"]
 
 
+def traced_stash(preset: str, mesh: str, schedule: str, remat: str, sets: tuple[str, ...]) -> tuple:
+    """(cfg, its mesh sizes, stash_bytes per device) of `preset` under `schedule` and `remat`, 2
+    microbatches of 2 sequences of 256 per batch rank. The trace's shapes are global over the
+    mesh's batch and sequence axes: divided by their sizes, per device."""
+    from configs import apply_overrides, get_preset
+    from pipeline.one_f_one_b import stash_bytes
+    from sharding.mesh import parse_mesh
+
+    cfg = apply_overrides(get_preset(preset), [f"model.remat={remat}", f"parallel.schedule={schedule}",
+                                                "train.seq_len=256", "parallel.microbatches=2", *sets])
+    cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
+    sizes = mesh_sizes(cfg)
+    ranks = math.prod(max(sizes[a], 1) for a in ("data", "fsdp", "expert", "sequence"))
+    cfg = apply_overrides(cfg, [f"train.global_batch_size={2 * 2 * ranks}"])
+    mesh_ = build_mesh(cfg.parallel, _devices(cfg))
+    program = make_program(cfg, mesh_)
+    with jax.set_mesh(mesh_):
+        held = stash_bytes(cfg, program.graphdef, program.state.params, 2 * ranks)
+    return cfg, sizes, {name: value / ranks for name, value in held.items()}
+
+
 # (preset, mesh, --set values, tolerance): dense scanned (tiny, GQA) and unrolled (125m), both
 # cores, batch and sequence splits, capacity and dropless experts
 SLOT_CASES = [
@@ -98,24 +119,12 @@ def test_estimate_counts_what_a_1f1b_slot_holds(preset, mesh, sets, rel):
     stash_bytes (an abstract trace of the chunk's vjp under model.remat.stash_policy: what the
     slot holds) for every remat policy, bf16 compute: exact for dense layers on a batch split;
     within 1% where the trace keeps a few small integer arrays the formula leaves out (the
-    sequence split's zigzag positions, the experts' routing bookkeeping). The trace's shapes are
-    global over the mesh's batch and sequence axes: divided by their sizes, per device."""
-    from configs import apply_overrides, get_preset
-    from pipeline.one_f_one_b import stash_bytes
-    from sharding.mesh import parse_mesh
+    sequence split's zigzag positions, the experts' routing bookkeeping)."""
     from tools.estimate import chunk_residuals
 
     for remat in ("none", "dots", "attn", "full"):
-        cfg = apply_overrides(get_preset(preset), [f"model.remat={remat}", "parallel.schedule=1f1b",
-                                                    "train.seq_len=256", "parallel.microbatches=2", *sets])
-        cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
-        sizes = mesh_sizes(cfg)
-        ranks = math.prod(max(sizes[a], 1) for a in ("data", "fsdp", "expert", "sequence"))
-        cfg = apply_overrides(cfg, [f"train.global_batch_size={2 * 2 * ranks}"])  # 2 sequences a microbatch per rank
-        program = make_program(cfg, build_mesh(cfg.parallel, _devices(cfg)))
-        with jax.set_mesh(build_mesh(cfg.parallel, _devices(cfg))):
-            held = stash_bytes(cfg, program.graphdef, program.state.params, 2 * ranks)["per_microbatch"] / ranks
-        assert chunk_residuals(cfg, sizes) == pytest.approx(held, rel=rel or 1e-12), (remat, held)
+        cfg, sizes, held = traced_stash(preset, mesh, "1f1b", remat, sets)
+        assert chunk_residuals(cfg, sizes) == pytest.approx(held["per_microbatch"], rel=rel or 1e-12), (remat, held)
 
 
 @pytest.mark.parametrize("preset, sets", [
@@ -124,20 +133,11 @@ def test_estimate_counts_what_a_1f1b_slot_holds(preset, mesh, sets, rel):
 def test_estimate_counts_what_zb_h1_leaves_for_w(preset, sets):
     """tools.estimate.zb_stash against the traced stash of zb-h1's B for its W (stash_bytes), for
     every remat policy, pp=2, dense layers (125m with N·H, K·H and D all different)."""
-    from configs import apply_overrides, get_preset
-    from pipeline.one_f_one_b import stash_bytes
-    from sharding.mesh import parse_mesh
     from tools.estimate import zb_stash
 
     for remat in ("none", "dots", "attn", "full"):
-        cfg = apply_overrides(get_preset(preset), [f"model.remat={remat}", "parallel.schedule=zb-h1", "train.seq_len=256",
-                                                    "parallel.microbatches=2", "train.global_batch_size=4", *sets])
-        cfg = dataclasses.replace(cfg, parallel=parse_mesh("pp=2", cfg.parallel))
-        mesh = build_mesh(cfg.parallel, _devices(cfg))
-        program = make_program(cfg, mesh)
-        with jax.set_mesh(mesh):
-            held = stash_bytes(cfg, program.graphdef, program.state.params, 2)["stash_per_microbatch"]
-        assert zb_stash(cfg, mesh_sizes(cfg)) == pytest.approx(held, rel=1e-12), (remat, held)
+        cfg, sizes, held = traced_stash(preset, "pp=2", "zb-h1", remat, sets)
+        assert zb_stash(cfg, sizes) == pytest.approx(held["stash_per_microbatch"], rel=1e-12), (remat, held)
 
 
 def held_activations(hlo: str, act: tuple[int, ...]) -> int:

@@ -279,7 +279,8 @@ def chunk_residuals(cfg: RunConfig, sizes: dict[str, int]) -> float:
     """Bytes of one chunk's residuals for one microbatch, one slot of the 1F1B family's stash:
     what model.remat.stash_policy keeps of X/(pp·V) layers (module docstring, saved)."""
     m, s, tp = cfg.model, shape(cfg, sizes), sizes["tensor"]
-    c, n, layers = DTYPE_BYTES[m.compute_dtype], s.tokens, s.layers / virtual(cfg)
+    c, n = DTYPE_BYTES[m.compute_dtype], s.tokens
+    layers, moe = s.layers / virtual(cfg), s.moe / virtual(cfg)  # the chunk's layers, of which MoE
     qkv, out = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim / tp, m.n_heads * m.head_dim / tp
     if m.remat == "full":
         return n * m.d_model * c
@@ -288,23 +289,21 @@ def chunk_residuals(cfg: RunConfig, sizes: dict[str, int]) -> float:
     # the chunk input, kept apart from the layers' residuals where the layers are scanned (unrolled,
     # it takes the place of the last layer's MLP output, which the backward does not need)
     x = n * m.d_model * c if m.scan_layers else 0.0
-    if m.remat == "dots":
-        moe = s.moe / virtual(cfg)  # a MoE layer: its attention's projections and the router's logits
-        return x + ((layers - moe) * layer_activations(cfg, sizes, "dots")
-                    + moe * n * ((qkv + m.d_model) * c + 4 * m.n_experts))
+    if m.remat == "dots":  # a MoE layer: its attention's projections and the router's logits
+        return x + (layers - moe) * layer_activations(cfg, sizes, "dots") + moe * n * ((qkv + m.d_model) * c
+                                                                                       + 4 * m.n_experts)
     fused = core(cfg, sizes) != "xla" or explicit_context(cfg, sizes["sequence"]) is not None
     attention = n * ((qkv + out + m.d_model) * c + 4 * m.n_heads / tp * (1 if fused else cfg.train.seq_len))
     dense = attention + n * (m.d_model + 2 * m.d_ff / tp) * c
-    if not s.moe:
+    if not moe:
         return x + layers * dense
     fe, k, ep = expert_d_ff(m), m.experts_per_token, sizes.get("expert", 1)
     rows = ep * dispatch_rows(cfg, sizes)  # the rows the device's experts compute
     shared = n * (m.d_model + 2 * m.n_shared_experts * fe / tp) * c if m.n_shared_experts else 0.0
     bookkeeping = 4 * m.n_experts if m.moe_dispatch == "capacity" else 12  # positions per routed row
-    moe = (attention + shared + n * (4 * m.n_experts + 8 * k) + rows * (m.d_model + 2 * fe / tp) * c
-           + n * k * ((1 + (ep > 1)) * m.d_model * c + bookkeeping))
-    moe_count = s.moe / virtual(cfg)
-    return x + (layers - moe_count) * dense + moe_count * moe
+    expert_layer = (attention + shared + n * (4 * m.n_experts + 8 * k) + rows * (m.d_model + 2 * fe / tp) * c
+                    + n * k * ((1 + (ep > 1)) * m.d_model * c + bookkeeping))
+    return x + (layers - moe) * dense + moe * expert_layer
 
 
 # zb-h1's stash per layer by remat policy: (extra N·H/t of query cotangents, D-wide and F-wide
