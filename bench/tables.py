@@ -47,6 +47,8 @@ PROSE_ONLY = {
                                      "model's paragraph",
     "pipeline-memory-125m-h100-compiled": "XLA GPU's compiled memory of pipelined steps before and after a "
                                           "change, quoted in the planner's pipeline paragraph",
+    "pipeline-memory-125m-h100-cell-groups": "the same before and after the tick's cells ran as one switch per "
+                                             "group, quoted in the planner's pipeline paragraph",
 }
 
 

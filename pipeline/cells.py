@@ -5,6 +5,16 @@ first runs the head and loss. A cell is a function of the static `Static`, the s
 parameters ([V, Lc, ...] blocks), chunk v, the cell's (residuals, stash) slots, its input x [b,
 L, D], output gradient g, the microbatch's targets [b, L] and the carry's `Sent`, and returns the
 next `Sent`. Layouts, slot counts and memory are in one_f_one_b.py's docstring.
+
+`run_cell` runs a tick's cell as one `lax.switch` per group of cells that write the same fields
+of `Sent` (F; B and the last chunk's B; W), whose operand and result are those fields alone:
+the other fields, the slot buffers the group only reads among them, go in as operands that no
+branch returns. With the buffers passed through one switch over all cells, XLA GPU's
+latency-hiding scheduler copied them: under explicit tensor parallelism (the all-reduces inside
+B) it copied 1.9 GB of residual slots per tick in the loop body and again in every cell that
+only read or passed them on: 125m pp=2,tp=2 1f1b peaked at 9.82 GiB, 7.98 with the groups (H100
+compile, `tools.plan --compile-for-gpu`); pp=2,dp=2 (no collective inside a cell) 8.11 either
+way. XLA CPU copied them too: the tiny pp=2 step's temp fell 28-36% under remat none.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from flax import nnx
 from jax.typing import DTypeLike
 
@@ -26,6 +37,8 @@ from model.remat import stash_policy
 from model.transformer import Transformer
 from pipeline.split_backward import split_vjp
 from pipeline.stages import with_part
+from pipeline.tables import BACKWARD, FORWARD, WEIGHT
+from pipeline.tick_program import BACKWARD_LAST
 from sharding.checks import moe_layers
 
 @dataclass(frozen=True)
@@ -155,14 +168,9 @@ def _outside(local: nnx.State) -> dict:
     return {name: local[name] for name in local if name != "blocks"}
 
 
-# The cells, one per Program.branch: (static, the stage's compute parameters, chunk v, the
-# cell's (residuals, stash) slots, input x [b, L, D], output gradient g, the microbatch's
+# The cells, one per Program.branch but IDLE: (static, the stage's compute parameters, chunk v,
+# the cell's (residuals, stash) slots, input x [b, L, D], output gradient g, the microbatch's
 # targets [b, L], what the carry holds) -> what the carry holds next.
-
-
-def _idle(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, target: jax.Array,
-          out: Sent) -> Sent:
-    return out
 
 
 def _put(buffers: tuple, slot: jax.Array, values: tuple) -> tuple:
@@ -227,9 +235,40 @@ def _backward_input_last(st: Static, local: nnx.State, v: jax.Array, at: tuple, 
                         stash=_put(out.stash, at[1], stash))
 
 
-# Program.branch -> cell: IDLE, FORWARD, BACKWARD, WEIGHT, BACKWARD_LAST; unsplit and split (zb-h1)
-CELLS = (_idle, _forward, _backward, _idle, _backward_last)
-SPLIT_CELLS = (_idle, _forward, _backward_input, _weight, _backward_input_last)
+# Program.branch -> cell, unsplit and split (zb-h1); IDLE runs none
+CELLS = {FORWARD: _forward, BACKWARD: _backward, BACKWARD_LAST: _backward_last}
+SPLIT_CELLS = {FORWARD: _forward, BACKWARD: _backward_input, WEIGHT: _weight, BACKWARD_LAST: _backward_input_last}
+# The groups of cells `run_cell` runs as one switch each, and the fields of Sent they write
+GROUPS = (((FORWARD,), ("send_f", "residuals", "stats")),
+          ((BACKWARD, BACKWARD_LAST), ("send_b", "grads", "loss", "stash")),
+          ((WEIGHT,), ("grads",)))
+
+
+def run_cell(cells: dict, kinds: set[int], kind: jax.Array, args: tuple, out: Sent) -> Sent:
+    """The cell `kind` (`cells[kind]`, each partial in Static; nothing for IDLE) on args (the
+    stage's compute parameters, v, slots, x, g, target) and the carry's `out`, as one
+    lax.switch per group of `GROUPS` with a kind in `kinds` (the program's): a group's switch
+    takes and returns the fields it writes, its first branch (any other kind) returns them as
+    they are; the other fields are read-only operands (module docstring)."""
+    for group, fields in GROUPS:
+        present = [k for k in group if k in kinds and k in cells]
+        if not present:
+            continue
+
+        def branch(cell, fields=fields):
+            def run(written, rest):
+                given = rest._replace(**dict(zip(fields, written)))
+                new = cell(*args, given)
+                assert all(getattr(new, f) is getattr(given, f) for f in Sent._fields if f not in fields), \
+                    f"{cell} writes a field of Sent outside its group's {fields}"
+                return tuple(getattr(new, f) for f in fields)
+            return run
+
+        index = sum((kind == k) * (i + 1) for i, k in enumerate(present))
+        written = lax.switch(index, [lambda written, rest: written] + [branch(cells[k]) for k in present],
+                             tuple(getattr(out, f) for f in fields), out._replace(**dict.fromkeys(fields)))
+        out = out._replace(**dict(zip(fields, written)))
+    return out
 
 
 def embed(st: Static, compute: nnx.State, tokens: jax.Array, table: jax.Array) -> jax.Array:

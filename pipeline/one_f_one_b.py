@@ -22,9 +22,10 @@ pipeline/tick_program.py; the cells are pipeline/cells.py):
      two collective-permutes of b·L·D per tick; an arriving value is written to its slot of
      `inputs` (forward) or `inbox` (gradient);
   2. input: stage 0 chunk 0 embeds microbatch m's tokens, the others read their `inputs` slot;
-  3. the cell, a `lax.switch` over `CELLS` (`SPLIT_CELLS` for zb-h1), functions of the stage's
-     parameters, chunk v, the cell's slots, the input x, the gradient g, the microbatch's
-     targets and the carry's `Sent`:
+  3. the cell of `CELLS` (`SPLIT_CELLS` for zb-h1), functions of the stage's parameters, chunk
+     v, the cell's slots, the input x, the gradient g, the microbatch's targets and the carry's
+     `Sent`, run by `cells.run_cell` (a `lax.switch` per group of cells that write the same
+     fields, so that no switch passes a slot buffer through; cells.py's docstring says why):
      F      run chunk v's layers under `jax.vjp`, send the output, keep the vjp's residuals in
             a `residuals` slot until B (the last chunk's output waits in its input slot)
      B      the vjp from the kept residuals, cotangent g: chunk v's gradients (fp32, summed in
@@ -83,6 +84,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -90,7 +92,7 @@ from jax.sharding import PartitionSpec as P
 from configs.base import RunConfig
 from model.moe import no_stats
 from model.transformer import compute_params
-from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed, replaced, residual_layout
+from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed, replaced, residual_layout, run_cell
 from pipeline.tables import BACKWARD, FORWARD
 from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
 from pipeline.tick_program import program
@@ -190,7 +192,8 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         compute = _whole(compute_params(local, st.dtype), flat_specs, batch_axes)  # cast and gathered once per step
         act = jax.ShapeDtypeStruct((inputs.shape[1], length, cfg.model.d_model), st.dtype)  # this device's b rows
         stc, residuals, stash = residual_layout(st, compute, act)
-        branches = [partial(cell, stc) for cell in (SPLIT_CELLS if prog.split else CELLS)]
+        cells = {kind: partial(cell, stc) for kind, cell in (SPLIT_CELLS if prog.split else CELLS).items()}
+        kinds = {int(k) for k in np.unique(prog.branch)}
 
         def tick(carry, row):
             kind, m, v, rf, rb, xs, gs, rs, ss = (a[s] for a in row)
@@ -202,7 +205,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
             first = (s == 0) & (v == 0)
             embedded, embed_vjp = jax.vjp(partial(embed, stc, compute, inputs[m]), compute["embed"])
             x = jnp.where(first, embedded, inbuf[xs])
-            out = lax.switch(kind, branches, compute, v, (rs, ss), x, inbox[gs], targets[m], out)
+            out = run_cell(cells, kinds, kind, (compute, v, (rs, ss), x, inbox[gs], targets[m]), out)
             keep = (kind == FORWARD) & (s == p - 1) & (v == v_count - 1)  # the last chunk's output, for its B
             inbuf = inbuf.at[xs].set(jnp.where(keep, out.send_f, inbuf[xs]))
             d_embedded = jnp.where(first & (kind == BACKWARD), out.send_b, jnp.zeros_like(out.send_b))

@@ -55,8 +55,11 @@ def test_1f1b_memory_is_flat_in_m_and_gpipe_grows(temp_memory):
 def test_1f1b_stash_bytes_explain_the_compiled_memory(temp_memory):
     """pipeline.one_f_one_b.stash_bytes against the compiled step (pp=2, M = 16, b = 2): the
     residual stash (p slots of one chunk's residuals R) is flat in M, and what remat none costs
-    over remat full in compiled temp memory is the stash difference plus at most two more R
-    (the B cell's working set: the backward's temporaries; measured about 1.5 R)."""
+    over remat full in compiled temp memory is the stash difference within one R: the B cells'
+    working sets differ by less (remat full's B recomputes the chunk's forward and holds its
+    values for a while, none's B only the cheap ones; measured: none 0.54 R below). Before the
+    cells ran as one switch per group (pipeline/cells.run_cell), XLA copied slots that the
+    switch passed through, and none cost 1.63 R more than its stash."""
     from pipeline.one_f_one_b import stash_bytes
 
     figures, compiled = temp_memory
@@ -76,7 +79,7 @@ def test_1f1b_stash_bytes_explain_the_compiled_memory(temp_memory):
                                   "train.global_batch_size=32"))[0].memory_analysis().temp_size_in_bytes
     extra, more = figures["1f1b", 16] - full, stash["none", 16]["residuals"] - stash["full", 16]["residuals"]
     print(f"\nremat none over full: compiled temp +{extra} B, residual stash +{more} B, R = {stash['none', 16]}")
-    assert more <= extra <= more + 2 * stash["none", 16]["per_microbatch"]
+    assert abs(extra - more) <= stash["none", 16]["per_microbatch"]
 
 
 def traced_stash(preset: str, mesh: str, schedule: str, remat: str, sets: tuple[str, ...]) -> tuple:
@@ -183,12 +186,13 @@ def _dots(jaxpr) -> int:
 
 
 def _cells(jaxpr):
-    """The 1f1b program's cell switch (a cond with one branch per pipeline.one_f_one_b.CELLS)."""
-    from pipeline.cells import CELLS
-
+    """The 1f1b program's cell switches (pipeline.cells.run_cell: a cond per group of GROUPS
+    present, its first branch the pass-through), found as the jaxpr level holding conds of 2
+    (F) then 3 (B, B of the last chunk) and, zb-h1, 2 (W) branches."""
+    conds = [eqn.params["branches"] for eqn in jaxpr.eqns if eqn.primitive.name == "cond"]
+    if [len(b) for b in conds] in ([2, 3], [2, 3, 2]):
+        return conds
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "cond" and len(eqn.params["branches"]) == len(CELLS):
-            return eqn.params["branches"]
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else [value]:
                 inner = getattr(sub, "jaxpr", sub)
@@ -197,15 +201,19 @@ def _cells(jaxpr):
     return None
 
 
-def _cell_dots(schedule: str, remat: str) -> list[int]:
-    """Matmuls in each cell of the schedule's switch (IDLE, F, B, W, B of the last chunk), pp=2."""
+def _cell_dots(schedule: str, remat: str) -> tuple:
+    """Matmuls in the schedule's cells, pp=2: (the most in any switch's pass-through branch, F,
+    B, W (None without one), B of the last chunk)."""
     cfg = small_config("pp=2", f"parallel.schedule={schedule}", f"model.remat={remat}")
     mesh = build_mesh(cfg.parallel, _devices(cfg))
     job = build(cfg, mesh)
     with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
                                                  schedule=schedule))(job.state.params, batch=job.batches(0))
-    return [_dots(branch.jaxpr) for branch in _cells(jaxpr.jaxpr)]
+    switches = [[_dots(branch.jaxpr) for branch in branches] for branches in _cells(jaxpr.jaxpr)]
+    (keep_f, forward), (keep_b, backward, last), *w = switches
+    weight = w[0][1] if w else None
+    return max(keep_f, keep_b, *(b[0] for b in w)), forward, backward, weight, last
 
 
 @pytest.mark.parametrize("remat", ["none", "dots", "full"])
@@ -218,7 +226,7 @@ def test_1f1b_backward_recomputes_no_forward_unless_remat_full(remat):
     The last chunk's B runs the head and loss forward and backward (3 matmuls), then the same
     backward as any B."""
     idle, forward, backward, weight, last = _cell_dots("1f1b", remat)
-    assert (idle, forward, weight) == (0, 9, 0)  # one layer: q, k, v, o, q·k, p·v, gate, up, down
+    assert (idle, forward, weight) == (0, 9, None)  # one layer: q, k, v, o, q·k, p·v, gate, up, down
     assert backward == {"none": 18, "dots": 20, "full": 35}[remat]
     assert last == 3 + backward
 

@@ -105,8 +105,9 @@ Against XLA's static peak on CPU (fp32): within 15% without a pipeline (tests/te
 0.5-0.9x under gpipe (tiny and 125m, pp=2 and 4, M=4 and 8, remat none and full): gpipe keeps
 more around its tick scan and its all-microbatch head than these terms count. Against XLA GPU's
 compile for H100s (125m, `tools.plan --compile-for-gpu`, M = pp = 2): gpipe 0.65-0.71x; the 1F1B
-family 0.94x (1f1b, pp=2,dp=2, remat none and dots), 0.96x (interleaved-1f1b), 0.85x (remat
-full), 0.77x (pp=2,tp=2), 0.93x (zb-h1). tools.search scales each schedule's estimate by its
+family 0.94-0.95x (1f1b, pp=2,dp=2 and pp=2,tp=2, remat none and dots), 0.96x
+(interleaved-1f1b), 0.97x (zb-h1; 1.23x on pp=2,tp=2, over), 0.85x and 0.74x (remat full, dp
+and tp: B recomputes the chunk's forward). tools.search scales each schedule's estimate by its
 measured floor (`MEMORY_LOW`).
 
 CPU vs GPU: XLA on CPU computes bf16 matmuls in fp32 and keeps f32 buffers, so compare with a
