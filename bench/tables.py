@@ -49,6 +49,8 @@ PROSE_ONLY = {
                                           "change, quoted in the planner's pipeline paragraph",
     "pipeline-memory-125m-h100-cell-groups": "the same before and after the tick's cells ran as one switch per "
                                              "group, quoted in the planner's pipeline paragraph",
+    "pipeline-memory-125m-h100-split-map": "the same for zb-h1 before and after its backward split shard_map "
+                                           "regions, quoted in the planner's pipeline paragraph",
 }
 
 

@@ -2,15 +2,18 @@
 pipeline/split_backward.py builds B and W from (and a few facts it reads off jaxprs).
 
 `flatten` retraces a jaxpr with every call-like equation (jit/pjit, checkpoint/remat, closed_call,
-custom_jvp/vjp calls) inlined, so the split can send a call's equations to different sides;
+custom_jvp/vjp calls) inlined, so the split can send a call's equations to different sides (a
+shard_map's body too, inlined inside a shard_map of the equation's own mesh and specs);
 `bind` runs one equation in its own context (name scope, traceback), so b_fn and w_fn keep the
 model's named scopes in profiles. Written by hand: jax's own `core.eval_jaxpr` evaluates a jaxpr
 whole and keeps its calls as calls.
 
-Internal JAX surface used (here and in pipeline/split_scan.py only): eqn.primitive.bind /
-get_bind_params, jax._src.source_info_util (optional: the equations' name scopes, as
-core.eval_jaxpr sets them), the params of the call primitives, scan's num_consts/num_carry (jax
-0.10) or flat trees ft_in (jax 0.12: `scan_counts`), jax.extend.core.{Literal, Var, ClosedJaxpr,
+Internal JAX surface used (here, in pipeline/split_scan.py and in split_map.py only):
+eqn.primitive.bind / get_bind_params, jax._src.source_info_util (optional: the equations' name
+scopes, as core.eval_jaxpr sets them), the params of the call primitives, scan's
+num_consts/num_carry (jax 0.10) or flat trees ft_in (jax 0.12: `scan_counts`), shard_map's
+params (mesh, in_specs, out_specs, newly_manual_axes, check_vma) and avals'
+manual_axis_type.varying (`run_map`, `varying`), jax.extend.core.{Literal, Var, ClosedJaxpr,
 Jaxpr}. Checked on jax 0.10.2 and 0.12.
 """
 
@@ -79,6 +82,22 @@ def _callee(eqn) -> tuple[Jaxpr, list] | None:
     return None
 
 
+def run_map(params: dict, body: Callable, args: Sequence[Any], in_specs: Sequence[Any],
+            out_specs: Sequence[Any]) -> list:
+    """`body(*args) -> list` as a shard_map with a shard_map equation's mesh, manual axes and
+    check_vma, and the given specs."""
+    mapped = jax.shard_map(lambda *a: tuple(body(*a)), mesh=params["mesh"], in_specs=tuple(in_specs),
+                           out_specs=tuple(out_specs), axis_names=set(params["newly_manual_axes"]),
+                           check_vma=params["check_vma"])
+    return list(mapped(*args))
+
+
+def varying(aval) -> frozenset:
+    """The manual mesh axes a value varies over (shard_map's check_vma types)."""
+    kind = getattr(aval, "manual_axis_type", None)
+    return frozenset(kind.varying) if kind is not None else frozenset()
+
+
 def _inline_eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     env: dict = {}
     for v, a in zip(jaxpr.constvars, consts):
@@ -88,7 +107,12 @@ def _inline_eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> li
     for eqn in jaxpr.eqns:
         invals = [read(env, v) for v in eqn.invars]
         sub = _callee(eqn)
-        outs = _inline_eval(sub[0], sub[1], invals) if sub is not None else bind(eqn, invals)
+        if eqn.primitive.name == "shard_map":  # its body inlined too, inside a shard_map of its own
+            p = eqn.params
+            outs = run_map(p, lambda *a, body=p["jaxpr"]: _inline_eval(body, [], a), invals,
+                           p["in_specs"], p["out_specs"])
+        else:
+            outs = _inline_eval(sub[0], sub[1], invals) if sub is not None else bind(eqn, invals)
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     return [read(env, v) for v in jaxpr.outvars]

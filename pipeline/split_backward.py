@@ -28,6 +28,12 @@ How: the pullback of `jax.vjp(f, params, x)` is traced to a jaxpr bwd(residuals,
     iteration, the values its body computes that the W body reads (stacked over the
     iterations: the stash), and the W scan takes them as xs. This recurses into nested scans
     (a stash value of an inner scan becomes a per-iteration value of the outer one);
+  * a `shard_map` equation (an explicit tensor-parallel, context or expert region) is split the
+    same way into a B shard_map and a W shard_map over the same mesh and manual axes
+    (pipeline/split_map.py): a body stash value leaves B per device, split over the manual axes
+    it varies over (all of them in a region without check_vma), and enters W with the same type. Kept whole, a region on the dx path ran
+    wholly in B: zb-h1 under explicit TP had no matmul left in W (tiny pp=2,tp=2: B 18, W 0;
+    now 11 and 7, as on pp=2);
   * then (shrink_stash=True, the default) a W equation moves to B where that makes the stash
     smaller: all its inputs are values B has anyway, and what W then needs of its outputs is
     smaller than the inputs only it read from the stash (`_shrink_stash`, greedy). Example: with
@@ -55,9 +61,9 @@ Besides the stash, W reads some residuals (`SplitVJP.w_reads`; a schedule may fr
 after B): with remat 'full' none at all, without remat the saved inputs of the weight matmuls.
 
 Limits:
-  * primitives other than scan and the inlined calls are atomic: a `cond`/`while` equation whose
-    outputs feed dx runs wholly in B (a weight-gradient dot inside it then costs B time, not
-    W time; nothing runs twice). The project's models have none in the backward.
+  * primitives other than scan, shard_map and the inlined calls are atomic: a `cond`/`while`
+    equation whose outputs feed dx runs wholly in B (a weight-gradient dot inside it then costs
+    B time, not W time; nothing runs twice). The project's models have none in the backward.
   * the cotangent g has the structure of f's output (any pytree); has_aux as jax.vjp's.
   * moving equations to B (shrink_stash) puts some weight-gradient work in B when that saves
     stash memory (the norm scales' reductions, elementwise; an MoE router's dW = x^T dlogits,
@@ -77,8 +83,8 @@ Limits:
     pytree whose leaves are its residuals. Checked on jax 0.10.2 and 0.12.
 
 Files: this one is the entry point (split_vjp); pipeline/split_plan.py splits one jaxpr (and
-holds `_shrink_stash`), pipeline/split_scan.py a scan equation, pipeline/jaxpr_eval.py evaluates
-equations with calls inlined.
+holds `_shrink_stash`), pipeline/split_scan.py a scan equation, pipeline/split_map.py a shard_map
+equation, pipeline/jaxpr_eval.py evaluates equations with calls inlined.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""The split of one call-free jaxpr (the pullback, or a scan body) into B and W by dataflow:
-which equations each side runs, what B stashes for W, and the evaluation of either side.
+"""The split of one call-free jaxpr (the pullback, a scan or shard_map body) into B and W by
+dataflow: which equations each side runs, what B stashes for W, and the evaluation of either side.
 
 B is the reverse liveness from B's outputs (dx); W the equations, not in B, that W's outputs
-(dparams) depend on; a value W reads that B defines is stashed. A scan equation with outputs on
-both sides is split into two scans (pipeline/split_scan.py), which split their bodies with this
-same function. `shrink_stash` then moves W equations into B where that shrinks the stash. The
-why and the measured results are in pipeline/split_backward.py's docstring.
+(dparams) depend on; a value W reads that B defines is stashed. A scan or shard_map equation
+with outputs on both sides is split into two (pipeline/split_scan.py, split_map.py), which split
+their bodies with this same function. `shrink_stash` then moves W equations into B where that
+shrinks the stash. The why and the measured results are in pipeline/split_backward.py's docstring.
 """
 
 from __future__ import annotations
@@ -15,14 +15,19 @@ from typing import Any, Callable, Sequence
 
 from jax.extend.core import Jaxpr
 
-from pipeline.jaxpr_eval import as_out, bind, is_var, nbytes, read, var_order
+from pipeline.jaxpr_eval import as_out, bind, is_var, nbytes, read, var_order, varying
+from pipeline.split_map import MapSplit
 from pipeline.split_scan import ScanSplit
+
+# equations split in two (their bodies by split_jaxpr) where they have outputs on both sides
+SPLITS = {"scan": ScanSplit, "shard_map": MapSplit}
 
 
 @dataclass
 class Plan:
-    """Which equations of `jaxpr` run in B and which in W (indices, program order), the scans
-    split in two, and the values B stashes for W; `eval_b` / `eval_w` run either side."""
+    """Which equations of `jaxpr` run in B and which in W (indices, program order), the scan and
+    shard_map equations split in two, and the values B stashes for W; `eval_b` / `eval_w` run
+    either side."""
 
     jaxpr: Jaxpr
     consts: list
@@ -30,26 +35,31 @@ class Plan:
     w_out: list[bool]  # outputs W computes
     b_eqns: list[int] = field(default_factory=list)
     w_eqns: list[int] = field(default_factory=list)
-    scans: dict = field(default_factory=dict)  # eqn index -> ScanSplit
+    splits: dict = field(default_factory=dict)  # eqn index -> ScanSplit or MapSplit
     stash_vars: list = field(default_factory=list)  # values of B (or B-side inputs) that W reads
     b_invars: list[bool] = field(default_factory=list)  # inputs B reads
     w_invars: list[bool] = field(default_factory=list)  # inputs W reads directly (not stashed)
 
     @property
     def n_stash(self) -> int:
-        return len(self.stash_vars) + sum(s.body.n_stash for s in self._stash_scans())
+        return len(self.stash_vars) + sum(s.body.n_stash for s in self._stash_splits())
 
-    def _stash_scans(self) -> list:
-        return [self.scans[i] for i in self.b_eqns if i in self.scans and self.scans[i].has_w]
+    def stash_varying(self) -> list[frozenset]:
+        """The manual mesh axes each stash value varies over, in eval_b's order."""
+        inner = [t for split in self._stash_splits() for t in split.stash_varying()]
+        return [varying(v.aval) for v in self.stash_vars] + inner
+
+    def _stash_splits(self) -> list:
+        return [self.splits[i] for i in self.b_eqns if i in self.splits and self.splits[i].has_w]
 
     # -- evaluation
 
-    def _run(self, env: dict, eqns: Sequence[int], split_scan: Callable) -> None:
-        """Evaluate the equations `eqns` into env; a split scan's outputs come from
-        split_scan(index) (None where this side does not compute them)."""
+    def _run(self, env: dict, eqns: Sequence[int], run_split: Callable) -> None:
+        """Evaluate the equations `eqns` into env; a split equation's outputs come from
+        run_split(index) (None where this side does not compute them)."""
         for i in eqns:
             eqn = self.jaxpr.eqns[i]
-            outs = split_scan(i) if i in self.scans else bind(eqn, [read(env, v) for v in eqn.invars])
+            outs = run_split(i) if i in self.splits else bind(eqn, [read(env, v) for v in eqn.invars])
             for v, o in zip(eqn.outvars, outs):
                 if o is not None:
                     env[v] = o
@@ -60,12 +70,12 @@ class Plan:
         env.update(inputs)
         inner: list = []
 
-        def scan_b(i: int) -> list:
-            outs, stash = self.scans[i].run_b(env)
+        def split_b(i: int) -> list:
+            outs, stash = self.splits[i].run_b(env)
             inner.extend(stash)
             return outs
 
-        self._run(env, self.b_eqns, scan_b)
+        self._run(env, self.b_eqns, split_b)
         outs = [as_out(read(env, v), v.aval) for v, b in zip(self.jaxpr.outvars, self.b_out) if b]
         stash = [env[v] for v in self.stash_vars] + inner
         return outs, stash
@@ -77,13 +87,13 @@ class Plan:
         n = len(self.stash_vars)
         env.update(zip(self.stash_vars, stash[:n]))
         inner = {}
-        for i in self.b_eqns:  # the stash of split scans, in B's order
-            if i in self.scans and self.scans[i].has_w:
-                k = self.scans[i].body.n_stash
+        for i in self.b_eqns:  # the stash of split equations, in B's order
+            if i in self.splits and self.splits[i].has_w:
+                k = self.splits[i].body.n_stash
                 inner[i] = list(stash[n:n + k])
                 n += k
         assert n == len(stash), (n, len(stash))
-        self._run(env, self.w_eqns, lambda i: self.scans[i].run_w(env, inner.get(i, [])))
+        self._run(env, self.w_eqns, lambda i: self.splits[i].run_w(env, inner.get(i, [])))
         return [as_out(read(env, v), v.aval) for v, w in zip(self.jaxpr.outvars, self.w_out) if w]
 
 
@@ -102,34 +112,35 @@ def split_jaxpr(jaxpr: Jaxpr, consts: list, b_out: Sequence[bool], w_out: Sequen
         if not any(used):
             continue
         b_set.append(i)
-        if eqn.primitive.name == "scan":
-            split = ScanSplit(eqn, used, shrink, split_jaxpr)
-            plan.scans[i] = split
+        if eqn.primitive.name in SPLITS:
+            split = SPLITS[eqn.primitive.name](eqn, used, shrink, split_jaxpr)
+            plan.splits[i] = split
             ins = [v for v, u in zip(eqn.invars, split.b_in) if u]
         else:
             ins = eqn.invars
         need_b.update(v for v in ins if is_var(v))
     plan.b_eqns = sorted(b_set)
     in_b = set(plan.b_eqns)
-    # the values B defines (for a split scan, only the outputs its B part computes)
+    # the values B defines (for a split equation, only the outputs its B part computes)
     b_defined = {v for v, d in zip(jaxpr.invars, w_direct) if not d}
     for i in plan.b_eqns:
         eqn = eqns[i]
-        keep = plan.scans[i].b_outs if i in plan.scans else [True] * len(eqn.outvars)
+        keep = plan.splits[i].b_outs if i in plan.splits else [True] * len(eqn.outvars)
         b_defined.update(o for o, k in zip(eqn.outvars, keep) if k and is_var(o))
     # W: reverse liveness from W's outputs over what B does not compute
     need_w = {v for v, w in zip(jaxpr.outvars, w_out) if w and is_var(v)}
     w_set: list[int] = []
     for i in reversed(range(len(eqns))):
         eqn = eqns[i]
-        if eqn.primitive.name == "scan":
-            split = plan.scans.get(i)
+        if eqn.primitive.name in SPLITS:
+            split = plan.splits.get(i)
             b_outs = split.b_outs if split else [False] * len(eqn.outvars)
             want = [is_var(o) and o in need_w and not bo for o, bo in zip(eqn.outvars, b_outs)]
             if not any(want):
                 continue
             if split is None:
-                split = plan.scans[i] = ScanSplit(eqn, [False] * len(eqn.outvars), shrink, split_jaxpr)
+                split = SPLITS[eqn.primitive.name](eqn, [False] * len(eqn.outvars), shrink, split_jaxpr)
+                plan.splits[i] = split
             split.add_w(want)
             w_set.append(i)
             need_w.update(v for v, u in zip(eqn.invars, split.w_in) if u and is_var(v))
@@ -140,7 +151,7 @@ def split_jaxpr(jaxpr: Jaxpr, consts: list, b_out: Sequence[bool], w_out: Sequen
     uses: dict = {}
     for i in w_set:
         eqn = eqns[i]
-        mask = plan.scans[i].w_in if i in plan.scans else [True] * len(eqn.invars)
+        mask = plan.splits[i].w_in if i in plan.splits else [True] * len(eqn.invars)
         for v in {v for v, u in zip(eqn.invars, mask) if u and is_var(v)}:
             uses[v] = uses.get(v, 0) + 1
     for v, w in zip(jaxpr.outvars, w_out):
@@ -171,7 +182,7 @@ def _shrink_stash(jaxpr: Jaxpr, plan: Plan, b_set: list, w_set: list, b_defined:
         for i in sorted(w_set):
             eqn = jaxpr.eqns[i]
             ins = {v for v in eqn.invars if is_var(v)}
-            if i in plan.scans or not ins <= have:
+            if i in plan.splits or not ins <= have:
                 continue
             freed = sum(nbytes(v) for v in ins if v in b_defined and uses.get(v) == 1)
             kept = sum(nbytes(o) for o in eqn.outvars if is_var(o) and uses.get(o))

@@ -45,6 +45,10 @@ class ScanSplit:
         self.body = body
         self.has_w = False
 
+    def stash_varying(self) -> list[frozenset]:
+        """The manual mesh axes each stacked stash array varies over (its body value's)."""
+        return self.body.stash_varying()
+
     @property
     def b_outs(self) -> list[bool]:
         return [k in self.kb for k in range(self.nk)] + list(self.yb)

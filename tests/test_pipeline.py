@@ -201,10 +201,10 @@ def _cells(jaxpr):
     return None
 
 
-def _cell_dots(schedule: str, remat: str) -> tuple:
-    """Matmuls in the schedule's cells, pp=2: (the most in any switch's pass-through branch, F,
-    B, W (None without one), B of the last chunk)."""
-    cfg = small_config("pp=2", f"parallel.schedule={schedule}", f"model.remat={remat}")
+def _cell_dots(schedule: str, remat: str, mesh: str = "pp=2") -> tuple:
+    """Matmuls in the schedule's cells: (the most in any switch's pass-through branch, F, B, W
+    (None without one), B of the last chunk)."""
+    cfg = small_config(mesh, f"parallel.schedule={schedule}", f"model.remat={remat}")
     mesh = build_mesh(cfg.parallel, _devices(cfg))
     job = build(cfg, mesh)
     with jax.set_mesh(mesh):
@@ -231,13 +231,16 @@ def test_1f1b_backward_recomputes_no_forward_unless_remat_full(remat):
     assert last == 3 + backward
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_zb_h1_splits_the_backward_without_repeating_work(remat):
+@pytest.mark.parametrize("mesh, remat", [("pp=2", "none"), ("pp=2", "full"), ("pp=2,tp=2", "none"),
+                                         ("pp=2,tp=2", "full")])
+def test_zb_h1_splits_the_backward_without_repeating_work(mesh, remat):
     """zb-h1's B cell holds only the input-gradient chain and its W cell only the 7 weight
     matmuls (q, k, v, o, gate, up, down): together the unsplit B's matmuls, none twice
     (pipeline/split_backward.py); remat full recomputes the chunk's forward in B. The last
-    chunk's B runs the head and loss forward and backward (3 matmuls), then the chain."""
-    idle, forward, backward, weight, last = _cell_dots("zb-h1", remat)
+    chunk's B runs the head and loss forward and backward (3 matmuls), then the chain. Under
+    explicit TP the matmuls sit in shard_map regions, split in two as well
+    (pipeline/split_map.py): kept whole, W held none (B 18, W 0)."""
+    idle, forward, backward, weight, last = _cell_dots("zb-h1", remat, mesh)
     unsplit = {"none": 18, "full": 35}[remat]
     assert (idle, forward, weight) == (0, 9, 7)
     assert backward + weight == unsplit

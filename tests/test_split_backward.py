@@ -378,3 +378,47 @@ def test_inside_shard_map_with_tensor_parallel_collectives():
     np.testing.assert_allclose(dx, dx0, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(dp), jax.tree.leaves(dp0)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_shard_map_regions_are_split_into_b_and_w(check_vma):
+    """A tensor-parallel region as model/ writes it under explicit TP, one shard_map per layer
+    (w1 split by columns, w2 by rows, a psum of the partial outputs): the region is split into a
+    B and a W shard_map (pipeline/split_map.py), so W holds its two weight matmuls a layer and B
+    only dx's, their sum the pullback's; dx and the weight gradients equal jax.vjp's (fp32, rtol
+    1e-5), checked and unchecked; each stash value stays on its device."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("t",))
+    w_specs = {"w1": P(None, None, "t"), "w2": P(None, "t", None)}
+
+    def region(w1, w2, x):
+        return jax.lax.psum(jax.nn.relu(x @ w1) @ w2, "t")
+
+    tp = jax.shard_map(region, mesh=mesh, in_specs=(P(None, "t"), P("t", None), P()), out_specs=P(),
+                       check_vma=check_vma)
+
+    def f(params, x):
+        for i in range(L):
+            x = x + tp(params["w1"][i], params["w2"][i], x)
+        return x
+
+    params, x = mlp_params(11)
+    params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), w_specs))
+    g = jax.random.normal(jax.random.key(12), x.shape)
+    split = split_vjp(f, params, x)
+    dx, stash = jax.jit(split.b_fn)(split.residuals, g)
+    dp = jax.jit(split.w_fn)(split.residuals, stash)
+    dp0, dx0 = jax.vjp(f, params, x)[1](g)
+    np.testing.assert_allclose(dx, dx0, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(dp), jax.tree.leaves(dp0)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    full, res0, _ = full_pullback(f, params, x)
+    n_b, n_w = dots_in(split.b_fn, split.residuals, g), dots_in(split.w_fn, split.residuals, stash)
+    assert (n_b, n_w) == (2 * L, 2 * L) and n_b + n_w == dots_in(full, res0, g)
+    # per layer and device: the hidden cotangent [B, H/4] and the output cotangent [B, D] (the
+    # psum's transpose makes it varying; an unchecked region's values are all taken as varying),
+    # each a shard [1, ...] of an array split over t
+    assert sorted(s.shape for s in stash) == sorted([(4, B, H // 4), (4, B, D)] * L)
+    assert all(s.sharding.shard_shape(s.shape)[0] == 1 for s in stash)
