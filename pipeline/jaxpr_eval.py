@@ -106,13 +106,14 @@ def _inline_eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> li
         env[v] = a
     for eqn in jaxpr.eqns:
         invals = [read(env, v) for v in eqn.invars]
-        sub = _callee(eqn)
         if eqn.primitive.name == "shard_map":  # its body inlined too, inside a shard_map of its own
             p = eqn.params
             outs = run_map(p, lambda *a, body=p["jaxpr"]: _inline_eval(body, [], a), invals,
                            p["in_specs"], p["out_specs"])
+        elif (sub := _callee(eqn)) is not None:
+            outs = _inline_eval(sub[0], sub[1], invals)
         else:
-            outs = _inline_eval(sub[0], sub[1], invals) if sub is not None else bind(eqn, invals)
+            outs = bind(eqn, invals)
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     return [read(env, v) for v in jaxpr.outvars]

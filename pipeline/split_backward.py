@@ -31,9 +31,9 @@ How: the pullback of `jax.vjp(f, params, x)` is traced to a jaxpr bwd(residuals,
   * a `shard_map` equation (an explicit tensor-parallel, context or expert region) is split the
     same way into a B shard_map and a W shard_map over the same mesh and manual axes
     (pipeline/split_map.py): a body stash value leaves B per device, split over the manual axes
-    it varies over (all of them in a region without check_vma), and enters W with the same type. Kept whole, a region on the dx path ran
-    wholly in B: zb-h1 under explicit TP had no matmul left in W (tiny pp=2,tp=2: B 18, W 0;
-    now 11 and 7, as on pp=2);
+    it varies over (all of them in a region without check_vma), and enters W with the same
+    type. Kept whole, a region on the dx path ran wholly in B: zb-h1 under explicit TP had no
+    matmul left in W (tiny pp=2,tp=2: B 18, W 0; now 11 and 7, as on pp=2);
   * then (shrink_stash=True, the default) a W equation moves to B where that makes the stash
     smaller: all its inputs are values B has anyway, and what W then needs of its outputs is
     smaller than the inputs only it read from the stash (`_shrink_stash`, greedy). Example: with

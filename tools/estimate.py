@@ -107,8 +107,8 @@ more around its tick scan and its all-microbatch head than these terms count. Ag
 compile for H100s (125m, `tools.plan --compile-for-gpu`, M = pp = 2): gpipe 0.65-0.71x; the 1F1B
 family 0.94-0.95x (1f1b, pp=2,dp=2 and pp=2,tp=2, remat none and dots), 0.96x
 (interleaved-1f1b), 0.97x (zb-h1; on pp=2,tp=2 0.93-0.98x, remat none, dots and full), 0.85x
-and 0.74x (1f1b remat full, dp and tp: B recomputes the chunk's forward). tools.search scales each schedule's estimate by its
-measured floor (`MEMORY_LOW`).
+and 0.74x (1f1b remat full, dp and tp: B recomputes the chunk's forward). tools.search scales
+each schedule's estimate by its measured floor (`MEMORY_LOW`).
 
 CPU vs GPU: XLA on CPU computes bf16 matmuls in fp32 and keeps f32 buffers, so compare with a
 CPU compile only under model.compute_dtype=float32 (tests/test_plan.py does); on a GPU c = 2.
