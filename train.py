@@ -185,19 +185,6 @@ def core_hint(cfg: RunConfig, platform: str, capability: tuple[int, int] | None)
             f"bench/results/gpu-nvidia-h100-80gb-hbm3-20261124.json): --set model.attention=auto ({fused} here)")
 
 
-def remat_hint(cfg: RunConfig) -> str:
-    """A note when remat is asked of unrolled layers, where it saves no memory: XLA keeps every
-    layer's intermediates as under remat none (tests/test_model.py holds this on CPU; 1b on one
-    H100 compiled to 40.2 GiB under full, dots and none unrolled, 24.0 GiB under full scanned)."""
-    m = cfg.model
-    if m.remat == "none" or m.scan_layers:
-        return ""
-    return (f"note: model.remat={m.remat} saves no memory with model.scan_layers=false: XLA keeps every "
-            f"layer's intermediates, as under remat none (1b on one H100: 40.2 GiB under full, dots and none "
-            f"alike, against 24.0 GiB under full with the scan; bench/results/"
-            f"scan-vs-unrolled-nvidia-h100-80gb-hbm3-20261126.json); for its savings --set model.scan_layers=true")
-
-
 def check_resume(cfg: RunConfig, step: int, run_dir: Path) -> bool:
     """Whether a run restored at `step` has steps left to train (False: it has run all of
     train.steps, and says so). A lowered --steps, or a --profile-steps window that starts before
@@ -233,9 +220,9 @@ def build_and_train(cfg: RunConfig, mesh, program, corpus, run_dir: Path, checkp
         (run_dir / "config.json").write_text(text + "\n")
         print(f"config ({run_dir / 'config.json'}):\n{text}")
         print(f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')}  (python -m sharding.xla_flags says why)")
-        for hint in (core_hint(cfg, jax.default_backend(), device_capability()), remat_hint(cfg)):
-            if hint:
-                print(hint)
+        hint = core_hint(cfg, jax.default_backend(), device_capability())
+        if hint:
+            print(hint)
     k, b, length = job.batches.shape
     active = f" ({param_counts(cfg.model)[1] / 1e6:.2f}M active)" if cfg.model.n_experts else ""
     print(

@@ -45,7 +45,6 @@ def llama_1b() -> RunConfig:
             # quarter of the step, and the stacks memory: one GPU's step 431 ms unrolled against
             # 579 (H100), 414 against 513 (H200), 40 GiB against 58 (bench/results/
             # gpu-nvidia-*-20261126.json, scan-vs-unrolled-*.json). 16 layers compile in seconds.
-            # Remat saves nothing unrolled (train.remat_hint): with it, set scan_layers=true.
             scan_layers=False,
         ),
         train=TrainConfig(seq_len=2048, global_batch_size=64, lr=3e-4, warmup_steps=200, steps=1000),

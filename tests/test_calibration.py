@@ -218,16 +218,27 @@ def test_125m_and_1b_run_unrolled_where_every_gpu_record_timed_it_faster():
         assert get_preset(preset).model.remat == "none" and not get_preset(preset).model.scan_layers
 
 
+# GPU records whose unrolled steps under remat full or dots ran with the layers' checkpoints
+# merged into the forward by XLA (prevent_cse off, before 2026-11-27): none's memory, none's time
+BEFORE_PREVENT_CSE = {"scan-vs-unrolled-nvidia-h100-80gb-hbm3-20261126.json"}
+
+
 @pytest.mark.skipif(not gpu_records(), reason="no `make gpu-check` record from a GPU committed yet")
 def test_the_memory_estimate_bounds_every_measured_gpu_step_within_10_percent():
     """Every case a GPU record compiled (XLA's static peak, memory_analysis, which memory_stats'
     peak equals on the GPU to the KiB): tools.estimate is an upper bound within 10%, under every
     remat, scanned and unrolled (1.02-1.06x on the H100 records of 2026-11-26; before the terms
-    were measured, 0.72-0.74x for scanned none, 0.77-0.86x for scanned full, 1.20-1.31x for dots). Unrolled, XLA keeps remat none's
-    intermediates under every policy (125m 9.78 GiB, 1b 40.16, whatever the remat)."""
+    were measured, 0.72-0.74x for scanned none, 0.77-0.86x for scanned full, 1.20-1.31x for dots).
+    Left out: the unrolled steps under full and dots of `BEFORE_PREVENT_CSE`, which ran before the
+    layers' checkpoints held unrolled (model/remat.py): XLA kept none's intermediates there
+    (125m 9.78 GiB, 1b 40.16, whatever the remat); compiled for an H100 since, 1b keeps 22.69
+    GiB under full and 33.19 under dots (estimate 1.09x and 1.06x,
+    bench/results/remat-unrolled-1b-h100-compiled.json)."""
     checked = set()
     for name, r in gpu_training_rows():
         if r["status"] != "ok" or "static_peak" not in r.get("memory_analysis", {}):
+            continue
+        if name in BEFORE_PREVENT_CSE and r["remat"] != "none" and not scanned(r):
             continue
         cfg, sizes = recorded_config(r), {a: 1 for a in AXES} | {"data": r["devices"]}
         ratio = estimate.memory(cfg, sizes)["peak"] / r["memory_analysis"]["static_peak"]

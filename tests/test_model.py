@@ -1,6 +1,7 @@
 """The transformer: presets build abstractly with the published sizes; causality; remat; errors."""
 
 import dataclasses
+import importlib.metadata
 import re
 
 import jax
@@ -83,13 +84,16 @@ def test_unrolled_layers_equal_the_scan(changes):
         np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5)
 
 
-def test_remat_saves_memory_in_the_scan_only():
+def test_remat_saves_memory_scanned_and_unrolled():
     """Compiled temp memory of the gradient, 4 layers of 8 x 128 tokens (the xla core's [B, N, L, L]
-    scores dominate): remat full keeps under half of what none keeps when the layers are scanned,
-    but unrolled XLA keeps every layer's intermediates anyway (full within 10% of none; 1b on one
-    H100 alike), and train.py says so where a run asks for it. Held so that a fix shows."""
-    from train import remat_hint
-
+    scores dominate): remat full keeps under half of what none keeps, with the layer scan and
+    unrolled alike. Unrolled, each layer's checkpoint lowers with an optimization barrier
+    (prevent_cse, model/remat.py): without it XLA merged each layer's recomputation into its
+    forward and kept every intermediate (full within 3% of none here; 1b compiled for one H100:
+    40.2 GiB under full, dots and none). XLA CPU before jaxlib 0.11 schedules the recomputation
+    early and keeps them anyway (72.8 MB against 74.8 on jax 0.10.2), so there the test holds the
+    barriers only; jax 0.12's CPU and GPU compiles keep what full keeps (21.2 MB; 1b on an H100
+    22.7 GiB, bench/results/remat-unrolled-1b-h100-compiled.json)."""
     cfg = small_config("", "model.n_layers=4")
     tokens = jnp.zeros((8, 129), jnp.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -99,12 +103,13 @@ def test_remat_saves_memory_in_the_scan_only():
             run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=name, scan_layers=scan))
             graphdef, params = nnx.split(Transformer(run.model, rngs=nnx.Rngs(0)))
             grad = jax.jit(jax.grad(lambda p: loss_fn(p, graphdef, batch, run)[0]))
-            temp[scan, name] = grad.lower(params).compile().memory_analysis().temp_size_in_bytes
-            hint = remat_hint(run)
-            assert bool(hint) == (name == "full" and not scan), hint
+            lowered = grad.lower(params)
+            temp[scan, name] = lowered.compile().memory_analysis().temp_size_in_bytes
+            if not scan:
+                assert lowered.as_text().count("optimization_barrier") == (4 if name == "full" else 0)
     assert temp[True, "full"] < 0.5 * temp[True, "none"], temp
-    assert temp[False, "full"] > 0.9 * temp[False, "none"], temp
-    assert remat_hint(run).endswith("--set model.scan_layers=true")
+    if tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2]) >= (0, 11):
+        assert temp[False, "full"] < 0.5 * temp[False, "none"], temp
 
 
 def test_unrolled_layers_keep_no_stacks():

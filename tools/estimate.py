@@ -79,9 +79,10 @@ Memory (bytes per device), the terms `memory()` returns:
                             layer for 1b's 75,920 unrolled; XLA CPU holds them once:
                             `memory(scan_copies=)`); under dots, attn and full the
                             terms exactly (47,104, 14,336 and 4,096 bytes; same compiles)
-                unrolled layers (model.scan_layers=false): none's under every policy, as
-                            XLA compiles them (1b on one H100: 40.2 GiB under full, dots and
-                            none; tests/test_model.py holds it on CPU)
+                unrolled layers (model.scan_layers=false): the policy's terms, as for the
+                            scan but for none's second copy (1b compiled for one H100, 8 x 2048
+                            tokens: XLA 22.69 GiB under full, 33.19 under dots, 40.16 under
+                            none; estimate 1.09x, 1.06x, 1.05x; model/remat.py)
   accumulator k > 1 microbatches without a pipeline: the step's fp32 gradient sum, P_local·4,
               beside each microbatch's gradients (1b on one H100, 8 sequences a microbatch:
               36.04 GiB at k = 1, 40.16 at k = 2: +P·4); under fsdp_gather_once the local
@@ -105,10 +106,11 @@ Against XLA's static peak on CPU (fp32): within 15% without a pipeline (tests/te
 0.5-0.9x under gpipe (tiny and 125m, pp=2 and 4, M=4 and 8, remat none and full): gpipe keeps
 more around its tick scan and its all-microbatch head than these terms count. Against XLA GPU's
 compile for H100s (125m, `tools.plan --compile-for-gpu`, M = pp = 2): gpipe 0.65-0.71x; the 1F1B
-family 0.94-0.95x (1f1b, pp=2,dp=2 and pp=2,tp=2, remat none and dots), 0.96x
+family 0.90-0.95x (1f1b, pp=2,dp=2 and pp=2,tp=2, remat none, dots and full), 0.96x
 (interleaved-1f1b), 0.97x (zb-h1; on pp=2,tp=2 0.93-0.98x, remat none, dots and full), 0.85x
-and 0.74x (1f1b remat full, dp and tp: B recomputes the chunk's forward). tools.search scales
-each schedule's estimate by its measured floor (`MEMORY_LOW`).
+(1f1b remat full on pp=2,tp=2: B holds the recomputed chunk's layer inputs and one layer's
+recomputation at once; 0.74x before the layers' checkpoints prevented CSE unrolled,
+model/remat.py). tools.search scales each schedule's estimate by a floor (`MEMORY_LOW`).
 
 CPU vs GPU: XLA on CPU computes bf16 matmuls in fp32 and keeps f32 buffers, so compare with a
 CPU compile only under model.compute_dtype=float32 (tests/test_plan.py does); on a GPU c = 2.
@@ -328,18 +330,12 @@ def zb_stash(cfg: RunConfig, sizes: dict[str, int]) -> float:
     return s.layers * (s.tokens * per_token + scales * m.d_model * 4)
 
 
-def remat_full_sets(cfg: RunConfig) -> list[str]:
-    """The --set values that make `cfg` keep remat full's activations: the policy, and the layer
-    scan where the layers are unrolled (there XLA keeps none's whatever the policy, `memory`)."""
-    return ["model.remat=full"] + ([] if cfg.model.scan_layers else ["model.scan_layers=true"])
-
-
 def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[str, float]:
     """The memory terms per device, in bytes, and their peak (module docstring). scan_copies: how
     many times the layer scan under remat none holds its stacked residuals, 2 as XLA GPU
     compiles it; XLA CPU holds them once (tests/test_plan.py compares with a CPU compile)."""
     m, s = cfg.model, shape(cfg, sizes)
-    kept = m.remat if m.scan_layers else "none"  # unrolled, XLA keeps what none keeps (module docstring)
+    kept = m.remat
     p_local, param_b = local_params(cfg, sizes), DTYPE_BYTES[m.param_dtype]
     piped, v = sizes["stage"] > 1, virtual(cfg)
     stashing = piped and cfg.parallel.schedule in STASHING

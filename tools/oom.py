@@ -5,8 +5,8 @@ the first step runs) as an XlaRuntimeError whose text starts with RESOURCE_EXHAU
 turns that into a ConfigError with this module's advice instead of a traceback. The advice
 uses tools/estimate.py and tools/search.py (no jax), in order of least cost to the step: the
 largest smaller micro_batch_size that fits (more accumulation steps, the same global batch, the
-same FLOPs), then full remat on the same mesh (with the layer scan, where alone remat saves
-memory; it recomputes the forward, about a third more FLOPs), then both, then the best-ranked
+same FLOPs), then full remat on the same mesh (it recomputes the forward, about a third more
+FLOPs), then both, then the best-ranked
 mesh of the same device count (or, when no mesh of that count splits the batch, the batch that
 one splits). Measured for the order: 1b on one H100, unrolled under remat none, ran 432 ms a
 step at 8 sequences x 2 accumulated and 416 at 16 x 1, against 539 ms under remat full with the
@@ -22,7 +22,7 @@ import math
 
 from configs import RunConfig, apply_overrides
 from sharding.mesh import format_mesh
-from tools.estimate import memory, remat_full_sets
+from tools.estimate import memory
 from tools.roofline import GPUS
 from tools.search import fit, no_mesh_takes, search, settings
 
@@ -53,8 +53,7 @@ def advice(cfg: RunConfig, sizes: dict[str, int], device_bytes: float, device: s
             f"{'' if cfg.model.scan_layers else ', model.scan_layers=false'}, train.micro_batch_size="
             f"{t.micro_batch_size or 'all'} needs about {memory(cfg, sizes)['peak'] / GiB:.1f} GiB per device "
             "(tools.estimate)")
-    full = remat_full_sets(cfg)
-    remat_full, full_sets = apply_overrides(cfg, full), " ".join(f"--set {s}" for s in full)
+    remat_full, full_sets = apply_overrides(cfg, ["model.remat=full"]), "--set model.remat=full"
     smaller = fit(cfg, sizes, gpu)
     if smaller is not None and memory(smaller, sizes)["peak"] < memory(cfg, sizes)["peak"]:
         return f"{what}; try --set train.micro_batch_size={smaller.train.micro_batch_size}"
@@ -67,7 +66,7 @@ def advice(cfg: RunConfig, sizes: dict[str, int], device_bytes: float, device: s
     ranked, rejected = search(remat_full, devices, gpu)
     if ranked:
         best = ranked[0]
-        sets = " ".join(f"--set {s}" for s in [*full, *settings(best)])
+        sets = " ".join(f"--set {s}" for s in ["model.remat=full", *settings(best)])
         return f"{what}; try --mesh {format_mesh(best['sizes'])} {sets} (the planner's best fit: python train.py --dry-run)"
     if not rejected:  # no mesh was too big: none splits the batch
         return f"{what}; {no_mesh_takes(cfg, devices)}"

@@ -45,7 +45,7 @@ import math
 
 from configs import ConfigError, RunConfig, apply_overrides
 from sharding.mesh import AXES, format_mesh
-from tools import estimate, roofline, traffic
+from tools import roofline, traffic
 from tools.bandwidth import Measured, add_bandwidth_arg, load
 from tools.calibration import add_calibration_arg, rated_gpu
 from tools.measure import check_at_least
@@ -144,7 +144,7 @@ def run_search(cfg: RunConfig, gpus: int, gpu: roofline.GPU, confirm: int, as_js
         raise ConfigError(no_mesh_takes(cfg, gpus))
     if not ranked:
         raise ConfigError(f"no mesh of {gpus} GPUs fits {cfg.name} on {gpu.name}: add GPUs or use "
-                          f"{' '.join(estimate.remat_full_sets(cfg))}")
+                          "--set model.remat=full")
     rows = []
     for i, c in enumerate(ranked[:5]):
         rows.append({"mesh": format_mesh(c["sizes"]), "set": settings(c),

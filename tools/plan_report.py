@@ -53,8 +53,7 @@ def plan(cfg: RunConfig, sizes: dict[str, int], gpu: roofline.GPU, xla: dict | N
                f"{xla_text}, of {gpu.memory / GiB:.0f} GiB); memory dominated by {max(terms, key=terms.get)}; "
                f"step time dominated by {max(costs, key=costs.get)}")
     if not fits:
-        remat = " ".join(f"--set {s}" for s in estimate.remat_full_sets(cfg))
-        verdict += f"; lower --set train.micro_batch_size, use {remat}, or add fsdp/tp/pp"
+        verdict += "; lower --set train.micro_batch_size, use --set model.remat=full, or add fsdp/tp/pp"
     if core == "xla" and time["memory_s"] > time["matmul_s"]:
         fix = ("--set model.compute_dtype=bfloat16: in float32 model.attention=auto takes xla"
                if cfg.model.attention == "auto" else "--set model.attention=auto (cudnn; pallas under sp > 1)")
