@@ -31,7 +31,9 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
                memory; an out-of-memory case is recorded as "oom" and the run goes on (~70 s);
                then each under none unrolled, the presets' default (model.scan_layers=false: no
                stacks of activations, model/transformer.py): 1b 431 ms against the scan's 579 on
-               one H100, 414 against 513 on one H200
+               one H100, 414 against 513 on one H200; and 1b under full unrolled, beside the
+               scan's full (its checkpoints hold unrolled since 2026-11-27: model/remat.py;
+               compiled for one H100, 22.69 GiB against 23.80 scanned, its step not yet timed)
   flags        XLA options on and off, each compiled for the same training case in this process
                (compile options over XLA_FLAGS): 1b under remat none, layer scan, with
                xla_gpu_enable_dynamic_slice_fusion (XLA's default from jax 0.11: GEMMs write into
@@ -138,7 +140,8 @@ GPU = Sizes(
     train_cases=tuple((preset, remat, batch + SCAN)
                       for preset, batch in (("125m", _batch(16, 2, 1024)), ("1b", _batch(8, 2, 2048)))
                       for remat in ("full", "dots", "none"))
-    + (("125m", "none", _batch(16, 2, 1024) + UNROLLED), ("1b", "none", _batch(8, 2, 2048) + UNROLLED)),
+    + (("125m", "none", _batch(16, 2, 1024) + UNROLLED), ("1b", "none", _batch(8, 2, 2048) + UNROLLED),
+       ("1b", "full", _batch(8, 2, 2048) + UNROLLED)),
     train_steps=5,
     flag_cases=(("1b", "none", _batch(8, 2, 2048) + SCAN, "xla_gpu_enable_dynamic_slice_fusion"),),
     profile_cases=(("1b", _batch(8, 2, 2048) + SCAN), ("1b", _batch(8, 2, 2048) + UNROLLED)),

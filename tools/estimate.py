@@ -335,7 +335,6 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
     many times the layer scan under remat none holds its stacked residuals, 2 as XLA GPU
     compiles it; XLA CPU holds them once (tests/test_plan.py compares with a CPU compile)."""
     m, s = cfg.model, shape(cfg, sizes)
-    kept = m.remat
     p_local, param_b = local_params(cfg, sizes), DTYPE_BYTES[m.param_dtype]
     piped, v = sizes["stage"] > 1, virtual(cfg)
     stashing = piped and cfg.parallel.schedule in STASHING
@@ -346,10 +345,10 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
         if cfg.parallel.schedule == "zb-h1":
             saved += table["in_flight"] * zb_stash(cfg, sizes)
     elif piped:  # gpipe, interleaved: autodiff keeps every tick's residuals
-        saved = table["ticks"] / v * stack_activations(cfg, sizes, kept)
+        saved = table["ticks"] / v * stack_activations(cfg, sizes, m.remat)
         saved += 4 * s.k * s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype]  # [M, b, L, D] in, out, cotangents
     else:  # the layer scan under none stacks each layer's residuals and copies them: twice
-        saved = (scan_copies if m.scan_layers and kept == "none" else 1) * stack_activations(cfg, sizes, kept)
+        saved = (scan_copies if m.scan_layers and m.remat == "none" else 1) * stack_activations(cfg, sizes, m.remat)
     heads_at_once = s.k if piped and not stashing else 1
     logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * (4 + DTYPE_BYTES[m.compute_dtype])
     # context parallel with the xla core: one block piece's fp32 scores, probs and their
@@ -370,7 +369,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
         "accumulator": p_local * 4 if s.k > 1 and not piped else 0.0,
         "update": p_local * 4 if sizes["fsdp"] == 1 else 0.0,
         "saved activations": saved,
-        "working": max((1 if kept == "none" else 1.5) * layer + piece, logits),
+        "working": max((1 if m.remat == "none" else 1.5) * layer + piece, logits),
     }
     fixed = sum(terms[n] for n in ("params", "optimizer", "gradients", "gathered", "gathered once", "accumulator"))
     terms["peak"] = fixed + max(terms["update"], saved + terms["working"])
