@@ -25,6 +25,7 @@ at the previous undisturbed run.
 """
 
 import atexit
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -37,16 +38,14 @@ from sharding.xla_flags import FAKE_DEVICES, with_flags
 DEVICES = 8
 FAST_COMPILE = "--xla_backend_optimization_level"
 LEGACY_EMITTER = "--xla_cpu_use_fusion_emitters"
+JAXLIB = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])  # (major, minor)
 
 
 def _test_flags(flags: str) -> str:
     """`flags` plus the compile-time flags of the docstring, unless already set."""
-    import importlib.metadata
-
     if FAST_COMPILE not in flags:
         flags += f" {FAST_COMPILE}=0"
-    jaxlib = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
-    if jaxlib < (0, 11) and LEGACY_EMITTER not in flags:
+    if JAXLIB < (0, 11) and LEGACY_EMITTER not in flags:
         flags += f" {LEGACY_EMITTER}=false"
     return flags
 
