@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import NamedTuple
 
+from configs import ConfigError
 from pipeline.tables import SCHEDULES, Op, Table, bubble, needs, split, timetable, virtual_stages, with_backward
+from tools.measure import check_out, png_path
 
 
 def costs(split_backward: bool = False, recompute: bool = False) -> dict[str, float]:
@@ -118,7 +121,7 @@ def summary(schedule: str, table: Table, stages: int, microbatches: int, virtual
             f"closed form {form} = {value:.4f}; in flight {in_flight(table)}")
 
 
-def draw(table: Table, path: str, title: str, cost: dict[str, float]) -> None:
+def draw(table: Table, path: Path, title: str, cost: dict[str, float]) -> None:
     """The asynchronous timeline as a PNG: stages as rows, cells as wide as their cost."""
     import matplotlib
 
@@ -143,6 +146,7 @@ def draw(table: Table, path: str, title: str, cost: dict[str, float]) -> None:
               fontsize=8)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -162,11 +166,16 @@ def main(argv: list[str]) -> int:
                         help="V, for interleaved and interleaved-1f1b")
     parser.add_argument("--recompute", action="store_true",
                         help="B reruns the stage forward (1f1b with model.remat=full): B costs one more")
-    parser.add_argument("--png", help="draw the timetable (asynchronous weighted time) to this PNG")
+    parser.add_argument("--png", type=png_path, help="draw the timetable (asynchronous weighted time) to this PNG")
     args = parser.parse_args(argv)
     p, m, v = args.stages, args.microbatches, args.virtual_stages
     if p < 1 or m < 1 or v < 1:
         return _error(f"--stages ({p}), --microbatches ({m}) and --virtual-stages ({v}) must be >= 1")
+    if args.png:
+        try:
+            check_out(args.png, "--png")
+        except ConfigError as e:
+            return _error(str(e))
     if args.schedule == "all":
         if args.png:
             return _error("--png draws one schedule, not --schedule all")

@@ -3,6 +3,7 @@
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -250,10 +251,10 @@ def hf_shapes(c: dict) -> dict[str, tuple[int, ...]]:
 
 
 def write_hf(directory, config: dict, dtype=np.float32, drop: str = "", reshape: str = "", extra: str = "",
-             fused: bool = False):
+             fused: bool = False, float8: str = ""):
     """config.json, and one safetensors file per layer (plus one for the rest) with an index;
     `drop` leaves a tensor out, `reshape` adds a row to one, `extra` adds a [D] tensor, `fused`
-    writes qkv_proj and gate_up_proj instead of their parts."""
+    writes qkv_proj and gate_up_proj instead of their parts, `float8` stores one in float8_e4m3fn."""
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config))
     groups: dict[str, dict[str, np.ndarray]] = {}
@@ -266,6 +267,8 @@ def write_hf(directory, config: dict, dtype=np.float32, drop: str = "", reshape:
         file = f"layer-{name.split('.')[2]}.safetensors" if ".layers." in name else "rest.safetensors"
         groups.setdefault(file, {})[name] = (rng.standard_normal(shape[-1], np.float32) * 0.02).astype(dtype) \
             * np.ones(shape, dtype)  # cheap: one random row repeated
+        if name == float8:
+            groups[file][name] = groups[file][name].astype(ml_dtypes.float8_e4m3fn)
     for file, tensors in groups.items():
         save_file(tensors, directory / file, metadata={"format": "pt"})
     weight_map = {name: file for file, tensors in groups.items() for name in tensors}
@@ -274,7 +277,8 @@ def write_hf(directory, config: dict, dtype=np.float32, drop: str = "", reshape:
 
 def test_converted_run_fine_tunes_with_train_py(tmp_path):
     write_hf(tmp_path / "hf", TINY_HF)
-    out = convert_cli("--from-hf", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "run"), "--mesh", MESH,
+    relative = os.path.relpath(tmp_path / "run", ROOT)  # as a user types it (orbax wants it absolute)
+    out = convert_cli("--from-hf", str(tmp_path / "hf"), "--run-dir", relative, "--mesh", MESH,
                       "--set", "train.global_batch_size=4", "--set", "train.seq_len=32", "--set", "train.steps=2")
     assert out.returncode == 0, out.stderr
     assert "from step 0 with fresh AdamW moments" in out.stdout
@@ -309,9 +313,11 @@ def test_converted_run_fine_tunes_with_train_py(tmp_path):
     (MIXTRAL | {"drop": "model.layers.1.block_sparse_moe.experts.3.w2.weight"},
      "not the Mixtral config.json describes: missing tensors: model.layers.1.block_sparse_moe.experts.3.w2.weight"),
     ({"num_local_experts": 4}, "a mixture-of-experts Llama is not supported"),
+    ({"float8": "model.layers.1.self_attn.q_proj.weight"}, "dtypes other than F64, F32, F16, BF16 (a quantized "
+     "checkpoint: convert the unquantized one): model.layers.1.self_attn.q_proj.weight F8_E4M3"),
 ])
 def test_bad_hf_input_is_one_clear_line(tmp_path, change, message):
-    files = {k: change.pop(k) for k in ("drop", "reshape", "extra", "fused") if k in change}
+    files = {k: change.pop(k) for k in ("drop", "reshape", "extra", "fused", "float8") if k in change}
     write_hf(tmp_path / "hf", TINY_HF | change, **files)
     out = convert_cli("--from-hf", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "run"))
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]

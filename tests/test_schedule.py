@@ -180,7 +180,7 @@ def test_cli_compares_every_schedule():
 
 
 def test_cli_draws_a_png(tmp_path):
-    path = tmp_path / "zb.png"
+    path = tmp_path / "new" / "zb.png"  # its folder made
     out = _cli("--schedule", "interleaved-1f1b", "--stages", "2", "--microbatches", "4", "--png", str(path))
     assert out.returncode == 0, out.stderr
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -194,6 +194,9 @@ def test_cli_draws_a_png(tmp_path):
     (["--microbatches", "-1"], "must be >= 1"),
     (["--schedule", "pipedream"], "invalid choice"),
     (["--schedule", "all", "--png", "x.png"], "draws one schedule"),
+    (["--schedule", "1f1b", "--png", "x.txt"], "x.txt is not a .png name; name the picture to write, e.g. x.png"),
+    (["--schedule", "1f1b", "--png", "timetable"], "e.g. timetable.png"),  # matplotlib would write timetable.png
+    (["--schedule", "1f1b", "--png", "pyproject.toml/x.png"], "pyproject.toml is a file, not a directory"),
 ])
 def test_cli_bad_input_is_one_error_line(args, message):
     out = _cli(*args)

@@ -45,7 +45,7 @@ from configs import ConfigError, RunConfig
 from sharding.mesh import ALIASES, AXES, parse_mesh
 from tools.busbw import OPS, Op, Row, bandwidths, fit_model, format_block, message_count, smallest_message, summarize
 from tools.collective_programs import Axes, check_program, group_size, input_spec, make_input, program
-from tools.measure import check_at_least, check_out, file_path
+from tools.measure import check_at_least, check_out, file_path, png_path
 
 if TYPE_CHECKING:
     import jax
@@ -214,7 +214,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help="timed samples per size (median)")
     p.add_argument("--check", action="store_true", help="compile every program and census it; no timing")
     p.add_argument("--json", action="store_true", help="print the record as JSON instead of the tables")
-    p.add_argument("--png", type=file_path, help="plot busbw vs size to this PNG")
+    p.add_argument("--png", type=png_path, help="plot busbw vs size to this PNG")
     p.add_argument("--out", type=file_path, help="the record (default bench/results/collectives-<backend>-<mesh>.json)")
     add_process_args(p)
     args = p.parse_args(argv)

@@ -28,7 +28,8 @@ from sharding.checks import expert_d_ff
 from tools.hf_llama import Tensor, fused_names, hf_names, hf_shape, per_expert, tensor_of
 
 READ_ELEMENTS = 2**22  # of an HF tensor's rows per file opening (16 MiB in fp32)
-IGNORED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry, recomputed by the model
+IGNORED = ("rotary_emb.inv_freq",)
+FLOATS = ("F64", "F32", "F16", "BF16")  # the safetensors dtypes read as they are (a quantized one needs its scales)  # buffers some checkpoints carry, recomputed by the model
 ParamPath = tuple[str, ...]  # a parameter's path below `params`
 
 
@@ -72,6 +73,12 @@ class Safetensors:
                 raise ConfigError(f"--from-hf: model.safetensors.index.json puts {name} in {self.files[name]}, "
                                   "which lacks it; re-download the model")
             return tuple(f.get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype ('BF16', 'F8_E4M3', ...)."""
+        name = self.parts[name][0] if name in self.parts else name
+        with open_safetensors(self.files[name]) as f:
+            return f.get_slice(name).get_dtype()
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """tensor[index], READ_ELEMENTS of its rows per file opening: the file's pages that a read
@@ -135,10 +142,13 @@ def check_tensors(st: Safetensors, cfg: RunConfig, tied: bool) -> None:
               if n in st.files and n not in fused and st.shape(n) != s]
     unknown = [n for n in st.files if n not in expected and n not in fused and not n.endswith(IGNORED)
                and not (tied and n == "lm_head.weight")]
+    quantized = [f"{n} {st.dtype(n)}" for n in st.files if n not in unknown and st.dtype(n) not in FLOATS]
     problems = [f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
                 for what, names in (("both fused and split tensors", both), ("missing tensors", missing),
                                     ("mismatched shapes", wrong),
-                                    ("tensors with no meshtrain parameter", unknown)) if names]
+                                    ("tensors with no meshtrain parameter", unknown),
+                                    (f"dtypes other than {', '.join(FLOATS)} (a quantized checkpoint: convert "
+                                     "the unquantized one)", quantized)) if names]
     if problems:
         raise ConfigError(f"--from-hf: not the {'Mixtral' if m.n_experts else 'Llama'} config.json describes: "
                           f"{'; '.join(problems)}")

@@ -96,6 +96,16 @@ def file_path(text: str) -> Path:
     return Path(text)
 
 
+def png_path(text: str) -> Path:
+    """argparse type of a picture to write (--png): `file_path` ending in .png (matplotlib would
+    refuse another suffix, or add .png to a name without one and write a file not named)."""
+    path = file_path(text)
+    if path.suffix.lower() != ".png":
+        raise argparse.ArgumentTypeError(f"{text} is not a .png name; name the picture to write, e.g. "
+                                         f"{path.with_suffix('.png') if path.suffix else str(path) + '.png'}")
+    return path
+
+
 def check_out(out: Path | None, flag: str = "--out") -> None:
     """Refuse, before anything is measured, a record that could not be written: `out` a directory,
     under a file, or in a folder this process cannot write (None: the default folder, RESULTS)."""

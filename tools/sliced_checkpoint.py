@@ -70,6 +70,7 @@ def write_state(directory: Path, cfg: RunConfig, program: Program,
     """RUN/checkpoints/0: parameters from `readers` (path below params -> callback reading any
     block index), every other array of the TrainState zero (fresh AdamW moments and counts,
     step 0); each array a slice at a time (see the module docstring)."""
+    directory = directory.absolute()  # orbax takes absolute paths only
     work = directory.with_name(directory.name + ".converting")
     shutil.rmtree(work, ignore_errors=True)
     state_dir = work / "state"
