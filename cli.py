@@ -49,6 +49,15 @@ def run_config(args: argparse.Namespace, extra_sets: list[str] = (), base: RunCo
 RUN_KEYS = {f.name for f in dataclasses.fields(RunConfig)}  # what marks a config.json as a run's
 
 
+def run_dir_path(text: str) -> Path:
+    """argparse type of --run-dir: a Path, refusing an empty one (an unset shell variable), which
+    Path would read as the current directory and fill with a run."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty; name the run's directory, e.g. --run-dir runs/try (a new "
+                                         "one, or an earlier run's to resume)")
+    return Path(text)
+
+
 def saved_config(run_dir: Path | None) -> RunConfig | None:
     """The config.json of an existing run directory (the base config of a resume), or None."""
     path = run_dir / "config.json" if run_dir else None

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from cli import (add_run_args, check_run_dir, holds_checkpoint, make_run_dir, request_fake_devices,
+from cli import (add_run_args, check_run_dir, holds_checkpoint, make_run_dir, request_fake_devices, run_dir_path,
                  run_cli, run_config, saved_config)
 from configs import ConfigError, RunConfig
 from configs.checks import parse_window
@@ -40,7 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p)
     p.add_argument("--steps", type=int, help="shortcut for --set train.steps=N")
-    p.add_argument("--run-dir", type=Path,
+    p.add_argument("--run-dir", type=run_dir_path,
                    help="output directory (default runs/<preset>-<time>); resumes from its latest checkpoint")
     p.add_argument("--profile-steps", help="START:END, trace these steps with jax.profiler")
     p.add_argument("--dry-run", action="store_true",
@@ -108,7 +108,8 @@ def main(argv: list[str]) -> int:
     if args.eval_only:
         return evaluate_run(cfg, mesh, program, corpus, run_dir)
     if cfg.train.eval_every:
-        program.held_out(corpus.eval)  # refuses a held-out part shorter than one window, before any write
+        program.held_out(corpus.eval)  # refuses a held-out part shorter than one window before any write,
+    program.batches(corpus.train, cfg.data.seed)  # and so a corpus
     return train_in(make_run_dir(run_dir, fresh=args.run_dir is None), cfg, mesh, program, corpus)
 
 

@@ -90,6 +90,8 @@ def test_log_lines_and_profile_window(tmp_path):
         (["--set", "train.eval_batches=0"], "--set train.eval_batches=0: must be >= 1"),
         (["--set", "train.eval_every=5", "--set", "data.source=text", "--set", "data.path={file}"],
          "the held-out part of the corpus has 0 tokens, fewer than one window of train.seq_len=32 + 1"),
+        (["--set", "train.eval_every=0", "--set", "data.source=text", "--set", "data.path={file}"],
+         "the corpus has 16 tokens, fewer than train.seq_len=32 + 1"),
         (["--eval-only"], "--eval-only: --run-dir {run} holds no checkpoint"),
         (["--eval-only", "--dry-run"], "--eval-only and --dry-run: choose one"),
         (["--json"], "--json is for --dry-run: it prints the plan as JSON; add --dry-run or drop --json"),
@@ -113,6 +115,20 @@ def test_bad_input_is_one_clear_line(args, message, tmp_path):
     assert len(errors) == 1 and message in errors[0], out.stderr
     assert "Traceback" not in out.stderr
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["file", "run"]
+
+
+@pytest.mark.parametrize("entry", ["train", "tools.convert", "tools.generate"])
+def test_an_empty_run_dir_is_refused(entry, capsys):
+    """`--run-dir "$RUN"` with RUN unset: Path('') is the current directory, which would become
+    the run's (config.json, checkpoints/, metrics written there, or resumed from)."""
+    import importlib
+
+    module = importlib.import_module(entry)
+    args = {"train": [], "tools.convert": ["--from-hf", "hf"], "tools.generate": ["--prompt", "x"]}[entry]
+    with pytest.raises(SystemExit) as exit_:
+        module.parse_args([*args, "--run-dir", " "])
+    assert exit_.value.code == 2
+    assert "argument --run-dir: empty; name the run's directory, e.g. --run-dir runs/try" in capsys.readouterr().err
 
 
 def test_unwritable_run_dir_parent_is_refused(tmp_path, monkeypatch):

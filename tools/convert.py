@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from cli import add_run_args, check_run_dir, make_run_dir, request_fake_devices, run_cli, run_config
+from cli import add_run_args, check_run_dir, make_run_dir, request_fake_devices, run_cli, run_config, run_dir_path
 from configs import ConfigError, RunConfig, get_preset
 from sharding.mesh import check_backend
 from tools.hf_files import ParamPath, Safetensors, check_tensors, per_layer_shapes, read_json, shard_reader
@@ -64,7 +64,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     way.add_argument("--from-hf", type=Path, metavar="DIR",
                      help="a HF Llama or Mixtral directory: config.json + *.safetensors")
     way.add_argument("--to-hf", type=Path, metavar="RUN", help="a meshtrain run directory with checkpoints")
-    p.add_argument("--run-dir", type=Path, help="with --from-hf: the new run directory")
+    p.add_argument("--run-dir", type=run_dir_path, help="with --from-hf: the new run directory")
     p.add_argument("--out", type=Path, help="with --to-hf: the HF directory to write")
     add_run_args(p)
     return p.parse_args(argv)

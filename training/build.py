@@ -81,6 +81,11 @@ class Program:
     eval_fn: Callable  # jitted (params, batch) -> mean cross-entropy; compiled at its first call
     order: np.ndarray | None  # the permutation of each sequence's positions (context parallelism's zigzag)
 
+    def batches(self, tokens: np.ndarray, seed: int) -> Batches:
+        """The training batches of `tokens` drawn with `seed` (a corpus shorter than one window is
+        a ConfigError)."""
+        return Batches(tokens, seed, *self.batch_shape, self.batch_sharding, self.order)
+
     def held_out(self, tokens: np.ndarray) -> Batches:
         """The evaluation batches of the held-out `tokens` (training.data.held_out)."""
         return held_out(tokens, *self.batch_shape, self.batch_sharding, self.order)
@@ -141,7 +146,7 @@ def build(cfg: RunConfig, mesh: Mesh, corpus: Corpus | None = None,
             state = program.init_fn()
     if corpus is None:
         corpus = load_tokens(cfg.data, cfg.model.vocab_size)
-    batches = Batches(corpus.train, cfg.data.seed, *program.batch_shape, program.batch_sharding, program.order)
+    batches = program.batches(corpus.train, cfg.data.seed)
     eval_batches = program.held_out(corpus.eval) if cfg.train.eval_every else None
     return Job(cfg, mesh, program.strategies, program.graphdef, state, program.step_fn, batches,
                program.eval_fn, eval_batches)
