@@ -213,7 +213,8 @@ def test_a_reader_leaves_the_run_as_it_is(saved, tmp_path, capsys, caplog):
 
 def test_no_restorable_checkpoint_is_an_error_not_a_fresh_start(saved, tmp_path):
     """Every step damaged: an error (training from step 0 beside them would hide it), each step
-    set aside, beside an earlier `.damaged` of the same step rather than over it."""
+    set aside, beside an earlier `.damaged` of the same step rather than over it; the next
+    attempt, which sees only those, is the same error."""
     import shutil
 
     directory = tmp_path / "checkpoints"
@@ -224,6 +225,9 @@ def test_no_restorable_checkpoint_is_an_error_not_a_fresh_start(saved, tmp_path)
     with pytest.raises(ConfigError, match=r"none of the 2 checkpoint\(s\) in .* restores .*put back a good copy"):
         restore(directory, small_config("fsdp=8"))
     assert sorted(p.name for p in directory.iterdir()) == ["1.damaged", "2.damaged", "2.damaged-2"]
+    with pytest.raises(ConfigError, match=r"holds only damaged checkpoints \(1.damaged, 2.damaged, 2.damaged-2\), "
+                                          "set aside by an earlier resume; put back a good copy"):
+        restore(directory, small_config("fsdp=8"))  # the next attempt
 
 
 def test_checkpoint_of_another_model_is_refused(saved):

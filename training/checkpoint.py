@@ -31,7 +31,8 @@ Guarantees:
   with the saved one. A checkpoint that fails to read or to match is moved aside to
   `<step>.damaged` (`.damaged-2`, ... beside an earlier one) and the previous one is tried;
   the messages say which and why. When checkpoints exist and none restores, the run stops with
-  an error rather than starting over beside them.
+  an error rather than starting over beside them, and so does the next attempt, which finds
+  only the `.damaged` ones.
 - Readers leave the run alone: `read_only=True` (--eval-only, tools.generate) removes no
   temporary directory (a training run may be writing it) and sets nothing aside.
 - Compatible: a checkpoint written for another model (fields of `model.*` other than
@@ -245,6 +246,10 @@ class Checkpointer:
         if steps:
             raise ConfigError(f"none of the {len(steps)} checkpoint(s) in {self.directory} restores (messages above); "
                               "put back a good copy, or move the directory away to start over")
+        damaged = sorted(p.name for p in self.directory.glob("*.damaged*")) if self.directory.is_dir() else []
+        if damaged:  # set aside by an earlier attempt: starting over beside them would hide it
+            raise ConfigError(f"{self.directory} holds only damaged checkpoints ({', '.join(damaged)}), set aside "
+                              "by an earlier resume; put back a good copy, or move the directory away to start over")
         return None
 
     def _restore(self, step: int, program: Program) -> TrainState:
