@@ -56,10 +56,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
+    """The preset's config, or a resumed run's saved one, then --steps, --profile-steps, --set.
+    The saved profile window is not taken: it names steps of the invocation that traced them."""
     shortcuts = [f"train.steps={args.steps}"] if args.steps is not None else []
     if args.profile_steps:
         shortcuts.append(f"train.profile_steps={args.profile_steps}")
-    return run_config(args, shortcuts, base=None if args.config else saved_config(args.run_dir))
+    base = None if args.config else saved_config(args.run_dir)
+    if base is not None:
+        base = dataclasses.replace(base, train=dataclasses.replace(base.train, profile_steps=""))
+    return run_config(args, shortcuts, base=base)
 
 
 def check_eval_only(args: argparse.Namespace) -> None:

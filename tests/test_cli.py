@@ -199,6 +199,21 @@ def test_a_resume_with_nothing_to_do_changes_nothing(trained, args, rc, message)
     assert _contents(trained) == before
 
 
+def test_a_resume_does_not_take_the_saved_profile_window(tmp_path):
+    """A run traced with --profile-steps 1:3 resumes at step 4 without it (the saved window would
+    be an error naming a flag not given); a new window can be given."""
+    import dataclasses
+
+    import train as entry
+
+    cfg = small_config()
+    saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, profile_steps="1:3"))
+    (tmp_path / "config.json").write_text(json.dumps(saved.to_dict()))
+    assert entry.resolve_config(entry.parse_args(["--run-dir", str(tmp_path)])).train.profile_steps == ""
+    again = entry.parse_args(["--run-dir", str(tmp_path), "--steps", "9", "--profile-steps", "5:7"])
+    assert entry.resolve_config(again).train.profile_steps == "5:7"
+
+
 def test_a_run_dir_holding_what_is_not_a_run_is_refused(tmp_path):
     """A config.json that is not a run's (a Hugging Face model directory) is never overwritten,
     --config given or not; checkpoints/ as a file is refused before a step trains; a config
