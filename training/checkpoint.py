@@ -170,8 +170,14 @@ def whole_shard_saves() -> None:
     compiles. Across processes orbax's default stands. The handler leaves out orbax's
     ArrayMetadata store, which records PRNG-key arrays: a TrainState holds none."""
     if jax.process_count() == 1:
-        ocp.type_handlers.register_type_handler(
-            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+        absl = logging.getLogger("absl")  # orbax warns of every override, this intended one too (a line
+        level = absl.level  # before every run's output, and before an error's one line)
+        absl.setLevel(logging.ERROR)
+        try:
+            ocp.type_handlers.register_type_handler(
+                jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+        finally:
+            absl.setLevel(level)
 
 
 class Checkpointer:
