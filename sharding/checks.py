@@ -117,11 +117,16 @@ def check_batch(cfg: RunConfig, sizes: dict[str, int]) -> None:
         )
     per_rank = t.global_batch_size // ranks
     if sizes["stage"] > 1:
-        m = microbatches(cfg, sizes["stage"])
+        p = sizes["stage"]
+        m = microbatches(cfg, p)
         if per_rank % m:
+            fits = [d for d in range(p, per_rank + 1) if per_rank % d == 0]  # M >= p (check_pipeline)
+            fix = (f"--set parallel.microbatches={fits[0]}" if fits else
+                   f"a train.global_batch_size that is a multiple of pp*dp*fsdp*ep={p * ranks}")
             raise ConfigError(
-                f"parallel.microbatches={m} does not divide the {per_rank} sequences per "
-                f"data-parallel rank (global_batch_size {t.global_batch_size} / dp*fsdp*ep {ranks})"
+                f"parallel.microbatches={m}{'' if cfg.parallel.microbatches else ' (0: one per stage)'} does not "
+                f"divide the {per_rank} sequences per data-parallel rank (global_batch_size {t.global_batch_size} / "
+                f"dp*fsdp*ep {ranks}): try {fix}"
             )
     elif per_rank % (t.micro_batch_size or per_rank):
         raise ConfigError(

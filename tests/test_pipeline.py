@@ -333,7 +333,14 @@ def test_1f1b_cells_hold_no_collective_across_stages():
         ("pp=2", ["parallel.virtual_stages=2"], "with --set parallel.schedule=interleaved"),
         ("pp=2", ["train.micro_batch_size=4"], "set train.micro_batch_size=0"),
         ("pp=2,tp=2", ["parallel.schedule=1f1b", "parallel.sequence_parallel=true", "parallel.tp_overlap=true"], "set parallel.tp_overlap=false"),
-        ("pp=2", ["parallel.microbatches=3"], "parallel.microbatches=3 does not divide the 16 sequences"),
+        ("pp=2", ["parallel.microbatches=3"], "parallel.microbatches=3 does not divide the 16 sequences per data-"
+                                              "parallel rank (global_batch_size 16 / dp*fsdp*ep 1): try --set "
+                                              "parallel.microbatches=2"),
+        ("pp=2", ["model.n_layers=6", "train.global_batch_size=3"],
+         "parallel.microbatches=2 (0: one per stage) does not divide the 3 sequences per data-parallel rank "
+         "(global_batch_size 3 / dp*fsdp*ep 1): try --set parallel.microbatches=3"),
+        ("pp=2,dp=2", ["train.global_batch_size=2"], "try a train.global_batch_size that is a multiple of "
+                                                     "pp*dp*fsdp*ep=4"),
         ("pp=2", ["parallel.schedule=interleaved-1f1b", "model.n_layers=4"], "--set parallel.virtual_stages=2 (with V=1 it is 1f1b)"),
         ("pp=4", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "model.n_layers=8",
                   "train.global_batch_size=12", "parallel.microbatches=6"],
