@@ -4,6 +4,7 @@
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -386,6 +387,19 @@ def test_to_hf_out_a_file_is_one_error(tmp_path):
     (tmp_path / "out").touch()
     with pytest.raises(ConfigError, match=r"--out .*out is a file: name a new \(or empty\) directory"):
         convert.main(["--to-hf", str(tmp_path), "--out", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--from-hf", "hf", "--run-dir", "run", "--out", "x"], "--out is for --to-hf (the HF directory to write)"),
+    (["--to-hf", "run", "--out", "x", "--mesh", "fsdp=2", "--set", "train.lr=1"],
+     "--mesh, --set with --to-hf: the run's saved config and checkpoint decide what is written; drop them"),
+    (["--to-hf", "run", "--out", "x", "--run-dir", "r"], "--run-dir with --to-hf"),
+])
+def test_a_flag_of_the_other_direction_is_refused(tmp_path, args, message):
+    """It would be ignored: refused before anything is read or written."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        convert.main([str(tmp_path / a) if a in ("hf", "run", "x", "r") else a for a in args])
+    assert not list(tmp_path.iterdir())
 
 
 def test_to_hf_without_checkpoints_is_one_clear_line(tmp_path):

@@ -198,7 +198,20 @@ def shard_plan(cfg: RunConfig) -> dict[str, list[ParamPath]]:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    check_flags(args)
     return from_hf(args) if args.from_hf else to_hf(args)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """A flag of the other direction would be silently ignored: refused, naming it."""
+    if args.from_hf and args.out:
+        raise ConfigError("--out is for --to-hf (the HF directory to write); --from-hf writes --run-dir: drop --out")
+    if args.to_hf:
+        ignored = [f for f, given in (("--run-dir", args.run_dir), ("--config", args.config), ("--mesh", args.mesh),
+                                      ("--set", args.set)) if given]
+        if ignored:
+            raise ConfigError(f"{', '.join(ignored)} with --to-hf: the run's saved config and checkpoint decide "
+                              "what is written; drop them")
 
 
 if __name__ == "__main__":
