@@ -115,4 +115,7 @@ def describe(env: Mapping[str, str] = os.environ) -> str:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m sharding.xla_flags", description=describe.__doc__).parse_args()
     print(describe())

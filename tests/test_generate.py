@@ -151,8 +151,9 @@ def fake_run(tmp_path, *sets, step=True):
 @pytest.mark.parametrize("args, sets, message", [
     (["--prompt", "x" * 32], [], "--prompt is 32 bytes: give 1 to 31 (the model was trained on train.seq_len=32"),
     (["--max-new-tokens", "30"], [], "--max-new-tokens 30: the prompt's 11 bytes + the new tokens must fit"),
-    (["--temperature", "-0.5"], [], "--temperature -0.5: must be >= 0"),
-    (["--temperature", "nan"], [], "--temperature nan: must be >= 0"),
+    (["--temperature", "-0.5"], [], "--temperature -0.5: must be finite and >= 0"),
+    (["--temperature", "nan"], [], "--temperature nan: must be finite and >= 0"),
+    (["--temperature", "inf"], [], "--temperature inf: must be finite and >= 0"),
     (["--top-p", "0"], [], "--top-p 0.0: must be in (0, 1]"),
     (["--top-p", "1.5"], [], "--top-p 1.5: must be in (0, 1]"),
     ([], ["data.source=tokens", "data.path=x.bin"], "no tokenizer for a text --prompt"),

@@ -34,3 +34,12 @@ def test_xla_parses_every_gpu_flag():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "3.0"
+
+
+def test_cli_lists_the_flags_and_refuses_an_unknown_argument():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "sharding.xla_flags", *a], capture_output=True, text=True,  # noqa: E731
+                                    timeout=60, env=dict(os.environ, JAX_PLATFORMS="cuda"))
+    listed = run()
+    assert listed.returncode == 0 and all(f.flag in listed.stdout for f in GPU_FLAGS), listed.stderr
+    bogus = run("--bogus")
+    assert bogus.returncode == 2 and "unrecognized arguments: --bogus" in bogus.stderr and not bogus.stdout

@@ -46,8 +46,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def checked(args: argparse.Namespace) -> tuple[RunConfig, bytes, int]:
     """The run's config on the decode mesh, the prompt's bytes and the new-token count; every
     refusal a ConfigError, before jax is imported."""
-    if not args.temperature >= 0:  # nan too
-        raise ConfigError(f"--temperature {args.temperature}: must be >= 0 (0 is greedy)")
+    if not 0 <= args.temperature < float("inf"):  # nan too
+        raise ConfigError(f"--temperature {args.temperature}: must be finite and >= 0 (0 is greedy)")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p {args.top_p}: must be in (0, 1] (1 samples from every token)")
     cfg = saved_config(args.run_dir)
