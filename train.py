@@ -112,9 +112,9 @@ def main(argv: list[str]) -> int:
     corpus = load_tokens(cfg.data, cfg.model.vocab_size)
     if args.eval_only:
         return evaluate_run(cfg, mesh, program, corpus, run_dir)
-    if cfg.train.eval_every:
-        program.held_out(corpus.eval)  # refuses a held-out part shorter than one window before any write,
-    program.batches(corpus.train, cfg.data.seed)  # and so a corpus
+    if cfg.train.eval_every:  # a held-out part, then a corpus, shorter than one window: refused before any write
+        program.held_out(corpus.eval)
+    program.batches(corpus.train, cfg.data.seed)
     return train_in(make_run_dir(run_dir, fresh=args.run_dir is None), cfg, mesh, program, corpus)
 
 
