@@ -141,9 +141,11 @@ def test_slurm_counts_its_tasks_and_initialize_says_whom_it_waits_for(monkeypatc
     slurm_env(monkeypatch, {k: v for k, v in SLURM.items() if k != "SLURM_STEP_NODELIST"}
               | {"SLURM_JOB_NODELIST": "node[1-2]"})
     monkeypatch.setattr(jax.config, "update", lambda *a: None)
-    monkeypatch.setattr(jax.distributed, "initialize", lambda *a: None)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: None)
     assert process_count(NO_FLAGS) == 2
     initialize(NO_FLAGS)
-    assert capsys.readouterr().err == "waiting for 2 processes at the first node of node[1-2] (SLURM job 77) (process 1)\n"
+    assert capsys.readouterr().err == ("waiting for 2 processes at the first node of node[1-2] (SLURM job 77) "
+                                       "(process 1; without them jax aborts this one after 300 s)\n")
     initialize(argparse.Namespace(coordinator="host:1234", num_processes=2, process_id=0))
-    assert capsys.readouterr().err == "waiting for 2 processes at host:1234 (process 0)\n"
+    assert capsys.readouterr().err == ("waiting for 2 processes at host:1234 (process 0; without them jax aborts "
+                                       "this one after 300 s)\n")

@@ -30,6 +30,7 @@ EXPLICIT = ("coordinator", "num_processes", "process_id")
 # What jax's SLURM detection (jax/_src/clusters/slurm_cluster.py) reads, integers all but the node list.
 SLURM_INTEGERS = ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID")
 SLURM_FIX = "run under srun, or pass --coordinator, --num-processes and --process-id"
+JOIN_TIMEOUT = 300  # seconds jax.distributed.initialize waits for every process (jax's default)
 
 
 def add_process_args(p: argparse.ArgumentParser) -> None:
@@ -89,16 +90,20 @@ def initialize(args: argparse.Namespace) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if args.coordinator:
         _waiting(args.num_processes, args.coordinator, args.process_id)
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                   initialization_timeout=JOIN_TIMEOUT)
         return
     if "SLURM_STEP_NODELIST" not in os.environ and "SLURM_JOB_NODELIST" in os.environ:
         os.environ["SLURM_STEP_NODELIST"] = os.environ["SLURM_JOB_NODELIST"]
     env = os.environ
     _waiting(int(env["SLURM_NTASKS"]), f"the first node of {env['SLURM_STEP_NODELIST']} (SLURM job "
              f"{env['SLURM_JOB_ID']})", int(env["SLURM_PROCID"]))
-    jax.distributed.initialize()
+    jax.distributed.initialize(initialization_timeout=JOIN_TIMEOUT)
 
 
 def _waiting(count: int, coordinator: str, index: int) -> None:
-    """Say what initialize blocks on, so that a missing process reads as a wait, not a hang."""
-    print(f"waiting for {count} processes at {coordinator} (process {index})", file=sys.stderr, flush=True)
+    """Say what initialize blocks on, so that a missing process reads as a wait, not a hang, and
+    what ends it: jax aborts the process (a C++ check, no Python exception to catch) when the
+    others have not joined within JOIN_TIMEOUT."""
+    print(f"waiting for {count} processes at {coordinator} (process {index}; without them jax aborts this one "
+          f"after {JOIN_TIMEOUT} s)", file=sys.stderr, flush=True)
