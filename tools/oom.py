@@ -23,7 +23,7 @@ import math
 from configs import RunConfig, apply_overrides
 from sharding.mesh import format_mesh
 from tools.estimate import memory
-from tools.roofline import GPUS
+from tools.roofline import GPU, GPUS
 from tools.search import fit, no_mesh_takes, search, settings
 
 GiB = 2**30
@@ -53,22 +53,29 @@ def advice(cfg: RunConfig, sizes: dict[str, int], device_bytes: float, device: s
             f"{'' if cfg.model.scan_layers else ', model.scan_layers=false'}, train.micro_batch_size="
             f"{t.micro_batch_size or 'all'} needs about {memory(cfg, sizes)['peak'] / GiB:.1f} GiB per device "
             "(tools.estimate)")
+    return f"{what}; {remedy(cfg, sizes, gpu)}"
+
+
+def remedy(cfg: RunConfig, sizes: dict[str, int], gpu: GPU) -> str:
+    """The cheapest change the estimate says fits `gpu.memory`, in this order: a smaller micro
+    batch, remat full, both, the planner's best mesh of as many devices (settings already in
+    force are not offered)."""
     remat_full, full_sets = apply_overrides(cfg, ["model.remat=full"]), "--set model.remat=full"
     smaller = fit(cfg, sizes, gpu)
     if smaller is not None and memory(smaller, sizes)["peak"] < memory(cfg, sizes)["peak"]:
-        return f"{what}; try --set train.micro_batch_size={smaller.train.micro_batch_size}"
-    if remat_full != cfg and memory(remat_full, sizes)["peak"] <= device_bytes:
-        return f"{what}; try {full_sets}"
+        return f"try --set train.micro_batch_size={smaller.train.micro_batch_size}"
+    if remat_full != cfg and memory(remat_full, sizes)["peak"] <= gpu.memory:
+        return f"try {full_sets}"
     smaller = fit(remat_full, sizes, gpu)
     if smaller is not None:
-        return f"{what}; try --set train.micro_batch_size={smaller.train.micro_batch_size} {full_sets}"
+        return f"try --set train.micro_batch_size={smaller.train.micro_batch_size} {full_sets}"
     devices = math.prod(sizes.values())
     ranked, rejected = search(remat_full, devices, gpu)
     if ranked:
         best = ranked[0]
         sets = " ".join(f"--set {s}" for s in ["model.remat=full", *settings(best)])
-        return f"{what}; try --mesh {format_mesh(best['sizes'])} {sets} (the planner's best fit: python train.py --dry-run)"
+        return f"try --mesh {format_mesh(best['sizes'])} {sets} (the planner's best fit: python train.py --dry-run)"
     if not rejected:  # no mesh was too big: none splits the batch
-        return f"{what}; {no_mesh_takes(cfg, devices)}"
-    return f"{what}; no mesh of {devices} devices fits it: add devices (python -m tools.plan --search)"
+        return no_mesh_takes(cfg, devices)
+    return f"no mesh of {devices} devices fits it: add devices (python -m tools.plan --search)"
 

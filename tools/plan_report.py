@@ -12,6 +12,7 @@ from configs import RunConfig
 from sharding.mesh import format_mesh
 from tools import estimate, roofline, traffic
 from tools.bandwidth import Measured
+from tools.oom import remedy
 
 GiB = 2**30
 
@@ -50,10 +51,10 @@ def plan(cfg: RunConfig, sizes: dict[str, int], gpu: roofline.GPU, xla: dict | N
     xla_text = "" if xla is None else f", {xla['memory']['peak'] / GiB:.1f} GiB XLA" + (
         "" if judged else f" ({' and '.join(unlike)}: not judged)")
     verdict = (f"{'fits' if fits else 'does NOT fit'} on {gpu.name} ({mem['peak'] / GiB:.1f} GiB estimated"
-               f"{xla_text}, of {gpu.memory / GiB:.0f} GiB); memory dominated by {max(terms, key=terms.get)}; "
+               f"{xla_text}, of {gpu.memory / GiB:.1f} GiB); memory dominated by {max(terms, key=terms.get)}; "
                f"step time dominated by {max(costs, key=costs.get)}")
     if not fits:
-        verdict += "; lower --set train.micro_batch_size, use --set model.remat=full, or add fsdp/tp/pp"
+        verdict += f"; {remedy(cfg, sizes, gpu)}"
     if core == "xla" and time["memory_s"] > time["matmul_s"]:
         fix = ("--set model.compute_dtype=bfloat16: in float32 model.attention=auto takes xla"
                if cfg.model.attention == "auto" else "--set model.attention=auto (cudnn; pallas under sp > 1)")
