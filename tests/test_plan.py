@@ -479,12 +479,17 @@ def test_measured_links_choose_the_op_of_each_axis(tmp_path):
 
 
 def test_plan_cli_names_the_measured_link(tmp_path):
+    """The search's links, and its top mesh compiled (--confirm 1): on CPU, XLA's memory of the
+    bf16 program is marked not judged, as the dry run marks it (no GPU figure)."""
     path = bandwidth_record(tmp_path, {"data": {"all-reduce": {"latency_us": 10.0, "busbw_GBps": 40.0}}})
-    out = run_module("tools.plan", "--config", "tiny", "--gpus", "8", "--search", "--confirm", "0",
+    out = run_module("tools.plan", "--config", "tiny", "--gpus", "8", "--search", "--confirm", "1",
                      "--bandwidth", str(path))
     assert out.returncode == 0, out.stderr
     assert f"links: data measured {path} (all-reduce: 10.0 us + bytes / 40 GB/s" in out.stdout
     assert "other axes datasheet NVLink 450 GB/s inside a node of 8" in out.stdout
+    first, second = (line for line in out.stdout.splitlines() if line.startswith(("1. ", "2. ")))
+    assert re.search(r", XLA \d+ GB \(cpu's fp32 buffers of a bf16 program.*: not judged\)$", first), first
+    assert "XLA" not in second
 
 
 @pytest.mark.parametrize("fit, message", [

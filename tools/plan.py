@@ -27,7 +27,8 @@ table) and bubble (its table's, lock-step and weighted: pipeline/schedule.py).
 Search (--search): tools/search.py ranks every mesh of --gpus analytically, choosing the
 micro batch (or, under a pipeline, the schedule and microbatch count: every schedule is ranked
 by its table's lock-step bubble and printed, the fastest the config accepts is chosen) of each;
-the top 3 are compiled to confirm memory (--confirm N to change; 0 to skip). When no mesh of
+the top 3 are compiled, XLA's memory printed beside each (--confirm N to change; 0 to skip;
+marked "not judged" where it is no GPU figure, as in the dry run's verdict: a CPU compile). When no mesh of
 --gpus splits the global batch, the error names the smallest batch that one does.
 
 Links (--bandwidth FILE, the record `python -m tools.collectives` writes): each mesh axis the
@@ -49,7 +50,7 @@ from tools import roofline, traffic
 from tools.bandwidth import Measured, add_bandwidth_arg, load
 from tools.calibration import add_calibration_arg, rated_gpu
 from tools.measure import check_at_least
-from tools.plan_report import above_best_mfu, format_plan, links_of, plan
+from tools.plan_report import above_best_mfu, format_plan, links_of, not_judged, plan
 from tools.search import no_mesh_takes, reason, search, settings
 
 
@@ -155,7 +156,9 @@ def run_search(cfg: RunConfig, gpus: int, gpu: roofline.GPU, confirm: int, as_js
                      "schedules": [{k: v for k, v in row.items() if k != "cfg"} for row in c["schedules"]]})
         if i < confirm:
             trial = dataclasses.replace(c["cfg"], parallel=dataclasses.replace(c["cfg"].parallel, **c["sizes"]))
-            rows[-1]["xla_memory_gb"] = xla_figures(trial, build_mesh(trial.parallel))["memory"]["peak"] / 1e9
+            xla = xla_figures(trial, build_mesh(trial.parallel))
+            rows[-1]["xla_memory_gb"] = xla["memory"]["peak"] / 1e9
+            rows[-1]["xla_not_judged"] = not_judged(trial, c["sizes"], xla)
     piped = next(((i, c) for i, c in enumerate(ranked, 1) if c["sizes"]["stage"] > 1), None)
     best_pipeline = piped and {"rank": piped[0], "mesh": format_mesh(piped[1]["sizes"]),
                                "schedules": [{k: v for k, v in row.items() if k != "cfg"}
@@ -172,7 +175,8 @@ def run_search(cfg: RunConfig, gpus: int, gpu: roofline.GPU, confirm: int, as_js
     if any(r["mfu_overlap"] > gpu.best_mfu for r in rows):
         print(f"* {above_best_mfu(max(r['mfu_overlap'] for r in rows), gpu)}")
     for i, r in enumerate(rows, 1):
-        confirmed = f", XLA {r['xla_memory_gb']:.0f} GB" if "xla_memory_gb" in r else ""
+        confirmed = "" if "xla_memory_gb" not in r else f", XLA {r['xla_memory_gb']:.0f} GB" + (
+            f" ({' and '.join(r['xla_not_judged'])}: not judged)" if r["xla_not_judged"] else "")
         print(f"{i}. {r['mesh']:<24} {r['step_s_overlap']:.2f} s/step overlapped ({r['step_s_no_overlap']:.2f} s "
               f"not), MFU {100 * r['mfu_overlap']:.0f}%{'*' if r['mfu_overlap'] > gpu.best_mfu else ''}{confirmed}"
               f"\n   --set {' --set '.join(r['set'])}\n"

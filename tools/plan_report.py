@@ -38,13 +38,7 @@ def plan(cfg: RunConfig, sizes: dict[str, int], gpu: roofline.GPU, xla: dict | N
     time = roofline.step_time(cfg, sizes, gpu, links_of(cfg, measured))
     core = estimate.core(cfg, sizes)
     terms = {k: v for k, v in mem.items() if k != "peak"}
-    # XLA's memory is a GPU figure when compiled for a GPU, or like with like in fp32 on CPU
-    # (XLA CPU keeps a bf16 program's matmuls in fp32 buffers: up to twice a GPU's), and only
-    # when it compiled the attention core the GPU runs
-    unlike = [] if xla is None else (
-        [f"{xla['platform']}'s fp32 buffers of a bf16 program"] * (xla["platform"] != "gpu" and
-                                                                  cfg.model.compute_dtype != "float32")
-        + [f"its {xla['attention']} core where the GPU takes {core}"] * (xla["attention"] != core))
+    unlike = [] if xla is None else not_judged(cfg, sizes, xla)
     judged = xla is not None and not unlike
     fits = mem["peak"] <= gpu.memory and (not judged or xla["memory"]["peak"] <= gpu.memory)
     costs = {"compute": time["compute_s"], **{f"{a} communication": s for a, s in time["comm_s"].items()}}
@@ -66,6 +60,16 @@ def plan(cfg: RunConfig, sizes: dict[str, int], gpu: roofline.GPU, xla: dict | N
             "links": link_sources(cfg, sizes, list(time["comm_s"]), measured), "rates": gpu.rates,
             "above_best_mfu": above_best_mfu(time["mfu_overlap"], gpu), "flops": roofline.flops(cfg, sizes),
             "time": time, "xla": xla, "fits": fits, "verdict": verdict}
+
+
+def not_judged(cfg: RunConfig, sizes: dict[str, int], xla: dict) -> list[str]:
+    """Why XLA's memory is not this run's GPU memory (none: it is). It is when compiled for a GPU,
+    or like with like in fp32 on CPU (XLA CPU keeps a bf16 program's matmuls in fp32 buffers: up
+    to twice a GPU's), and only when it compiled the attention core the GPU runs."""
+    core = estimate.core(cfg, sizes)
+    return ([f"{xla['platform']}'s fp32 buffers of a bf16 program"] * (xla["platform"] != "gpu" and
+                                                                     cfg.model.compute_dtype != "float32")
+            + [f"its {xla['attention']} core where the GPU takes {core}"] * (xla["attention"] != core))
 
 
 def census_note(cfg: RunConfig, xla: dict | None) -> str:
