@@ -293,7 +293,7 @@ def write(report: dict, args: argparse.Namespace, mesh_text: str, rows: list[Row
 
     safe = mesh_text.replace("=", "").replace(",", "_")
     write_report(report, args.out or RESULTS / f"collectives-{jax.default_backend()}-{safe}.json",
-                 announce=not args.json)
+                 to_stderr=args.json)
     if args.json:
         _say(json.dumps(report, indent=1))
     if args.png and jax.process_index() == 0:

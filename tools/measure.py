@@ -19,6 +19,7 @@ import os
 import platform
 import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -118,15 +119,16 @@ def check_out(out: Path | None, flag: str = "--out") -> None:
         raise ConfigError(f"{where}: {out} is not writable; choose another {flag}")
 
 
-def write_report(report: dict, out: Path, announce: bool = True) -> None:
-    """The JSON record at `out` (its folder made), from process 0 only; `announce` says where."""
+def write_report(report: dict, out: Path, announce: bool = True, to_stderr: bool = False) -> None:
+    """The JSON record at `out` (its folder made), from process 0 only; `announce` says where, on
+    stderr with `to_stderr` (a --json run's stdout is the JSON alone)."""
     import jax
 
     if jax.process_index() == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
         if announce:
-            print(f"\nwrote {out}")
+            print(f"\nwrote {out}", file=sys.stderr if to_stderr else sys.stdout)
 
 
 GPU_WARMUP_S = 0.3  # seconds of calls before a GPU timing (median_seconds)
