@@ -51,9 +51,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--head-dims", type=int_list, default=[64, 128], help="H values")
     p.add_argument("--heads", type=int, default=16, help="N query heads (default 16)")
     p.add_argument("--kv-heads", type=int, default=0, help="K kv heads (default: N, no grouping)")
-    p.add_argument("--tokens", type=int, default=16384, help="B·L per call (default 16384)")
+    p.add_argument("--tokens", type=int, default=16384,
+                   help="tokens per call: B = max(1, T // L) sequences of each length (default 16384)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--masks", default="causal,full", help="causal, full or both")
+    p.add_argument("--masks", default="causal,full", help="comma-separated, of causal,full (default both)")
     p.add_argument("--steps", type=int, default=10, help="timed calls per measurement (default 10)")
     p.add_argument("--out", type=file_path, help="JSON report (default bench/results/attention-<device>.json)")
     args = p.parse_args(argv)
@@ -64,8 +65,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             raise ConfigError(f"{flag} {','.join(given)!r}: choose from {','.join(known)}")
     check_at_least(args, 1, "--lengths", "--head-dims", "--heads", "--tokens", "--steps")
     check_at_least(args, 0, "--kv-heads")
+    if args.kv_heads:
+        check_groups(args.heads, args.kv_heads)
     check_out(args.out)
     return args
+
+
+def check_groups(heads: int, kv_heads: int) -> None:
+    """--heads a multiple of --kv-heads: each kv head serves a group of query heads (GQA)."""
+    if heads % kv_heads:
+        raise ConfigError(f"--heads {heads} is not a multiple of --kv-heads {kv_heads} (each kv head serves a group "
+                          "of query heads): change one of them")
 
 
 def core_fn(name: str, causal: bool):
@@ -158,7 +168,7 @@ def main(argv: list[str]) -> int:
     report = run_record("bench.attention", argv) | {
         "environment": env,
         "flops": "forward 4*B*N*L^2*H (halved if causal); forward+backward 3.5x forward",
-        "interpret_mode": env["backend"] != "gpu",
+        "interpret_mode": env["backend"] != "gpu" and any(c.startswith("pallas") for c in args.cores),
         "rows": rows,
     }
     if report["interpret_mode"]:

@@ -34,7 +34,7 @@ import argparse
 import itertools
 import time
 
-from bench.attention import REFERENCES, core_fn, measure
+from bench.attention import REFERENCES, check_groups, core_fn, measure
 from cli import run_cli
 from sharding.mesh import check_backend
 from configs import ConfigError
@@ -76,6 +76,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if any(b < 64 or b & (b - 1) for b in args.mosaic_blocks):
         raise ConfigError(f"--mosaic-blocks {','.join(map(str, args.mosaic_blocks))}: powers of two of 64 or more")
     check_at_least(args, 1, "--length", "--head-dim", "--heads", "--kv-heads", "--tokens", "--steps")
+    check_groups(args.heads, args.kv_heads)
     check_out(args.out)
     return args
 

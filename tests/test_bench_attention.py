@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench.attention import main
+from bench.attention import main, parse_args as attention_args
 from bench.tune_attention import main as tune, parse_args
 from configs import ConfigError
 from conftest import GPU_INTERPRET
@@ -90,3 +90,10 @@ def test_tune_attention_refuses_a_bad_grid():
         parse_args(["--references", "flash"])
     with pytest.raises(ConfigError, match="--mosaic-blocks 32: powers of two of 64 or more"):
         parse_args(["--mosaic-blocks", "32"])
+
+
+def test_heads_not_a_multiple_of_kv_heads_is_refused():
+    """It ran (rc 0) with an einsum error as the row, recorded as a result."""
+    for parse in (attention_args, parse_args):
+        with pytest.raises(ConfigError, match=r"--heads 2 is not a multiple of --kv-heads 3 \(each kv head serves"):
+            parse(["--heads", "2", "--kv-heads", "3"])
