@@ -35,8 +35,9 @@ def report_head(module: str, argv: list[str], cfg: RunConfig, mesh: jax.sharding
 
 
 def default_out(bench: str, cfg: RunConfig, mesh_text: str) -> Path:
-    """bench/results/<bench>-<config>-<mesh>.json, e.g. step-tiny-dp2_tp2.json."""
-    safe = mesh_text.replace("=", "").replace(",", "_").replace(" ", "-")
+    """bench/results/<bench>-<config>-<mesh>.json, e.g. step-tiny-dp2_tp2.json; one device's mesh
+    is `single` (step-tiny-single.json, as README's table of bench.step reads it)."""
+    safe = "single" if mesh_text == "single device" else mesh_text.replace("=", "").replace(",", "_")
     return RESULTS / f"{bench}-{cfg.name}-{safe}.json"
 
 

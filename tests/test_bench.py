@@ -307,3 +307,13 @@ def test_a_failing_compile_case_of_bench_step_is_its_rows_error(capsys, monkeypa
     assert "step: XlaRuntimeError: RESOURCE_EXHAUSTED" in printed and f"2  {bad['error']}" in printed
     with pytest.raises(ConfigError):
         compile_scaling(cfg, mesh, [0])
+
+
+def test_default_record_names_match_the_committed_ones():
+    """A README command rerun without --out writes the file README's table reads."""
+    from bench.common import default_out
+    from configs import get_preset
+
+    tiny = get_preset("tiny")
+    assert default_out("step", tiny, "single device").name == "step-tiny-single.json"
+    assert default_out("step", tiny, "dp=2,tp=2").name == "step-tiny-dp2_tp2.json"
