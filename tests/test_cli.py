@@ -170,6 +170,9 @@ def test_eval_only_scores_the_latest_checkpoint(trained):
     records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], "loss" in r) for r in records] == [(2, True), (2, False), (2, False)]
     assert records[1]["eval_loss"] == records[2]["eval_loss"] and records[1]["eval_bpb"] is not None
+    assert "eval_only" not in records[1]
+    assert {k: records[2][k] for k in ("eval_only", "eval_batches", "seq_len", "data_source", "mesh")} == {
+        "eval_only": True, "eval_batches": 1, "seq_len": 32, "data_source": "stdlib", "mesh": "dp=8"}
 
 
 def _contents(run: Path) -> dict[str, bytes]:

@@ -12,7 +12,9 @@ sources (stdlib, text: one token per byte), null for token files and synthetic d
 
 Cost: one forward pass per batch (about a third of a training step each) and, at the first
 evaluation, one compile of the forward; the host waits for the device once per evaluation.
-`python train.py --run-dir RUN --eval-only` evaluates the run's latest checkpoint and trains nothing.
+`python train.py --run-dir RUN --eval-only` evaluates the run's latest checkpoint and trains nothing;
+its record in metrics.jsonl also holds `eval_only`, `eval_batches`, `seq_len`, `data_source` and
+`mesh`, which --set and --mesh may change from the run's own.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from configs.base import BYTE_SOURCES, ConfigError, RunConfig
+from sharding.mesh import format_mesh
 from training.build import Program
 from training.checkpoint import Checkpointer
 from training.data import Batches, Corpus
@@ -63,8 +66,11 @@ def evaluate_run(cfg: RunConfig, mesh: Mesh, program: Program, corpus: Corpus, r
     with jax.set_mesh(mesh):
         figures = evaluate(program.eval_fn, state.params, batches, cfg.train.eval_batches, cfg.data.source)
     logger = MetricsLogger(run_dir, cfg.train.steps, step)
+    # what the figures were measured with, which --set and --mesh may change from the run's own
+    settings = {"eval_only": True, "eval_batches": cfg.train.eval_batches, "seq_len": cfg.train.seq_len,
+                "data_source": cfg.data.source, "mesh": format_mesh(dict(mesh.shape))}
     try:
-        logger.log_eval({"step": step, **figures})
+        logger.log_eval({"step": step, **figures, **settings})
     finally:
         logger.close()
     return 0
