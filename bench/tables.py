@@ -139,7 +139,9 @@ def main(argv: list[str]) -> int:
                    help="the README (default the checkout's); its records in bench/results/ beside it")
     args = p.parse_args(argv)
     if not args.readme.is_file():
-        raise ConfigError(f"--readme {args.readme}: no such file")
+        what = "a directory" if args.readme.is_dir() else "no such file"
+        raise ConfigError(f"--readme {args.readme}: {what}; name the README file, e.g. --readme "
+                          f"{args.readme / 'README.md' if args.readme.is_dir() else 'README.md'}")
     text = args.readme.read_text()
     if not blocks(text):
         raise ConfigError(f"--readme {args.readme}: no <!-- figures: NAME --> ... {CLOSE} block, so no table to "

@@ -185,5 +185,13 @@ def test_a_readme_without_figure_blocks_is_refused(tmp_path, mode):
     assert readme.read_text() == "# no tables here\n"
 
 
+def test_a_readme_that_is_a_directory_or_missing_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=f"--readme {tmp_path}: a directory; name the README file, e.g. --readme "
+                                          f"{tmp_path}/README.md"):
+        main(["--check", "--readme", str(tmp_path)])
+    with pytest.raises(ConfigError, match=f"--readme {tmp_path}/nope.md: no such file"):
+        main(["--check", "--readme", str(tmp_path / "nope.md")])
+
+
 def test_a_span_that_prints_as_one_figure_is_one_figure():
     assert span([1.21, 1.24], ".1f") == "1.2" and span([1.0, 2.04], ".1f") == "1.0-2.0"
