@@ -24,6 +24,7 @@ import statistics
 from bench.common import report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides
+from sharding.checks import check_tensor
 from tools.measure import RESULTS, check_at_least, check_out, file_path, timed, write_report
 
 VARIANTS = {
@@ -112,6 +113,12 @@ def main(argv: list[str]) -> int:
     if not sizes or sizes[0] < 2:
         raise ConfigError(f"--tp {args.tp!r}: sizes must be 2 or more, e.g. 2,4,8")
     base = run_config(args)
+    for tp in sizes:  # the shared rule, its fix named in this tool's flags (it takes no --mesh)
+        try:
+            check_tensor(base, {"tensor": tp, "fsdp": 1, "sequence": 1})
+        except ConfigError as e:
+            raise ConfigError(f"--tp {tp}: {str(e).removesuffix(': change it or the --mesh')}; choose another "
+                              "--tp, or change the model with --set") from None
     request_fake_devices(variant_config(base, sizes[-1], []))
 
     import jax  # noqa: E402 -- after XLA_FLAGS is final

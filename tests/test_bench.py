@@ -235,6 +235,8 @@ def test_moe_benchmark_refuses_bad_input_in_one_line():
     ("bench.tp", ["--rounds", "0"], "--rounds 0: must be >= 1"),
     ("bench.context", ["--impls", "ring,bogus"], "--impls 'ring,bogus': name one or more of ring, allgather, gspmd"),
     ("bench.tp", ["--mesh", "dp=2"], "--mesh dp=2: bench.tp runs each variant on tp=T alone, T from --tp; drop --mesh"),
+    ("bench.tp", ["--tp", "2,3"], "--tp 3: model.n_heads=8 is not divisible by tp=3; choose another --tp, or change "
+     "the model with --set"),
     ("bench.step", ["--mesh", "pp=2", "--compile-layers", "2,3"],
      "--compile-layers 2,3: 3 layers on this run: model.n_layers=3 is not divisible by pp"),
     ("bench.context", ["--tokens-per-device", "3"], "--tokens-per-device 3: ring and allgather lay each device's tokens"),

@@ -139,8 +139,11 @@ def test_an_out_under_a_file_is_refused_before_measuring(tmp_path):
     (tmp_path / "afile").write_text("")
     with pytest.raises(ConfigError, match=f"--out {tmp_path}/afile/x.json: {tmp_path}/afile is a file"):
         collectives.parse_args(["--mesh", "dp=2", "--out", str(tmp_path / "afile" / "x.json")])
-    with pytest.raises(ConfigError, match=f"--png {tmp_path} is a directory"):
-        collectives.parse_args(["--mesh", "dp=2", "--png", str(tmp_path)])
+    (tmp_path / "pics.png").mkdir()
+    with pytest.raises(ConfigError, match=f"--png {tmp_path}/pics.png is a directory"):
+        collectives.parse_args(["--mesh", "dp=2", "--png", str(tmp_path / "pics.png")])
+    with pytest.raises(SystemExit):  # argparse: not a .png name (matplotlib would write busbw.png)
+        collectives.parse_args(["--mesh", "dp=2", "--png", str(tmp_path / "busbw")])
 
 
 def test_two_processes_run_the_sweep_and_agree_with_one(tmp_path):
