@@ -28,8 +28,8 @@ from sharding.checks import expert_d_ff
 from tools.hf_llama import Tensor, fused_names, hf_names, hf_shape, per_expert, tensor_of
 
 READ_ELEMENTS = 2**22  # of an HF tensor's rows per file opening (16 MiB in fp32)
-IGNORED = ("rotary_emb.inv_freq",)
-FLOATS = ("F64", "F32", "F16", "BF16")  # the safetensors dtypes read as they are (a quantized one needs its scales)  # buffers some checkpoints carry, recomputed by the model
+IGNORED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry, recomputed by the model
+FLOATS = ("F64", "F32", "F16", "BF16")  # the safetensors dtypes read as they are (a quantized one needs its scales)
 ParamPath = tuple[str, ...]  # a parameter's path below `params`
 
 
@@ -142,7 +142,8 @@ def check_tensors(st: Safetensors, cfg: RunConfig, tied: bool) -> None:
               if n in st.files and n not in fused and st.shape(n) != s]
     unknown = [n for n in st.files if n not in expected and n not in fused and not n.endswith(IGNORED)
                and not (tied and n == "lm_head.weight")]
-    quantized = [f"{n} {st.dtype(n)}" for n in st.files if n not in unknown and st.dtype(n) not in FLOATS]
+    dtypes = {n: st.dtype(n) for n in st.files if n not in unknown}
+    quantized = [f"{n} {dtype}" for n, dtype in dtypes.items() if dtype not in FLOATS]
     problems = [f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
                 for what, names in (("both fused and split tensors", both), ("missing tensors", missing),
                                     ("mismatched shapes", wrong),

@@ -47,8 +47,9 @@ def plan(cfg: RunConfig, sizes: dict[str, int], gpu: roofline.GPU, xla: dict | N
     verdict = (f"{'fits' if fits else 'does NOT fit'} on {gpu.name} ({mem['peak'] / GiB:.1f} GiB estimated"
                f"{xla_text}, of {gpu.memory / GiB:.1f} GiB); memory dominated by {max(terms, key=terms.get)}; "
                f"step time dominated by {max(costs, key=costs.get)}")
-    if not fits:
-        verdict += f"; {remedy(cfg, sizes, gpu)}"
+    if not fits:  # the estimate's remedy; or XLA's compile alone is over (the estimate fits)
+        verdict += (f"; {remedy(cfg, sizes, gpu)}" if mem["peak"] > gpu.memory else
+                    "; XLA's compile needs more than the estimate: lower --set train.micro_batch_size")
     if core == "xla" and time["memory_s"] > time["matmul_s"]:
         fix = ("--set model.compute_dtype=bfloat16: in float32 model.attention=auto takes xla"
                if cfg.model.attention == "auto" else "--set model.attention=auto (cudnn; pallas under sp > 1)")
