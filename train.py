@@ -68,9 +68,13 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
 
 
 def check_eval_only(args: argparse.Namespace) -> None:
-    """--eval-only needs a run directory that holds a checkpoint, and no --dry-run."""
+    """--eval-only needs a run directory that holds a checkpoint, and no --dry-run, --steps or
+    --profile-steps (it trains nothing)."""
     if args.dry_run:
         raise ConfigError("--eval-only and --dry-run: choose one (--dry-run compiles the train step, runs nothing)")
+    for flag, given in (("--steps", args.steps), ("--profile-steps", args.profile_steps)):
+        if given is not None:
+            raise ConfigError(f"{flag} with --eval-only: evaluation trains no step; drop {flag}")
     if not holds_checkpoint(args.run_dir):
         where = f"--run-dir {args.run_dir} holds no checkpoint" if args.run_dir else "no --run-dir given"
         raise ConfigError(f"--eval-only: {where}; name the directory of a run that saved one "

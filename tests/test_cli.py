@@ -94,6 +94,7 @@ def test_log_lines_and_profile_window(tmp_path):
          "the corpus has 16 tokens, fewer than train.seq_len=32 + 1"),
         (["--eval-only"], "--eval-only: --run-dir {run} holds no checkpoint"),
         (["--eval-only", "--dry-run"], "--eval-only and --dry-run: choose one"),
+        (["--eval-only", "--steps", "10"], "--steps with --eval-only: evaluation trains no step; drop --steps"),
         (["--json"], "--json is for --dry-run: it prints the plan as JSON; add --dry-run or drop --json"),
         # The run directory itself.
         (["--run-dir", "{file}"], "is a file: name a directory"),
