@@ -33,9 +33,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from configs import ConfigError
 from pipeline.tables import SCHEDULES, Op, Table, bubble, needs, split, timetable, virtual_stages, with_backward
-from tools.measure import check_out, png_path
 
 
 def costs(split_backward: bool = False, recompute: bool = False) -> dict[str, float]:
@@ -146,7 +144,6 @@ def draw(table: Table, path: Path, title: str, cost: dict[str, float]) -> None:
               fontsize=8)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -166,16 +163,19 @@ def main(argv: list[str]) -> int:
                         help="V, for interleaved and interleaved-1f1b")
     parser.add_argument("--recompute", action="store_true",
                         help="B reruns the stage forward (1f1b with model.remat=full): B costs one more")
-    parser.add_argument("--png", type=png_path, help="draw the timetable (asynchronous weighted time) to this PNG")
+    parser.add_argument("--png", type=Path, help="draw the timetable (asynchronous weighted time) to this PNG")
     args = parser.parse_args(argv)
     p, m, v = args.stages, args.microbatches, args.virtual_stages
     if p < 1 or m < 1 or v < 1:
         return _error(f"--stages ({p}), --microbatches ({m}) and --virtual-stages ({v}) must be >= 1")
+    if args.png and args.png.suffix.lower() != ".png":  # matplotlib refuses another suffix, adds .png to none
+        return _error(f"--png {args.png} is not a .png name; name the picture to write, e.g. "
+                      f"{args.png.with_suffix('.png') if args.png.suffix else str(args.png) + '.png'}")
     if args.png:
-        try:
-            check_out(args.png, "--png")
-        except ConfigError as e:
-            return _error(str(e))
+        try:  # before anything is printed
+            args.png.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a path through a file, ...
+            return _error(f"--png {args.png}: cannot make its folder ({e.strerror or e}); choose another --png")
     if args.schedule == "all":
         if args.png:
             return _error("--png draws one schedule, not --schedule all")
@@ -204,8 +204,11 @@ def main(argv: list[str]) -> int:
             return _error("--png needs matplotlib: pip install 'meshtrain[profile]'")
         w = weighted(table, cost)
         used = " ".join(f"{k}={cost[k]:g}" for k in "FBW" if k != "W" or split(table))
-        draw(table, args.png, f"{args.schedule} p={p} M={m}" + (f" V={v}" if virtual_stages(table) > 1 else "")
-             + f": asynchronous time ({used}), bubble {w.async_bubble:.3f}", cost)
+        try:
+            draw(table, args.png, f"{args.schedule} p={p} M={m}" + (f" V={v}" if virtual_stages(table) > 1 else "")
+                 + f": asynchronous time ({used}), bubble {w.async_bubble:.3f}", cost)
+        except OSError as e:  # not writable, ...
+            return _error(f"--png {args.png}: cannot write it ({e.strerror or e}); choose another --png")
         print(f"wrote {args.png}")
     return 0
 

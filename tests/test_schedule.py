@@ -196,7 +196,7 @@ def test_cli_draws_a_png(tmp_path):
     (["--schedule", "all", "--png", "x.png"], "draws one schedule"),
     (["--schedule", "1f1b", "--png", "x.txt"], "x.txt is not a .png name; name the picture to write, e.g. x.png"),
     (["--schedule", "1f1b", "--png", "timetable"], "e.g. timetable.png"),  # matplotlib would write timetable.png
-    (["--schedule", "1f1b", "--png", "pyproject.toml/x.png"], "pyproject.toml is a file, not a directory"),
+    (["--schedule", "1f1b", "--png", "pyproject.toml/x.png"], "--png pyproject.toml/x.png: cannot make its folder"),
 ])
 def test_cli_bad_input_is_one_error_line(args, message):
     out = _cli(*args)
