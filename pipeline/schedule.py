@@ -168,11 +168,11 @@ def main(argv: list[str]) -> int:
     p, m, v = args.stages, args.microbatches, args.virtual_stages
     if p < 1 or m < 1 or v < 1:
         return _error(f"--stages ({p}), --microbatches ({m}) and --virtual-stages ({v}) must be >= 1")
-    if args.png and args.png.suffix.lower() != ".png":  # matplotlib refuses another suffix, adds .png to none
-        return _error(f"--png {args.png} is not a .png name; name the picture to write, e.g. "
-                      f"{args.png.with_suffix('.png') if args.png.suffix else str(args.png) + '.png'}")
-    if args.png:
-        try:  # before anything is printed
+    if args.png:  # checked, its folder made, before anything is printed
+        if args.png.suffix.lower() != ".png":  # matplotlib refuses another suffix, adds .png to none
+            return _error(f"--png {args.png} is not a .png name; name the picture to write, e.g. "
+                          f"{args.png.with_suffix('.png') if args.png.suffix else str(args.png) + '.png'}")
+        try:
             args.png.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a path through a file, ...
             return _error(f"--png {args.png}: cannot make its folder ({e.strerror or e}); choose another --png")

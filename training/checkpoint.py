@@ -252,7 +252,7 @@ class Checkpointer:
         if steps:
             raise ConfigError(f"none of the {len(steps)} checkpoint(s) in {self.directory} restores (messages above); "
                               "put back a good copy, or move the directory away to start over")
-        damaged = sorted(p.name for p in self.directory.glob("*.damaged*")) if self.directory.is_dir() else []
+        damaged = sorted(p.name for p in self.directory.glob("*.damaged*"))  # none where the directory is not
         if damaged:  # set aside by an earlier attempt: starting over beside them would hide it
             raise ConfigError(f"{self.directory} holds only damaged checkpoints ({', '.join(damaged)}), set aside "
                               "by an earlier resume; put back a good copy, or move the directory away to start over")
