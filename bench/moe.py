@@ -34,7 +34,8 @@ densely (every group against every row, like the loop), so on a CPU the grouped 
 faster than the loop, and can be slower: the ratio that matters is a GPU's, where ragged_dot is
 a grouped GEMM that computes only the routed rows.
 
-Bad input (an ep that does not divide the devices or model.n_experts, an unknown dispatch, ...)
+Bad input (a model without experts, an ep that does not divide the devices or model.n_experts, an
+unknown dispatch, ...)
 is one `error:` line before jax starts (sharding/checks.py). Writes
 bench/results/moe-<config>[-mid].json. Fake CPU devices share the host's cores: the step times
 compare the cases' work on this machine, not a GPU's all-to-all over NVLink; read the ratios.
@@ -50,7 +51,7 @@ from typing import TYPE_CHECKING
 
 from bench.common import attempt, failures, report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
-from configs import ConfigError, RunConfig, get_preset
+from configs import ConfigError, RunConfig, apply_overrides, get_preset
 from configs.checks import CHOICES
 from sharding.mesh import AXES, format_mesh, parse_mesh
 from tools.traffic import expert as expert_bytes
@@ -103,6 +104,9 @@ def cases(args: argparse.Namespace) -> dict[tuple[int, str], RunConfig]:
         raise ConfigError(f"--dispatch {args.dispatch!r}: name one or both of {', '.join(CHOICES['model.moe_dispatch'])}")
     preset = get_preset(args.config or "moe-tiny")
     sets = MID if args.mid else []
+    if not apply_overrides(preset, [*args.set, *sets]).model.n_experts:
+        raise ConfigError(f"--config {args.config or 'moe-tiny'}: a model without experts (model.n_experts=0), and bench.moe "
+                          "measures MoE layers; use --config moe-tiny (the default) or --set model.n_experts=8")
     # run_config checks every case (sharding/checks.py: ep divides n_experts, the batch splits over dp·ep)
     return {(ep, d): _case(args, preset, [*sets, f"model.moe_dispatch={d}"], ep) for ep in sizes for d in dispatches}
 

@@ -149,11 +149,18 @@ def cases(args: argparse.Namespace) -> tuple[list[RunConfig], dict[int, RunConfi
     ms = microbatch_counts(args.microbatches, stages)
     names = chosen_schedules(args.schedules)
     preset = get_preset(args.config or "tiny")
-    todo = [run_config(args, base=apply_overrides(preset, [
-        f"model.n_layers={2 * stages}", f"parallel.schedule={schedule}", f"parallel.microbatches={m}",
-        f"train.global_batch_size={SEQUENCES_PER_MICROBATCH * m}", *SCHEDULES[schedule]]))
-        for schedule in names for m in ms]
+    todo = [_case(args, preset, stages, schedule, m) for schedule in names for m in ms]
     return todo, {m: reference(todo[i], m) for i, m in enumerate(ms)}
+
+
+def _case(args: argparse.Namespace, preset: RunConfig, stages: int, schedule: str, m: int) -> RunConfig:
+    """One checked case: a refusal names the bench's flags that made it (the schedule, the M)."""
+    try:
+        return run_config(args, base=apply_overrides(preset, [
+            f"model.n_layers={2 * stages}", f"parallel.schedule={schedule}", f"parallel.microbatches={m}",
+            f"train.global_batch_size={SEQUENCES_PER_MICROBATCH * m}", *SCHEDULES[schedule]]))
+    except ConfigError as e:
+        raise ConfigError(f"--schedules {schedule} --microbatches {m} (--mesh {args.mesh}): {e}") from None
 
 
 def reference(cfg: RunConfig, m: int) -> RunConfig:

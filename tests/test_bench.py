@@ -243,6 +243,13 @@ def test_moe_benchmark_refuses_bad_input_in_one_line():
     ("bench.moe", ["--ep", "3", "--devices", "6"], "--ep 3 --devices 6 (mesh ep=3,dp=2): train.global_batch_size=32 is "
      "not divisible by dp*fsdp*ep=6"),
     ("bench.pipeline", ["--profile", "/dev/null/trace"], "--profile /dev/null/trace: /dev/null is a file, not a directory"),
+    ("bench.pipeline", ["--microbatches", "3"], "--schedules gpipe --microbatches 3 (--mesh pp=4): "
+     "parallel.microbatches=3 is fewer than the pp=4 stages"),
+    ("bench.pipeline", ["--schedules", "interleaved", "--microbatches", "6"], "--schedules interleaved "
+     "--microbatches 6 (--mesh pp=4): parallel.microbatches=6 with schedule=interleaved must be a multiple of pp=4"),
+    ("bench.moe", ["--config", "tiny", "--ep", "2"], "--config tiny: a model without experts (model.n_experts=0), "
+     "and bench.moe measures MoE layers; use --config moe-tiny"),
+    ("bench.moe", ["--set", "model.n_experts=0", "--devices", "1", "--ep", "1"], "--config moe-tiny: a model without"),
 ])
 def test_bad_numbers_are_refused_by_flag_before_jax(module, args, message):
     """In process: each bench refuses the flag by name before it imports jax or measures anything."""
