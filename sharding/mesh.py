@@ -67,7 +67,9 @@ def resolve_shape(parallel: ParallelConfig, n_devices: int) -> dict[str, int]:
         if n_devices % fixed:
             raise ConfigError(
                 f"--mesh {format_mesh(sizes)}: the fixed axes multiply to {fixed}, which does not "
-                f"divide the {n_devices} devices; make their product a divisor of {n_devices}"
+                f"divide the {n_devices} devices present; make their product a divisor of {n_devices}, or give "
+                f"{SHORT[fill[0]]} a size too (e.g. --mesh {format_mesh(sizes | {fill[0]: 2})}: on CPU that many fake "
+                "devices are then made)"
             )
         sizes[fill[0]] = n_devices // fixed
     elif fixed != n_devices:

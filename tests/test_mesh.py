@@ -137,6 +137,13 @@ def test_resolve_shape_fill_does_not_divide():
     assert "3" in msg and "8" in msg
 
 
+def test_resolve_shape_fill_on_one_device_offers_a_full_mesh():
+    """One device (a laptop's CPU): no fixed product divides it but 1, so the fix that works is a
+    size for the -1 axis too, which makes request_fake_devices make that many fake devices."""
+    with pytest.raises(ConfigError, match=r"divisor of 1, or give tp a size too \(e.g. --mesh dp=2,tp=2: on CPU"):
+        resolve_shape(parse_mesh("dp=2,tp=-1"), 1)
+
+
 @pytest.mark.parametrize(
     "spec, n",
     [("dp=8,tp=8", 64), ("data=2,tensor=4", 8), ("pp=2,fsdp=2,sp=2", 8), ("", 1), ("dp=-1,tp=2", None)],
