@@ -10,11 +10,13 @@ The run directory is checked here too, before anything is built or written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, NoReturn
 
@@ -115,6 +117,23 @@ def check_creatable(folder: Path, where: str, flag: str) -> None:
         raise ConfigError(f"{where}: {existing} is a file, not a directory; choose another {flag}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{where}: {existing} is not writable; choose another {flag}")
+    # os.access trusts the mode bits, which root passes everywhere (/proc, a read-only mount):
+    # try it. An existing folder takes a temporary file; otherwise its first missing folder is
+    # made and removed again (another process making it at the same moment is no refusal).
+    try:
+        if existing == folder:
+            tempfile.TemporaryFile(dir=folder).close()
+        else:
+            probe = existing / folder.relative_to(existing).parts[0]
+            try:
+                probe.mkdir()
+            except FileExistsError:
+                pass
+            else:
+                with contextlib.suppress(OSError):  # another process writes in it already
+                    probe.rmdir()
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot write in {existing} ({e.strerror}); choose another {flag}") from None
 
 
 def make_run_dir(run_dir: Path, fresh: bool = False) -> Path:

@@ -142,6 +142,26 @@ def test_unwritable_run_dir_parent_is_refused(tmp_path, monkeypatch):
     assert f"--run-dir {tmp_path / 'run'}: {tmp_path} is not writable" in str(err.value)
 
 
+@pytest.mark.parametrize("folder", ["/proc/meshtrain-probe", "/proc"])
+def test_a_place_whose_mode_bits_pass_but_refuses_writes_is_refused(folder, monkeypatch):
+    """Root passes os.access everywhere (monkeypatched here as for root), yet /proc takes no new
+    folder or file: the check tries one, so the measurement or run never starts (bench.step's
+    record used to fail to write only after measuring)."""
+    import cli as entry
+
+    monkeypatch.setattr(entry.os, "access", lambda path, mode: True)
+    with pytest.raises(entry.ConfigError, match=r"^--out /proc/meshtrain-probe/x.json: cannot write in /proc \("):
+        entry.check_creatable(Path(folder), "--out /proc/meshtrain-probe/x.json", "--out")
+
+
+def test_the_write_probe_leaves_nothing_behind(tmp_path):
+    import cli as entry
+
+    entry.check_creatable(tmp_path / "a" / "b", "--out x", "--out")
+    entry.check_creatable(tmp_path, "--out x", "--out")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_mesh_larger_than_the_devices_present(tmp_path):
     """As on a GPU node, the devices are what they are (8 here: XLA_FLAGS fixes the count), so a
     mesh of 16 is refused with sizes that fit, before anything is written."""
