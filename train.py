@@ -27,6 +27,7 @@ from cli import (add_run_args, check_run_dir, holds_checkpoint, make_run_dir, re
                  run_cli, run_config, saved_config)
 from configs import ConfigError, RunConfig
 from configs.checks import parse_window
+from configs.parser import Parser
 from sharding.checks import explicit_context
 from sharding.cores import choose_core, device_capability
 from sharding.mesh import format_mesh
@@ -37,7 +38,7 @@ from training.metrics import param_counts
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     add_run_args(p)
     p.add_argument("--steps", type=int, help="shortcut for --set train.steps=N")
     p.add_argument("--run-dir", type=run_dir_path,

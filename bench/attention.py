@@ -37,6 +37,7 @@ from bench.common import error_text
 from cli import run_cli
 from sharding.mesh import check_backend
 from configs import ConfigError
+from configs.parser import Parser
 from tools.measure import RESULTS, check_at_least, check_out, environment, file_path, int_list, median_seconds, run_record, write_report
 
 CORES = ("pallas", "pallas-mosaic", "cudnn", "xla")
@@ -45,7 +46,7 @@ PASSES = ("forward", "forward_backward")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     p.add_argument("--cores", default=",".join(CORES), help=f"comma-separated, of {','.join(CORES + REFERENCES)}")
     p.add_argument("--lengths", type=int_list, default=[1024, 4096, 8192, 16384], help="L values")
     p.add_argument("--head-dims", type=int_list, default=[64, 128], help="H values")

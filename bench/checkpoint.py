@@ -28,12 +28,13 @@ from pathlib import Path
 
 from bench.common import bench_mesh, default_out, report_head
 from configs import RunConfig
+from configs.parser import Parser
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from tools.measure import check_at_least, check_out, file_path, timed, write_report
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     add_run_args(p)
     p.add_argument("--steps", type=int, default=4, help="timed steps without and with saves (default 4)")
     p.add_argument("--out", type=file_path, help="JSON report (default bench/results/checkpoint-<config>-<mesh>.json)")

@@ -37,6 +37,7 @@ from bench.common import attempt, failures, report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, get_preset
 from configs.checks import CHOICES
+from configs.parser import Parser
 from sharding.mesh import AXES, parse_mesh
 from tools.traffic import communication, context
 from tools.measure import RESULTS, check_at_least, check_out, file_path, timed, write_report
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     add_run_args(p)
     p.add_argument("--sp", default="1,2,4,8",
                    help="sequence axis sizes (default 1,2,4,8; 1 = the single-device baseline)")

@@ -92,6 +92,7 @@ from bench.gpu_correctness import correctness
 from bench.gpu_summary import summary_lines
 from cli import run_cli
 from configs import ConfigError
+from configs.parser import Parser
 from sharding.mesh import check_backend
 from sharding.xla_flags import with_flags
 from tools.calibration import estimate_vs_measured
@@ -161,7 +162,7 @@ SMOKE = Sizes(
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {','.join(STAGES)}")
     p.add_argument("--out", type=file_path, help="JSON report (default bench/results/gpu-<device>-<date>.json)")
     p.add_argument("--profile-dir", type=Path,

@@ -53,6 +53,7 @@ from bench.common import attempt, failures, report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides, get_preset
 from configs.checks import CHOICES
+from configs.parser import Parser
 from sharding.mesh import AXES, format_mesh, parse_mesh
 from tools.traffic import expert as expert_bytes
 from tools.measure import RESULTS, check_at_least, check_out, file_path, timed, write_report
@@ -65,7 +66,7 @@ MID = ["model.d_model=256", "model.n_heads=8", "model.n_kv_heads=4", "model.head
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     add_run_args(p)
     p.add_argument("--ep", default="1,2,4,8", help="expert axis sizes (default 1,2,4,8); each divides --devices")
     p.add_argument("--devices", type=int, default=8, help="devices of every case: mesh ep=N,dp=devices/N (default 8)")

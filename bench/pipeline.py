@@ -72,6 +72,7 @@ from bench.common import attempt, bench_mesh, failures, default_out, report_head
 from cli import add_run_args, check_creatable, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides, get_preset
 from configs.checks import check_values
+from configs.parser import Parser
 from sharding.checks import check_run
 from sharding.mesh import AXES, mesh_config, parse_mesh
 from tools.measure import check_at_least, check_out, file_path, timed, write_report
@@ -95,7 +96,7 @@ ONE_THREAD_PER_OP = "--xla_cpu_multi_thread_eigen=false"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     add_run_args(p)
     p.set_defaults(mesh="pp=4")
     p.add_argument("--microbatches", default="p,2p,4p", metavar="M,M,...",

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from bench.common import attempt, bench_mesh, default_out, failures, report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides
+from configs.parser import Parser
 from tools.measure import check_at_least, check_out, file_path, timed, write_report
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     add_run_args(p)
     p.add_argument("--steps", type=int, default=10, help="timed steps after the first (default 10)")
     p.add_argument("--compile-layers", default="", metavar="X,X,...",

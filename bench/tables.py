@@ -16,7 +16,6 @@ without any marker) is one `error:` line and exit code 2; README is then left as
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shlex
@@ -26,6 +25,7 @@ from bench.figures import (context_table, gpu_compile_table, gpu_table, moe_tabl
                            step_table, tp_table, tune_table)
 from cli import run_cli
 from configs import ConfigError
+from configs.parser import Parser
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 OPEN = re.compile(r"<!-- figures: ([\w. -]+?) -->")
@@ -133,7 +133,7 @@ def regenerate(text: str, results: Path) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is stale")
     p.add_argument("--readme", type=Path, default=README,
                    help="the README (default the checkout's); its records in bench/results/ beside it")

@@ -24,6 +24,7 @@ import statistics
 from bench.common import report_head
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides
+from configs.parser import Parser
 from sharding.checks import check_tensor
 from tools.measure import RESULTS, check_at_least, check_out, file_path, timed, write_report
 
@@ -37,7 +38,7 @@ VARIANTS = {
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     add_run_args(p)
     p.add_argument("--tp", default="2,4,8", help="tensor axis sizes to compare (default 2,4,8)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (one step of each variant per round)")

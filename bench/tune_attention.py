@@ -38,13 +38,14 @@ from bench.attention import REFERENCES, check_groups, core_fn, measure
 from cli import run_cli
 from sharding.mesh import check_backend
 from configs import ConfigError
+from configs.parser import Parser
 from tools.measure import RESULTS, check_at_least, check_out, environment, file_path, int_list, run_record, write_report
 
 KERNELS = ("forward", "dq", "dkv")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     p.add_argument("--length", type=int, default=4096, help="L (default 4096)")
     p.add_argument("--head-dim", type=int, default=128, help="H (default 128)")
     p.add_argument("--heads", type=int, default=32, help="N query heads (default 32)")

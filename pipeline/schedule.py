@@ -28,11 +28,11 @@ weighed with their mirrored backward (`with_backward`). busy = a stage's cost su
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import NamedTuple
 
+from configs.parser import Parser
 from pipeline.tables import SCHEDULES, Op, Table, bubble, needs, split, timetable, virtual_stages, with_backward
 
 
@@ -148,14 +148,8 @@ def draw(table: Table, path: Path, title: str, cost: dict[str, float]) -> None:
     plt.close(fig)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv: list[str]) -> int:
-    parser = _Parser(prog="python -m pipeline.schedule", description=__doc__.splitlines()[0])
+    parser = Parser(__doc__.splitlines()[0], prog="python -m pipeline.schedule")
     parser.add_argument("--schedule", choices=(*SCHEDULES, "all"), default="gpipe")
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)

@@ -115,7 +115,7 @@ def describe(env: Mapping[str, str] = os.environ) -> str:
 
 
 if __name__ == "__main__":
-    import argparse
+    from configs.parser import Parser
 
-    argparse.ArgumentParser(prog="python -m sharding.xla_flags", description=describe.__doc__).parse_args()
+    Parser(describe.__doc__, prog="python -m sharding.xla_flags").parse_args()
     print(describe())

@@ -312,3 +312,33 @@ def test_every_entry_point_names_a_backend_jax_cannot_start(tmp_path, monkeypatc
     assert out.stderr.strip().endswith("JAX_PLATFORMS=bogus names a platform jax cannot start here: unset it, or set cpu")
     assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.json").exists()
     assert not (tmp_path / "hf").exists()
+
+
+ENTRY_POINTS = ["train", "pipeline.schedule", *(f"tools.{m}" for m in (
+    "collectives", "convert", "generate", "gpu_compile", "hlo", "op_kinds", "plan", "topology", "trace_summary")),
+    *(f"bench.{m}" for m in ("attention", "checkpoint", "context", "gpu", "moe", "pipeline", "step", "tables", "tp",
+                             "tune_attention"))]
+
+
+def test_every_entry_point_is_listed_here():
+    """The list below is every module with a main() that builds configs.parser.Parser."""
+    root = Path(__file__).resolve().parents[1]
+    found = {".".join(p.relative_to(root).with_suffix("").parts) for p in root.glob("[a-z]*/*.py")
+             if "Parser(" in p.read_text() and "\ndef main(" in p.read_text()}
+    found |= {"train"}
+    assert found == set(ENTRY_POINTS)
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_flag_argparse_refuses_is_one_error_line(entry, capsys):
+    """argparse's own refusals (an unknown flag, a bad int) follow the bad-input rule too: one
+    `error:` line, exit 2, no usage block (configs.parser.Parser)."""
+    import importlib
+
+    main = importlib.import_module(entry).main
+    with pytest.raises(SystemExit) as stop:
+        main(["--bogus"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "unrecognized arguments: --bogus" in err or " required" in err, err

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from configs import ConfigError, RunConfig
+from configs.parser import Parser
 from sharding.mesh import ALIASES, AXES, parse_mesh
 from tools.busbw import OPS, Op, Row, bandwidths, fit_model, format_block, message_count, smallest_message, summarize
 from tools.collective_programs import Axes, check_program, group_size, input_spec, make_input, program
@@ -204,7 +205,7 @@ def plot(rows: list[Row], path: Path) -> None:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     from training.distributed import add_process_args
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     p.add_argument("--mesh", required=True, help="axis sizes, e.g. dp=2,tp=4 (axes pp dp fsdp sp tp; one may be -1)")
     p.add_argument("--sizes", default="1K:64M", help="LO:HI, the powers of two between (binary K M G), or one size")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {','.join(OPS)} (default all)")

@@ -47,6 +47,7 @@ from safetensors.numpy import save_file
 
 from cli import add_run_args, check_run_dir, make_run_dir, request_fake_devices, run_cli, run_config, run_dir_path
 from configs import ConfigError, RunConfig, get_preset
+from configs.parser import Parser
 from sharding.mesh import check_backend
 from tools.hf_files import ParamPath, Safetensors, check_tensors, per_layer_shapes, read_json, shard_reader
 from tools.hf_llama import Tensor, hf_config, hf_names, model_config, tensors
@@ -59,7 +60,7 @@ FROM_CONFIG = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "he
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     way = p.add_mutually_exclusive_group(required=True)
     way.add_argument("--from-hf", type=Path, metavar="DIR",
                      help="a HF Llama or Mixtral directory: config.json + *.safetensors")

@@ -25,13 +25,14 @@ import sys
 from cli import holds_checkpoint, request_fake_devices, run_cli, run_dir_path, saved_config
 from configs import ConfigError, RunConfig
 from configs.base import BYTE_SOURCES
+from configs.parser import Parser
 from sharding.mesh import AXES, check_backend, format_mesh, parse_mesh
 
 KEPT_AXES = ("data", "fsdp", "tensor")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     p.add_argument("--run-dir", type=run_dir_path, required=True, help="a training run directory with checkpoints")
     p.add_argument("--prompt", required=True, help="text to continue (UTF-8 bytes)")
     p.add_argument("--max-new-tokens", type=int, help="tokens to generate (default: up to train.seq_len)")

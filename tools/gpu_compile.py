@@ -46,6 +46,7 @@ from collections.abc import Iterator
 
 from cli import run_cli
 from configs import ConfigError
+from configs.parser import Parser
 from tools.gpu_target import GPUS, check_plugin, compiler_versions, devices
 from tools.measure import RESULTS, check_out, file_path, int_list, run_record, write_report
 
@@ -53,7 +54,7 @@ KERNELS = ("forward", "dq", "dkv")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="the GPU compiled for (default h100)")
     p.add_argument("--head-dims", type=int_list, default=[64, 128], help="H values (default 64,128)")
     p.add_argument("--length", type=int, default=4096, help="L (default 4096)")

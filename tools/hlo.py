@@ -28,7 +28,6 @@ cost_analysis gives only a total of bytes accessed).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -36,6 +35,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from configs.parser import Parser
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
@@ -304,7 +305,7 @@ def step_census(cfg, mesh) -> list[Collective]:
 def main(argv: list[str]) -> int:
     from cli import add_run_args, request_fake_devices, run_config
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     add_run_args(p)
     p.add_argument("--json", action="store_true", help="print JSON (rows and every op) instead of a table")
     p.add_argument("--ops", action="store_true", help="also list every collective instruction")

@@ -15,12 +15,12 @@ records this breakdown; the percentages of its README table are from here.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from collections import defaultdict
 from pathlib import Path
 
+from configs.parser import Parser
 from tools.hlo import HEADER, INSTRUCTION, KINDS
 from tools.measure import check_at_least
 from tools.trace_summary import kernel_kind, read_profile, whole_steps
@@ -104,7 +104,7 @@ def format_breakdown(ops: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     p.add_argument("run_dir", type=Path, help="a run directory written with --profile-steps")
     p.add_argument("--top", type=int, default=10, help="the ops listed, slowest first (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")

@@ -45,6 +45,7 @@ import json
 import math
 
 from configs import ConfigError, RunConfig, apply_overrides
+from configs.parser import Parser
 from sharding.mesh import AXES, format_mesh
 from tools import roofline, traffic
 from tools.bandwidth import Measured, add_bandwidth_arg, load
@@ -198,7 +199,7 @@ def schedule_summary(row: dict) -> str:
 def main(argv: list[str]) -> int:
     from cli import add_run_args, request_fake_devices, run_config
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     add_run_args(p)
     p.add_argument("--gpu", default="h100", help=f"GPU to estimate for: {', '.join(roofline.GPUS)} (default h100)")
     p.add_argument("--gpus", type=int, help="GPU count to search meshes for (--search)")

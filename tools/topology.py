@@ -17,7 +17,6 @@ stand for the mesh (as in train.py), all in one process: every axis stays inside
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from configs import RunConfig
+from configs.parser import Parser
 from sharding.mesh import AXES, SHORT, format_mesh, parse_mesh
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> int:
     from cli import request_fake_devices
     from training.distributed import add_process_args, initialize, process_count
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     p.add_argument("--mesh", default="", help=f"axis sizes, e.g. dp=2,tp=4 (axes pp dp fsdp sp tp, or {' '.join(AXES)})")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     add_process_args(p)

@@ -32,7 +32,6 @@ copies, so read the split, not the absolute times.
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import gzip
 import json
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from configs import ConfigError
+from configs.parser import Parser
 from tools.hlo import INSTRUCTION, KINDS, OP_NAME
 
 SCOPES = ("embedding", "attention", "mlp", "head", "optimizer")
@@ -304,7 +304,7 @@ def format_summary(s: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(__doc__)
     p.add_argument("run_dir", type=Path, help="a run directory written with --profile-steps")
     p.add_argument("--json", action="store_true", help="print JSON (without the timeline) instead of the table")
     args = p.parse_args(argv)
