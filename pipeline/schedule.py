@@ -4,6 +4,7 @@ forms, and the command line that prints and draws them (the tables: pipeline/tab
   python -m pipeline.schedule --schedule 1f1b --stages 4 --microbatches 8
   python -m pipeline.schedule --schedule all --stages 4 --microbatches 8
   python -m pipeline.schedule --schedule zb-h1 --stages 4 --microbatches 8 --png zb.png
+  python -m pipeline.schedule --schedule zbv --stages 4 --microbatches 8
 
 Weighted time (`weighted`, costs per cell kind; default F = 1, B = 2, W = 1 unsplit, B = W = 1
 split; B = 3 where 1f1b recomputes the stage forward in B, `costs`). gpipe and interleaved are
@@ -14,14 +15,16 @@ weighed with their mirrored backward (`with_backward`). busy = a stage's cost su
                 (p-1)/(VM+p-1); 1f1b (p >= 2; its steady ticks pair an F with a B and last a B):
                 2M·B + (p-1)(F+B) - (B-F); B = 2: 4M + 3p - 4, bubble 1 - 3M/(4M+3p-4),
                 0.40 at p = 4, M = 8 (B = 3: 6M + 4p - 6); zb-h1 (units) 3M + p - 1, bubble
-                (p-1)/(3M+p-1); interleaved-1f1b: no short form (e.g. p = 4, V = 2, M = 8:
+                (p-1)/(3M+p-1), zbv 6M + p - 1; interleaved-1f1b: no short form (e.g. p = 4, V = 2, M = 8:
                 68 against 57 asynchronous), computed from the table.
   asynchronous  each stage runs its ops back to back, each as soon as its dependencies ended
                 (weighted time, same order as the table): gpipe, 1f1b: (M+p-1)(F+B), bubble
                 (p-1)/(M+p-1); interleaved, interleaved-1f1b: (VM+p-1)(F+B) in chunk costs, bubble
                 (p-1)/(VM+p-1): the bubble time (p-1)(F+B) is (p-1)/(VM) of the ideal VM(F+B)
                 (a chunk cell is 1/V of a stage's layers: (p-1)/V of 1F1B's bubble time); zb-h1:
-                M(F+B+W) + (p-1)(F+B-W), bubble (p-1)/(3M+p-1) in units. The tick program's
+                M(F+B+W) + (p-1)(F+B-W), bubble (p-1)/(3M+p-1) in units; zbv (half-stage cells,
+                F = B = W = 1): 6M + p - 1 both ways (M >= p, p <= 4; tables.zbv), bubble
+                (p-1)/(6M+p-1): p-1 idle half-stage cells per stage, half of zb-h1's idle time. The tick program's
                 lock-step time is what this engine pays; the asynchronous one what an engine
                 whose stages run free (MPMD, point-to-point sends) would.
 """
@@ -33,7 +36,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from configs.parser import Parser
-from pipeline.tables import SCHEDULES, Op, Table, bubble, needs, split, timetable, virtual_stages, with_backward
+from pipeline.tables import (SCHEDULES, Op, Table, bubble, needs, split, timetable, v_shape, virtual_stages,
+                             with_backward)
 
 
 def costs(split_backward: bool = False, recompute: bool = False) -> dict[str, float]:
@@ -55,12 +59,12 @@ def timeline(table: Table, cost: dict[str, float] | None = None) -> list[tuple[i
     order back to back, each as soon as the cells it needs ended (weighted time)."""
     table = with_backward(table)
     cost = cost or costs(split(table))
-    p, v_count = len(table[0]), virtual_stages(table)
+    p, v_count, vee = len(table[0]), virtual_stages(table), v_shape(table)
     free, end, spans = [0.0] * p, {}, []
     for row in table:  # a cell's dependencies sit at earlier ticks
         for s, op in enumerate(row):
             if op is not None:
-                start = max([free[s]] + [end[d] for d in needs(op, s, p, v_count)])
+                start = max([free[s]] + [end[d] for d in needs(op, s, p, v_count, vee)])
                 free[s] = end[(op.kind, op.microbatch, op.chunk, s)] = start + cost[op.kind]
                 spans.append((s, op, start, free[s]))
     return spans
@@ -103,6 +107,8 @@ def closed_form(schedule: str, stages: int, microbatches: int, virtual: int = 1)
         return "(p-1)/(M+p-1)", (p - 1) / (m + p - 1)
     if schedule in ("interleaved", "interleaved-1f1b"):
         return "(p-1)/(V·M+p-1)", (p - 1) / (v * m + p - 1)
+    if schedule == "zbv":  # half-stage cells, 6M busy per stage; M >= p, p <= 4 (tables.zbv: some p, M more)
+        return "(p-1)/(6M+p-1)", (p - 1) / (6 * m + p - 1)
     if m < p:  # zb-h1 never reaches its steady state: 2M + 2p - 1 ticks
         return "1 - 3M/(2M+2p-1) (M < p)", 1 - 3 * m / (2 * m + 2 * p - 1)
     return "(p-1)/(3M+p-1)", (p - 1) / (3 * m + p - 1)

@@ -11,6 +11,9 @@ chunks v·p + s (a chunk is 1/V of the stage's layers).
 Dependencies (`needs`; a cell runs at a tick after the cells it needs): F(m, v) on s needs
 F(m, v) on s-1, or on s = 0 with v > 0 F(m, v-1) on p-1; B(m, v) on s needs B(m, v) on s+1, or
 on s = p-1 B(m, v+1) on stage 0, or for v = V-1 F(m, V-1) on p-1; W(m, v) needs B(m, v) on s.
+zbv's V shape (`v_shape`) routes chunk 1 the other way: F(m, 1) on s needs F(m, 1) on s+1, on
+p-1 F(m, 0) there; B(m, 1) on s needs B(m, 1) on s-1, on stage 0 F(m, 1) there (the last chunk);
+B(m, 0) on p-1 needs B(m, 1) there. `route` says where each cell's output goes.
 Unsplit schedules have F and B cells only (B = input and weight gradients); zb-h1 splits B into
 B (input gradient) and W (weight gradient). The 1F1B family is placed by `place`: each stage runs
 its op list in order, each op at the first tick its dependencies allow.
@@ -43,6 +46,19 @@ its op list in order, each op at the first tick its dependencies allow.
                most p - s until W would make the last stage run F B W back to back:
                3M + 2p - 2 ticks, the bubble of 1F1B.)
 
+  zbv          Qi et al. 2024 (ZB-V, the schedule of their "Pipeline Parallelism with Controllable
+               Memory"): zb-h1's split backward on V = 2 chunks laid in a V (`v_shape`): stage s
+               holds the model's chunks s and 2p-1-s, so a microbatch's forward runs down the
+               stages on chunk 0 and back up on chunk 1, and its head and loss are on stage 0,
+               where it entered; the turn at stage p-1 is local (no transfer), as is the
+               backward's. Placed greedily (`zbv`): every tick each stage runs a ready B (chunk 0
+               first), else a ready F (chunk 1 first) while fewer than 2p (microbatch, chunk)
+               pairs wait for their W, else its oldest W. 6M + p - 1 ticks of half-stage cells at
+               every M >= p for p <= 4 and for p = 8 from M = 14 (this greedy order is not optimal
+               elsewhere: up to p/2 ticks more; tests/test_schedule.py): bubble (p-1)/(6M+p-1),
+               p-1 idle half-stage cells per stage where zb-h1 idles p-1 whole ones, at zb-h1's
+               activation memory (2p half-stage pairs in flight = p whole ones, 1F1B's stage 0).
+
 Their weighted time, the activations in flight, and the command line that prints and draws them
 (`python -m pipeline.schedule`): pipeline/schedule.py.
 """
@@ -54,7 +70,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-SCHEDULES = ("gpipe", "interleaved", "1f1b", "interleaved-1f1b", "zb-h1")
+SCHEDULES = ("gpipe", "interleaved", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
 IDLE, FORWARD, BACKWARD, WEIGHT = range(4)  # Cells.kind
 _KIND = {"F": FORWARD, "B": BACKWARD, "W": WEIGHT}
 
@@ -73,15 +89,40 @@ Table = list[list[Op | None]]  # [tick][stage]
 Cell = tuple[str, int, int, int]  # (kind, microbatch, chunk, stage)
 
 
-def needs(op: Op, stage: int, stages: int, virtual: int) -> tuple[Cell, ...]:
-    """The cells `op` on `stage` waits for (see the module docstring)."""
+def route(kind: str, stage: int, chunk: int, stages: int, virtual: int, vee: bool = False) -> tuple[int, int] | None:
+    """Where the output of `kind` ("F" or "B") on (stage, chunk) goes, as (stage, chunk): an F's
+    to the next chunk of the model, a B's input gradient to the previous one; None at the ends
+    (the last chunk's F feeds the head on its own stage, the first chunk's B the embedding).
+    `vee`: zbv's V shape (module docstring)."""
+    s, v, p = stage, chunk, stages
+    if vee:
+        down = (kind == "F") == (v == 0)  # chunk 0's forward and chunk 1's backward travel to s+1
+        if down:
+            return (s + 1, v) if s < p - 1 else (s, 1 - v)  # the turn at p-1 stays on the stage
+        return (s - 1, v) if s > 0 else None
+    if kind == "F":
+        return (s + 1, v) if s < p - 1 else (0, v + 1) if v < virtual - 1 else None
+    return (s - 1, v) if s > 0 else (p - 1, v - 1) if v > 0 else None
+
+
+def needs(op: Op, stage: int, stages: int, virtual: int, vee: bool = False) -> tuple[Cell, ...]:
+    """The cells `op` on `stage` waits for (see the module docstring); `vee`: zbv's V shape."""
     m, v, s, p = op.microbatch, op.chunk, stage, stages
-    if op.kind == "F":
-        return (("F", m, v, s - 1),) if s > 0 else (("F", m, v - 1, p - 1),) if v > 0 else ()
-    if op.kind == "B":
-        return ((("B", m, v, s + 1),) if s < p - 1 else (("B", m, v + 1, 0),) if v < virtual - 1
-                else (("F", m, v, s),))
-    return (("B", m, v, s),)
+    if op.kind == "W":
+        return (("B", m, v, s),)
+    sources = [(t, c) for t in range(p) for c in range(virtual) if route(op.kind, t, c, p, virtual, vee) == (s, v)]
+    if sources:
+        return tuple((op.kind, m, c, t) for t, c in sources)
+    return (("F", m, v, s),) if op.kind == "B" else ()  # the last chunk's B follows its F; the first F needs none
+
+
+def v_shape(table: Table) -> bool:
+    """Whether the table is zbv's V shape: two chunks, chunk 1's first F on stage p-1 before it
+    runs on stage 0 (in the looping layout chunk 1 enters on stage 0). One stage: both agree."""
+    p = len(table[0])
+    first = {s: min((t for t, row in enumerate(table) if row[s] and row[s].kind == "F" and row[s].chunk == 1),
+                    default=None) for s in (0, p - 1)}
+    return p > 1 and first[0] is not None and first[p - 1] < first[0]
 
 
 def place(queues: list[list[Op]], virtual: int = 1) -> Table:
@@ -169,8 +210,44 @@ def zb_h1(stages: int, microbatches: int) -> Table:
     return place(queues)
 
 
+def zbv(stages: int, microbatches: int) -> Table:
+    """ZB-V: zb-h1's B/W split on two chunks in a V, placed greedily tick by tick (docstring)."""
+    _check(stages, microbatches)
+    p, m_count = stages, microbatches
+    cap = 2 * p  # (microbatch, chunk) pairs between F and W: zb-h1's memory; less deadlocks this greedy order
+    following = [dict.fromkeys(((k, v) for k in "FB" for v in (0, 1)), 0) for _ in range(p)]  # next microbatch
+    waiting: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # B done, W not: the order their Ws run
+    held, done, table = [0] * p, {}, []
+    while len(done) < 6 * m_count * p:
+        t, row = len(table), []
+        for s in range(p):
+            def ready(kind: str, v: int) -> Op | None:
+                m = following[s][kind, v]
+                op = Op(kind, m, v)
+                return op if m < m_count and all(done.get(d, t) < t for d in needs(op, s, p, 2, vee=True)) else None
+
+            op = ready("B", 0) or ready("B", 1)
+            if op is None and held[s] < cap:
+                op = ready("F", 1) or ready("F", 0)
+            if op is None and waiting[s] and done[("B", *waiting[s][0], s)] < t:
+                op = Op("W", *waiting[s].pop(0))
+            if op is not None:
+                if op.kind != "W":
+                    following[s][op.kind, op.chunk] += 1
+                held[s] += (op.kind == "F") - (op.kind == "W")
+                if op.kind == "B":
+                    waiting[s].append((op.microbatch, op.chunk))
+                done[(op.kind, op.microbatch, op.chunk, s)] = t
+            row.append(op)
+        if all(c is None for c in row):
+            raise ValueError(f"zbv deadlocks at tick {t} (p={p}, M={m_count})")
+        table.append(row)
+    return table
+
+
 def timetable(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Table:
-    """The schedule's table; `virtual` (V) is read by interleaved and interleaved-1f1b only."""
+    """The schedule's table; `virtual` (V) is read by interleaved and interleaved-1f1b only (zbv
+    has 2 chunks)."""
     if schedule == "1f1b":
         return one_f_one_b(stages, microbatches)
     if schedule == "interleaved-1f1b":
@@ -179,6 +256,8 @@ def timetable(schedule: str, stages: int, microbatches: int, virtual: int = 1) -
         return one_f_one_b(stages, microbatches, virtual)
     if schedule == "zb-h1":
         return zb_h1(stages, microbatches)
+    if schedule == "zbv":
+        return zbv(stages, microbatches)
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
     return circular(stages, microbatches, virtual if schedule == "interleaved" else 1)

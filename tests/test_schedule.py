@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT
 from pipeline.schedule import closed_form, costs, in_flight, weighted
 from pipeline.tables import (BACKWARD, FORWARD, IDLE, SCHEDULES, WEIGHT, bubble, cells, one_f_one_b, split, timetable,
-                             with_backward)
+                             v_shape, with_backward)
 
 CASES = [(schedule, p, m) for schedule in SCHEDULES for p in (2, 4) for m in (p, 2 * p, 4 * p)]
 V = 2  # interleaved, interleaved-1f1b
@@ -21,7 +21,7 @@ def _table(schedule, p, m):
 
 
 def _v(schedule):
-    return V if schedule in ("interleaved", "interleaved-1f1b") else 1
+    return V if schedule in ("interleaved", "interleaved-1f1b", "zbv") else 1
 
 
 def _ticks(table):
@@ -43,10 +43,16 @@ def test_every_cell_once_after_what_it_needs(schedule, p, m):
     assert all(len(row) == p for row in table)
     full = with_backward(table)  # gpipe, interleaved: the forward table and its mirror image
     at = _ticks(full)
-    kinds = "FBW" if schedule == "zb-h1" else "FB"
+    kinds = "FBW" if schedule in ("zb-h1", "zbv") else "FB"
     assert set(at) == {(k, i, v, s) for k in kinds for i in range(m) for v in range(v_count) for s in range(p)}
     for (kind, i, v, s), t in at.items():
-        if kind == "F":
+        if schedule == "zbv":  # the V: chunk 0 down the stages, chunk 1 back up, the loss on stage 0
+            before = {("F", 0): [("F", i, 0, s - 1)] if s > 0 else [],
+                      ("F", 1): [("F", i, 1, s + 1)] if s < p - 1 else [("F", i, 0, s)],
+                      ("B", 1): [("B", i, 1, s - 1)] if s > 0 else [],
+                      ("B", 0): [("B", i, 0, s + 1)] if s < p - 1 else [("B", i, 1, s)],
+                      }.get((kind, v), [("B", i, v, s)]) + ([("F", i, v, s)] if kind == "B" else [])
+        elif kind == "F":
             before = [("F", i, v, s - 1)] if s > 0 else [("F", i, v - 1, p - 1)] if v > 0 else []
         elif kind == "B":
             before = ([("B", i, v, s + 1)] if s < p - 1 else [("B", i, v + 1, 0)] if v < v_count - 1 else [])
@@ -86,6 +92,10 @@ def test_ticks_and_bubbles_equal_the_closed_forms(schedule, p, m):
         assert (w.async_time - ideal) / ideal == pytest.approx((p - 1) / (V * m))  # Narayanan et al.
         assert w.async_bubble == pytest.approx((p - 1) / (V * m + p - 1))
         assert w.time >= w.async_time  # lock-step: no short form, never better
+    elif schedule == "zbv":  # half-stage cells, F = B = W = 1: p-1 idle cells per stage as zb-h1,
+        assert (ticks, idle) == (6 * m + p - 1, p * (p - 1))  # each half as long: half its idle time
+        assert w.time == w.async_time == 6 * m + p - 1
+        assert w.bubble == pytest.approx((p - 1) / (6 * m + p - 1)) and w.bubble < weighted(timetable("zb-h1", p, m)).bubble
     else:  # zb-h1: F = B = W = 1
         assert (ticks, idle) == (3 * m + p - 1, p * (p - 1))
         assert w.time == w.async_time == 3 * m + (p - 1) * (1 + 1 - 1)  # M(F+B+W) + (p-1)(F+B-W)
@@ -106,6 +116,8 @@ def test_in_flight_peaks(schedule, p, m):
         assert peaks == [min(p - s, m) for s in range(p)]
     elif schedule == "interleaved-1f1b":  # Megatron's warm-up + 1, in (microbatch, chunk) pairs
         assert peaks == [min(2 * (p - s - 1) + (V - 1) * p + 1, m * V) for s in range(p)]
+    elif schedule == "zbv":  # 2p half-stage pairs until W on every stage: zb-h1's p whole ones
+        assert peaks == [2 * p] * p
     else:  # zb-h1: until W, p on every stage (1F1B's stage 0); until B, 1F1B's p - s
         assert peaks == [min(p, m)] * p
         assert in_flight(table, until="B") == [min(p - s, m) for s in range(p)]
@@ -119,6 +131,30 @@ def test_zb_h1_below_p_microbatches(p):
         table = timetable("zb-h1", p, m)
         assert len(table) == 2 * m + 2 * p - 1 and in_flight(table) == [m] * p
         assert bubble(table) == pytest.approx(closed_form("zb-h1", p, m)[1])
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 6, 7, 8])
+def test_zbv_at_every_m(p):
+    """zbv places without deadlock at every M (below p too: no steady state, more ticks), 2p in
+    flight at most. Its closed form 6M + p - 1 holds at every M >= p for p = 2, 3, 4, and for
+    p = 8 from M = 14; elsewhere the greedy placer takes up to p/2 ticks more (tables.zbv)."""
+    for m in range(1, 4 * p):
+        table = timetable("zbv", p, m)
+        assert max(in_flight(table)) <= 2 * p
+        if m >= p:
+            extra = len(table) - (6 * m + p - 1)
+            assert extra == 0 if p <= 4 or (p == 8 and m >= 14) else 0 <= extra <= p / 2, (m, extra)
+
+
+def test_zbv_turns_on_the_last_stage_and_ends_its_loss_on_the_first():
+    """The V: microbatch 0 goes down on chunk 0, turns on stage p-1 (F0.1 right after F0 there),
+    and its first backward (chunk 1, the head and loss) is on stage 0."""
+    p, table = 4, timetable("zbv", 4, 8)
+    assert v_shape(table) and not v_shape(timetable("interleaved-1f1b", 4, 8, 2))
+    last = [str(row[p - 1]) for row in table if row[p - 1] is not None]
+    assert last[:2] == ["F0", "F0.1"]
+    first_b = next((t, s) for t, row in enumerate(table) for s, op in enumerate(row) if op and op.kind == "B")
+    assert first_b[1] == 0 and str(table[first_b[0]][0]) == "B0.1"
 
 
 def test_zb_h1_last_stage_could_not_hold_fewer():
