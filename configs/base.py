@@ -114,9 +114,10 @@ class ParallelConfig:
     passes K/V blocks around the sequence axis, allgather gathers them once per layer, gspmd
     leaves attention over a split L to XLA (which all-gathers K and V).
 
-    Pipeline parallelism (pipeline/, with stage > 1): `schedule` gpipe | interleaved | 1f1b,
-    `microbatches` M per step (0 = the number of stages), `virtual_stages` V chunks of layers
-    per device for interleaved.
+    Pipeline parallelism (pipeline/, with stage > 1): `schedule` gpipe | interleaved | 1f1b |
+    interleaved-1f1b | zb-h1 | zbv (pipeline/tables.py), `microbatches` M per step (0 = the
+    number of stages), `virtual_stages` V chunks of layers per device for interleaved and
+    interleaved-1f1b (2 for zbv).
 
     Gradient accumulation (training/step.py; k > 1 microbatches, pp = 1, dense, sp = 1): the
     microbatches' gradients are summed on each device and all-reduced over data once per step;
@@ -137,9 +138,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     tp_overlap: bool = False
     context_impl: str = "ring"  # ring | allgather | gspmd: attention over the sequence axis (sp > 1)
-    schedule: str = "gpipe"  # gpipe | interleaved | 1f1b
+    schedule: str = "gpipe"  # gpipe | interleaved | 1f1b | interleaved-1f1b | zb-h1 | zbv
     microbatches: int = 0  # M; 0 = pp
-    virtual_stages: int = 1  # V, interleaved only
+    virtual_stages: int = 1  # V: interleaved, interleaved-1f1b; 2 for zbv
     fsdp_gather_once: bool = False  # fsdp weights gathered once per step, not per microbatch
 
 

@@ -48,7 +48,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("stdlib", "text", "tokens", "synthetic"),
     "data.token_dtype": ("uint16", "uint32"),
     "parallel.tp_impl": ("shard_map", "gspmd"),
-    "parallel.schedule": ("gpipe", "interleaved", "1f1b", "interleaved-1f1b", "zb-h1"),
+    "parallel.schedule": ("gpipe", "interleaved", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"),
     "parallel.context_impl": ("ring", "allgather", "gspmd"),
 }
 

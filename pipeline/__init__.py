@@ -4,7 +4,7 @@ The stacked layers [X, ...] are split over `stage` by the rules table ('layers' 
 stage s holds X/p contiguous layers and never gathers the others. `parallel.schedule` picks
 how the M microbatches of a step (`parallel.microbatches`, default p) travel the stages:
 gpipe and interleaved in pipeline/circular.py, the 1F1B family (1f1b, interleaved-1f1b,
-zb-h1) in pipeline/one_f_one_b.py (zb-h1's B/W split: pipeline/split_backward.py); their
+zb-h1, zbv) in pipeline/one_f_one_b.py (zb-h1's and zbv's B/W split: pipeline/split_backward.py); their
 timetables are pipeline/tables.py (weighed in pipeline/schedule.py). What a pipeline needs of the config (layers divisible by
 p·V, at least p microbatches, ...) is checked in sharding/checks.py.
 

@@ -1,14 +1,17 @@
-"""The 1F1B family in one SPMD program: 1f1b, interleaved-1f1b and zb-h1. Each stage
+"""The 1F1B family in one SPMD program: 1f1b, interleaved-1f1b, zb-h1 and zbv. Each stage
 alternates forwards and backwards of different microbatches, with its own per-stage `jax.vjp`;
 no autodiff through the schedule.
 
-Layout (p stages, V chunks per stage, V = 1 but for interleaved-1f1b, X layers, Lc = X/(p·V)):
-blocks [X, ...] -> [V, p·Lc, ...], p·Lc split over stage: device s holds [V, Lc, ...], its
-chunk v = layers (v·p + s)·Lc ... + Lc - 1. V = 1 is the stored layout (no data moves); V > 1
+Layout (p stages, V chunks per stage, V = 1 but for interleaved-1f1b and zbv, X layers, Lc =
+X/(p·V)): blocks [X, ...] -> [V, p·Lc, ...], p·Lc split over stage: device s holds [V, Lc, ...],
+its chunk v = layers (v·p + s)·Lc ... + Lc - 1. V = 1 is the stored layout (no data moves); V > 1
 re-lays the stored contiguous split every step as the circular schedules do ((V-1)/V of each
-device's layer weights forward, their gradients backward, over `stage`). The embedding, final
-norm and head are replicated over stage and used by stage 0 chunk 0 (embedding) and stage p-1
-chunk V-1 (head and loss) inside the schedule: the backward of microbatch 0 starts before
+device's layer weights forward, their gradients backward, over `stage`, XLA's all-to-alls).
+zbv's V (pipeline/tables.py): device s holds the model's chunks s and 2p-1-s, laid out inside
+the engine by collective-permutes from the stored split and back for the gradients (`v_layout`:
+each chunk moves once). The embedding, final norm and head are replicated over stage and used
+by the first chunk (stage 0 chunk 0: embedding) and the last (head and loss: stage p-1 chunk
+V-1, zbv's stage 0 chunk 1) inside the schedule: the backward of microbatch 0 starts before
 microbatch M-1 has entered, so each microbatch's loss is computed where its forward ends and
 its cotangent starts there. Their gradients are summed over stage once per step (an
 all-reduce of the embedding, norm and head: 2·(V·D+D)(p-1)/p elements per device).
@@ -18,11 +21,13 @@ it and picks its own cell with `lax.axis_index`; the buffer slots are assigned o
 pipeline/tick_program.py; the cells are pipeline/cells.py):
 
   1. receive: ppermute the forward output sent last tick to s+1, the input gradient to s-1
-     (with V > 1 both are rings: stage p-1's chunk v feeds stage 0's chunk v+1, and back);
-     two collective-permutes of b·L·D per tick; an arriving value is written to its slot of
+     (with V > 1 both are rings: stage p-1's chunk v feeds stage 0's chunk v+1, and back; zbv's
+     chunk 1 sends its forward to s-1 and its gradient to s+1, and its turn at stage p-1, chunk
+     0 into chunk 1 and back, stays on the device: `Program.keep_f`, `keep_b`); two
+     collective-permutes of b·L·D per tick; an arriving value is written to its slot of
      `inputs` (forward) or `inbox` (gradient);
   2. input: stage 0 chunk 0 embeds microbatch m's tokens, the others read their `inputs` slot;
-  3. the cell of `CELLS` (`SPLIT_CELLS` for zb-h1), functions of the stage's parameters, chunk
+  3. the cell of `CELLS` (`SPLIT_CELLS` for zb-h1 and zbv), functions of the stage's parameters, chunk
      v, the cell's slots, the input x, the gradient g, the microbatch's targets and the carry's
      `Sent`, run by `cells.run_cell` (a `lax.switch` per group of cells that write the same
      fields, so that no switch passes a slot buffer through; cells.py's docstring says why):
@@ -31,7 +36,7 @@ pipeline/tick_program.py; the cells are pipeline/cells.py):
      B      the vjp from the kept residuals, cotangent g: chunk v's gradients (fp32, summed in
             the carry) and dx, sent to s-1; on the last chunk first the head and loss (scaled
             1/M), forward and backward, give its cotangent
-     split (zb-h1, pipeline/split_backward.py): B computes dx only and leaves in a `stash`
+     split (zb-h1, zbv; pipeline/split_backward.py): B computes dx only and leaves in a `stash`
             slot what W needs (each matmul's output cotangent); W, a later tick, the weight
             gradients from the residuals and the stash. All weight-gradient matmuls stay in W
             (B + W hold the unsplit B's matmuls, none twice)
@@ -56,8 +61,9 @@ holds at once): `inputs` 2 slots x [b, L, D], `inbox` 1 (2 interleaved) x [b, L,
 `residuals` slots x R (R: one chunk's residuals for one microbatch; remat full: b·L·D):
 p slots for 1f1b (stage 0 between F and B), 2(p-1) + (V-1)p + 1 for interleaved-1f1b once
 M >= 2p (11 at p = 4, V = 2), p for zb-h1 (held until W); zb-h1 adds p `stash` slots of the
-chunk's matmul output cotangents, about ((N+2K)·H/t + 4·D + 2·F/t)·b·L per layer. GPipe holds
-the residuals of all M microbatches instead.
+chunk's matmul output cotangents, about ((N+2K)·H/t + 4·D + 2·F/t)·b·L per layer; zbv 2p
+residual slots and at most 2p stash slots, each of half a stage's layers (zb-h1's bytes), and
+2 inbox slots once M >= 2p. GPipe holds the residuals of all M microbatches instead.
 
 Under fsdp the stage's compute-dtype weights are gathered once per step, before the scan, and
 the gradients accumulate whole: ZeRO-1 style within the step (the fp32 master weights and AdamW
@@ -93,7 +99,7 @@ from configs.base import RunConfig
 from model.moe import no_stats
 from model.transformer import compute_params
 from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed, replaced, residual_layout, run_cell
-from pipeline.tables import BACKWARD, FORWARD
+from pipeline.tables import BACKWARD
 from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
 from pipeline.tick_program import program
 from sharding.accumulation import FSDP, gather, reduce
@@ -134,17 +140,18 @@ def whole_over_fsdp(tree: nnx.State) -> nnx.State:
     return treedef.unflatten(out)
 
 
-def _specs(params: nnx.State, fsdp: bool) -> nnx.State:
-    """The engine's in_spec of each weight: the blocks' [V, X/V, ...] layers over stage, and with
-    `fsdp` (manual here) its fsdp split (the `embed` dimension), each device then holding its
-    shard; everything else replicated."""
+def _specs(params: nnx.State, fsdp: bool, stored: bool = False) -> nnx.State:
+    """The engine's in_spec of each weight: the blocks' [V, X/V, ...] layers over stage (`stored`:
+    the [X, ...] stack as stored, zbv's, laid out in the engine), and with `fsdp` (manual here)
+    its fsdp split (the `embed` dimension), each device then holding its shard; everything else
+    replicated."""
     mesh = jax.sharding.get_abstract_mesh()
 
     def spec(var: nnx.Variable, chunked: bool) -> P:
         names = tuple(var.get_metadata().get("out_sharding") or (None,) * var.ndim)
         split = tuple(logical_to_spec(names, var.shape, mesh, within=(FSDP,))) if fsdp else ()
         split = (split + (None,) * var.ndim)[:var.ndim]
-        return P(None, AXIS, *split[1:]) if chunked else P(*split)
+        return P(*((AXIS,) if stored else (None, AXIS)), *split[1:]) if chunked else P(*split)
 
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     return with_part(jax.tree.map(lambda v: spec(v, False), params, is_leaf=is_var), "blocks",
@@ -179,16 +186,25 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     v_count = max(cfg.parallel.virtual_stages, 1)
     prog = program(cfg.parallel.schedule, p, m_count, v_count)
     st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, m_count, prog.split)
-    ring = v_count > 1
+    ring = v_count > 1 and not prog.v_shape
     down = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
     up = [((i + 1) % p, i) for i in range(p if ring else p - 1)]
+    arrivals = [(way, name, field) for way in ("down", "up") for name, field in (("inputs", "input"), ("inbox", "grad"))
+                if prog.used(f"{way}_{field}")]  # the (permute, buffer) pairs this schedule uses
 
-    chunked = with_part(params, "blocks", jax.tree.map(lambda a: a.reshape(v_count, -1, *a.shape[1:]), params["blocks"]))
-    specs = _specs(params, FSDP in batch_axes)
+    # [V, p·Lc] chunks over stage (the interleaved re-lay, by XLA); zbv's V: the stored [X] blocks,
+    # laid out in the body (`v_layout`)
+    chunked = params if prog.v_shape else with_part(params, "blocks", jax.tree.map(
+        lambda a: a.reshape(v_count, -1, *a.shape[1:]), params["blocks"]))
+    specs = _specs(params, FSDP in batch_axes)  # the body's [V, Lc] chunks
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    outer = _specs(params, FSDP in batch_axes, stored=prog.v_shape)
 
     def body(local, inputs, targets):
         s = lax.axis_index(AXIS)
+        if prog.v_shape:
+            local = with_part(local, "blocks", jax.tree.map(lambda a: v_layout(a.reshape(2, -1, *a.shape[1:]), p),
+                                                            local["blocks"]))
         compute = _whole(compute_params(local, st.dtype), flat_specs, batch_axes)  # cast and gathered once per step
         act = jax.ShapeDtypeStruct((inputs.shape[1], length, cfg.model.d_model), st.dtype)  # this device's b rows
         stc, residuals, stash = residual_layout(st, compute, act)
@@ -196,18 +212,25 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         kinds = {int(k) for k in np.unique(prog.branch)}
 
         def tick(carry, row):
-            kind, m, v, rf, rb, xs, gs, rs, ss = (a[s] for a in row)
-            inbuf, inbox, out = carry
-            recv_f, recv_b = lax.ppermute(out.send_f, AXIS, down), lax.ppermute(out.send_b, AXIS, up)
-            slot_f, slot_b = jnp.maximum(rf, 0), jnp.maximum(rb, 0)
-            inbuf = inbuf.at[slot_f].set(jnp.where(rf >= 0, recv_f, inbuf[slot_f]))
-            inbox = inbox.at[slot_b].set(jnp.where(rb >= 0, recv_b, inbox[slot_b]))
+            kind, m, v, xs, gs, rs, ss, kf, kb, *slots = (a[s] for a in row)
+            sent_v = slots.pop() if prog.v_shape else None  # the chunk of last tick's cell, whose values go out now
+            buffers, out = dict(zip(("inputs", "inbox"), carry[:2], strict=True)), carry[2]
+            sent = {"down": out.send_f, "up": out.send_b}
+            if prog.v_shape:  # chunk 1 of the V sends its forward up and its gradient down
+                turn = sent_v == 1
+                sent = {"down": jnp.where(turn, out.send_b, out.send_f), "up": jnp.where(turn, out.send_f, out.send_b)}
+            received = {way: lax.ppermute(sent[way], AXIS, pairs) for way, pairs in (("down", down), ("up", up))
+                        if any(w == way for w, *_ in arrivals)}
+            for (way, name, _), slot in zip(arrivals, slots, strict=True):
+                buffers[name] = _put(buffers[name], slot, received[way])
+            inbuf, inbox = buffers["inputs"], buffers["inbox"]
             first = (s == 0) & (v == 0)
             embedded, embed_vjp = jax.vjp(partial(embed, stc, compute, inputs[m]), compute["embed"])
             x = jnp.where(first, embedded, inbuf[xs])
             out = run_cell(cells, kinds, kind, (compute, v, (rs, ss), x, inbox[gs], targets[m]), out)
-            keep = (kind == FORWARD) & (s == p - 1) & (v == v_count - 1)  # the last chunk's output, for its B
-            inbuf = inbuf.at[xs].set(jnp.where(keep, out.send_f, inbuf[xs]))
+            inbuf = _put(inbuf, kf, out.send_f)  # the last chunk's output for its B; zbv's turn
+            if prog.used("keep_b"):
+                inbox = _put(inbox, kb, out.send_b)  # zbv's turn: chunk 1's input gradient feeds chunk 0's B
             d_embedded = jnp.where(first & (kind == BACKWARD), out.send_b, jnp.zeros_like(out.send_b))
             grads = replaced(out.grads, {"embed": jax.tree.map(lambda a, d: a + d.astype(a.dtype),
                                                                 out.grads["embed"], embed_vjp(d_embedded)[0])})
@@ -219,18 +242,50 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
                       jnp.zeros((), jnp.float32), no_stats(cfg.model),
                       tuple(buffer((prog.residuals, *a.shape), a.dtype) for a in residuals),
                       tuple(buffer((prog.stash, *a.shape), a.dtype) for a in stash)))
-        rows = tuple(jnp.asarray(a) for a in (prog.branch, prog.microbatch, prog.chunk, prog.recv_f, prog.recv_b,
-                                              prog.x_slot, prog.g_slot, prog.r_slot, prog.s_slot))
+        rows = tuple(jnp.asarray(a) for a in (prog.branch, prog.microbatch, prog.chunk, prog.x_slot, prog.g_slot,
+                                              prog.r_slot, prog.s_slot, prog.keep_f, prog.keep_b,
+                                              *(getattr(prog, f"{way}_{field}") for way, _, field in arrivals),
+                                              *([np.vstack([prog.chunk[:1] * 0, prog.chunk[:-1]])] if prog.v_shape else [])))
         (_, _, out), _ = lax.scan(tick, start, rows)
         n = math.prod(lax.axis_size(a) for a in batch_axes)
         over_batch = (lambda a: lax.psum(a, batch_axes) / n) if batch_axes else (lambda a: a)  # noqa: E731
         grads = _reduced(out.grads, flat_specs, batch_axes)  # once per step
+        if prog.v_shape:
+            grads = with_part(grads, "blocks", jax.tree.map(lambda g: v_layout(g, p, back=True).reshape(-1, *g.shape[2:]),
+                                                            grads["blocks"]))
         summed = jax.tree.map(lambda a: lax.psum(a, AXIS), grads)  # embedding, norm, head
         stats = {name: over_batch(lax.psum(a, AXIS)) / (m_count * moe_layers(cfg.model)) for name, a in out.stats.items()}
         return over_batch(lax.psum(out.loss, AXIS)), with_part(summed, "blocks", grads["blocks"]), stats
 
     rows = P(None, batch_axes) if batch_axes else P()  # [M, b, L]: each device its b rows
-    run = over_stages(body, (specs, rows, rows), (P(), specs, P()), batch_axes)
+    run = over_stages(body, (outer, rows, rows), (P(), outer, P()), batch_axes)
     loss, grads, stats = run(chunked, batch["inputs"], batch["targets"])
     blocks = jax.tree.map(lambda g, a: g.reshape(a.shape), grads["blocks"], params["blocks"])
     return loss, with_part(grads, "blocks", blocks), stats
+
+
+def _put(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+    """`buffer` with `value` in `slot`, unchanged where slot is -1."""
+    at = jnp.maximum(slot, 0)
+    return buffer.at[at].set(jnp.where(slot >= 0, value, buffer[at]))
+
+
+def v_layout(chunks: jax.Array, p: int, back: bool = False) -> jax.Array:
+    """zbv's layout, inside the engine (manual over stage): device d's stored chunks [2, Lc, ...],
+    the model's chunks 2d and 2d+1, -> [2, Lc, ...] holding the model's chunks d and 2p-1-d (the V);
+    `back` the inverse, for the gradients. Each chunk moves once, straight to its device: for each
+    (target chunk, source slot) a collective-permute from the devices that hold it to those that
+    need it (4 in all, each device sending its 2 chunks; a pair of one device is a local copy).
+    A device receives nothing from the permutes of the other slot (zeros), hence the sums."""
+    at = lambda v, s: s if v == 0 else 2 * p - 1 - s  # noqa: E731  the model's chunk at (v, device s)
+    out = []
+    for a in range(2):  # the result's chunk: target v, or (back) the stored slot
+        parts = []
+        for b in range(2):  # the chunk sent: stored slot, or (back) target v
+            if back:
+                pairs = [(s, at(b, s) // 2) for s in range(p) if at(b, s) % 2 == a]
+            else:
+                pairs = [(at(a, s) // 2, s) for s in range(p) if at(a, s) % 2 == b]
+            parts.append(lax.ppermute(chunks[b], AXIS, pairs))
+        out.append(sum(parts[1:], parts[0]))
+    return jnp.stack(out)

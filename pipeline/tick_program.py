@@ -12,29 +12,42 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pipeline.tables import BACKWARD, FORWARD, WEIGHT, cells, timetable
+from pipeline.tables import BACKWARD, FORWARD, WEIGHT, cells, route, timetable, v_shape, virtual_stages
 
-BACKWARD_LAST = WEIGHT + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, WEIGHT, and B of chunk V-1 on stage p-1
+BACKWARD_LAST = WEIGHT + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, WEIGHT, and B of the last chunk
 
 
 class Program(NamedTuple):
     """The table as int32 arrays [ticks, p] that the tick program indexes with (tick, stage):
-    each cell, and the buffer slots it and the arriving values use (-1: nothing arrives)."""
+    each cell, and the buffer slots it and the arriving values use (-1: nothing arrives).
+    Arrivals come over two collective-permutes, "down" (stage s-1 to s) and "up" (s+1 to s): in
+    the looping layout forwards come down and gradients up; in zbv's V chunk 1's come the other
+    way, hence a slot for each permute and buffer."""
 
     branch: np.ndarray  # the cell, an index into CELLS
     microbatch: np.ndarray  # the cell's microbatch (0 when idle)
     chunk: np.ndarray  # the cell's chunk v (0 when idle)
-    recv_f: np.ndarray  # `inputs` slot for the forward value arriving from s-1, -1 none
-    recv_b: np.ndarray  # `inbox` slot for the gradient arriving from s+1, -1 none
-    x_slot: np.ndarray  # `inputs` slot of the cell's input (F, B on p-1 chunk V-1)
+    down_input: np.ndarray  # `inputs` slot for a forward value arriving from s-1, -1 none
+    down_grad: np.ndarray  # `inbox` slot for a gradient arriving from s-1 (zbv), -1 none
+    up_input: np.ndarray  # `inputs` slot for a forward value arriving from s+1 (zbv), -1 none
+    up_grad: np.ndarray  # `inbox` slot for a gradient arriving from s+1, -1 none
+    x_slot: np.ndarray  # `inputs` slot of the cell's input (F, the last chunk's B)
     g_slot: np.ndarray  # `inbox` slot of the cell's output gradient (B)
     r_slot: np.ndarray  # `residuals` slot the F writes and its B (split: its W) reads
     s_slot: np.ndarray  # split backward: `stash` slot the B writes and its W reads
+    keep_f: np.ndarray  # `inputs` slot the F's own output goes to on this stage, -1 none: the last
+    #                     chunk's (for the head at its B) and zbv's turn on p-1 (chunk 0 feeds chunk 1)
+    keep_b: np.ndarray  # `inbox` slot the B's input gradient goes to on this stage (zbv's turn), -1 none
     inputs: int  # slots per buffer
     inbox: int
     residuals: int
     stash: int
-    split: bool  # the table splits B (input gradient) and W (weight gradient): zb-h1
+    split: bool  # the table splits B (input gradient) and W (weight gradient): zb-h1, zbv
+    v_shape: bool  # zbv's V: chunk 1's values travel the other way (tables.route)
+
+    def used(self, field: str) -> bool:
+        """Whether any tick uses the slot array `field` (a permute or handoff the engine can skip)."""
+        return bool((getattr(self, field) >= 0).any())
 
 
 class _Slots:
@@ -57,40 +70,49 @@ class _Slots:
 def program(schedule: str, p: int, m_count: int, v_count: int = 1) -> Program:
     """The tick program of a 1F1B-family schedule: the table's cells, what arrives where, and
     the slot of every value in the stage's buffers (assigned on the host, checked here)."""
-    kind, micro, chunk = cells(timetable(schedule, p, m_count, v_count))
+    table = timetable(schedule, p, m_count, v_count)
+    kind, micro, chunk = cells(table)
+    vee, v_count = v_shape(table), virtual_stages(table)
     ticks, split = len(kind), bool((kind == WEIGHT).any())
-    last = lambda s, v: s == p - 1 and v == v_count - 1  # noqa: E731  (head and loss)
+    sends = {FORWARD: "F", BACKWARD: "B"}
+    to = lambda k, s, v: route(sends[k], s, v, p, v_count, vee)  # noqa: E731  (stage, chunk) or None
+    down = lambda k, v: (k == FORWARD) == (not vee or v == 0)  # noqa: E731  the permute s -> s+1 carries it
     branch = kind.copy()
-    arrays = {name: np.full((ticks, p), -1, np.int32) for name in ("recv_f", "recv_b")}
+    arrays = {name: np.full((ticks, p), -1, np.int32)
+              for name in ("down_input", "down_grad", "up_input", "up_grad", "keep_f", "keep_b")}
     arrays |= {name: np.zeros((ticks, p), np.int32) for name in ("x_slot", "g_slot", "r_slot", "s_slot")}
     sizes = dict.fromkeys(("inputs", "inbox", "residuals", "stash"), 1)
     for s in range(p):
         slots = {name: _Slots() for name in sizes}
         for t in range(ticks):
-            if t > 0:  # what the neighbours sent last tick
-                src = (s - 1) % p
-                k, m, v = kind[t - 1, src], micro[t - 1, src], chunk[t - 1, src]
-                if k == FORWARD and not last(src, v) and (s > 0 or (src == p - 1 and v_count > 1)):
-                    arrays["recv_f"][t, s] = slots["inputs"].take((m, v + (s == 0)))
-                src = (s + 1) % p
-                k, m, v = kind[t - 1, src], micro[t - 1, src], chunk[t - 1, src]
-                if k == BACKWARD and (s < p - 1 or (src == 0 and v > 0)):
-                    arrays["recv_b"][t, s] = slots["inbox"].take((m, v - (s == p - 1)))
+            if t > 0:  # what the neighbours sent last tick, over the permute each value takes
+                for src, way in (((s - 1) % p, "down"), ((s + 1) % p, "up")):
+                    k, m, v = kind[t - 1, src], micro[t - 1, src], chunk[t - 1, src]
+                    if k in sends and src != s and down(k, v) == (way == "down") and (dest := to(k, src, v)) \
+                            and dest[0] == s:
+                        forward = k == FORWARD
+                        slot = slots["inputs" if forward else "inbox"].take((m, dest[1]))
+                        arrays[f"{way}_{'input' if forward else 'grad'}"][t, s] = slot
             k, item = kind[t, s], (micro[t, s], chunk[t, s])
+            dest = to(k, s, item[1]) if k in sends else None
             if k == FORWARD:
                 if (s, item[1]) == (0, 0):  # stage 0 chunk 0 embeds its input
                     arrays["x_slot"][t, s] = 0
-                elif last(s, item[1]):  # its output replaces its input in the slot, for the head at B
-                    arrays["x_slot"][t, s] = slots["inputs"].held[item]
+                elif dest is None:  # the last chunk: its output replaces its input, for the head at B
+                    arrays["x_slot"][t, s] = arrays["keep_f"][t, s] = slots["inputs"].held[item]
                 else:
                     arrays["x_slot"][t, s] = slots["inputs"].free(item)
+                if dest is not None and dest[0] == s:  # zbv's turn: chunk 1's input, on this stage
+                    arrays["keep_f"][t, s] = slots["inputs"].take((item[0], dest[1]))
                 arrays["r_slot"][t, s] = slots["residuals"].take(item)
             elif k == BACKWARD:
-                if last(s, item[1]):
+                if to(FORWARD, s, item[1]) is None:  # the last chunk: head and loss first
                     branch[t, s] = BACKWARD_LAST
                     arrays["x_slot"][t, s] = slots["inputs"].free(item)
                 else:
                     arrays["g_slot"][t, s] = slots["inbox"].free(item)
+                if dest is not None and dest[0] == s:  # zbv's turn: chunk 0's output gradient
+                    arrays["keep_b"][t, s] = slots["inbox"].take((item[0], dest[1]))
                 # split: its forward's residuals wait for W, and so does the stash B leaves
                 kept = slots["residuals"]
                 arrays["r_slot"][t, s] = kept.held[item] if split else kept.free(item)
@@ -102,4 +124,4 @@ def program(schedule: str, p: int, m_count: int, v_count: int = 1) -> Program:
         assert not any(b.held for b in slots.values()), f"stage {s} ends holding values"
         for name, b in slots.items():
             sizes[name] = max(sizes[name], b.most)
-    return Program(branch, micro, chunk, **arrays, **sizes, split=split)
+    return Program(branch, micro, chunk, **arrays, **sizes, split=split, v_shape=vee)

@@ -34,9 +34,11 @@ from configs.base import ConfigError, ModelConfig, RunConfig
 from configs.checks import check_values
 
 # The pipeline schedules run by pipeline/one_f_one_b.py (a different cell per stage in one
-# tick), and those with V chunks of layers per stage.
-ONE_F_ONE_B = ("1f1b", "interleaved-1f1b", "zb-h1")
+# tick), those with V chunks of layers per stage in a ring (M a multiple of p), and all with chunks
+# (zbv: two, in a V).
+ONE_F_ONE_B = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv")
 INTERLEAVED = ("interleaved", "interleaved-1f1b")
+CHUNKED = (*INTERLEAVED, "zbv")
 
 
 def check_run(cfg: RunConfig, sizes: dict[str, int]) -> None:
@@ -261,9 +263,12 @@ def check_tensor(cfg: RunConfig, sizes: dict[str, int]) -> None:
 def check_pipeline(cfg: RunConfig, sizes: dict[str, int]) -> None:
     par, p = cfg.parallel, sizes["stage"]
     v = par.virtual_stages
-    if v > 1 and par.schedule not in INTERLEAVED:
+    if v > 1 and par.schedule not in CHUNKED:
         raise ConfigError(f"parallel.virtual_stages={v}: use 1, or more with --set parallel.schedule=interleaved "
-                          "(or interleaved-1f1b)")
+                          "(or interleaved-1f1b; 2 with zbv)")
+    if par.schedule == "zbv" and v != 2:
+        raise ConfigError(f"parallel.schedule=zbv with parallel.virtual_stages={v}: it runs 2 chunks of layers "
+                          "per stage, in a V; --set parallel.virtual_stages=2")
     if v < 2 and par.schedule == "interleaved-1f1b":
         raise ConfigError(f"parallel.schedule=interleaved-1f1b with parallel.virtual_stages={v}: it runs V >= 2 "
                           "chunks of layers per stage; --set parallel.virtual_stages=2 (with V=1 it is 1f1b)")

@@ -270,18 +270,20 @@ def test_fsdp_gather_once_moves_the_same_bytes_whatever_k():
     assert all(c.trips == 1 for c in four + one)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zbv"])
 def test_one_f_one_b_gathers_and_reduces_once_per_step(schedule):
     """pp=2,dp=2,fsdp=2 (tiny, fp32: 32 sequences, 8 per batch rank), M = 4 and 8 microbatches:
     the 1F1B family's engine, manual over data and fsdp, gathers each stage's weights over fsdp
     once, sums its gradients over the whole schedule, reduce-scatters them over fsdp once and
     all-reduces the shard over data once: every collective on those axes runs once per step,
     the same bytes at both M, equal to `tools.traffic.communication` (the stage's parameters:
-    the embedding, norm and head replicated over stage, 2 of the 4 layers)."""
+    the embedding, norm and head replicated over stage, 2 of the 4 layers; zbv's V laid out from
+    the fsdp shards, over stage only)."""
     from tools import traffic
 
+    chunks = ["parallel.virtual_stages=2"] if schedule == "zbv" else []
     runs = [compiled("pp=2,dp=2,fsdp=2", f"parallel.schedule={schedule}", f"parallel.microbatches={m}",
-                     "model.compute_dtype=float32") for m in (4, 8)]
+                     "model.compute_dtype=float32", *chunks) for m in (4, 8)]
     (four, _, cfg), (eight, _, _) = runs
     on_batch = lambda found: {(r["kind"], r["axes"]): r["bytes_per_device"] for r in summary(found)  # noqa: E731
                               if "data" in r["axes"] or "fsdp" in r["axes"]}

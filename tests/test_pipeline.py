@@ -135,12 +135,14 @@ def test_estimate_counts_what_a_1f1b_slot_holds(preset, mesh, sets, rel):
     ("125m", ("model.attention=pallas", "model.n_layers=4", "model.n_kv_heads=4", "model.head_dim=32"))])
 def test_estimate_counts_what_zb_h1_leaves_for_w(preset, sets):
     """tools.estimate.zb_stash against the traced stash of zb-h1's B for its W (stash_bytes), for
-    every remat policy, pp=2, dense layers (125m with N·H, K·H and D all different)."""
+    every remat policy, pp=2, dense layers (125m with N·H, K·H and D all different); zbv's, per
+    chunk, half a stage's layers."""
     from tools.estimate import zb_stash
 
-    for remat in ("none", "dots", "attn", "full"):
-        cfg, sizes, held = traced_stash(preset, "pp=2", "zb-h1", remat, sets)
-        assert zb_stash(cfg, sizes) == pytest.approx(held["stash_per_microbatch"], rel=1e-12), (remat, held)
+    for schedule, extra in (("zb-h1", ()), ("zbv", ("parallel.virtual_stages=2", "model.n_layers=4"))):
+        for remat in ("none", "dots", "attn", "full"):
+            cfg, sizes, held = traced_stash(preset, "pp=2", schedule, remat, (*sets, *extra))
+            assert zb_stash(cfg, sizes) == pytest.approx(held["stash_per_microbatch"], rel=1e-12), (schedule, remat)
 
 
 def held_activations(hlo: str, act: tuple[int, ...]) -> int:
@@ -272,13 +274,15 @@ def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_
         assert stage_bytes(ops) == pytest.approx(traffic.stage(cfg, mesh_sizes(cfg)), rel=1e-3), m
 
 
-@pytest.mark.parametrize("schedule, v", [("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved", 2)])
+@pytest.mark.parametrize("schedule, v", [("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved", 2), ("zbv", 2)])
 def test_stage_census_is_the_tick_program_contract(schedule, v):
     """pp=2, M = 4, 4 layers: the bytes over stage are tools.traffic.stage's (2T permutes for the
     T ticks of zb-h1's and interleaved-1f1b's tables; interleaved as gpipe with V·M + p - 1
     ticks), but for the interleaved schedules' all-to-alls, which re-lay the contiguously
     stored layers every step: half of the device's layer weights forward and their gradients
-    back at p = V = 2 (not in the contract: pipeline/circular.py)."""
+    back at p = V = 2 (not in the contract: pipeline/circular.py); zbv's V moves the same half,
+    by collective-permutes before and after the ticks (pipeline.one_f_one_b.v_layout), and its
+    ticks' permutes are the contract's 2T."""
     from tools import traffic
     from tools.estimate import local_param_parts
     from tools.hlo import census
@@ -288,11 +292,16 @@ def test_stage_census_is_the_tick_program_contract(schedule, v):
     compiled, mesh = _compiled(cfg)
     ops = census(compiled.as_text(), dict(mesh.shape))
     sizes = mesh_sizes(cfg)
-    relayout = sum(c.bytes_per_step for c in ops if c.kind == "all-to-all" and c.axes == ("stage",))
+    relayout = sum(c.bytes_per_step for c in ops if c.axes == ("stage",) and (  # zbv: its permutes outside the ticks
+        c.kind == "all-to-all" or schedule == "zbv" and c.kind == "collective-permute" and "while" not in c.op_name))
     assert stage_bytes(ops) - relayout == pytest.approx(traffic.stage(cfg, sizes), rel=1e-3)
     m = cfg.model
     layers = local_param_parts(cfg, sizes)[0] - 2 * m.vocab_size * m.d_model - m.d_model  # 2 of the 4
-    assert relayout == pytest.approx(2 * 4 * layers / 2 if v > 1 else 0, rel=1e-3)
+    if schedule == "zbv":  # 2 permutes of one chunk per weight and way, each with one pair at p = 2, which the
+        # census counts as every device sending (its S per permute): each device really sends one chunk
+        assert relayout == pytest.approx(2 * 2 * 4 * layers / 2, rel=1e-3)
+    else:
+        assert relayout == pytest.approx(2 * 4 * layers / 2 if v > 1 else 0, rel=1e-3)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
@@ -348,6 +357,10 @@ def test_1f1b_cells_hold_no_collective_across_stages():
         ("pp=2", ["parallel.schedule=zb-h1", "parallel.virtual_stages=2", "model.n_layers=4"], "with --set parallel.schedule=interleaved"),
         ("pp=2,tp=2", ["parallel.schedule=zb-h1", "parallel.sequence_parallel=true", "parallel.tp_overlap=true"], "parallel.tp_overlap=true with parallel.schedule=zb-h1"),
         ("pp=2,sp=2", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "model.n_layers=4"], "parallel.context_impl=ring with parallel.schedule=interleaved-1f1b"),
+        ("pp=2", ["parallel.schedule=zbv", "model.n_layers=4"], "parallel.schedule=zbv with parallel.virtual_stages=1: "
+         "it runs 2 chunks of layers per stage, in a V; --set parallel.virtual_stages=2"),
+        ("pp=2", ["parallel.schedule=zbv", "parallel.virtual_stages=4", "model.n_layers=8"], "zbv with parallel.virtual_stages=4"),
+        ("pp=2", ["parallel.schedule=zbv", "parallel.virtual_stages=2"], "model.n_layers=2 is not divisible by pp*virtual_stages=2*2=4"),
     ],
 )
 def test_bad_pipeline_settings_are_clear_errors(mesh, overrides, message):

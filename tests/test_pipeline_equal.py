@@ -3,7 +3,7 @@
 Loss and every gradient of step 0 against the single-device model of the same depth (fp32;
 tolerances of conftest.assert_same_run). Pipeline buffers start as NaN (pipeline.stages.FILL),
 so a bubble that leaked into the result would fail these tests. The matrix covers p = 2 and
-p = 4 and M = p and M = 2p; the interleaved schedules with V=2; remat full (and dots) for the
+p = 4 and M = p and M = 2p; the interleaved schedules and zbv with V=2; remat full (and dots) for the
 1F1B family; sequence parallelism on pp=2,fsdp=2,tp=2 (gpipe with GSPMD TP, 1f1b, zb-h1,
 interleaved with the overlap rings); interleaved-1f1b with GSPMD TP. Five optimizer steps of
 every schedule on pp=2,dp=2,tp=2 (the explicit shard_map TP regions nested in the stage
@@ -58,6 +58,9 @@ CASES = {  # id: (mesh, overrides)
     "interleaved-1f1b-p4-m8-v2": ("pp=4", ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "parallel.microbatches=8"]),
     "gpipe-pp2-fsdp2-tp2-sp-gspmd": ("pp=2,fsdp=2,tp=2", ["parallel.tp_impl=gspmd", "parallel.sequence_parallel=true"]),
     "1f1b-pp2-fsdp2-tp2-sp": ("pp=2,fsdp=2,tp=2", ["parallel.schedule=1f1b", "parallel.sequence_parallel=true"]),
+    "zbv-p2-m4": ("pp=2", ["parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.microbatches=4"]),
+    "zbv-pp2-fsdp2-tp2-sp": ("pp=2,fsdp=2,tp=2", ["parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.sequence_parallel=true"]),
+    "zbv-p4-m4-full": ("pp=4", ["parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.microbatches=4", "model.remat=full"]),
     "interleaved-pp2-fsdp2-tp2-sp-overlap": ("pp=2,fsdp=2,tp=2", ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=true"]),
 }
 
@@ -65,7 +68,7 @@ CASES = {  # id: (mesh, overrides)
 @pytest.mark.parametrize("case", CASES)
 def test_schedule_equals_single_device(case, corpus):
     mesh, overrides = CASES[case]
-    layers = 8 if case in ("interleaved-p4-m4-v2", "interleaved-1f1b-p4-m8-v2") else 4
+    layers = 8 if case in ("interleaved-p4-m4-v2", "interleaved-1f1b-p4-m8-v2", "zbv-p4-m4-full") else 4
     cfg = small_config(mesh, f"model.n_layers={layers}", *overrides)
     (loss, grads), (ref_loss, ref_grads) = _loss_and_grads(cfg, corpus), _reference(layers, corpus)
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-5)
@@ -82,11 +85,11 @@ def reference4(corpus):
     return run_steps(small_config("", "model.n_layers=4"), corpus, devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "interleaved-1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "interleaved-1f1b", "zb-h1", "zbv"])
 def test_pipelined_training_equals_single_device(schedule, reference, reference4, corpus):
     """Five optimizer steps on pp=2,dp=2,tp=2 (the stage-sharded gradients through the update)
     give the single-device losses."""
-    if schedule.startswith("interleaved"):
+    if schedule.startswith("interleaved") or schedule == "zbv":
         cfg = small_config("pp=2,dp=2,tp=2", f"parallel.schedule={schedule}", "parallel.virtual_stages=2",
                            "model.n_layers=4")
         assert_same_run(run_steps(cfg, corpus, _devices(cfg)), reference4)
