@@ -51,6 +51,8 @@ PROSE_ONLY = {
                                              "group, quoted in the planner's pipeline paragraph",
     "pipeline-memory-125m-h100-split-map": "the same for zb-h1 before and after its backward split shard_map "
                                            "regions, quoted in the planner's pipeline paragraph",
+    "pipeline-memory-125m-h100-zbv": "zbv beside zb-h1, XLA GPU's compiled memory and the estimate, quoted in "
+                                     "the planner's pipeline paragraph",
     "remat-unrolled-1b-h100-compiled": "XLA GPU's compiled memory of unrolled layers before and after their "
                                        "checkpoints prevented CSE, quoted in sentences",
 }

@@ -31,12 +31,12 @@ Memory (bytes per device), the terms `memory()` returns:
               interleaved every tick's (the ticks of the schedule's table, V·M+p-1, of X/(p·V)
               layers: autodiff through the tick scan keeps the idle ticks' too; at least the
               table's in-flight peak, all M) plus [M, b, L, D] embeddings, outputs and their
-              cotangents; under the 1F1B family (1f1b, interleaved-1f1b, zb-h1) stage 0's
+              cotangents; under the 1F1B family (1f1b, interleaved-1f1b, zb-h1, zbv) stage 0's
               in-flight peak of its table (pipeline.schedule.in_flight: p (microbatch, chunk)
-              under 1f1b and zb-h1, 2(p-1) + (V-1)p + 1 interleaved) of residual slots, each
-              one chunk's X/(pp·V) layers' residuals by the remat policy (remat full: the chunk
-              input, T·D), plus 3·T·D of inputs and gradients in flight, plus under zb-h1 the
-              in-flight peak of B's stash for W (`zb_stash`). Per layer and token, in elements:
+              under 1f1b and zb-h1, 2(p-1) + (V-1)p + 1 interleaved, 2p zbv) of residual slots,
+              each one chunk's X/(pp·V) layers' residuals by the remat policy (remat full: the
+              chunk input, T·D), plus 3·T·D of inputs and gradients in flight, plus under zb-h1
+              and zbv the in-flight peak of B's stash for W (`zb_stash`). Per layer and token, in elements:
                 remat none  4·D (block inputs, norm outputs) + (N+2K)·H/t (q, k, v)
                             + N·H/t (output) + 3·F/t (gate, up, hidden: the silu is recomputed
                             in the backward's fusion); a fused core (pallas, cudnn) adds its
@@ -107,7 +107,8 @@ Against XLA's static peak on CPU (fp32): within 15% without a pipeline (tests/te
 more around its tick scan and its all-microbatch head than these terms count. Against XLA GPU's
 compile for H100s (125m, `tools.plan --compile-for-gpu`, M = pp = 2): gpipe 0.65-0.71x; the 1F1B
 family 0.90-0.95x (1f1b, pp=2,dp=2 and pp=2,tp=2, remat none, dots and full), 0.96x
-(interleaved-1f1b), 0.97x (zb-h1; on pp=2,tp=2 0.93-0.98x, remat none, dots and full), 0.85x
+(interleaved-1f1b), 0.97x (zb-h1; on pp=2,tp=2 0.93-0.98x, remat none, dots and full), 1.07-1.16x
+(zbv at M = 4, pp=2,tp=2 and pp=2,dp=2, remat none and full: over, XLA keeping less), 0.85x
 (1f1b remat full on pp=2,tp=2: B holds the recomputed chunk's layer inputs and one layer's
 recomputation at once; 0.74x before the layers' checkpoints prevented CSE unrolled,
 model/remat.py). tools.search scales each schedule's estimate by a floor (`MEMORY_LOW`).
@@ -129,7 +130,7 @@ from dataclasses import dataclass
 from configs.base import RunConfig
 from pipeline.schedule import in_flight, weighted
 from pipeline.tables import timetable
-from sharding.checks import accumulation_axes, batch_ranks, expert_d_ff, explicit_context, moe_layers
+from sharding.checks import CHUNKED, accumulation_axes, batch_ranks, expert_d_ff, explicit_context, moe_layers
 from sharding.cores import choose_core
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -170,7 +171,8 @@ def core(cfg: RunConfig, sizes: dict[str, int]) -> str:
     return choose_core(m.attention, "gpu", (9, 0), m.compute_dtype, m.head_dim, context)
 
 
-STASHING = ("1f1b", "interleaved-1f1b", "zb-h1")  # per-stage vjp cells (pipeline/one_f_one_b.py): residuals stashed
+SPLIT = ("zb-h1", "zbv")  # B split into B and W (pipeline/split_backward.py)
+STASHING = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv")  # per-stage vjp cells (pipeline/one_f_one_b.py): residuals stashed
 
 
 def chunk_recompute(cfg: RunConfig, sizes: dict[str, int]) -> bool:
@@ -180,14 +182,14 @@ def chunk_recompute(cfg: RunConfig, sizes: dict[str, int]) -> bool:
 
 
 def virtual(cfg: RunConfig) -> int:
-    """V, the chunks per stage: parallel.virtual_stages under the interleaved schedules, else 1."""
-    return cfg.parallel.virtual_stages if cfg.parallel.schedule in ("interleaved", "interleaved-1f1b") else 1
+    """V, the chunks per stage: parallel.virtual_stages under the interleaved schedules and zbv, else 1."""
+    return cfg.parallel.virtual_stages if cfg.parallel.schedule in CHUNKED else 1
 
 
 def cell_costs(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     """The schedule's cell costs in forwards (module docstring, stage): F 1, B 2 (split: B 1, W 1),
     B + 1 under model.remat=full, B + 1 more where B recomputes the chunk (`chunk_recompute`)."""
-    split = cfg.parallel.schedule == "zb-h1"
+    split = cfg.parallel.schedule in SPLIT
     b = (1 if split else 2) + (cfg.model.remat == "full") + chunk_recompute(cfg, sizes)
     return {"F": 1, "B": b, "W": 1}
 
@@ -315,7 +317,8 @@ _ZB_TERMS = {"none": (0, 2, 3, 2, 2), "dots": (1, 2, 3, 2, 2), "attn": (0, 3, 4,
 
 
 def zb_stash(cfg: RunConfig, sizes: dict[str, int]) -> float:
-    """Bytes zb-h1's B leaves for its W per microbatch (pipeline/split_backward.py), per layer:
+    """Bytes zb-h1's (zbv's) B leaves for its W per microbatch and chunk (pipeline/split_backward.py),
+    the chunk's X/(pp·V) layers (V = 2 under zbv, else 1), per layer:
     the output cotangents of its q, k, v projections and of its MLP, the matmul inputs W reads
     that B recomputed (the norms' outputs, the MLP hidden: under none too, the chunk's
     checkpoint keeping no elementwise result), and each norm's fp32 normalised input for its
@@ -327,7 +330,7 @@ def zb_stash(cfg: RunConfig, sizes: dict[str, int]) -> float:
     per_token = (heads + d * m.d_model + f * m.d_ff / tp) * DTYPE_BYTES[m.compute_dtype] + 4 * (4 * m.d_model + stats)
     if m.remat == "dots" and core(cfg, sizes) == "xla" and not explicit_context(cfg, sizes["sequence"]):
         per_token += DTYPE_BYTES[m.compute_dtype] * m.n_heads / tp * cfg.train.seq_len  # the recomputed probabilities
-    return s.layers * (s.tokens * per_token + scales * m.d_model * 4)
+    return s.layers / virtual(cfg) * (s.tokens * per_token + scales * m.d_model * 4)
 
 
 def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[str, float]:
@@ -342,7 +345,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
     if stashing:  # stage 0's in-flight residual slots, the inputs/inbox, zb-h1's stash of dy's
         c = DTYPE_BYTES[m.compute_dtype]
         saved = table["in_flight"] * chunk_residuals(cfg, sizes) + 3 * s.tokens * m.d_model * c
-        if cfg.parallel.schedule == "zb-h1":
+        if cfg.parallel.schedule in SPLIT:
             saved += table["in_flight"] * zb_stash(cfg, sizes)
     elif piped:  # gpipe, interleaved: autodiff keeps every tick's residuals
         saved = table["ticks"] / v * stack_activations(cfg, sizes, m.remat)

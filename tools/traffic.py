@@ -95,11 +95,12 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           and others B).
           The bubble is the lock-step weighted bubble of the schedule's table
           (pipeline.schedule.weighted: every tick lasts as long as its most expensive cell) with
-          `estimate.cell_costs`: F = 1, B = 2, or split (zb-h1) B = 1 and W = 1; B one more under
+          `estimate.cell_costs`: F = 1, B = 2, or split (zb-h1, zbv) B = 1 and W = 1; B one more under
           model.remat=full (the layers' forward recomputed) and, for the 1F1B family under
           remat full, one more (the whole chunk is one checkpoint, pipeline/one_f_one_b.py). gpipe
           (p-1)/(M+p-1), interleaved (p-1)/(V·M+p-1); 1f1b 1 - M(F+B)/(2M·B + (p-1)(F+B) - (B-F))
-          (its F ticks last a B); zb-h1 (p-1)/(3M+p-1) (units); interleaved-1f1b from its table
+          (its F ticks last a B); zb-h1 (p-1)/(3M+p-1) (units), zbv (p-1)/(6M+p-1) (half-stage
+          units); interleaved-1f1b from its table
 Links: each axis's bytes / its link: NVLink 450 GB/s per GPU when the axis and the axes inside
 it fit in one node of 8 GPUs, InfiniBand 50 GB/s per GPU (400 Gb/s NIC per GPU) otherwise.
 With measured links (`tools.plan --bandwidth`, read by tools/bandwidth.py) an axis they cover
