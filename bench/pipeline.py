@@ -4,7 +4,7 @@
   python -m bench.pipeline --profile                also trace one step per case: idle per stage
   python -m bench.pipeline --mesh pp=2 --microbatches 2,4 --steps 2 --set model.d_model=64
 
-Cases: each schedule of `SCHEDULES` (gpipe, interleaved V=2, 1f1b, interleaved-1f1b V=2, zb-h1; one
+Cases: each schedule of `SCHEDULES` (gpipe, interleaved V=2, 1f1b, interleaved-1f1b V=2, zb-h1, zbv; one
 line each; --schedules picks some) and each M of --microbatches (default p,2p,4p, resolved from the --mesh,
 whose stage axis p must be 2 or more), on the --mesh (default pp=4): the preset with p·2 layers
 and microbatches of 2 sequences (a global batch of 2·M), then --set on top. Every case is
@@ -87,6 +87,7 @@ SCHEDULES = {
     "1f1b": [],
     "interleaved-1f1b": ["parallel.virtual_stages=2"],
     "zb-h1": [],
+    "zbv": ["parallel.virtual_stages=2"],
 }
 SEQUENCES_PER_MICROBATCH = 2
 # Each op on one thread (XLA CPU; ignored by other backends) unless XLA_FLAGS says otherwise: with
