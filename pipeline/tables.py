@@ -46,8 +46,8 @@ its op list in order, each op at the first tick its dependencies allow.
                most p - s until W would make the last stage run F B W back to back:
                3M + 2p - 2 ticks, the bubble of 1F1B.)
 
-  zbv          Qi et al. 2024 (ZB-V, the schedule of their "Pipeline Parallelism with Controllable
-               Memory"): zb-h1's split backward on V = 2 chunks laid in a V (`v_shape`): stage s
+  zbv          Qi et al. 2023 (ZB-V, the memory-efficient schedule of the paper of ZB-H1): zb-h1's
+               split backward on V = 2 chunks laid in a V (`v_shape`): stage s
                holds the model's chunks s and 2p-1-s, so a microbatch's forward runs down the
                stages on chunk 0 and back up on chunk 1, and its head and loss are on stage 0,
                where it entered; the turn at stage p-1 is local (no transfer), as is the
@@ -58,6 +58,9 @@ its op list in order, each op at the first tick its dependencies allow.
                elsewhere: up to p/2 ticks more; tests/test_schedule.py): bubble (p-1)/(6M+p-1),
                p-1 idle half-stage cells per stage where zb-h1 idles p-1 whole ones, at zb-h1's
                activation memory (2p half-stage pairs in flight = p whole ones, 1F1B's stage 0).
+               With equal cell costs no schedule is shorter: each stage runs 6M cells, and stage
+               p-1 can start none before microbatch 0 has crossed the p-1 stages above it. Twice
+               zb-h1's ticks, each with its two permutes: twice its bytes over stage.
 
 Their weighted time, the activations in flight, and the command line that prints and draws them
 (`python -m pipeline.schedule`): pipeline/schedule.py.
