@@ -69,8 +69,8 @@ class Layout(NamedTuple):
 class Sent(NamedTuple):
     """What a cell leaves in the carry."""
 
-    send_f: jax.Array  # [b, L, D] the stage's output, for s+1 at the next tick
-    send_b: jax.Array  # [b, L, D] the gradient of the stage's input, for s-1 at the next tick
+    send_f: jax.Array  # [b, L, D] the stage's output, for s+1 at the next tick (zbv's chunk 1: its input gradient)
+    send_b: jax.Array  # [b, L, D] the gradient of the stage's input, for s-1 at the next tick (zbv's chunk 1: its output)
     grads: nnx.State  # fp32 gradients of the stage's parameters ([V, Lc, ...] blocks), summed so far
     loss: jax.Array  # the loss summed so far (stage p-1)
     stats: dict  # the router statistics of the stage's MoE layers, summed over its B cells so far

@@ -101,7 +101,7 @@ from model.transformer import compute_params
 from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed, replaced, residual_layout, run_cell
 from pipeline.tables import BACKWARD
 from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
-from pipeline.tick_program import program
+from pipeline.tick_program import Program, program
 from sharding.accumulation import FSDP, gather, reduce
 from sharding.checks import microbatches, moe_layers
 from sharding.rules import constrain, logical_to_spec
@@ -186,11 +186,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     v_count = max(cfg.parallel.virtual_stages, 1)
     prog = program(cfg.parallel.schedule, p, m_count, v_count)
     st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, m_count, prog.split)
-    ring = v_count > 1 and not prog.v_shape
-    down = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
-    up = [((i + 1) % p, i) for i in range(p if ring else p - 1)]
-    arrivals = [(way, name, field) for way in ("down", "up") for name, field in (("inputs", "input"), ("inbox", "grad"))
-                if prog.used(f"{way}_{field}")]  # the (permute, buffer) pairs this schedule uses
+    pairs, arrivals = _links(prog, p, v_count)
 
     # [V, p·Lc] chunks over stage (the interleaved re-lay, by XLA); zbv's V: the stored [X] blocks,
     # laid out in the body (`v_layout`)
@@ -202,9 +198,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
 
     def body(local, inputs, targets):
         s = lax.axis_index(AXIS)
-        if prog.v_shape:
-            local = with_part(local, "blocks", jax.tree.map(lambda a: v_layout(a.reshape(2, -1, *a.shape[1:]), p),
-                                                            local["blocks"]))
+        local = _v_blocks(local, p) if prog.v_shape else local
         compute = _whole(compute_params(local, st.dtype), flat_specs, batch_axes)  # cast and gathered once per step
         act = jax.ShapeDtypeStruct((inputs.shape[1], length, cfg.model.d_model), st.dtype)  # this device's b rows
         stc, residuals, stash = residual_layout(st, compute, act)
@@ -213,17 +207,8 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
 
         def tick(carry, row):
             kind, m, v, xs, gs, rs, ss, kf, kb, *slots = (a[s] for a in row)
-            sent_v = slots.pop() if prog.v_shape else None  # the chunk of last tick's cell, whose values go out now
-            buffers, out = dict(zip(("inputs", "inbox"), carry[:2], strict=True)), carry[2]
-            sent = {"down": out.send_f, "up": out.send_b}
-            if prog.v_shape:  # chunk 1 of the V sends its forward up and its gradient down
-                turn = sent_v == 1
-                sent = {"down": jnp.where(turn, out.send_b, out.send_f), "up": jnp.where(turn, out.send_f, out.send_b)}
-            received = {way: lax.ppermute(sent[way], AXIS, pairs) for way, pairs in (("down", down), ("up", up))
-                        if any(w == way for w, *_ in arrivals)}
-            for (way, name, _), slot in zip(arrivals, slots, strict=True):
-                buffers[name] = _put(buffers[name], slot, received[way])
-            inbuf, inbox = buffers["inputs"], buffers["inbox"]
+            inbuf, inbox, out = carry
+            inbuf, inbox = _receive(inbuf, inbox, out, slots, pairs, arrivals)
             first = (s == 0) & (v == 0)
             embedded, embed_vjp = jax.vjp(partial(embed, stc, compute, inputs[m]), compute["embed"])
             x = jnp.where(first, embedded, inbuf[xs])
@@ -234,25 +219,20 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
             d_embedded = jnp.where(first & (kind == BACKWARD), out.send_b, jnp.zeros_like(out.send_b))
             grads = replaced(out.grads, {"embed": jax.tree.map(lambda a, d: a + d.astype(a.dtype),
                                                                 out.grads["embed"], embed_vjp(d_embedded)[0])})
-            return (inbuf, inbox, out._replace(grads=grads)), None
+            out = out._replace(grads=grads)
+            if prog.v_shape:  # chunk 1 of the V sends its forward to s-1 and its gradient to s+1
+                out = out._replace(send_f=jnp.where(v == 1, out.send_b, out.send_f),
+                                   send_b=jnp.where(v == 1, out.send_f, out.send_b))
+            return (inbuf, inbox, out), None
 
-        start = (buffer((prog.inputs, *act.shape), st.dtype), buffer((prog.inbox, *act.shape), st.dtype),
-                 Sent(buffer(act.shape, st.dtype), buffer(act.shape, st.dtype),
-                      jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), compute),
-                      jnp.zeros((), jnp.float32), no_stats(cfg.model),
-                      tuple(buffer((prog.residuals, *a.shape), a.dtype) for a in residuals),
-                      tuple(buffer((prog.stash, *a.shape), a.dtype) for a in stash)))
         rows = tuple(jnp.asarray(a) for a in (prog.branch, prog.microbatch, prog.chunk, prog.x_slot, prog.g_slot,
                                               prog.r_slot, prog.s_slot, prog.keep_f, prog.keep_b,
-                                              *(getattr(prog, f"{way}_{field}") for way, _, field in arrivals),
-                                              *([np.vstack([prog.chunk[:1] * 0, prog.chunk[:-1]])] if prog.v_shape else [])))
-        (_, _, out), _ = lax.scan(tick, start, rows)
+                                              *(getattr(prog, field) for _, _, field in arrivals)))
+        (_, _, out), _ = lax.scan(tick, _start(prog, act, compute, residuals, stash, cfg), rows)
         n = math.prod(lax.axis_size(a) for a in batch_axes)
         over_batch = (lambda a: lax.psum(a, batch_axes) / n) if batch_axes else (lambda a: a)  # noqa: E731
         grads = _reduced(out.grads, flat_specs, batch_axes)  # once per step
-        if prog.v_shape:
-            grads = with_part(grads, "blocks", jax.tree.map(lambda g: v_layout(g, p, back=True).reshape(-1, *g.shape[2:]),
-                                                            grads["blocks"]))
+        grads = _v_blocks(grads, p, back=True) if prog.v_shape else grads
         summed = jax.tree.map(lambda a: lax.psum(a, AXIS), grads)  # embedding, norm, head
         stats = {name: over_batch(lax.psum(a, AXIS)) / (m_count * moe_layers(cfg.model)) for name, a in out.stats.items()}
         return over_batch(lax.psum(out.loss, AXIS)), with_part(summed, "blocks", grads["blocks"]), stats
@@ -264,10 +244,54 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     return loss, with_part(grads, "blocks", blocks), stats
 
 
+def _start(prog: Program, act: jax.ShapeDtypeStruct, compute: nnx.State, residuals: tuple, stash: tuple,
+           cfg: RunConfig) -> tuple:
+    """The tick scan's first carry: the `inputs` and `inbox` slots, and a `Sent` with NaN-filled
+    sends and slots (pipeline.stages.buffer), zero fp32 gradients, loss and router statistics."""
+    return (buffer((prog.inputs, *act.shape), act.dtype), buffer((prog.inbox, *act.shape), act.dtype),
+            Sent(buffer(act.shape, act.dtype), buffer(act.shape, act.dtype),
+                 jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), compute),
+                 jnp.zeros((), jnp.float32), no_stats(cfg.model),
+                 tuple(buffer((prog.residuals, *a.shape), a.dtype) for a in residuals),
+                 tuple(buffer((prog.stash, *a.shape), a.dtype) for a in stash)))
+
+
+def _links(prog: Program, p: int, v_count: int) -> tuple[dict[str, list], list[tuple[str, str, str]]]:
+    """The two permutes' pairs, {"down": s -> s+1, "up": s+1 -> s} (rings where V > 1 loops, not
+    in zbv's V), and the arrivals the program uses: (permute, buffer, its slot field of Program)."""
+    ring = v_count > 1 and not prog.v_shape
+    n = p if ring else p - 1
+    pairs = {"down": [(i, (i + 1) % p) for i in range(n)], "up": [((i + 1) % p, i) for i in range(n)]}
+    arrivals = [(way, name, f"{way}_{field}") for way in pairs for name, field in (("inputs", "input"), ("inbox", "grad"))
+                if prog.used(f"{way}_{field}")]
+    return pairs, arrivals
+
+
+def _receive(inbuf: jax.Array, inbox: jax.Array, out: Sent, slots: list, pairs: dict[str, list],
+             arrivals: list[tuple[str, str, str]]) -> tuple[jax.Array, jax.Array]:
+    """Step 1 of the tick: last tick's `Sent.send_f` over the down permute, `send_b` over the up
+    one (only those the program uses), each arrival written to its slot (`slots`, in the order
+    of `arrivals`) of `inputs` or `inbox`."""
+    buffers, sent = {"inputs": inbuf, "inbox": inbox}, {"down": out.send_f, "up": out.send_b}
+    received = {way: lax.ppermute(sent[way], AXIS, pairs[way]) for way in pairs if any(w == way for w, *_ in arrivals)}
+    for (way, name, _), slot in zip(arrivals, slots, strict=True):
+        buffers[name] = _put(buffers[name], slot, received[way])
+    return buffers["inputs"], buffers["inbox"]
+
+
 def _put(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
     """`buffer` with `value` in `slot`, unchanged where slot is -1."""
     at = jnp.maximum(slot, 0)
     return buffer.at[at].set(jnp.where(slot >= 0, value, buffer[at]))
+
+
+def _v_blocks(tree: nnx.State, p: int, back: bool = False) -> nnx.State:
+    """`tree` with its blocks in zbv's V (`v_layout`): the device's stored [2·Lc, ...] layers as
+    [2, Lc, ...] chunks; `back`, the chunks' gradients as the stored [2·Lc, ...]."""
+    def lay(a: jax.Array) -> jax.Array:
+        return v_layout(a, p, back=True).reshape(-1, *a.shape[2:]) if back else v_layout(a.reshape(2, -1, *a.shape[1:]), p)
+
+    return with_part(tree, "blocks", jax.tree.map(lay, tree["blocks"]))
 
 
 def v_layout(chunks: jax.Array, p: int, back: bool = False) -> jax.Array:

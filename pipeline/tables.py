@@ -221,17 +221,18 @@ def zbv(stages: int, microbatches: int) -> Table:
     following = [dict.fromkeys(((k, v) for k in "FB" for v in (0, 1)), 0) for _ in range(p)]  # next microbatch
     waiting: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # B done, W not: the order their Ws run
     held, done, table = [0] * p, {}, []
+
+    def ready(s: int, t: int, kind: str, v: int) -> Op | None:
+        """Stage s's next op of this kind and chunk, if what it needs ran before tick t."""
+        op = Op(kind, following[s][kind, v], v)
+        return op if op.microbatch < m_count and all(done.get(d, t) < t for d in needs(op, s, p, 2, vee=True)) else None
+
     while len(done) < 6 * m_count * p:
         t, row = len(table), []
         for s in range(p):
-            def ready(kind: str, v: int) -> Op | None:
-                m = following[s][kind, v]
-                op = Op(kind, m, v)
-                return op if m < m_count and all(done.get(d, t) < t for d in needs(op, s, p, 2, vee=True)) else None
-
-            op = ready("B", 0) or ready("B", 1)
+            op = ready(s, t, "B", 0) or ready(s, t, "B", 1)
             if op is None and held[s] < cap:
-                op = ready("F", 1) or ready("F", 0)
+                op = ready(s, t, "F", 1) or ready(s, t, "F", 0)
             if op is None and waiting[s] and done[("B", *waiting[s][0], s)] < t:
                 op = Op("W", *waiting[s].pop(0))
             if op is not None:

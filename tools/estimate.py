@@ -130,7 +130,7 @@ from dataclasses import dataclass
 from configs.base import RunConfig
 from pipeline.schedule import in_flight, weighted
 from pipeline.tables import timetable
-from sharding.checks import CHUNKED, accumulation_axes, batch_ranks, expert_d_ff, explicit_context, moe_layers
+from sharding.checks import CHUNKED, ONE_F_ONE_B, accumulation_axes, batch_ranks, expert_d_ff, explicit_context, moe_layers
 from sharding.cores import choose_core
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -172,7 +172,7 @@ def core(cfg: RunConfig, sizes: dict[str, int]) -> str:
 
 
 SPLIT = ("zb-h1", "zbv")  # B split into B and W (pipeline/split_backward.py)
-STASHING = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv")  # per-stage vjp cells (pipeline/one_f_one_b.py): residuals stashed
+STASHING = ONE_F_ONE_B  # per-stage vjp cells (pipeline/one_f_one_b.py): residuals stashed
 
 
 def chunk_recompute(cfg: RunConfig, sizes: dict[str, int]) -> bool:

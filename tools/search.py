@@ -36,7 +36,7 @@ from tools.traffic import GPUS_PER_NODE, Links, expert
 SCHEDULES = (("gpipe", 1), ("interleaved", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2))  # (name, V)
 # XLA's peak / the estimate, at most (tools/estimate.py: 125m compiled for H100s, 1.54x gpipe,
 # 1.18x the 1F1B family since unrolled layers hold their remat: remat full on pp=2,tp=2; the
-# 1.35x it was before kept as the margin; zbv, not yet compiled for an H100, takes zb-h1's)
+# 1.35x it was before kept as the margin; zbv's XLA peak is 0.86-0.93x its estimate: zb-h1's margin)
 MEMORY_LOW = {"gpipe": 2.0, "interleaved": 2.0, "1f1b": 1.35, "interleaved-1f1b": 1.35, "zb-h1": 1.35, "zbv": 1.35}
 
 
