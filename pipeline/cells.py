@@ -38,7 +38,7 @@ from model.transformer import Transformer
 from pipeline.split_backward import split_vjp
 from pipeline.stages import with_part
 from pipeline.tables import BACKWARD, FORWARD, WEIGHT
-from pipeline.tick_program import BACKWARD_LAST
+from pipeline.tick_program import BACKWARD_LAST, NAMES, SCOPE
 from sharding.checks import moe_layers
 
 @dataclass(frozen=True)
@@ -247,7 +247,8 @@ GROUPS = (((FORWARD,), ("send_f", "residuals", "stats")),
 def run_cell(cells: dict, kinds: set[int], kind: jax.Array, args: tuple, out: Sent) -> Sent:
     """The cell `kind` (`cells[kind]`, each partial in Static; nothing for IDLE) on args (the
     stage's compute parameters, v, slots, x, g, target) and the carry's `out`, as one
-    lax.switch per group of `GROUPS` with a kind in `kinds` (the program's): a group's switch
+    lax.switch per group of `GROUPS` with a kind in `kinds` (the program's), each cell under its
+    named scope (pipeline.tick_program.SCOPE, for the census): a group's switch
     takes and returns the fields it writes, its first branch (any other kind) returns them as
     they are; the other fields are read-only operands (module docstring)."""
     for group, fields in GROUPS:
@@ -255,17 +256,18 @@ def run_cell(cells: dict, kinds: set[int], kind: jax.Array, args: tuple, out: Se
         if not present:
             continue
 
-        def branch(cell, fields=fields):
+        def branch(k, fields=fields):
             def run(written, rest):
                 given = rest._replace(**dict(zip(fields, written)))
-                new = cell(*args, given)
+                with jax.named_scope(SCOPE + NAMES[k]):
+                    new = cells[k](*args, given)
                 assert all(getattr(new, f) is getattr(given, f) for f in Sent._fields if f not in fields), \
-                    f"{cell} writes a field of Sent outside its group's {fields}"
+                    f"{cells[k]} writes a field of Sent outside its group's {fields}"
                 return tuple(getattr(new, f) for f in fields)
             return run
 
         index = sum((kind == k) * (i + 1) for i, k in enumerate(present))
-        written = lax.switch(index, [lambda written, rest: written] + [branch(cells[k]) for k in present],
+        written = lax.switch(index, [lambda written, rest: written] + [branch(k) for k in present],
                              tuple(getattr(out, f) for f in fields), out._replace(**dict.fromkeys(fields)))
         out = out._replace(**dict(zip(fields, written)))
     return out

@@ -8,12 +8,12 @@ its chunk v = layers (v·p + s)·Lc ... + Lc - 1. V = 1 is the stored layout (no
 re-lays the stored contiguous split every step as the circular schedules do ((V-1)/V of each
 device's layer weights forward, their gradients backward, over `stage`, XLA's all-to-alls).
 zbv's V (pipeline/tables.py): device s holds the model's chunks s and 2p-1-s, laid out inside
-the engine by collective-permutes from the stored split and back for the gradients (`v_layout`:
-each chunk moves once). The embedding, final norm and head are replicated over stage and used
-by the first chunk (stage 0 chunk 0: embedding) and the last (head and loss: stage p-1 chunk
-V-1, zbv's stage 0 chunk 1) inside the schedule: the backward of microbatch 0 starts before
-microbatch M-1 has entered, so each microbatch's loss is computed where its forward ends and
-its cotangent starts there. Their gradients are summed over stage once per step (an
+the engine by collective-permutes from the stored split, in the compute dtype (cast first), and
+the fp32 gradients back (`v_layout`: each chunk moves once; tools.traffic.v_layout). The
+embedding, final norm and head are replicated over stage and used by the first chunk (stage 0
+chunk 0: embedding) and the last (head and loss: stage p-1 chunk V-1, zbv's stage 0 chunk 1)
+inside the schedule: the backward of microbatch 0 starts before microbatch M-1 has entered, so
+each microbatch's loss is computed where its forward ends and its cotangent starts there. Their gradients are summed over stage once per step (an
 all-reduce of the embedding, norm and head: 2·(V·D+D)(p-1)/p elements per device).
 
 Tick program (one `lax.scan` over the ticks of pipeline/tables.py's table; every device runs
@@ -78,7 +78,8 @@ are all in one stage. GSPMD's partition of the embedding's scatter-add under seq
 parallelism is a collective-permute over all devices, which would wait forever for the stages
 that took another branch (the tensor-parallel all-reduces, all-gathers and reduce-scatters
 inside the stage's layers stay within a stage). The cost is a [b, L, D] gather and
-scatter-add per tick on the stages that do not need them. The head's collectives (the vocab
+scatter-add per tick on the stages that do not need them, and under tensor parallelism the
+vocab-parallel lookup's all-reduce: T - M more than M (tools.traffic.embedded_every_tick). The head's collectives (the vocab
 split over tensor) stay within the last stage. tp_overlap's rings are collective-permutes too,
 hence refused with this family (sharding/checks.py), and so is the context-parallel ring.
 """
@@ -101,9 +102,9 @@ from model.transformer import compute_params
 from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed, replaced, residual_layout, run_cell
 from pipeline.tables import BACKWARD
 from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
-from pipeline.tick_program import Program, program
+from pipeline.tick_program import Program, cell_shares, program
 from sharding.accumulation import FSDP, gather, reduce
-from sharding.checks import microbatches, moe_layers
+from sharding.checks import ONE_F_ONE_B, microbatches, moe_layers
 from sharding.rules import constrain, logical_to_spec
 
 
@@ -198,8 +199,8 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
 
     def body(local, inputs, targets):
         s = lax.axis_index(AXIS)
-        local = _v_blocks(local, p) if prog.v_shape else local
-        compute = _whole(compute_params(local, st.dtype), flat_specs, batch_axes)  # cast and gathered once per step
+        compute = compute_params(local, st.dtype)  # cast, laid out in the V (zbv) and gathered once per step
+        compute = _whole(_v_blocks(compute, p) if prog.v_shape else compute, flat_specs, batch_axes)
         act = jax.ShapeDtypeStruct((inputs.shape[1], length, cfg.model.d_model), st.dtype)  # this device's b rows
         stc, residuals, stash = residual_layout(st, compute, act)
         cells = {kind: partial(cell, stc) for kind, cell in (SPLIT_CELLS if prog.split else CELLS).items()}
@@ -313,3 +314,13 @@ def v_layout(chunks: jax.Array, p: int, back: bool = False) -> jax.Array:
             parts.append(lax.ppermute(chunks[b], AXIS, pairs))
         out.append(sum(parts[1:], parts[0]))
     return jnp.stack(out)
+
+
+def census_taken(cfg: RunConfig, mesh_shape: dict[str, int]) -> dict[str, dict[int, float]] | None:
+    """tools.hlo.census's `taken` for cfg's train step on a mesh of `mesh_shape`: under the 1F1B
+    family each cell's share of the ticks per device (pipeline.tick_program.cell_shares); else None."""
+    p = mesh_shape.get(AXIS, 1)
+    if p == 1 or cfg.parallel.schedule not in ONE_F_ONE_B:
+        return None
+    prog = program(cfg.parallel.schedule, p, microbatches(cfg, p), max(cfg.parallel.virtual_stages, 1))
+    return cell_shares(prog, mesh_shape, AXIS)

@@ -15,6 +15,10 @@ import numpy as np
 from pipeline.tables import BACKWARD, FORWARD, WEIGHT, cells, route, timetable, v_shape, virtual_stages
 
 BACKWARD_LAST = WEIGHT + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, WEIGHT, and B of the last chunk
+# Each cell runs under the named scope SCOPE + its name (pipeline.cells.run_cell), which XLA keeps
+# in its collectives' op_name: the census counts them per cell run, not per tick (`cell_shares`)
+SCOPE = "pipeline_cell_"
+NAMES = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W", BACKWARD_LAST: "B_last"}
 
 
 class Program(NamedTuple):
@@ -125,3 +129,14 @@ def program(schedule: str, p: int, m_count: int, v_count: int = 1) -> Program:
         for name, b in slots.items():
             sizes[name] = max(sizes[name], b.most)
     return Program(branch, micro, chunk, **arrays, **sizes, split=split, v_shape=vee)
+
+
+def cell_shares(prog: Program, mesh_shape: dict[str, int], axis: str = "stage") -> dict[str, dict[int, float]]:
+    """tools.hlo.census's `taken`: for each cell's scope, the share of the ticks each device (by
+    its position in the mesh's flat order, on the mesh of `mesh_shape`) runs it. The switch that
+    holds a cell's collectives runs every tick; the cell only on its stage's ticks."""
+    stage = np.unravel_index(np.arange(int(np.prod(list(mesh_shape.values())))), tuple(mesh_shape.values()))[
+        list(mesh_shape).index(axis)]
+    ticks = len(prog.branch)
+    return {SCOPE + name: {int(d): float(np.sum(prog.branch[:, s] == k)) / ticks for d, s in enumerate(stage)}
+            for k, name in NAMES.items()}

@@ -21,7 +21,7 @@ from configs import apply_overrides, get_preset
 from model.transformer import count_params
 from sharding.mesh import build_mesh, parse_mesh
 from conftest import SMALL, run_module
-from tools.hlo import census, format_table, step_census, summary
+from tools.hlo import census, format_table, per_device, step_census, summary
 from training.build import make_program
 
 TRIPS_MODULE = """HloModule m
@@ -68,7 +68,32 @@ def test_census_reads_kinds_axes_loops_and_async_forms():
     rows = {(r["kind"], r["axes"]): r for r in summary(list(found.values()))}
     assert rows[("all-reduce", "tensor")] == {"kind": "all-reduce", "axes": "tensor", "ops": 1, "count": 3,
                                                "bytes_per_device": 18000.0}
-    assert "collective-permute" in format_table(summary(list(found.values())))
+    assert "collective-permute" in format_table(list(found.values()))
+
+
+PIPELINE_PERMUTES = """HloModule m
+
+ENTRY %main (a: f32[16], b: f32[16]) -> f32[16] {
+  %down = f32[16]{0} collective-permute(%a), channel_id=1, source_target_pairs={{0,1}}
+  %up = f32[16]{0} collective-permute(%b), channel_id=2, source_target_pairs={{1,0}}
+  %stay = f32[16]{0} collective-permute(%b), channel_id=3, source_target_pairs={{0,0},{1,1}}
+  ROOT %ar = f32[16]{0} all-reduce(%a), channel_id=4, replica_groups={{0,1}}, to_apply=%add
+}
+"""
+
+
+def test_census_counts_a_permute_for_its_senders_only():
+    """pp=2's permutes: down from stage 0 only, up from stage 1 only, and a pair of one device (a
+    local copy) moves nothing. Each device sends 64 bytes, not 128 (every permute counted as
+    sent by every device, the census before per_device); the all-reduce's 2S(N-1)/N comes on
+    top for both, and the total is the busiest device's."""
+    found = {c.name: c for c in census(PIPELINE_PERMUTES, {"stage": 2})}
+    assert (found["down"].devices, found["up"].devices, found["stay"].devices) == ((0,), (1,), ())
+    assert (found["down"].bytes_per_run, found["stay"].bytes_per_run) == (64, 0)
+    rows = {(r["kind"], r["axes"]): r["bytes_per_device"] for r in summary(list(found.values()))}
+    assert rows == {("collective-permute", "stage"): 64, ("all-reduce", "stage"): 64, ("collective-permute", "-"): 0}
+    assert per_device(list(found.values())) == 128
+    assert format_table(list(found.values())).splitlines()[-1].split()[-1] == f"{128 / 2**20:.3f}"
 
 
 def test_census_reads_the_mesh_form_of_replica_groups():
@@ -188,7 +213,7 @@ def compiled(mesh: str, *sets: str):
     """(census, n_params, cfg) of tiny's train step on `mesh` (compiled once per session);
     prints the census table, which pytest shows when the test fails."""
     found, n_params, cfg = _compile(mesh, *sets)
-    print(f"census of tiny on {mesh} {' '.join(sets)}:\n{format_table(summary(found))}")
+    print(f"census of tiny on {mesh} {' '.join(sets)}:\n{format_table(found)}")
     return found, n_params, cfg
 
 

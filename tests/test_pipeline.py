@@ -250,7 +250,11 @@ def test_zb_h1_splits_the_backward_without_repeating_work(mesh, remat):
 
 
 def stage_bytes(ops) -> float:
-    return sum(c.bytes_per_step for c in ops if c.axes == ("stage",))
+    """Bytes over stage of the device that moves the most (at p = 2 without a ring, each device
+    sends one of the two permutes: tools.hlo.per_device)."""
+    from tools.hlo import per_device
+
+    return per_device([c for c in ops if c.axes == ("stage",)])
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -274,34 +278,54 @@ def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_
         assert stage_bytes(ops) == pytest.approx(traffic.stage(cfg, mesh_sizes(cfg)), rel=1e-3), m
 
 
-@pytest.mark.parametrize("schedule, v", [("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved", 2), ("zbv", 2)])
-def test_stage_census_is_the_tick_program_contract(schedule, v):
-    """pp=2, M = 4, 4 layers: the bytes over stage are tools.traffic.stage's (2T permutes for the
-    T ticks of zb-h1's and interleaved-1f1b's tables; interleaved as gpipe with V·M + p - 1
-    ticks), but for the interleaved schedules' all-to-alls, which re-lay the contiguously
-    stored layers every step: half of the device's layer weights forward and their gradients
-    back at p = V = 2 (not in the contract: pipeline/circular.py); zbv's V moves the same half,
-    by collective-permutes before and after the ticks (pipeline.one_f_one_b.v_layout), and its
-    ticks' permutes are the contract's 2T."""
+@pytest.mark.parametrize("schedule, v, mesh", [
+    ("zb-h1", 1, "pp=2"), ("interleaved-1f1b", 2, "pp=2"), ("interleaved", 2, "pp=2"), ("zbv", 2, "pp=2"),
+    ("zbv", 2, "pp=4"), ("gpipe", 1, "pp=4"), ("1f1b", 1, "pp=2,tp=2"), ("1f1b", 1, "pp=2,tp=2 sp full"),
+    ("zb-h1", 1, "pp=2,tp=2 full"), ("zbv", 2, "pp=2,tp=2 sp")])
+def test_stage_census_is_the_tick_program_contract(schedule, v, mesh):
+    """M = 4, 2p layers: the bytes over stage of the stage that sends the most are
+    tools.traffic.stage's (T permutes for the T ticks of zb-h1's and zbv's tables at p = 2, where
+    each device sends one of the two, 2T at p = 4; 2T on interleaved-1f1b's ring; interleaved as
+    gpipe with V·M + p - 1 ticks, both rings, and the outputs' permute from stage p-1 to stage 0
+    and back, one sender each), but for the interleaved schedules' all-to-alls, which re-lay the
+    contiguously stored layers every step: half of the device's layer weights forward and their
+    gradients back at p = V = 2 (not in the contract: pipeline/circular.py). zbv's V moves as
+    much by collective-permutes before and after the ticks (pipeline.one_f_one_b.v_layout),
+    which the contract counts (traffic.v_layout): the chunks in the compute dtype, their
+    gradients back in fp32. Under tp=2 every tensor rank sends its copy of the activations, under
+    sequence parallelism its 1/t of them; and the tensor bytes are traffic's, counting each
+    cell's collectives per run of the cell (without the cells' shares, as if every branch of
+    their switch ran every tick, the census reads 1.5-2x), with the chunk's whole recompute
+    under remat full (2 layers a chunk) and the embedding in every tick."""
+    from pipeline.one_f_one_b import census_taken
     from tools import traffic
-    from tools.estimate import local_param_parts
-    from tools.hlo import census
+    from tools.estimate import DTYPE_BYTES, local_param_parts
+    from tools.hlo import census, per_device
 
-    cfg = small_config("pp=2", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
-                       "parallel.microbatches=4", "train.global_batch_size=8", "model.n_layers=4")
+    mesh, *options = mesh.split(" ")
+    p = int(mesh.split(",")[0].removeprefix("pp="))
+    cfg = small_config(mesh, f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
+                       "parallel.microbatches=4", "train.global_batch_size=8", f"model.n_layers={2 * p}",
+                       f"parallel.sequence_parallel={'sp' in options}",
+                       f"model.remat={'full' if 'full' in options else 'none'}")
     compiled, mesh = _compiled(cfg)
-    ops = census(compiled.as_text(), dict(mesh.shape))
+    ops = census(compiled.as_text(), dict(mesh.shape), census_taken(cfg, dict(mesh.shape)))
     sizes = mesh_sizes(cfg)
-    relayout = sum(c.bytes_per_step for c in ops if c.axes == ("stage",) and (  # zbv: its permutes outside the ticks
-        c.kind == "all-to-all" or schedule == "zbv" and c.kind == "collective-permute" and "while" not in c.op_name))
+    if sizes["tensor"] > 1:
+        tensor = per_device([c for c in ops if c.axes == ("tensor",)])
+        assert tensor == pytest.approx(traffic.communication(cfg, sizes)["tensor"], rel=0.01)
+        every_branch = census(compiled.as_text(), dict(mesh.shape))
+        assert per_device([c for c in every_branch if c.axes == ("tensor",)]) > 1.5 * tensor
+    relayout = per_device([c for c in ops if c.axes == ("stage",) and c.kind == "all-to-all"])
     assert stage_bytes(ops) - relayout == pytest.approx(traffic.stage(cfg, sizes), rel=1e-3)
     m = cfg.model
-    layers = local_param_parts(cfg, sizes)[0] - 2 * m.vocab_size * m.d_model - m.d_model  # 2 of the 4
-    if schedule == "zbv":  # 2 permutes of one chunk per weight and way, each with one pair at p = 2, which the
-        # census counts as every device sending (its S per permute): each device really sends one chunk
-        assert relayout == pytest.approx(2 * 2 * 4 * layers / 2, rel=1e-3)
-    else:
-        assert relayout == pytest.approx(2 * 4 * layers / 2 if v > 1 else 0, rel=1e-3)
+    layers = local_param_parts(cfg, sizes)[0] - 2 * m.vocab_size * m.d_model / sizes["tensor"] - m.d_model  # 2 of 2p
+    assert relayout == pytest.approx(2 * 4 * layers / 2 if v > 1 and schedule != "zbv" else 0, rel=1e-3)
+    if schedule == "zbv":  # 1 of the stage's 2 chunks leaves it at p = 2, 2 at p = 4 (stage 0 keeps its chunk 0)
+        layout = [c for c in ops if c.kind == "collective-permute" and "while" not in c.op_name]
+        c = DTYPE_BYTES[m.compute_dtype]
+        assert per_device(layout) == pytest.approx(traffic.v_layout(cfg, sizes), rel=1e-3)
+        assert traffic.v_layout(cfg, sizes) == pytest.approx((c + 4) * layers / 2 * (p // 2), rel=1e-3)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])

@@ -19,7 +19,17 @@ It reads the text of the compiled (partitioned, optimised) HLO, what runs on eac
   counts once. `ops` counts instructions in the text, `count` counts executions per step.
 - Bytes per device, with S the full buffer and N the group size: all-reduce 2S(N-1)/N (ring);
   all-gather S(N-1)/N (S = its result); reduce-scatter S(N-1)/N (S = its operand, N times the
-  result); all-to-all S(N-1)/N; collective-permute S (each device sends its buffer once).
+  result); all-to-all S(N-1)/N; collective-permute S, for the devices that send (a source of
+  its pairs with another target; a pair of one device is a local copy, no bytes). A
+  collective moves bytes on its `devices` only, so a row's (and the total's) bytes per device
+  are those of the device that moves the most (`per_device`): a pipeline's permute down the
+  stages is not sent by the last stage, nor the one up by the first, and at p = 2 each device
+  sends one of the two.
+- Branches: a conditional's branches all sit in the text, but each execution takes one. Where
+  the caller knows how often a named scope's branch is taken (`taken`: a pipeline's cells,
+  pipeline.cells.cell_shares), a collective under that scope (its op_name) runs that share of
+  its loop's trips on each device; otherwise every branch is counted as taken every time, an
+  upper bound.
 
 The HLO text prints operands without shapes, so sizes come from each instruction's own result
 type. Written by hand because no library reports collectives per mesh axis (XLA's
@@ -32,7 +42,8 @@ import json
 import math
 import re
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -73,13 +84,14 @@ class Collective:
     trips: int  # executions per step
     name: str
     op_name: str  # jax's metadata: where in the program it comes from
+    devices: tuple[int, ...]  # the devices that move bytes: its groups' members, a permute's senders
 
     @property
     def bytes_per_run(self) -> float:
-        """Bytes each device moves in one execution."""
+        """Bytes each of its `devices` moves in one execution."""
         s, n = self.elements * DTYPE_BYTES.get(self.dtype, 4), self.group
         if self.kind == "collective-permute":
-            return float(s)
+            return float(s) if self.devices else 0.0
         return (2 if self.kind == "all-reduce" else 1) * s * (n - 1) / n
 
     @property
@@ -244,8 +256,19 @@ def _trips(line: str, condition: str, comp: str, body: dict[str, list[str]]) -> 
     return limit - first if first is not None and limit > first else 1
 
 
-def census(hlo_text: str, axis_sizes: dict[str, int]) -> list[Collective]:
-    """Every collective instruction of a compiled HLO module over a mesh of `axis_sizes`."""
+def _shares(op_name: str, taken: dict[str, dict[int, float]]) -> dict[int, float] | None:
+    """The shares of the scope of `taken` the op_name runs under (a whole path segment), if any."""
+    for scope, shares in taken.items():
+        if re.search(rf"(?<!\w){re.escape(scope)}(?!\w)", op_name):
+            return shares
+    return None
+
+
+def census(hlo_text: str, axis_sizes: dict[str, int],
+           taken: dict[str, dict[int, float]] | None = None) -> list[Collective]:
+    """Every collective instruction of a compiled HLO module over a mesh of `axis_sizes`.
+    `taken`: for a named scope, the share of its loop's trips each device runs it (module
+    docstring, Branches); such a collective is listed once per share, with those devices."""
     body, runs = _multipliers(hlo_text)
     found = []
     for comp, lines in body.items():
@@ -260,46 +283,70 @@ def census(hlo_text: str, axis_sizes: dict[str, int]) -> list[Collective]:
             if kind == "collective-permute":
                 pairs = [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", _PAIRS.search(rest).group(1))]
                 sets, group = pairs, 2
+                devices = sorted({a for a, b in pairs if a != b})
             else:
                 sets = _groups(rest) or [list(range(math.prod(axis_sizes.values())))]  # {}: all devices
                 group = len(sets[0])
+                devices = sorted({d for g in sets for d in g})
             dtype, elements = _buffer(kind, opcode.endswith("-start"), type_text)
             if kind == "reduce-scatter":
                 elements *= group  # the result is 1/N of the reduced buffer
             op_name = (o.group(1) if (o := OP_NAME.search(rest)) else "")
-            found.append(Collective(kind, _axes(sets, axis_sizes), group, dtype, elements, runs[comp], name, op_name))
+            one = Collective(kind, _axes(sets, axis_sizes), group, dtype, elements, runs[comp], name, op_name,
+                             tuple(devices))
+            shares = _shares(op_name, taken or {})
+            if shares is None:
+                found.append(one)
+                continue
+            for share in sorted({shares.get(d, 0.0) for d in devices} - {0.0}):
+                found.append(replace(one, trips=round(one.trips * share),
+                                     devices=tuple(d for d in devices if shares.get(d, 0.0) == share)))
     return found
 
 
-def summary(collectives: list[Collective]) -> list[dict]:
-    """Rows per (kind, axes): ops in the text, executions per step, bytes per device per step."""
-    rows: dict[tuple, dict] = {}
+def per_device(collectives: list[Collective], of: Callable[[Collective], float] = lambda c: c.bytes_per_step) -> float:
+    """The most any device has of `of` (bytes per step) over `collectives`, each counted on
+    each of its `devices`."""
+    moved: dict[int, float] = defaultdict(float)
     for c in collectives:
-        row = rows.setdefault((c.kind, c.axes), {"kind": c.kind, "axes": "+".join(c.axes) or "-",
-                                                "ops": 0, "count": 0, "bytes_per_device": 0.0})
-        row["ops"] += 1
-        row["count"] += c.trips
-        row["bytes_per_device"] += c.bytes_per_step
-    return sorted(rows.values(), key=lambda r: (r["axes"], r["kind"]))
+        for d in c.devices:
+            moved[d] += of(c)
+    return max(moved.values(), default=0.0)
 
 
-def format_table(rows: list[dict]) -> str:
+def summary(collectives: list[Collective]) -> list[dict]:
+    """Rows per (kind, axes): ops in the text, and the executions and bytes per step of the
+    row's busiest device (`per_device`)."""
+    groups: dict[tuple, list[Collective]] = defaultdict(list)
+    for c in collectives:
+        groups[c.kind, c.axes].append(c)
+    rows = [{"kind": kind, "axes": "+".join(axes) or "-", "ops": len({c.name for c in ops}),
+             "count": round(per_device(ops, lambda c: c.trips)), "bytes_per_device": per_device(ops)}
+            for (kind, axes), ops in groups.items()]
+    return sorted(rows, key=lambda r: (r["axes"], r["kind"]))
+
+
+def format_table(collectives: list[Collective]) -> str:
+    """`summary`'s rows as a table, and the busiest device's total."""
+    rows = summary(collectives)
     lines = [f"{'collective':<20} {'mesh axes':<16} {'ops':>5} {'per step':>9} {'MiB/device':>11}"]
     for r in rows:
         lines.append(f"{r['kind']:<20} {r['axes']:<16} {r['ops']:>5} {r['count']:>9} "
                      f"{r['bytes_per_device'] / 2**20:>11.3f}")
-    total = sum(r["bytes_per_device"] for r in rows)
-    lines.append(f"{'total':<20} {'':<16} {'':>5} {sum(r['count'] for r in rows):>9} {total / 2**20:>11.3f}")
+    total = per_device(collectives)
+    count = round(per_device(collectives, lambda c: c.trips))
+    lines.append(f"{'total':<20} {'':<16} {'':>5} {count:>9} {total / 2**20:>11.3f}")
     return "\n".join(lines)
 
 
 def step_census(cfg, mesh) -> list[Collective]:
     """The census of cfg's compiled train step on `mesh` (abstract inputs: nothing allocated)."""
+    from pipeline.one_f_one_b import census_taken
     from training.build import make_program, compile_step
 
     program = make_program(cfg, mesh)
     compiled, _, _ = compile_step(program.step_fn, mesh, program.state, program.abstract_batch())
-    return census(compiled.as_text(), dict(mesh.shape))
+    return census(compiled.as_text(), dict(mesh.shape), census_taken(cfg, dict(mesh.shape)))
 
 
 def main(argv: list[str]) -> int:
@@ -317,13 +364,12 @@ def main(argv: list[str]) -> int:
 
     mesh = build_mesh(cfg.parallel)
     found = step_census(cfg, mesh)
-    rows = summary(found)
     if args.json:
-        print(json.dumps({"config": cfg.name, "mesh": format_mesh(dict(mesh.shape)), "rows": rows,
+        print(json.dumps({"config": cfg.name, "mesh": format_mesh(dict(mesh.shape)), "rows": summary(found),
                           "ops": [asdict(c) | {"bytes_per_run": c.bytes_per_run} for c in found]}, indent=1))
         return 0
     print(f"train step of {cfg.name} on mesh {format_mesh(dict(mesh.shape))}: collectives per step, per device")
-    print(format_table(rows))
+    print(format_table(found))
     if args.ops:
         for c in sorted(found, key=lambda c: (c.axes, c.kind, c.name)):
             print(f"  {c.kind:<19} {'+'.join(c.axes) or '-':<12} {c.dtype}[{c.elements}] x{c.trips} "

@@ -3,7 +3,8 @@ the time they take on the link that axis crosses.
 
 Pure arithmetic, with tools/estimate.py's letters and per-device shape (`estimate.shape`).
 
-Communication (bytes per device per step), the contract of DESIGN.md, in the bytes XLA GPU
+Communication (bytes per device per step, of the device that moves the most where devices
+differ), the contract of DESIGN.md, in the bytes XLA GPU
 moves (the census of `tools.plan --compile-for-gpu`; XLA CPU widens bf16 and moves fp32, so
 its census is compared at model.compute_dtype=float32, where the two agree):
   gradients: a reduction once per step moves the fp32 sum of the k microbatches, G = 4·P'
@@ -60,7 +61,14 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           r = 1; under sequence parallelism the recompute runs all-gather, reduce-scatter,
           all-gather (the MLP's reduce-scatter is dead the same way): r = 1.5. The census of the
           compiled tiny step on dp=2,tp=4 agrees within 0.1% with and without remat and SP
-          (tests/test_hlo.py). remat dots/attn: modelled as none (r = 0), not measured.
+          (tests/test_hlo.py). remat dots/attn: modelled as none (r = 0), not measured. The 1F1B
+          family under remat=full recomputes each chunk whole in its B (one checkpoint, every
+          layer's output live: 2 more) before the layers' own recompute: r + 2, but where a
+          chunk is one layer (XLA merges the two); its tick program also embeds on every stage
+          in every tick, T - k lookups' all-reduces more than k (`embedded_every_tick`). The
+          census of tiny on pp=2,tp=2 agrees within 1% for 1f1b, zb-h1, zbv and
+          interleaved-1f1b, with and without SP and remat full (tests/test_pipeline.py; the
+          census counts a cell's collectives per cell run: pipeline.tick_program.cell_shares).
   sequence the gradients per microbatch, as over data (every weight is replicated over
           sequence): k · 2 · G_c(N-1)/N;
           plus K and V per layer and microbatch, E = b·(L/sp)·K'·H elements of one local block
@@ -75,20 +83,32 @@ its census is compared at model.compute_dtype=float32, where the two agree):
   (data and fsdp times k: the compiled step gathers the weights and reduces the gradients in
   each microbatch of the accumulation scan, as the census of a k > 1 step shows)
   stage   what the lock-step tick programs send (pipeline/), bubble ticks included, with
-          a = b·L·D·c/t one microbatch's activations and T the ticks of the schedule's table:
+          a = b·L·D·c one microbatch's activations (b·L·D·c/t under sequence parallelism; without
+          it every tensor rank holds the whole and sends its copy) and T the ticks of the
+          schedule's table,
+          counted for the stage that sends the most (tools.hlo.per_device: a permute down the
+          stages has no sender on the last, one up none on the first):
             1F1B family  2T·a: each tick sends its activation on and its cotangent back
-                         (T counts F and B ticks), plus the all-reduce of the gradients of the
-                         weights every stage holds (embedding, head, final norm: their fp32 sum
-                         over the schedule), 2·4·(2h + D)·(p-1)/p
-            gpipe, interleaved  2T·a: T forward ticks, autodiff's transpose as many back; plus
-                         the M·a of the last stage's outputs permuted to where the head runs and
-                         their cotangent back, 2M·a, and two all-reduces of M microbatches
-                         (the outputs read on every stage, in fp32 as the head takes them, and
-                         the embedded batch's cotangent summed over stage), 2M·(a4 + a)·(p-1)/p,
-                         a4 = b·L·D·4/t
-          Not counted: the interleaved schedules re-lay the contiguously stored layers every
-          step, each device's layer weights and gradients over stage (pipeline/circular.py;
-          measured on tiny: 0.5x, 1.75x and 0.75x of them each way at p, V = 2, 2; 4, 2; 4, 4).
+                         (T counts F and B ticks); T·a at p = 2 but on interleaved-1f1b's ring
+                         (stage 0 sends only down, stage 1 only up); plus the all-reduce of
+                         the gradients of the weights every stage holds (embedding, head, final
+                         norm: their fp32 sum over the schedule), 2·4·(2h + D)·(p-1)/p; zbv
+                         also lays its V out from the stored split every step
+                         (`v_layout`): of the stage's 2 chunks 1 (p = 2) or 2 (p > 2) leave in
+                         the compute dtype and their fp32 gradients come back, (c + 4)·P_l/2 per
+                         chunk (P_l the stage's layer weights)
+            gpipe, interleaved  2T·a: T forward ticks on a ring, autodiff's transpose as many
+                         back; plus the M·a of the last stage's outputs permuted to stage 0 and
+                         their cotangent back (one sender each: M·a), and two all-reduces of M
+                         microbatches (the outputs read on every stage, in fp32 as the head takes
+                         them, and the embedded batch's cotangent summed over stage),
+                         2M·(a4 + a)·(p-1)/p, a4 = a·4/c
+          The census of tiny on pp=2 and pp=4 equals it within a scalar's bytes for every
+          schedule (tests/test_pipeline.py), but for what is not counted: the interleaved
+          schedules re-lay the contiguously stored layers every step, each device's layer
+          weights and gradients over stage (pipeline/circular.py; XLA's all-to-alls and
+          permutes, measured on tiny: 0.5x, 1.75x and 0.75x of them each way at p, V = 2, 2;
+          4, 2; 4, 4).
           The contract of DESIGN.md (one permute per microbatch and boundary, 2k·a) is what
           must travel: gpipe with M ≫ p comes close to it; the 1F1B family sends twice it
           (T ≈ 2M, and every tick permutes both buffers, since in one tick some stages run F
@@ -131,6 +151,8 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     act = s.tokens * m.d_model * c  # S: one layer's input for one microbatch (its L/sp rows)
     sp = cfg.parallel.sequence_parallel
     recompute = (1.5 if sp else 1.0) * (m.remat == "full")  # r of the module docstring
+    if m.remat == "full" and sizes["stage"] > 1 and cfg.parallel.schedule in STASHING and s.layers > virtual(cfg):
+        recompute += 2  # the 1F1B family's chunk recomputed whole (module docstring)
     kv_replicated = m.n_kv_heads % sizes["tensor"] != 0
     kv_grads = 2 * 4 * m.d_model * m.n_kv_heads * m.head_dim * kv_replicated
     tensor = s.layers * ((4 + recompute) * 2 * act + 2 * kv_grads) + 2 * 2 * act
@@ -153,9 +175,18 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         "fsdp": fsdp,
         "expert": 2 * (reduced - expert_share) * frac["expert"] + expert(cfg, sizes),
         "sequence": 2 * reduced * frac["sequence"] + context(cfg, sizes),
-        "tensor": s.k * tensor * frac["tensor"],
+        "tensor": (s.k * tensor + embedded_every_tick(cfg, sizes) * 2 * act) * frac["tensor"],
     }
     return {a: v for a, v in volume.items() if sizes[a] > 1}
+
+
+def embedded_every_tick(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """Embeddings beyond the k microbatches' that the 1F1B family's tick program runs: every
+    stage embeds in every tick, outside its cells' switch (pipeline/one_f_one_b.py), T - k of
+    them with the vocab-parallel lookup's all-reduce over tensor; none elsewhere."""
+    if sizes["stage"] == 1 or cfg.parallel.schedule not in STASHING:
+        return 0.0
+    return pipeline_figures(cfg, sizes)["ticks"] - shape(cfg, sizes).k
 
 
 def small_parts(cfg: RunConfig, sizes: dict[str, int]) -> tuple[float, float, float]:
@@ -190,13 +221,27 @@ def stage(cfg: RunConfig, sizes: dict[str, int]) -> float:
     m, s, p = cfg.model, shape(cfg, sizes), sizes["stage"]
     if p == 1:
         return 0.0
-    a = s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype] / sizes["tensor"]
-    sends = 2 * pipeline_figures(cfg, sizes)["ticks"] * a
-    if cfg.parallel.schedule in STASHING:
+    split = sizes["tensor"] if cfg.parallel.sequence_parallel else 1  # else every tensor rank sends its copy
+    a = s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype] / split
+    schedule = cfg.parallel.schedule
+    ring = schedule not in STASHING or virtual(cfg) > 1 and schedule != "zbv"
+    sends = (2 if ring or p > 2 else 1) * pipeline_figures(cfg, sizes)["ticks"] * a
+    if schedule in STASHING:
         replicated = 2 * small_parts(cfg, sizes)[0] + m.d_model  # embedding, head, final norm
-        return sends + 2 * 4 * replicated * (p - 1) / p
+        return sends + 2 * 4 * replicated * (p - 1) / p + (v_layout(cfg, sizes) if schedule == "zbv" else 0.0)
     widened = a * 4 / DTYPE_BYTES[m.compute_dtype]  # the head's fp32 input
-    return sends + 2 * s.k * a + 2 * s.k * (widened + a) * (p - 1) / p
+    return sends + s.k * a + 2 * s.k * (widened + a) * (p - 1) / p
+
+
+def v_layout(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """zbv's V laid out from the stored split every step (pipeline.one_f_one_b.v_layout), bytes
+    of the device that moves the most: of its 2 chunks of layer weights 1 (p = 2) or 2 (p > 2)
+    leave it in the compute dtype, and their gradients come back in fp32 (module docstring)."""
+    m, p = cfg.model, sizes["stage"]
+    head, _, _ = small_parts(cfg, sizes)
+    layers = sum(local_param_parts(cfg, sizes)) - 2 * head - m.d_model  # less embedding, head, final norm
+    moved = 1 if p == 2 else 2
+    return moved / 2 * layers * (DTYPE_BYTES[m.compute_dtype] + 4)
 
 
 def expert(cfg: RunConfig, sizes: dict[str, int]) -> float:
