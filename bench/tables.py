@@ -53,6 +53,8 @@ PROSE_ONLY = {
                                            "regions, quoted in the planner's pipeline paragraph",
     "pipeline-memory-125m-h100-zbv": "zbv beside zb-h1, XLA GPU's compiled memory and the estimate, quoted in "
                                      "the planner's pipeline paragraph",
+    "census-pipelines-h100-compiled": "XLA GPU's collective census of pipelined steps beside the contract, "
+                                      "typed into the census table's pipeline rows and its paragraph",
     "remat-unrolled-1b-h100-compiled": "XLA GPU's compiled memory of unrolled layers before and after their "
                                        "checkpoints prevented CSE, quoted in sentences",
 }
