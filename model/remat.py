@@ -24,7 +24,11 @@ none there keeps the outputs of every operation but the cheap ones (`CHEAP`: ele
 arithmetic, casts, reshapes, slices, transposes and row reductions), which the backward
 recomputes: the matmuls', the attention kernels' (output and logsumexp), the collectives'
 and any other's. So nothing costly or communicating runs twice, and nothing derived from the
-weights alone (their slices, casts, transposes) is kept.
+weights alone (their slices, casts, transposes) is kept. Under full it keeps each layer's input
+(`LAYER_INPUT`, named in model.transformer's layer loop), what the layer's own checkpoint keeps:
+B recomputes each layer once. Keeping the chunk's input alone made B recompute the chunk's
+forward and then each layer again, one forward more per chunk (0.60x the step on CPU when
+dropped, bench/results/remat-full-1f1b-family.json).
 """
 
 from __future__ import annotations
@@ -69,10 +73,16 @@ def _policy(name: str) -> Callable | None:
     return POLICIES[name]
 
 
+LAYER_INPUT = "layer_input"  # each layer's input, tagged by Transformer.run_layers
+
+
 def stash_policy(name: str) -> Callable | None:
     """The jax.checkpoint policy of a whole chunk whose residuals a pipeline stage stores between
     its forward and backward (module docstring): the layers' own policy under dots and attn,
-    nothing saved under full (the chunk input alone), all but the `CHEAP` outputs under none."""
+    each layer's input under full (what the layer's own checkpoint keeps: B recomputes each
+    layer once, not the chunk first), all but the `CHEAP` outputs under none."""
+    if name == "full":
+        return jax.checkpoint_policies.save_only_these_names(LAYER_INPUT)
     return _policy(name) or _costly
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
 from configs.base import ModelConfig
@@ -39,7 +40,7 @@ from model.attention import Attention
 from model.layers import Embed, RMSNorm, param, rotary
 from model.mlp import MLP
 from model.moe import MoE
-from model.remat import remat
+from model.remat import LAYER_INPUT, remat
 from sharding.checks import check_model, moe_layers
 from sharding.rules import axis_size, constrain
 from sharding.context_parallel import zigzag_permutation
@@ -191,7 +192,11 @@ class Transformer(nnx.Module):
         def layer(x, layer_state):
             return nnx.merge(graphdef, layer_state)(x, cos, sin)
 
-        body = remat(layer, self.remat, prevent_cse=not self.cfg.scan_layers)
+        checkpointed = remat(layer, self.remat, prevent_cse=not self.cfg.scan_layers)
+
+        def body(x, layer_state):  # the input named for a pipeline chunk's policy (model.remat.stash_policy)
+            return checkpointed(checkpoint_name(x, LAYER_INPUT), layer_state)
+
         if self.cfg.scan_layers:
             x, stats = jax.lax.scan(body, x, layers)  # over the n stacked layers
             return x, {name: jnp.sum(v) for name, v in stats.items()}

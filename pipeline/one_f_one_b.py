@@ -51,9 +51,10 @@ rotary, activations, residual adds: +1.3% of the tiny step's XLA FLOPs), because
 one program's intermediates, is opaque to XLA's fusion: keeping every intermediate of jax.vjp
 stored 6 [b, L, F] arrays a layer, 4 [b, L, D] in fp32 and the weight slices (125m compiled for
 an H100, pp=2,dp=2: 13.65 GiB, now 8.11). dots and attn keep what the layers' own policy names
-(B recomputes what they leave, as without a pipeline). With remat full the chunk's residual is
-its input [b, L, D] and B recomputes the chunk's forward (inside which each layer is
-rematerialised again): the least memory, 2 extra forwards per microbatch. tools.estimate's
+(B recomputes what they leave, as without a pipeline). With remat full the chunk's residuals are
+its layers' inputs, Lc x [b, L, D] (model.remat.LAYER_INPUT), and B recomputes each layer once,
+as without a pipeline (keeping the chunk's input alone recomputed the chunk's forward first and
+then each layer again: Lc - 1 fewer [b, L, D] per microbatch, one more forward). tools.estimate's
 `chunk_residuals` counts a slot (tests/test_pipeline.py holds it against `stash_bytes`).
 
 Memory per stage, flat in M (`stash_bytes`; slot counts from the table, the most any stage

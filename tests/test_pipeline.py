@@ -56,8 +56,8 @@ def test_1f1b_stash_bytes_explain_the_compiled_memory(temp_memory):
     """pipeline.one_f_one_b.stash_bytes against the compiled step (pp=2, M = 16, b = 2): the
     residual stash (p slots of one chunk's residuals R) is flat in M, and what remat none costs
     over remat full in compiled temp memory is the stash difference within one R: the B cells'
-    working sets differ by less (remat full's B recomputes the chunk's forward and holds its
-    values for a while, none's B only the cheap ones; measured: none 0.54 R below). Before the
+    working sets differ by less (remat full's B recomputes each layer's forward and holds its
+    values for a while, none's B only the cheap ones). Before the
     cells ran as one switch per group (pipeline/cells.run_cell), XLA copied slots that the
     switch passed through, and none cost 1.63 R more than its stash."""
     from pipeline.one_f_one_b import stash_bytes
@@ -223,13 +223,15 @@ def test_1f1b_backward_recomputes_no_forward_unless_remat_full(remat):
     """The B cell runs the vjp from the residuals kept by its F: with remat none it holds
     exactly two matmuls (dx and dW) per forward matmul of the F cell, no recomputed forward;
     with dots it recomputes only the attention's batched matmuls (q·k and p·v, 2 per layer);
-    with full the chunk's forward is recomputed (the chunk checkpoint, then each layer's own
-    remat): 4 per forward matmul, less the one whose result only the discarded forward uses.
+    with full each layer's forward is recomputed once from its kept input (the chunk's
+    checkpoint keeps the layers' inputs, model.remat.stash_policy): 3 per forward matmul, less
+    the one whose result only the discarded forward uses (the chunk recomputed whole, then each
+    layer again, took 35).
     The last chunk's B runs the head and loss forward and backward (3 matmuls), then the same
     backward as any B."""
     idle, forward, backward, weight, last = _cell_dots("1f1b", remat)
     assert (idle, forward, weight) == (0, 9, None)  # one layer: q, k, v, o, q·k, p·v, gate, up, down
-    assert backward == {"none": 18, "dots": 20, "full": 35}[remat]
+    assert backward == {"none": 18, "dots": 20, "full": 26}[remat]
     assert last == 3 + backward
 
 
@@ -238,12 +240,12 @@ def test_1f1b_backward_recomputes_no_forward_unless_remat_full(remat):
 def test_zb_h1_splits_the_backward_without_repeating_work(mesh, remat):
     """zb-h1's B cell holds only the input-gradient chain and its W cell only the 7 weight
     matmuls (q, k, v, o, gate, up, down): together the unsplit B's matmuls, none twice
-    (pipeline/split_backward.py); remat full recomputes the chunk's forward in B. The last
+    (pipeline/split_backward.py); remat full recomputes each layer's forward in B. The last
     chunk's B runs the head and loss forward and backward (3 matmuls), then the chain. Under
     explicit TP the matmuls sit in shard_map regions, split in two as well
     (pipeline/split_map.py): kept whole, W held none (B 18, W 0)."""
     idle, forward, backward, weight, last = _cell_dots("zb-h1", remat, mesh)
-    unsplit = {"none": 18, "full": 35}[remat]
+    unsplit = {"none": 18, "full": 26}[remat]
     assert (idle, forward, weight) == (0, 9, 7)
     assert backward + weight == unsplit
     assert last == 3 + backward

@@ -108,10 +108,11 @@ more around its tick scan and its all-microbatch head than these terms count. Ag
 compile for H100s (125m, `tools.plan --compile-for-gpu`, M = pp = 2): gpipe 0.65-0.71x; the 1F1B
 family 0.90-0.95x (1f1b, pp=2,dp=2 and pp=2,tp=2, remat none, dots and full), 0.96x
 (interleaved-1f1b), 0.97x (zb-h1; on pp=2,tp=2 0.93-0.98x, remat none, dots and full), 1.07-1.16x
-(zbv at M = 4, pp=2,tp=2 and pp=2,dp=2, remat none and full: over, XLA keeping less), 0.85x
-(1f1b remat full on pp=2,tp=2: B holds the recomputed chunk's layer inputs and one layer's
-recomputation at once; 0.74x before the layers' checkpoints prevented CSE unrolled,
-model/remat.py). tools.search scales each schedule's estimate by a floor (`MEMORY_LOW`).
+(zbv at M = 4, pp=2,tp=2 and pp=2,dp=2, remat none and full: over, XLA keeping less), 0.88x
+(1f1b remat full on pp=2,tp=2 at M = 4, its chunks keeping their layers' inputs; 0.85x when B
+recomputed the chunk first, 0.74x before the layers' checkpoints prevented CSE unrolled,
+model/remat.py; bench/results/remat-full-1f1b-family.json). tools.search scales each
+schedule's estimate by a floor (`MEMORY_LOW`).
 
 CPU vs GPU: XLA on CPU computes bf16 matmuls in fp32 and keeps f32 buffers, so compare with a
 CPU compile only under model.compute_dtype=float32 (tests/test_plan.py does); on a GPU c = 2.
@@ -175,12 +176,6 @@ SPLIT = ("zb-h1", "zbv")  # B split into B and W (pipeline/split_backward.py)
 STASHING = ONE_F_ONE_B  # per-stage vjp cells (pipeline/one_f_one_b.py): residuals stashed
 
 
-def chunk_recompute(cfg: RunConfig, sizes: dict[str, int]) -> bool:
-    """Whether B recomputes the whole chunk's forward: the 1F1B family under model.remat=full
-    (its residual is the chunk input; the layers' own remat recomputes each layer once more)."""
-    return sizes["stage"] > 1 and cfg.parallel.schedule in STASHING and cfg.model.remat == "full"
-
-
 def virtual(cfg: RunConfig) -> int:
     """V, the chunks per stage: parallel.virtual_stages under the interleaved schedules and zbv, else 1."""
     return cfg.parallel.virtual_stages if cfg.parallel.schedule in CHUNKED else 1
@@ -188,9 +183,9 @@ def virtual(cfg: RunConfig) -> int:
 
 def cell_costs(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     """The schedule's cell costs in forwards (module docstring, stage): F 1, B 2 (split: B 1, W 1),
-    B + 1 under model.remat=full, B + 1 more where B recomputes the chunk (`chunk_recompute`)."""
+    B + 1 under model.remat=full (each layer recomputed once)."""
     split = cfg.parallel.schedule in SPLIT
-    b = (1 if split else 2) + (cfg.model.remat == "full") + chunk_recompute(cfg, sizes)
+    b = (1 if split else 2) + (cfg.model.remat == "full")
     return {"F": 1, "B": b, "W": 1}
 
 
@@ -287,8 +282,8 @@ def chunk_residuals(cfg: RunConfig, sizes: dict[str, int]) -> float:
     c, n = DTYPE_BYTES[m.compute_dtype], s.tokens
     layers, moe = s.layers / virtual(cfg), s.moe / virtual(cfg)  # the chunk's layers, of which MoE
     qkv, out = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim / tp, m.n_heads * m.head_dim / tp
-    if m.remat == "full":
-        return n * m.d_model * c
+    if m.remat == "full":  # each layer's input (model.remat.stash_policy)
+        return layers * n * m.d_model * c
     if m.remat == "attn":  # the chunk input; q, k, v and the core's output of every layer
         return n * m.d_model * c + layers * n * (qkv + out) * c
     # the chunk input, kept apart from the layers' residuals where the layers are scanned (unrolled,

@@ -7,8 +7,7 @@ bytes per axis.
 Time (roofline): compute = the step's kernels one after another, each kind at an achievable
 rate, not the datasheet peak (GPU.rates names the published figures; `tools.plan
 --calibration` puts in those a `make gpu-check` record measured):
-  matmuls    hardware FLOPs (model FLOPs, + one more forward under full remat and one more
-             where the 1F1B family's B recomputes the chunk (remat full), and under capacity
+  matmuls    hardware FLOPs (model FLOPs, + one more forward under full remat, and under capacity
              dispatch the experts' padded rows: R - T·k' rows per MoE layer and microbatch,
              6·3·D·F_e/t each; dropless sorts its padding rows out of every group of the
              grouped matmul, so it computes the T·k' routed rows only, on average over
@@ -39,7 +38,7 @@ from dataclasses import dataclass
 
 from configs.base import RunConfig
 from sharding.checks import expert_d_ff
-from tools.estimate import (chunk_recompute, dispatch_rows, local_params, pipeline_figures, shape,
+from tools.estimate import (dispatch_rows, local_params, pipeline_figures, shape,
                             stack_activations)
 from tools.traffic import Links, comm_time, communication
 from training.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token
@@ -99,7 +98,7 @@ def flops(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     if s.moe and m.moe_dispatch == "capacity":
         rows = sizes.get("expert", 1) * dispatch_rows(cfg, sizes) - s.tokens * m.experts_per_token
         padding = s.k * s.moe * 18 * m.d_model * expert_d_ff(m) / sizes["tensor"] * rows
-    redo = (2 + 1 + (m.remat == "full") + chunk_recompute(cfg, sizes)) / 3  # forward, backward, recomputes
+    redo = (2 + 1 + (m.remat == "full")) / 3  # forward, backward, recompute
     attention = attention_flops_per_token(m, t.seq_len) * t.global_batch_size * t.seq_len / math.prod(sizes.values())
     return {"model": model, "model_per_device": per_device, "padding_per_device": padding * redo,
             "hardware_per_device": (per_device + padding) * redo, "attention_per_device": attention * redo}
@@ -108,7 +107,7 @@ def flops(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
 def memory_bound_bytes(cfg: RunConfig, sizes: dict[str, int]) -> float:
     """HBM bytes per device per step of the memory-bound kernels (module docstring, Time: memory)."""
     m, s = cfg.model, shape(cfg, sizes)
-    passes = 4 + 2 * (m.remat != "none") + 2 * chunk_recompute(cfg, sizes)
+    passes = 4 + 2 * (m.remat != "none")
     logits = 4 * s.tokens * m.vocab_size / sizes["tensor"] * 4
     return s.k * (passes * stack_activations(cfg, sizes, "none") + logits) + 7 * 4 * local_params(cfg, sizes)
 

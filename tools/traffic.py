@@ -62,13 +62,11 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           all-gather (the MLP's reduce-scatter is dead the same way): r = 1.5. The census of the
           compiled tiny step on dp=2,tp=4 agrees within 0.1% with and without remat and SP
           (tests/test_hlo.py). remat dots/attn: modelled as none (r = 0), not measured. The 1F1B
-          family under remat=full recomputes each chunk whole in its B (one checkpoint, every
-          layer's output live: 2 more) before the layers' own recompute: r + 2, but where a
-          chunk is one layer (XLA merges the two); its tick program also embeds on every stage
-          in every tick, T - k lookups' all-reduces more than k (`embedded_every_tick`). The
-          census of tiny on pp=2,tp=2 agrees within 1% for 1f1b, zb-h1, zbv and
-          interleaved-1f1b, with and without SP and remat full (tests/test_pipeline.py; the
-          census counts a cell's collectives per cell run: pipeline.tick_program.cell_shares).
+          family's tick program also embeds on every stage in every tick, T - k lookups'
+          all-reduces more than k (`embedded_every_tick`). The census of tiny on pp=2,tp=2
+          agrees within 1% for 1f1b, zb-h1, zbv and interleaved-1f1b, with and without SP and
+          remat full (tests/test_pipeline.py; the census counts a cell's collectives per cell
+          run: pipeline.tick_program.cell_shares).
   sequence the gradients per microbatch, as over data (every weight is replicated over
           sequence): k · 2 · G_c(N-1)/N;
           plus K and V per layer and microbatch, E = b·(L/sp)·K'·H elements of one local block
@@ -116,8 +114,7 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           The bubble is the lock-step weighted bubble of the schedule's table
           (pipeline.schedule.weighted: every tick lasts as long as its most expensive cell) with
           `estimate.cell_costs`: F = 1, B = 2, or split (zb-h1, zbv) B = 1 and W = 1; B one more under
-          model.remat=full (the layers' forward recomputed) and, for the 1F1B family under
-          remat full, one more (the whole chunk is one checkpoint, pipeline/one_f_one_b.py). gpipe
+          model.remat=full (the layers' forward recomputed). gpipe
           (p-1)/(M+p-1), interleaved (p-1)/(V·M+p-1); 1f1b 1 - M(F+B)/(2M·B + (p-1)(F+B) - (B-F))
           (its F ticks last a B); zb-h1 (p-1)/(3M+p-1) (units), zbv (p-1)/(6M+p-1) (half-stage
           units); interleaved-1f1b from its table
@@ -151,8 +148,6 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     act = s.tokens * m.d_model * c  # S: one layer's input for one microbatch (its L/sp rows)
     sp = cfg.parallel.sequence_parallel
     recompute = (1.5 if sp else 1.0) * (m.remat == "full")  # r of the module docstring
-    if m.remat == "full" and sizes["stage"] > 1 and cfg.parallel.schedule in STASHING and s.layers > virtual(cfg):
-        recompute += 2  # the 1F1B family's chunk recomputed whole (module docstring)
     kv_replicated = m.n_kv_heads % sizes["tensor"] != 0
     kv_grads = 2 * 4 * m.d_model * m.n_kv_heads * m.head_dim * kv_replicated
     tensor = s.layers * ((4 + recompute) * 2 * act + 2 * kv_grads) + 2 * 2 * act
