@@ -27,7 +27,7 @@ It reads the text of the compiled (partitioned, optimised) HLO, what runs on eac
   sends one of the two.
 - Branches: a conditional's branches all sit in the text, but each execution takes one. Where
   the caller knows how often a named scope's branch is taken (`taken`: a pipeline's cells,
-  pipeline.cells.cell_shares), a collective under that scope (its op_name) runs that share of
+  pipeline.tick_program.cell_shares), a collective under that scope (its op_name) runs that share of
   its loop's trips on each device; otherwise every branch is counted as taken every time, an
   upper bound.
 
