@@ -13,8 +13,9 @@ the fp32 gradients back (`v_layout`: each chunk moves once; tools.traffic.v_layo
 embedding, final norm and head are replicated over stage and used by the first chunk (stage 0
 chunk 0: embedding) and the last (head and loss: stage p-1 chunk V-1, zbv's stage 0 chunk 1)
 inside the schedule: the backward of microbatch 0 starts before microbatch M-1 has entered, so
-each microbatch's loss is computed where its forward ends and its cotangent starts there. Their gradients are summed over stage once per step (an
-all-reduce of the embedding, norm and head: 2·(V·D+D)(p-1)/p elements per device).
+each microbatch's loss is computed where its forward ends and its cotangent starts there. Their
+gradients are summed over stage once per step (an all-reduce of the embedding, norm and head:
+2·(V·D+D)(p-1)/p elements per device).
 
 Tick program (one `lax.scan` over the ticks of pipeline/tables.py's table; every device runs
 it and picks its own cell with `lax.axis_index`; the buffer slots are assigned on the host,
@@ -80,9 +81,10 @@ parallelism is a collective-permute over all devices, which would wait forever f
 that took another branch (the tensor-parallel all-reduces, all-gathers and reduce-scatters
 inside the stage's layers stay within a stage). The cost is a [b, L, D] gather and
 scatter-add per tick on the stages that do not need them, and under tensor parallelism the
-vocab-parallel lookup's all-reduce: T - M more than M (tools.traffic.embedded_every_tick). The head's collectives (the vocab
-split over tensor) stay within the last stage. tp_overlap's rings are collective-permutes too,
-hence refused with this family (sharding/checks.py), and so is the context-parallel ring.
+vocab-parallel lookup's all-reduce: T - M more than M (tools.traffic.embedded_every_tick). The
+head's collectives (the vocab split over tensor) stay within the last stage. tp_overlap's rings
+are collective-permutes too, hence refused with this family (sharding/checks.py), and so is the
+context-parallel ring.
 """
 
 from __future__ import annotations
