@@ -196,6 +196,7 @@ def test_cli_prints_the_census_as_json():
     kinds = {(r["kind"], r["axes"]) for r in report["rows"]}
     assert ("all-reduce", "tensor") in kinds and ("all-reduce", "data") in kinds
     assert all(op["trips"] >= 1 and op["bytes_per_run"] > 0 for op in report["ops"])
+    assert all(op["devices"] == [0, 1, 2, 3] for op in report["ops"])  # no pipeline: every device moves its bytes
 
 
 # --- the communication contract, on the tiny preset -------------------------------------------

@@ -371,8 +371,10 @@ def main(argv: list[str]) -> int:
     print(f"train step of {cfg.name} on mesh {format_mesh(dict(mesh.shape))}: collectives per step, per device")
     print(format_table(found))
     if args.ops:
+        every = mesh.devices.size
         for c in sorted(found, key=lambda c: (c.axes, c.kind, c.name)):
-            print(f"  {c.kind:<19} {'+'.join(c.axes) or '-':<12} {c.dtype}[{c.elements}] x{c.trips} "
+            on = "" if len(c.devices) == every else f" on devices {','.join(map(str, c.devices)) or 'none'}"
+            print(f"  {c.kind:<19} {'+'.join(c.axes) or '-':<12} {c.dtype}[{c.elements}] x{c.trips}{on} "
                   f"{c.bytes_per_run / 2**10:9.1f} KiB  {c.op_name}")
     return 0
 
