@@ -55,6 +55,9 @@ PROSE_ONLY = {
                                      "the planner's pipeline paragraph",
     "census-pipelines-h100-compiled": "XLA GPU's collective census of pipelined steps beside the contract, "
                                       "typed into the census table's pipeline rows and its paragraph",
+    "gpipe-memory-125m-h100-compiled": "gpipe's and interleaved's compiled memory beside the estimate before and "
+                                       "after its tick scan's residuals counted twice, quoted in the planner's "
+                                       "pipeline paragraph",
     "remat-full-1f1b-family": "the 1F1B family's remat full before and after its chunks kept their layers' "
                               "inputs: a CPU step ratio and H100 compiles, quoted in the pipeline paragraphs",
     "remat-unrolled-1b-h100-compiled": "XLA GPU's compiled memory of unrolled layers before and after their "

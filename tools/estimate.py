@@ -30,12 +30,13 @@ Memory (bytes per device), the terms `memory()` returns:
   saved       activations kept for backward: X/pp layers of one microbatch; under gpipe and
               interleaved every tick's (the ticks of the schedule's table, V·M+p-1, of X/(p·V)
               layers: autodiff through the tick scan keeps the idle ticks' too; at least the
-              table's in-flight peak, all M) plus [M, b, L, D] embeddings, outputs and their
-              cotangents; under the 1F1B family (1f1b, interleaved-1f1b, zb-h1, zbv) stage 0's
+              table's in-flight peak, all M; under remat none twice, as the layer scan's below:
+              XLA GPU copies the tick scan's stacked residuals too) plus [M, b, L, D]
+              embeddings, outputs and their cotangents; under the 1F1B family (1f1b, interleaved-1f1b, zb-h1, zbv) stage 0's
               in-flight peak of its table (pipeline.schedule.in_flight: p (microbatch, chunk)
               under 1f1b and zb-h1, 2(p-1) + (V-1)p + 1 interleaved, 2p zbv) of residual slots,
               each one chunk's X/(pp·V) layers' residuals by the remat policy (remat full: the
-              chunk input, T·D), plus 3·T·D of inputs and gradients in flight, plus under zb-h1
+              layers' inputs, X/(pp·V)·T·D), plus 3·T·D of inputs and gradients in flight, plus under zb-h1
               and zbv the in-flight peak of B's stash for W (`zb_stash`). Per layer and token, in elements:
                 remat none  4·D (block inputs, norm outputs) + (N+2K)·H/t (q, k, v)
                             + N·H/t (output) + 3·F/t (gate, up, hidden: the silu is recomputed
@@ -105,7 +106,10 @@ every case of the H100 gpu-check records (125m and 1b; none, dots and full; scan
 Against XLA's static peak on CPU (fp32): within 15% without a pipeline (tests/test_plan.py);
 0.5-0.9x under gpipe (tiny and 125m, pp=2 and 4, M=4 and 8, remat none and full): gpipe keeps
 more around its tick scan and its all-microbatch head than these terms count. Against XLA GPU's
-compile for H100s (125m, `tools.plan --compile-for-gpu`, M = pp = 2): gpipe 0.65-0.71x; the 1F1B
+compile for H100s (125m, `tools.plan --compile-for-gpu`, M = pp = 2): gpipe 0.65-0.71x until its
+tick scan's residuals counted twice under remat none (now 1.00-1.05x for gpipe and interleaved,
+pp=2,dp=2 and pp=2,tp=2, M = 2 to 8; 0.95-1.01x under full and dots;
+bench/results/gpipe-memory-125m-h100-compiled.json); the 1F1B
 family 0.90-0.95x (1f1b, pp=2,dp=2 and pp=2,tp=2, remat none, dots and full), 0.96x
 (interleaved-1f1b), 0.97x (zb-h1; on pp=2,tp=2 0.93-0.98x, remat none, dots and full), 1.07-1.16x
 (zbv at M = 4, pp=2,tp=2 and pp=2,dp=2, remat none and full: over, XLA keeping less), 0.88x
@@ -342,8 +346,8 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
         saved = table["in_flight"] * chunk_residuals(cfg, sizes) + 3 * s.tokens * m.d_model * c
         if cfg.parallel.schedule in SPLIT:
             saved += table["in_flight"] * zb_stash(cfg, sizes)
-    elif piped:  # gpipe, interleaved: autodiff keeps every tick's residuals
-        saved = table["ticks"] / v * stack_activations(cfg, sizes, m.remat)
+    elif piped:  # gpipe, interleaved: autodiff keeps every tick's residuals, under none twice as the layer scan's
+        saved = (scan_copies if m.remat == "none" else 1) * table["ticks"] / v * stack_activations(cfg, sizes, m.remat)
         saved += 4 * s.k * s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype]  # [M, b, L, D] in, out, cotangents
     else:  # the layer scan under none stacks each layer's residuals and copies them: twice
         saved = (scan_copies if m.scan_layers and m.remat == "none" else 1) * stack_activations(cfg, sizes, m.remat)
