@@ -32,12 +32,14 @@ Memory (bytes per device), the terms `memory()` returns:
               layers: autodiff through the tick scan keeps the idle ticks' too; at least the
               table's in-flight peak, all M; under remat none twice, as the layer scan's below:
               XLA GPU copies the tick scan's stacked residuals too) plus [M, b, L, D]
-              embeddings, outputs and their cotangents; under the 1F1B family (1f1b, interleaved-1f1b, zb-h1, zbv) stage 0's
-              in-flight peak of its table (pipeline.schedule.in_flight: p (microbatch, chunk)
-              under 1f1b and zb-h1, 2(p-1) + (V-1)p + 1 interleaved, 2p zbv) of residual slots,
-              each one chunk's X/(pp·V) layers' residuals by the remat policy (remat full: the
-              layers' inputs, X/(pp·V)·T·D), plus 3·T·D of inputs and gradients in flight, plus under zb-h1
-              and zbv the in-flight peak of B's stash for W (`zb_stash`). Per layer and token, in elements:
+              embeddings, outputs and their cotangents; under the 1F1B family (1f1b,
+              interleaved-1f1b, zb-h1, zbv) stage 0's in-flight peak of its table
+              (pipeline.schedule.in_flight: p (microbatch, chunk) under 1f1b and zb-h1,
+              2(p-1) + (V-1)p + 1 interleaved, 2p zbv) of residual slots, each one chunk's
+              X/(pp·V) layers' residuals by the remat policy (remat full: the layers' inputs,
+              X/(pp·V)·T·D), plus 3·T·D of inputs and gradients in flight, plus under zb-h1 and
+              zbv the in-flight peak of B's stash for W (`zb_stash`). Per layer and token, in
+              elements:
                 remat none  4·D (block inputs, norm outputs) + (N+2K)·H/t (q, k, v)
                             + N·H/t (output) + 3·F/t (gate, up, hidden: the silu is recomputed
                             in the backward's fusion); a fused core (pallas, cudnn) adds its

@@ -64,9 +64,9 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           (tests/test_hlo.py). remat dots/attn: modelled as none (r = 0), not measured. The 1F1B
           family's tick program also embeds on every stage in every tick, T - k lookups'
           all-reduces more than k (`embedded_every_tick`). The census of tiny on pp=2,tp=2
-          agrees within 1% for 1f1b, zb-h1, zbv and interleaved-1f1b, with and without SP and
-          remat full (tests/test_pipeline.py; the census counts a cell's collectives per cell
-          run: pipeline.tick_program.cell_shares).
+          agrees within 1% with and without SP and remat full (tests/test_pipeline.py: 1f1b,
+          zb-h1 and zbv; interleaved-1f1b measured alike; the census counts a cell's
+          collectives per cell run: pipeline.tick_program.cell_shares).
   sequence the gradients per microbatch, as over data (every weight is replicated over
           sequence): k · 2 · G_c(N-1)/N;
           plus K and V per layer and microbatch, E = b·(L/sp)·K'·H elements of one local block
