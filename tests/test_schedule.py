@@ -248,3 +248,18 @@ def test_cli_png_without_matplotlib(tmp_path):
     assert out.returncode == 2
     assert out.stderr == "error: --png needs matplotlib: pip install 'meshtrain[profile]'\n"
     assert not (tmp_path / "x.png").exists()
+
+
+def test_cell_shares_count_each_cell_on_its_own_stage():
+    """The census's shares of a cell per device (pipeline.tick_program.cell_shares): pp=2,tp=2 1f1b
+    at M = 4, 10 ticks: both stages run 4 F; stage 0 (devices 0, 1) 4 B, stage 1 (devices 2, 3)
+    4 B of the last chunk instead; no W. zb-h1 adds M Ws on every stage."""
+    from pipeline.tick_program import SCOPE, cell_shares, program
+
+    shares = cell_shares(program("1f1b", 2, 4), {"stage": 2, "tensor": 2})
+    assert shares[SCOPE + "F"] == dict.fromkeys(range(4), 0.4)
+    assert shares[SCOPE + "B"] == {0: 0.4, 1: 0.4, 2: 0.0, 3: 0.0}
+    assert shares[SCOPE + "B_last"] == {0: 0.0, 1: 0.0, 2: 0.4, 3: 0.4}
+    assert shares[SCOPE + "W"] == dict.fromkeys(range(4), 0.0)
+    split = cell_shares(program("zb-h1", 2, 4), {"data": 1, "stage": 2})  # 13 ticks; stage the second axis
+    assert split[SCOPE + "W"] == dict.fromkeys(range(2), 4 / 13)
