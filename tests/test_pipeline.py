@@ -57,9 +57,9 @@ def test_1f1b_stash_bytes_explain_the_compiled_memory(temp_memory):
     residual stash (p slots of one chunk's residuals R) is flat in M, and what remat none costs
     over remat full in compiled temp memory is the stash difference within one R: the B cells'
     working sets differ by less (remat full's B recomputes each layer's forward and holds its
-    values for a while, none's B only the cheap ones). Before the
-    cells ran as one switch per group (pipeline/cells.run_cell), XLA copied slots that the
-    switch passed through, and none cost 1.63 R more than its stash."""
+    values for a while, none's B only the cheap ones). Before the cells ran as one switch per
+    group (pipeline/cells.run_cell), XLA copied slots that the switch passed through, and none
+    cost 1.63 R more than its stash."""
     from pipeline.one_f_one_b import stash_bytes
 
     figures, compiled = temp_memory
@@ -73,7 +73,7 @@ def test_1f1b_stash_bytes_explain_the_compiled_memory(temp_memory):
             with jax.set_mesh(mesh):
                 stash[remat, m] = stash_bytes(cfg, program.graphdef, program.state.params, 2)
     assert stash["none", 4] == stash["none", 16] and stash["full", 4] == stash["full", 16]
-    assert stash["full", 16]["per_microbatch"] == 2 * 32 * 64 * 4  # remat full: the chunk input [b, L, D] fp32
+    assert stash["full", 16]["per_microbatch"] == 2 * 32 * 64 * 4  # remat full: the one layer's input [b, L, D] fp32
     assert stash["none", 16]["residuals"] == 2 * stash["none", 16]["per_microbatch"]  # p = 2 slots
     full = _compiled(small_config("pp=2", "parallel.schedule=1f1b", "model.remat=full", "parallel.microbatches=16",
                                   "train.global_batch_size=32"))[0].memory_analysis().temp_size_in_bytes
