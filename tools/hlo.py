@@ -16,7 +16,8 @@ It reads the text of the compiled (partitioned, optimised) HLO, what runs on eac
   multiply), so a layer scan's body counts once per layer. XLA GPU drops the count from a loop
   it has unrolled (the accumulation scan over microbatches): its trips are then read off its
   condition, `i < N` with i starting at a constant (`_trips`); a loop read neither way
-  counts once. `ops` counts instructions in the text, `count` counts executions per step.
+  counts once. `ops` counts instructions in the text, `count` executions per step (a row's: its
+  busiest device's).
 - Bytes per device, with S the full buffer and N the group size: all-reduce 2S(N-1)/N (ring);
   all-gather S(N-1)/N (S = its result); reduce-scatter S(N-1)/N (S = its operand, N times the
   result); all-to-all S(N-1)/N; collective-permute S, for the devices that send (a source of
