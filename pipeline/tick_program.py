@@ -8,6 +8,7 @@ ever holds at once: flat in M (the counts are in one_f_one_b.py's docstring).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -135,8 +136,8 @@ def cell_shares(prog: Program, mesh_shape: dict[str, int], axis: str = "stage") 
     """tools.hlo.census's `taken`: for each cell's scope, the share of the ticks each device (by
     its position in the mesh's flat order, on the mesh of `mesh_shape`) runs it. The switch that
     holds a cell's collectives runs every tick; the cell only on its stage's ticks."""
-    stage = np.unravel_index(np.arange(int(np.prod(list(mesh_shape.values())))), tuple(mesh_shape.values()))[
-        list(mesh_shape).index(axis)]
+    shape = tuple(mesh_shape.values())
+    stage = np.unravel_index(np.arange(math.prod(shape)), shape)[list(mesh_shape).index(axis)]
     ticks = len(prog.branch)
     return {SCOPE + name: {int(d): float(np.sum(prog.branch[:, s] == k)) / ticks for d, s in enumerate(stage)}
             for k, name in NAMES.items()}

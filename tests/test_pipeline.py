@@ -299,10 +299,9 @@ def test_stage_census_is_the_tick_program_contract(schedule, v, mesh):
     cell's collectives per run of the cell (without the cells' shares, as if every branch of
     their switch ran every tick, the census reads 1.5-2x), with the chunk's whole recompute
     under remat full (2 layers a chunk) and the embedding in every tick."""
-    from pipeline.one_f_one_b import census_taken
     from tools import traffic
     from tools.estimate import DTYPE_BYTES, local_param_parts
-    from tools.hlo import census, per_device
+    from tools.hlo import census, compiled_census, per_device
 
     mesh, *options = mesh.split(" ")
     p = int(mesh.split(",")[0].removeprefix("pp="))
@@ -311,7 +310,7 @@ def test_stage_census_is_the_tick_program_contract(schedule, v, mesh):
                        f"parallel.sequence_parallel={'sp' in options}",
                        f"model.remat={'full' if 'full' in options else 'none'}")
     compiled, mesh = _compiled(cfg)
-    ops = census(compiled.as_text(), dict(mesh.shape), census_taken(cfg, dict(mesh.shape)))
+    ops = compiled_census(compiled, cfg, mesh)
     sizes = mesh_sizes(cfg)
     if sizes["tensor"] > 1:
         tensor = per_device([c for c in ops if c.axes == ("tensor",)])

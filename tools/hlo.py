@@ -340,14 +340,21 @@ def format_table(collectives: list[Collective]) -> str:
     return "\n".join(lines)
 
 
+def compiled_census(compiled, cfg, mesh) -> list[Collective]:
+    """The census of cfg's train step compiled for `mesh`, a pipeline's cells counted per run
+    (pipeline.one_f_one_b.census_taken)."""
+    from pipeline.one_f_one_b import census_taken
+
+    return census(compiled.as_text(), dict(mesh.shape), census_taken(cfg, dict(mesh.shape)))
+
+
 def step_census(cfg, mesh) -> list[Collective]:
     """The census of cfg's compiled train step on `mesh` (abstract inputs: nothing allocated)."""
-    from pipeline.one_f_one_b import census_taken
     from training.build import make_program, compile_step
 
     program = make_program(cfg, mesh)
     compiled, _, _ = compile_step(program.step_fn, mesh, program.state, program.abstract_batch())
-    return census(compiled.as_text(), dict(mesh.shape), census_taken(cfg, dict(mesh.shape)))
+    return compiled_census(compiled, cfg, mesh)
 
 
 def main(argv: list[str]) -> int:

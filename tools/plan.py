@@ -82,8 +82,7 @@ def xla_figures(cfg: RunConfig, mesh) -> dict:
     device, and the attention core compiled. A core this backend cannot run (cudnn on a
     laptop's CPU) is compiled as model.attention=auto: the plan says so beside XLA's memory."""
     from sharding.cores import core_problem, target
-    from pipeline.one_f_one_b import census_taken
-    from tools.hlo import census, summary
+    from tools.hlo import compiled_census, summary
     from training.build import make_program, compile_step, xla_memory
 
     m = cfg.model
@@ -95,7 +94,7 @@ def xla_figures(cfg: RunConfig, mesh) -> dict:
     mem = {k: memory[k] for k in ("argument", "output", "alias", "temp")} | {"peak": memory["static_peak"]}
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, list) else cost) or {}  # none from a GPU compile without one
-    rows = summary(census(compiled.as_text(), dict(mesh.shape), census_taken(cfg, dict(mesh.shape))))
+    rows = summary(compiled_census(compiled, cfg, mesh))
     return {"platform": target()[0], "device_kind": mesh.devices.flat[0].device_kind,
             "attention": program.strategies.attention, "memory": mem, "flops_per_device": cost.get("flops"),
             "census": rows}
