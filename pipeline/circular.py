@@ -3,10 +3,12 @@ the backward pass is autodiff's transpose of that scan.
 
 Layout (p stages, V chunks per stage, X layers, Lc = X/(p·V) layers per chunk):
 
-  blocks [X, ...] -> [V, p·Lc, ...], p·Lc split over stage: device s holds [V, Lc, ...], its
-  chunk v = layers (v·p + s)·Lc ... + Lc - 1. V = 1 (gpipe) is the stored layout itself: no
-  data moves. V > 1 (interleaved) re-lays the stored contiguous split every step: XLA moves
-  (V-1)/V of each device's layer weights forward (and their gradients backward) over `stage`.
+  blocks [X, ...] as stored, X split over stage; device s runs [V, Lc, ...], its chunk v =
+  layers (v·p + s)·Lc ... + Lc - 1 (pipeline/layout.py). V = 1 (gpipe) is the stored layout
+  itself: no data moves. V > 1 (interleaved) lays the cast layers out inside the shard_map
+  every step, each chunk stored elsewhere moving once by collective-permute (the busiest
+  device's `layout.leaving` chunks of Lc layers), autodiff's transpose moving their gradients
+  back, both in the compute dtype.
 
 Tick t on device s runs its cell of pipeline/tables.py's table (the arrays of `cells`, in the
 scan's rows): microbatch m on chunk v; its input is the embedding of m (s = 0, v = 0) or what
@@ -35,6 +37,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from configs.base import RunConfig
+from pipeline.layout import lay_out
 from pipeline.tables import IDLE, cells, timetable
 from pipeline.stages import AXIS, buffer, over_stages, stages
 from model.loss import cross_entropy
@@ -50,12 +53,13 @@ def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     m_count = batch["inputs"].shape[0]
     model = nnx.merge(graphdef, compute_params(params, cfg.model.compute_dtype))
     x_all = jax.vmap(model.embed_tokens)(batch["inputs"])  # [M, b, L, D]
-    layers = jax.tree.map(lambda a: a.reshape(v_count, -1, *a.shape[1:]), nnx.state(model.blocks))  # [V, p·Lc, ...]
+    layers = nnx.state(model.blocks)  # [X, ...], cast to the compute dtype
     ring = [(i, (i + 1) % p) for i in range(p)]
     rows = tuple(jnp.asarray(a) for a in cells(timetable(cfg.parallel.schedule, p, m_count, v_count)))
 
-    def body(layers: nnx.State, x_all: jax.Array) -> tuple[jax.Array, dict]:
+    def body(stored: nnx.State, x_all: jax.Array) -> tuple[jax.Array, dict]:
         s = lax.axis_index(AXIS)
+        layers = jax.tree.map(lambda a: lay_out(a.reshape(v_count, -1, *a.shape[1:]), p, vee=False), stored)  # [V, Lc, ...]
 
         def tick(carry, row):
             state, outputs, stats = carry  # state [b, L, D]: what arrived this tick
@@ -73,7 +77,7 @@ def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         (_, outputs, stats), _ = lax.scan(tick, start, rows)
         return outputs[None], jax.tree.map(lambda a: a[None], stats)  # [1, M, b, L, D], {name: [1]}
 
-    specs = jax.tree.map(lambda _: P(None, AXIS), layers)
+    specs = jax.tree.map(lambda _: P(AXIS), layers)
     out, stats = over_stages(body, (specs, P()), P(AXIS))(layers, x_all)
     stats = {name: jnp.sum(a) / (m_count * moe_layers(cfg.model)) for name, a in stats.items()}
     logits = jax.vmap(model.logits)(out[p - 1])  # the last stage's outputs [M, b, L, D]

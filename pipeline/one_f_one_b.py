@@ -3,13 +3,11 @@ alternates forwards and backwards of different microbatches, with its own per-st
 no autodiff through the schedule.
 
 Layout (p stages, V chunks per stage, V = 1 but for interleaved-1f1b and zbv, X layers, Lc =
-X/(p·V)): blocks [X, ...] -> [V, p·Lc, ...], p·Lc split over stage: device s holds [V, Lc, ...],
-its chunk v = layers (v·p + s)·Lc ... + Lc - 1. V = 1 is the stored layout (no data moves); V > 1
-re-lays the stored contiguous split every step as the circular schedules do ((V-1)/V of each
-device's layer weights forward, their gradients backward, over `stage`, XLA's all-to-alls).
-zbv's V (pipeline/tables.py): device s holds the model's chunks s and 2p-1-s, laid out inside
-the engine by collective-permutes from the stored split, in the compute dtype (cast first), and
-the fp32 gradients back (`v_layout`: each chunk moves once; tools.traffic.v_layout). The
+X/(p·V)): blocks [X, ...] as stored, X split over stage; device s runs [V, Lc, ...], its chunk v
+the model's chunk v·p + s (layers (v·p + s)·Lc ... + Lc - 1), or in zbv's V (pipeline/tables.py)
+chunks s and 2p-1-s. V = 1 runs the stored layout (no data moves); V > 1 lays the stage's cast
+layers out inside the engine every step, each chunk stored elsewhere moving once by
+collective-permute, and their fp32 gradients back (pipeline/layout.py; tools.traffic.layout). The
 embedding, final norm and head are replicated over stage and used by the first chunk (stage 0
 chunk 0: embedding) and the last (head and loss: stage p-1 chunk V-1, zbv's stage 0 chunk 1)
 inside the schedule: the backward of microbatch 0 starts before microbatch M-1 has entered, so
@@ -103,6 +101,7 @@ from configs.base import RunConfig
 from model.moe import no_stats
 from model.transformer import compute_params
 from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed, replaced, residual_layout, run_cell
+from pipeline.layout import lay_out
 from pipeline.tables import BACKWARD
 from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
 from pipeline.tick_program import Program, cell_shares, program
@@ -145,8 +144,8 @@ def whole_over_fsdp(tree: nnx.State) -> nnx.State:
 
 
 def _specs(params: nnx.State, fsdp: bool, stored: bool = False) -> nnx.State:
-    """The engine's in_spec of each weight: the blocks' [V, X/V, ...] layers over stage (`stored`:
-    the [X, ...] stack as stored, zbv's, laid out in the engine), and with `fsdp` (manual here)
+    """Each weight's spec: the blocks' [V, X/V, ...] chunks, X/V over stage, as the body holds
+    them after `_chunked` (`stored`: the [X, ...] stack as stored, the engine's in_spec), and with `fsdp` (manual here)
     its fsdp split (the `embed` dimension), each device then holding its shard; everything else
     replicated."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -192,18 +191,14 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, m_count, prog.split)
     pairs, arrivals = _links(prog, p, v_count)
 
-    # [V, p·Lc] chunks over stage (the interleaved re-lay, by XLA); zbv's V: the stored [X] blocks,
-    # laid out in the body (`v_layout`)
-    chunked = params if prog.v_shape else with_part(params, "blocks", jax.tree.map(
-        lambda a: a.reshape(v_count, -1, *a.shape[1:]), params["blocks"]))
     specs = _specs(params, FSDP in batch_axes)  # the body's [V, Lc] chunks
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    outer = _specs(params, FSDP in batch_axes, stored=prog.v_shape)
+    outer = _specs(params, FSDP in batch_axes, stored=True)  # the stored [X] blocks, laid out in the body
 
     def body(local, inputs, targets):
         s = lax.axis_index(AXIS)
-        compute = compute_params(local, st.dtype)  # cast, laid out in the V (zbv) and gathered once per step
-        compute = _whole(_v_blocks(compute, p) if prog.v_shape else compute, flat_specs, batch_axes)
+        compute = compute_params(local, st.dtype)  # cast, laid out in chunks and gathered once per step
+        compute = _whole(_chunked(compute, p, v_count, prog.v_shape), flat_specs, batch_axes)
         act = jax.ShapeDtypeStruct((inputs.shape[1], length, cfg.model.d_model), st.dtype)  # this device's b rows
         stc, residuals, stash = residual_layout(st, compute, act)
         cells = {kind: partial(cell, stc) for kind, cell in (SPLIT_CELLS if prog.split else CELLS).items()}
@@ -236,16 +231,14 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         n = math.prod(lax.axis_size(a) for a in batch_axes)
         over_batch = (lambda a: lax.psum(a, batch_axes) / n) if batch_axes else (lambda a: a)  # noqa: E731
         grads = _reduced(out.grads, flat_specs, batch_axes)  # once per step
-        grads = _v_blocks(grads, p, back=True) if prog.v_shape else grads
+        grads = _chunked(grads, p, v_count, prog.v_shape, back=True)
         summed = jax.tree.map(lambda a: lax.psum(a, AXIS), grads)  # embedding, norm, head
         stats = {name: over_batch(lax.psum(a, AXIS)) / (m_count * moe_layers(cfg.model)) for name, a in out.stats.items()}
         return over_batch(lax.psum(out.loss, AXIS)), with_part(summed, "blocks", grads["blocks"]), stats
 
     rows = P(None, batch_axes) if batch_axes else P()  # [M, b, L]: each device its b rows
     run = over_stages(body, (outer, rows, rows), (P(), outer, P()), batch_axes)
-    loss, grads, stats = run(chunked, batch["inputs"], batch["targets"])
-    blocks = jax.tree.map(lambda g, a: g.reshape(a.shape), grads["blocks"], params["blocks"])
-    return loss, with_part(grads, "blocks", blocks), stats
+    return run(params, batch["inputs"], batch["targets"])
 
 
 def _start(prog: Program, act: jax.ShapeDtypeStruct, compute: nnx.State, residuals: tuple, stash: tuple,
@@ -289,34 +282,15 @@ def _put(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
     return buffer.at[at].set(jnp.where(slot >= 0, value, buffer[at]))
 
 
-def _v_blocks(tree: nnx.State, p: int, back: bool = False) -> nnx.State:
-    """`tree` with its blocks in zbv's V (`v_layout`): the device's stored [2·Lc, ...] layers as
-    [2, Lc, ...] chunks; `back`, the chunks' gradients as the stored [2·Lc, ...]."""
+def _chunked(tree: nnx.State, p: int, v_count: int, vee: bool, back: bool = False) -> nnx.State:
+    """`tree` with the device's stored [V·Lc, ...] layers as the [V, Lc, ...] chunks it runs
+    (pipeline.layout.lay_out); `back`, the run chunks' gradients as the stored [V·Lc, ...]."""
     def lay(a: jax.Array) -> jax.Array:
-        return v_layout(a, p, back=True).reshape(-1, *a.shape[2:]) if back else v_layout(a.reshape(2, -1, *a.shape[1:]), p)
+        if back:
+            return lay_out(a, p, vee, back=True).reshape(-1, *a.shape[2:])
+        return lay_out(a.reshape(v_count, -1, *a.shape[1:]), p, vee)
 
     return with_part(tree, "blocks", jax.tree.map(lay, tree["blocks"]))
-
-
-def v_layout(chunks: jax.Array, p: int, back: bool = False) -> jax.Array:
-    """zbv's layout, inside the engine (manual over stage): device d's stored chunks [2, Lc, ...],
-    the model's chunks 2d and 2d+1, -> [2, Lc, ...] holding the model's chunks d and 2p-1-d (the V);
-    `back` the inverse, for the gradients. Each chunk moves once, straight to its device: for each
-    (target chunk, source slot) a collective-permute from the devices that hold it to those that
-    need it (4 in all, each device sending its 2 chunks; a pair of one device is a local copy).
-    A device receives nothing from the permutes of the other slot (zeros), hence the sums."""
-    at = lambda v, s: s if v == 0 else 2 * p - 1 - s  # noqa: E731  the model's chunk at (v, device s)
-    out = []
-    for a in range(2):  # the result's chunk: target v, or (back) the stored slot
-        parts = []
-        for b in range(2):  # the chunk sent: stored slot, or (back) target v
-            if back:
-                pairs = [(s, at(b, s) // 2) for s in range(p) if at(b, s) % 2 == a]
-            else:
-                pairs = [(at(a, s) // 2, s) for s in range(p) if at(a, s) % 2 == b]
-            parts.append(lax.ppermute(chunks[b], AXIS, pairs))
-        out.append(sum(parts[1:], parts[0]))
-    return jnp.stack(out)
 
 
 def census_taken(cfg: RunConfig, mesh_shape: dict[str, int]) -> dict[str, dict[int, float]] | None:

@@ -90,23 +90,20 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                          (T counts F and B ticks); T·a at p = 2 but on interleaved-1f1b's ring
                          (stage 0 sends only down, stage 1 only up); plus the all-reduce of
                          the gradients of the weights every stage holds (embedding, head, final
-                         norm: their fp32 sum over the schedule), 2·4·(2h + D)·(p-1)/p; zbv
-                         also lays its V out from the stored split every step
-                         (`v_layout`): of the stage's 2 chunks 1 (p = 2) or 2 (p > 2) leave in
-                         the compute dtype and their fp32 gradients come back, (c + 4)·P_l/2 per
-                         chunk (P_l the stage's layer weights)
+                         norm: their fp32 sum over the schedule), 2·4·(2h + D)·(p-1)/p
             gpipe, interleaved  2T·a: T forward ticks on a ring, autodiff's transpose as many
                          back; plus the M·a of the last stage's outputs permuted to stage 0 and
                          their cotangent back (one sender each: M·a), and two all-reduces of M
                          microbatches (the outputs read on every stage, in fp32 as the head takes
                          them, and the embedded batch's cotangent summed over stage),
                          2M·(a4 + a)·(p-1)/p, a4 = a·4/c
+            V > 1        plus the layers laid out from the stored split every step
+                         (`layout`, pipeline/layout.py): the chunks stored on the device that
+                         run elsewhere (of V, P_l/V each, P_l the stage's layer weights) leave
+                         in the compute dtype and their gradients come back, in fp32 from the
+                         1F1B family's engine, in the compute dtype from autodiff's transpose
           The census of tiny on pp=2 and pp=4 equals it within a scalar's bytes for every
-          schedule (tests/test_pipeline.py), but for what is not counted: the interleaved
-          schedules re-lay the contiguously stored layers every step, each device's layer
-          weights and gradients over stage (pipeline/circular.py; XLA's all-to-alls and
-          permutes, measured on tiny: 0.5x, 1.75x and 0.75x of them each way at p, V = 2, 2;
-          4, 2; 4, 4).
+          schedule (tests/test_pipeline.py).
           The contract of DESIGN.md (one permute per microbatch and boundary, 2k·a) is what
           must travel: gpipe with M ≫ p comes close to it; the 1F1B family sends twice it
           (T ≈ 2M, and every tick permutes both buffers, since in one tick some stages run F
@@ -130,6 +127,7 @@ from __future__ import annotations
 import math
 
 from configs.base import RunConfig
+from pipeline.layout import leaving
 from sharding.checks import accumulation_axes
 from sharding.mesh import AXES
 from tools.estimate import (DTYPE_BYTES, STASHING, dispatch_rows, local_param_parts, pipeline_figures, shape,
@@ -218,25 +216,30 @@ def stage(cfg: RunConfig, sizes: dict[str, int]) -> float:
         return 0.0
     split = sizes["tensor"] if cfg.parallel.sequence_parallel else 1  # else every tensor rank sends its copy
     a = s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype] / split
-    schedule = cfg.parallel.schedule
-    ring = schedule not in STASHING or virtual(cfg) > 1 and schedule != "zbv"
-    sends = (2 if ring or p > 2 else 1) * pipeline_figures(cfg, sizes)["ticks"] * a
-    if schedule in STASHING:
+    schedule, ticks = cfg.parallel.schedule, pipeline_figures(cfg, sizes)["ticks"]
+    if schedule in STASHING:  # both ways on a ring and in the middle stages, one way at the ends
+        ring = virtual(cfg) > 1 and schedule != "zbv"
+        sends = [(2 if ring or 0 < d < p - 1 else 1) * ticks * a for d in range(p)]
         replicated = 2 * small_parts(cfg, sizes)[0] + m.d_model  # embedding, head, final norm
-        return sends + 2 * 4 * replicated * (p - 1) / p + (v_layout(cfg, sizes) if schedule == "zbv" else 0.0)
-    widened = a * 4 / DTYPE_BYTES[m.compute_dtype]  # the head's fp32 input
-    return sends + s.k * a + 2 * s.k * (widened + a) * (p - 1) / p
+        reduced = 2 * 4 * replicated * (p - 1) / p
+    else:  # rings; stage p-1 sends the outputs, stage 0 their cotangent back
+        sends = [2 * ticks * a + s.k * a * (d in (0, p - 1)) for d in range(p)]
+        widened = a * 4 / DTYPE_BYTES[m.compute_dtype]  # the head's fp32 input
+        reduced = 2 * s.k * (widened + a) * (p - 1) / p
+    return reduced + max(x + y for x, y in zip(sends, layout(cfg, sizes), strict=True))
 
 
-def v_layout(cfg: RunConfig, sizes: dict[str, int]) -> float:
-    """zbv's V laid out from the stored split every step (pipeline.one_f_one_b.v_layout), bytes
-    of the device that moves the most: of its 2 chunks of layer weights 1 (p = 2) or 2 (p > 2)
-    leave it in the compute dtype, and their gradients come back in fp32 (module docstring)."""
-    m, p = cfg.model, sizes["stage"]
+def layout(cfg: RunConfig, sizes: dict[str, int]) -> list[float]:
+    """Per stage, the bytes of laying its layers out from the stored split every step
+    (pipeline/layout.py): its `leaving` chunks of layer weights (of V) leave it in the compute
+    dtype, and as many chunks' gradients come back from it, fp32 from the 1F1B family's engine,
+    in the compute dtype from autodiff's transpose (gpipe, interleaved). All 0 at V = 1."""
+    m, p, v = cfg.model, sizes["stage"], virtual(cfg)
     head, _, _ = small_parts(cfg, sizes)
     layers = sum(local_param_parts(cfg, sizes)) - 2 * head - m.d_model  # less embedding, head, final norm
-    moved = 1 if p == 2 else 2
-    return moved / 2 * layers * (DTYPE_BYTES[m.compute_dtype] + 4)
+    c = DTYPE_BYTES[m.compute_dtype]
+    chunk = layers / v * (c + (4 if cfg.parallel.schedule in STASHING else c))
+    return [n * chunk for n in leaving(p, v, vee=cfg.parallel.schedule == "zbv")]
 
 
 def expert(cfg: RunConfig, sizes: dict[str, int]) -> float:
