@@ -169,5 +169,5 @@ def test_plan_cli_search_mixtral():
                      "--set", "model.moe_dispatch=capacity", "--json")
     assert out.returncode == 0, out.stderr
     top = json.loads(out.stdout)["top"]
-    assert len(top) == 5 and all(r["memory_gb"] <= 80 for r in top)
-    assert any("ep=" in r["mesh"] and r["all_to_all_gb"] > 0 for r in top)
+    assert len(top) == 5 and all(r["memory_gib"] <= 80e9 / 2**30 for r in top)
+    assert any("ep=" in r["mesh"] and r["all_to_all_gib"] > 0 for r in top)

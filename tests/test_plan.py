@@ -192,7 +192,7 @@ def test_search_ranks_every_schedule_and_runs_the_fastest():
     assert len(names) >= 3 and len(set(names)) == len(names) and {"1f1b", "interleaved-1f1b", "zb-h1"} <= set(names)
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
     for r in rows:
-        assert r["memory_gb"] <= 80 and r["microbatches"] >= 2
+        assert r["memory_gib"] <= 80e9 / 2**30 and r["microbatches"] >= 2
         assert r["bubble"] == pytest.approx(estimate.pipeline_figures(r["cfg"], sizes)["bubble"])
     by = {r["schedule"]: r for r in rows}
     at_16 = {name: estimate.pipeline_figures(pipelined(cfg, sizes, 16, name), sizes)["bubble"] for name in ("1f1b", "zb-h1")}
@@ -226,7 +226,7 @@ def test_plan_cli_search_prints_the_top_five():
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert len(report["top"]) == 5 and report["rejected"] > 0
-    assert all(r["memory_gb"] <= 80 for r in report["top"])
+    assert all(r["memory_gib"] <= 80e9 / 2**30 for r in report["top"])
     best = report["best_pipeline"]  # every schedule ranked for the best pipelined mesh
     assert best["rank"] >= 1 and len({r["schedule"] for r in best["schedules"]}) >= 2
 
@@ -489,7 +489,7 @@ def test_plan_cli_names_the_measured_link(tmp_path):
     assert f"links: data measured {path} (all-reduce: 10.0 us + bytes / 40 GB/s" in out.stdout
     assert "other axes datasheet NVLink 450 GB/s inside a node of 8" in out.stdout
     first, second = (line for line in out.stdout.splitlines() if line.startswith(("1. ", "2. ")))
-    assert re.search(r", XLA \d+ GB \(cpu's fp32 buffers of a bf16 program.*: not judged\)$", first), first
+    assert re.search(r", XLA \d+ GiB \(cpu's fp32 buffers of a bf16 program.*: not judged\)$", first), first
     assert "XLA" not in second
 
 

@@ -141,6 +141,7 @@ from sharding.checks import CHUNKED, ONE_F_ONE_B, accumulation_axes, batch_ranks
 from sharding.cores import choose_core
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GiB = 2**30  # every memory figure the tools print is in GiB, as jax and nvidia-smi count
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,10 @@ import math
 
 from configs import RunConfig, apply_overrides
 from sharding.mesh import format_mesh
-from tools.estimate import memory
+from tools.estimate import GiB, memory
 from tools.roofline import GPU, GPUS
 from tools.search import fit, no_mesh_takes, search, settings
 
-GiB = 2**30
 MARKERS = ("resource_exhausted", "out of memory")
 
 

@@ -50,6 +50,7 @@ from sharding.mesh import AXES, format_mesh
 from tools import roofline, traffic
 from tools.bandwidth import Measured, add_bandwidth_arg, load
 from tools.calibration import add_calibration_arg, rated_gpu
+from tools.estimate import GiB
 from tools.measure import check_at_least
 from tools.plan_report import above_best_mfu, format_plan, links_of, not_judged, plan
 from tools.search import no_mesh_takes, reason, search, settings
@@ -151,14 +152,14 @@ def run_search(cfg: RunConfig, gpus: int, gpu: roofline.GPU, confirm: int, as_js
     for i, c in enumerate(ranked[:5]):
         rows.append({"mesh": format_mesh(c["sizes"]), "set": settings(c),
                      "step_s_overlap": c["time"]["overlap_s"], "step_s_no_overlap": c["time"]["no_overlap_s"],
-                     "mfu_overlap": c["time"]["mfu_overlap"], "memory_gb": c["memory"]["peak"] / 1e9,
-                     "all_to_all_gb": traffic.expert(c["cfg"], c["sizes"]) / 1e9,
+                     "mfu_overlap": c["time"]["mfu_overlap"], "memory_gib": c["memory"]["peak"] / GiB,
+                     "all_to_all_gib": traffic.expert(c["cfg"], c["sizes"]) / GiB,
                      "reason": reason(c, ranked[0]),
                      "schedules": [{k: v for k, v in row.items() if k != "cfg"} for row in c["schedules"]]})
         if i < confirm:
             trial = dataclasses.replace(c["cfg"], parallel=dataclasses.replace(c["cfg"].parallel, **c["sizes"]))
             xla = xla_figures(trial, build_mesh(trial.parallel))
-            rows[-1]["xla_memory_gb"] = xla["memory"]["peak"] / 1e9
+            rows[-1]["xla_memory_gib"] = xla["memory"]["peak"] / GiB
             rows[-1]["xla_not_judged"] = not_judged(trial, c["sizes"], xla)
     piped = next(((i, c) for i, c in enumerate(ranked, 1) if c["sizes"]["stage"] > 1), None)
     best_pipeline = piped and {"rank": piped[0], "mesh": format_mesh(piped[1]["sizes"]),
@@ -176,7 +177,7 @@ def run_search(cfg: RunConfig, gpus: int, gpu: roofline.GPU, confirm: int, as_js
     if any(r["mfu_overlap"] > gpu.best_mfu for r in rows):
         print(f"* {above_best_mfu(max(r['mfu_overlap'] for r in rows), gpu)}")
     for i, r in enumerate(rows, 1):
-        confirmed = "" if "xla_memory_gb" not in r else f", XLA {r['xla_memory_gb']:.0f} GB" + (
+        confirmed = "" if "xla_memory_gib" not in r else f", XLA {r['xla_memory_gib']:.0f} GiB" + (
             f" ({' and '.join(r['xla_not_judged'])}: not judged)" if r["xla_not_judged"] else "")
         print(f"{i}. {r['mesh']:<24} {r['step_s_overlap']:.2f} s/step overlapped ({r['step_s_no_overlap']:.2f} s "
               f"not), MFU {100 * r['mfu_overlap']:.0f}%{'*' if r['mfu_overlap'] > gpu.best_mfu else ''}{confirmed}"

@@ -12,9 +12,9 @@ from configs import RunConfig
 from sharding.mesh import format_mesh
 from tools import estimate, roofline, traffic
 from tools.bandwidth import Measured
+from tools.estimate import GiB
 from tools.oom import remedy
 
-GiB = 2**30
 
 
 def links_of(cfg: RunConfig, measured: Measured | None) -> traffic.Links | None:

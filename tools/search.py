@@ -29,7 +29,7 @@ import itertools
 from configs.base import ConfigError, RunConfig
 from sharding.checks import batch_ranks, check_run
 from sharding.mesh import AXES
-from tools.estimate import memory, pipeline_figures, shape
+from tools.estimate import GiB, memory, pipeline_figures, shape
 from tools.roofline import GPU, step_time
 from tools.traffic import GPUS_PER_NODE, Links, expert
 
@@ -99,7 +99,7 @@ def rank_schedules(cfg: RunConfig, sizes: dict[str, int], gpu: GPU, per_rank: in
     """Each schedule of SCHEDULES that the mesh takes, with the microbatch count M (>= pp,
     dividing the rank's batch) of its shortest fitting step (more microbatches shrink the bubble
     and the stash), fastest first: {schedule, virtual_stages, microbatches, step_s (overlapped),
-    bubble, memory_gb, cfg}. The microbatches are
+    bubble, memory_gib, cfg}. The microbatches are
     the accumulation (sharding/checks.py): train.micro_batch_size is 0."""
     rows = []
     for schedule, v in SCHEDULES:
@@ -117,7 +117,7 @@ def rank_schedules(cfg: RunConfig, sizes: dict[str, int], gpu: GPU, per_rank: in
             seconds, trial = best
             rows.append({"schedule": schedule, "virtual_stages": v, "microbatches": trial.parallel.microbatches,
                          "step_s": seconds, "bubble": pipeline_figures(trial, sizes)["bubble"],
-                         "memory_gb": memory(trial, sizes)["peak"] / 1e9, "cfg": trial})
+                         "memory_gib": memory(trial, sizes)["peak"] / GiB, "cfg": trial})
     return sorted(rows, key=lambda r: r["step_s"])
 
 
@@ -183,11 +183,11 @@ def reason(candidate: dict, best: dict) -> str:
     if worst:
         parts.append(f"slowest comm {worst} {comm[worst]:.2f} s")
     if candidate["sizes"]["expert"] > 1:
-        parts.append(f"all-to-all {expert(candidate['cfg'], candidate['sizes']) / 1e9:.0f} GB")
+        parts.append(f"all-to-all {expert(candidate['cfg'], candidate['sizes']) / GiB:.0f} GiB")
     if t["bubble"]:
         parts.append(f"bubble {100 * t['bubble']:.0f}%")
     b = shape(candidate["cfg"], candidate["sizes"]).b
-    parts.append(f"{b} seq/microbatch, {mem['peak'] / 1e9:.0f} GB")
+    parts.append(f"{b} seq/microbatch, {mem['peak'] / GiB:.0f} GiB")
     if candidate is not best:
         ratio = t["overlap_s"] / best["time"]["overlap_s"]
         parts.append(f"{ratio:.2f}x the best")
