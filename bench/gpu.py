@@ -34,6 +34,12 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
                one H100, 414 against 513 on one H200; and 1b under full unrolled, beside the
                scan's full (its checkpoints hold unrolled since 2026-11-27: model/remat.py;
                compiled for one H100, 22.69 GiB against 23.80 scanned, its step not yet timed)
+  mesh         with several GPUs only (bench/gpu_mesh.py): the collectives' busbw over all of
+               them (tools.collectives over dp=n, 1 MiB to 256 MiB, its record written beside
+               this one for `tools.plan --bandwidth`), and 125m under remat full on dp=n,
+               fsdp=n, fsdp=n/2,tp=2 and pp=2,dp=n/2 (1f1b): tokens/s, MFU, peak memory, and
+               each mesh axis's compiled collective bytes beside tools.traffic's contract;
+               one GPU: skipped, said so (no multi-GPU machine has run it yet)
   flags        XLA options on and off, each compiled for the same training case in this process
                (compile options over XLA_FLAGS): 1b under remat none, layer scan, with
                xla_gpu_enable_dynamic_slice_fusion (XLA's default from jax 0.11: GEMMs write into
@@ -86,6 +92,7 @@ import traceback
 from pathlib import Path
 
 from bench import gpu_device, gpu_training
+from bench.gpu_mesh import mesh_stage
 from bench.attention import CORES as ATTENTION_CORES
 from bench.common import error_text
 from bench.gpu_correctness import correctness
@@ -98,7 +105,7 @@ from sharding.xla_flags import with_flags
 from tools.calibration import estimate_vs_measured
 from tools.measure import RESULTS, check_at_least, check_out, file_path, int_list, run_record, write_report
 
-STAGES = ("environment", "ceilings", "correctness", "attention", "training", "flags", "profile")
+STAGES = ("environment", "ceilings", "correctness", "attention", "training", "mesh", "flags", "profile")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +128,8 @@ class Sizes:
     train_steps: int
     flag_cases: tuple[tuple[str, str, tuple[str, ...], str], ...]  # (preset, remat, overrides, XLA option)
     profile_cases: tuple[tuple[str, tuple[str, ...]], ...]  # (preset, overrides)
+    mesh_case: tuple[str, tuple[str, ...]]  # (preset, overrides) of the mesh stage's strategies
+    message_bounds: str  # the mesh stage's collective sizes, LO:HI (tools.collectives --sizes)
     cores: tuple[str, ...] = ATTENTION_CORES  # those the correctness and attention stages run (--cores)
 
 
@@ -146,6 +155,7 @@ GPU = Sizes(
     train_steps=5,
     flag_cases=(("1b", "none", _batch(8, 2, 2048) + SCAN, "xla_gpu_enable_dynamic_slice_fusion"),),
     profile_cases=(("1b", _batch(8, 2, 2048) + SCAN), ("1b", _batch(8, 2, 2048) + UNROLLED)),
+    mesh_case=("125m", _batch(16, 2, 1024)), message_bounds="1M:256M",
 )
 _TINY = ("model.n_layers=2", "train.seq_len=64", "train.global_batch_size=8")
 SMOKE = Sizes(
@@ -158,6 +168,7 @@ SMOKE = Sizes(
     train_steps=2,
     flag_cases=(("tiny", "none", _TINY + _batch(4, 2, 64), "xla_gpu_enable_dynamic_slice_fusion"),),
     profile_cases=(("tiny", _TINY + _batch(4, 2, 64)),),
+    mesh_case=("tiny", _TINY + _batch(4, 2, 64) + ("model.compute_dtype=float32",)), message_bounds="4K:16K",
 )
 
 
@@ -210,10 +221,16 @@ def stage_attention(sizes: Sizes) -> dict:
                                       sizes.timed_runs, sizes.cores)
 
 
-# --- stages 5-7: training speed, XLA options on and off, profile (bench/gpu_training.py) ---------
+# --- stages 5-8: training speed, several GPUs (bench/gpu_mesh.py), XLA options on and off, profile
+# (bench/gpu_training.py) --------------------------------------------------------------------------
 
 def stage_training(sizes: Sizes) -> dict:
     return gpu_training.training(sizes.train_cases, sizes.train_steps)
+
+
+def stage_mesh(sizes: Sizes, record_dir: Path) -> dict:
+    preset, overrides = sizes.mesh_case
+    return mesh_stage(preset, overrides, sizes.train_steps, sizes.message_bounds, sizes.timed_runs, record_dir)
 
 
 def stage_flags(sizes: Sizes) -> dict:
@@ -232,6 +249,8 @@ def run_stage(name: str, sizes: Sizes, args: argparse.Namespace) -> dict:
     try:
         if name == "profile":
             result = stage_profile(sizes, args.profile_dir)
+        elif name == "mesh":
+            result = stage_mesh(sizes, args.out.parent)
         else:
             result = globals()[f"stage_{name}"](sizes)
     except Exception as err:  # noqa: BLE001 -- one stage's failure is a result; the next runs
@@ -277,7 +296,7 @@ def main(argv: list[str]) -> int:
         else:
             result = run_stage(name, sizes, args)
         report["stages"][name] = result
-        out = out or default_out(result, args.cpu_smoke)
+        out = args.out = out or default_out(result, args.cpu_smoke)
         write_report(report, out, announce=False)
         print(f"[{time.perf_counter() - start:6.1f} s] {name} done in {result['elapsed_s']:.1f} s", flush=True)
         try:

@@ -34,6 +34,15 @@ def summary_lines(name: str, r: dict) -> list[str]:
             + (f" peak {x['peak_memory_bytes_per_device'] / 2**30:.1f} GiB"
                if x["peak_memory_bytes_per_device"] else "")
             if x["status"] == "ok" else f"{x['status']}: {x['error']}") for x in r["rows"]]
+    if name == "mesh":
+        link = r["interconnect"]
+        lines = ([f"    interconnect: {link['error']}"] if "error" in link else
+                 [f"    {x['op']:<15}n={x['group']:<3}peak busbw {x['peak_busbw_GBps']:8.4g} GB/s, floor "
+                  f"{x['latency_floor_us']:.1f} us" for x in link["summary"]] + [f"    record: {link['record']}"])
+        return lines + [f"    {x['mesh']:<16}" + (
+            f"{x['tokens_per_s']:>12,.0f} tok/s MFU {100 * (x['mfu'] or 0):.1f}%  census/contract "
+            + ", ".join(f"{a} {v['ratio']:.3f}" for a, v in x["bytes_per_axis"].items() if v["ratio"] is not None)
+            if x["status"] == "ok" else f"{x['status']}: {x['error']}") for x in r["strategies"]]
     if name == "flags":
         return [f"    {x['preset']:<5}remat={x['remat']:<5}{x['option']}: " + (
             f"off / on {x['ratio_off_to_on']:.3f} ({x['off']['step_time_median_s'] * 1e3:.1f} ms vs "

@@ -68,11 +68,14 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, list[int]]:
     return cfg, layers
 
 
-def measure_steps(cfg: RunConfig, mesh: jax.sharding.Mesh, steps: int, compiler_options: dict | None = None) -> dict:
+def measure_steps(cfg: RunConfig, mesh: jax.sharding.Mesh, steps: int, compiler_options: dict | None = None,
+                  census: bool = False) -> dict:
     """Compile, first step and `steps` timed steps of the real job (`compiler_options`: XLA options
-    for this compile, training.build.compile_step)."""
+    for this compile, training.build.compile_step); `census`: also the compiled step's collectives
+    (tools.hlo.compiled_census, under "census")."""
     import jax
 
+    from tools.hlo import compiled_census
     from training.build import build, compile_step, xla_memory
     from training.metrics import peak_memory_bytes, step_figures
 
@@ -106,7 +109,7 @@ def measure_steps(cfg: RunConfig, mesh: jax.sharding.Mesh, steps: int, compiler_
         "memory_analysis": xla_memory(compiled),
         "loss_first": first_loss,
         "loss_last": float(metrics["loss"]),
-    }
+    } | ({"census": compiled_census(compiled, cfg, mesh)} if census else {})
 
 
 def compile_scaling(cfg: RunConfig, mesh: jax.sharding.Mesh, layers: list[int]) -> dict:

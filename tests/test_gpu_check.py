@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -59,7 +60,47 @@ def test_cpu_smoke_writes_real_numbers(tmp_path):
     assert profile["ops"]["total_ms"] > 0 and profile["ops"]["top_ops"]
     assert abs(sum(profile["ops"]["fractions"].values()) - 1) < 1e-6
     assert profile["ops"]["fractions"].get("matmul", 0) > 0
+    assert stages["mesh"]["skipped"].startswith("one device")
     assert "correctness" in done.stdout and "verdict: pass" in done.stdout
+
+
+def test_mesh_stage_on_four_devices(tmp_path):
+    """The mesh stage on 4 fake CPU devices (what a node's GPUs get): the five collectives over
+    all four, their record beside the report read back by tools.bandwidth (as `tools.plan
+    --bandwidth` reads it), and tiny (fp32 compute) on dp=4, fsdp=4, fsdp=2,tp=2 and pp=2,dp=2
+    (1f1b): each trains, and its compiled collectives equal tools.traffic's contract on data,
+    tensor and stage within 1%. Over fsdp XLA CPU reduces the gradients with an all-reduce (it
+    lacks GPU's reduce-scatter pass, tests/test_hlo.py), so the census reads above the contract
+    there, by less than the gradients' share again."""
+    from configs import ConfigError
+    from tools.bandwidth import load
+
+    out = tmp_path / "gpu.json"
+    env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--cpu-smoke", "--stages", "mesh", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    mesh = json.loads(out.read_text())["stages"]["mesh"]
+    link = mesh["interconnect"]
+    assert [(x["op"], x["group"]) for x in link["summary"]] == [
+        (op, 4) for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "permute")]
+    assert all(x["peak_busbw_GBps"] > 0 for x in link["summary"])
+    record = json.loads(Path(link["record"]).read_text())
+    assert set(record["fit"]["data"]) == {x["op"] for x in link["summary"]} and record["smoke"]
+    with pytest.raises(ConfigError, match="measured on cpu devices"):  # tools.plan --bandwidth takes GPUs' only
+        load(Path(link["record"]))
+    rows = {r["mesh"]: r for r in mesh["strategies"]}
+    assert list(rows) == ["dp=4", "fsdp=4", "fsdp=2,tp=2", "pp=2,dp=2"]
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and r["devices"] == 4 for r in rows.values()), rows
+    assert {m: set(r["bytes_per_axis"]) for m, r in rows.items()} == {
+        "dp=4": {"data"}, "fsdp=4": {"fsdp"}, "fsdp=2,tp=2": {"fsdp", "tensor"}, "pp=2,dp=2": {"stage", "data"}}
+    for r in rows.values():
+        for axis, b in r["bytes_per_axis"].items():
+            if axis == "fsdp":
+                assert 1 < b["ratio"] < 2, (r["mesh"], b)
+            else:
+                assert b["ratio"] == pytest.approx(1, abs=0.01), (r["mesh"], axis, b)
+    assert "pp=2,dp=2" in done.stdout and "census/contract" in done.stdout
 
 
 def test_cores_limits_the_attention_stages(tmp_path):
@@ -155,26 +196,32 @@ def test_op_kinds_prints_the_breakdown(tmp_path, capsys):
 def test_every_gpu_case_builds_and_traces():
     """The GPU run's own cases (bench.gpu.GPU: training, flags and profile, at their real presets
     and batches) are valid runs: each parses and its train step traces (abstractly: nothing
-    allocated or compiled) on 1 device and on 8, as on one GPU and on a node. A renamed setting
+    allocated or compiled) on 1 device and on 8, as on one GPU and on a node; the mesh stage's
+    strategies on their meshes of 8. A renamed setting
     or a batch that no longer divides fails here on CPU, not on a lent GPU's clock."""
     import dataclasses
 
     import jax
 
     from bench.gpu import GPU
+    from bench.gpu_mesh import meshes
     from bench.gpu_training import PROFILE_EXTRA
-    from sharding.mesh import build_mesh, mesh_config
+    from sharding.mesh import build_mesh, format_mesh, mesh_config, parse_mesh
     from tools.calibration import case_config
     from training.build import make_program
 
-    cases = ([(p, o, [f"model.remat={r}"]) for p, r, o in GPU.train_cases]
-             + [(p, o, [f"model.remat={r}"]) for p, r, o, _ in GPU.flag_cases]
-             + [(p, o, list(PROFILE_EXTRA)) for p, o in GPU.profile_cases])
-    for preset, overrides, extra in cases:
-        for n in (1, 8):
+    cases = ([(p, o, [f"model.remat={r}"], None) for p, r, o in GPU.train_cases]
+             + [(p, o, [f"model.remat={r}"], None) for p, r, o, _ in GPU.flag_cases]
+             + [(p, o, list(PROFILE_EXTRA), None) for p, o in GPU.profile_cases]
+             + [(GPU.mesh_case[0], GPU.mesh_case[1] + more, ["model.remat=full"], mesh) for mesh, more in meshes(8)])
+    for preset, overrides, extra, mesh_text in cases:
+        for n in (1, 8) if mesh_text is None else (8,):
             cfg = case_config(preset, overrides, extra, n)
+            if mesh_text:
+                cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh_text, cfg.parallel))
             mesh = build_mesh(cfg.parallel, jax.devices()[:n])
             program = make_program(dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel)), mesh)
-            _, metrics = jax.eval_shape(program.step_fn, program.state, program.abstract_batch())
+            with jax.set_mesh(mesh):  # the pipeline reads its stages from the mesh in context
+                _, metrics = jax.eval_shape(program.step_fn, program.state, program.abstract_batch())
             assert metrics["loss"].shape == () and metrics["loss"].dtype == "float32", (preset, overrides, n)
-            assert dict(mesh.shape)["data"] == n
+            assert format_mesh(dict(mesh.shape)) == mesh_text or (mesh_text is None and dict(mesh.shape)["data"] == n)
