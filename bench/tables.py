@@ -62,6 +62,9 @@ PROSE_ONLY = {
                               "inputs: a CPU step ratio and H100 compiles, quoted in the pipeline paragraphs",
     "remat-unrolled-1b-h100-compiled": "XLA GPU's compiled memory of unrolled layers before and after their "
                                        "checkpoints prevented CSE, quoted in sentences",
+    "fsdp-tp-remat-h100-compiled": "ZeRO-3 beside explicit TP under remat, the census and XLA's memory before "
+                                   "and after the regions' weights were gathered inside the checkpoint, quoted "
+                                   "in the tensor-parallelism paragraph",
     "pipeline-layout-h100-compiled": "the stage census before and after the layers were laid out by hand "
                                      "(pipeline/layout.py), H100 compiles and CPU, quoted in the pipeline "
                                      "paragraphs and the census table's interleaved row",

@@ -26,12 +26,10 @@ against 85.0 MB laid out here; bench/results/pipeline-layout-h100-compiled.json)
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
-from jax import lax
-
-from pipeline.stages import AXIS
+if TYPE_CHECKING:
+    import jax
 
 SCOPE = "pipeline_layout"  # the permutes' named scope, kept in their HLO op_name (tools.hlo's census)
 Route = tuple[int, int, list[tuple[int, int]]]  # (slot run, slot stored, [(storing device, running device)])
@@ -69,7 +67,14 @@ def leaving(p: int, v_count: int, vee: bool) -> list[int]:
 def lay_out(chunks: jax.Array, p: int, vee: bool, back: bool = False) -> jax.Array:
     """Inside a shard_map manual over stage: the device's stored chunks [V, Lc, ...] -> the
     chunks it runs [V, Lc, ...] (the model's `model_chunk(v, s)` at v); `back`, the inverse (the
-    run chunks' gradients -> the stored chunks'). Unchanged where nothing leaves (V = 1)."""
+    run chunks' gradients -> the stored chunks'). Unchanged where nothing leaves (V = 1). (jax is
+    imported here: the planner reads `leaving` without it.)"""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from pipeline.stages import AXIS
+
     v_count = chunks.shape[0]
     if not any(leaving(p, v_count, vee)):
         return chunks
