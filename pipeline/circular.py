@@ -59,7 +59,8 @@ def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
 
     def body(stored: nnx.State, x_all: jax.Array) -> tuple[jax.Array, dict]:
         s = lax.axis_index(AXIS)
-        layers = jax.tree.map(lambda a: lay_out(a.reshape(v_count, -1, *a.shape[1:]), p, vee=False), stored)  # [V, Lc, ...]
+        layers = jax.tree.map(lambda a: lay_out(a.reshape(v_count, -1, *a.shape[1:]), p, vee=False),
+                              stored)  # the stored [V·Lc, ...] -> the run [V, Lc, ...]
 
         def tick(carry, row):
             state, outputs, stats = carry  # state [b, L, D]: what arrived this tick

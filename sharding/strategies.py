@@ -83,7 +83,8 @@ def parallelize(cfg: RunConfig, sizes: dict[str, int]) -> Strategies:
     core = device_core(m, context=context is not None)
     return Strategies(
         tensor=TensorParallel(p.tp_impl, p.sequence_parallel, p.tp_overlap, check_vma=core == "xla",
-                              context=context is not None, gather_in_checkpoint=m.remat != "none" and not m.scan_layers and sizes["fsdp"] > 1),
+                              context=context is not None,
+                              gather_in_checkpoint=m.remat != "none" and not m.scan_layers and sizes["fsdp"] > 1),
         context=context,
         attention=core,
         remat=m.remat,
