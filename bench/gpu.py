@@ -72,9 +72,10 @@ waited for with jax.block_until_ready. All stages share one process, so `peak_me
 static memory analysis of each step is recorded beside it.
 
 On a GPU, with the ceilings, attention and training stages run, the record then holds
-`estimate`: each training case's step time as tools/roofline.py plans it at this record's own
-measured rates, beside the measured one (tools/calibration.py; tests/test_calibration.py holds
-them within 15% once a GPU record is committed).
+`estimate`: each training case's (and mesh strategy's, on its mesh) step time as
+tools/roofline.py plans it at this record's own measured rates, beside the measured one
+(tools/calibration.py; tests/test_calibration.py holds them within 15% once a GPU record is
+committed).
 
 Without a GPU (and without --cpu-smoke) it prints one line and exits 0. --cpu-smoke runs on
 CPU, pallas interpreted, cudnn recorded as "unavailable on cpu": its figures prove the script,
@@ -311,16 +312,16 @@ def main(argv: list[str]) -> int:
 
 
 def estimate_rows(out: Path) -> dict:
-    """The planner's estimate of each training case at this record's measured rates, beside the
-    measured step (tools.calibration.estimate_vs_measured; the target is within 15%), printed."""
+    """The planner's estimate of each training case and mesh strategy at this record's measured
+    rates, beside the measured step (tools.calibration.estimate_vs_measured; the target is within 15%), printed."""
     try:
         rows = estimate_vs_measured(out)
     except (ConfigError, KeyError, TypeError, ValueError) as err:  # a stage that failed leaves no rates
         print(f"    estimate vs measured: none ({error_text(err)})")
         return {"error": error_text(err)}
     for r in rows:
-        print(f"    estimate {r['preset']:<5} remat {r['remat']:<4}{'' if r['scan_layers'] else ' unrolled'}  "
-              f"{r['estimate_s'] * 1e3:8.1f} ms vs measured "
+        print(f"    estimate {r['preset']:<5} remat {r['remat']:<4}{'' if r['scan_layers'] else ' unrolled'} "
+              f"{r['mesh']:<12}{r['estimate_s'] * 1e3:8.1f} ms vs measured "
               f"{r['measured_s'] * 1e3:8.1f} ms: {r['ratio']:.2f}x")
     return {"note": "tools.roofline at this record's measured rates (tools/calibration.py); target within 15%",
             "rows": rows}

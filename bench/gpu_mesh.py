@@ -12,7 +12,9 @@ them, and what each parallelism trains at there. With one device it is skipped, 
   global batch n times the case's (weak scaling): tokens/s, TFLOP/s per device, MFU, peak memory
   (bench.step.measure_steps), and per mesh axis the bytes per device per step of the compiled
   step's collectives (tools.hlo, its busiest device) beside tools.traffic's contract, so the
-  communication each strategy promises is checked on the machine that runs it.
+  communication each strategy promises is checked on the machine that runs it. bench/gpu.py's
+  `estimate` then puts the planner's step time at the record's measured rates beside each
+  (tools.calibration.estimate_vs_measured), as for the training stage.
 
 Measured only where several GPUs are: the sessions that built it had one GPU at a time; the CPU
 smoke test (tests/test_bench.py, 4 fake devices) runs every part of it at tiny shapes.
@@ -85,12 +87,14 @@ def strategy(preset: str, mesh_text: str, overrides: tuple[str, ...], steps: int
     from bench.step import measure_steps
     from sharding.mesh import AXES, build_mesh, mesh_config, parse_mesh
     from tools import traffic
+    from sharding.strategies import device_core
     from tools.calibration import case_config
     from tools.hlo import per_device
 
     cfg = case_config(preset, overrides, ["model.remat=full"], jax.device_count())
     cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh_text, cfg.parallel))
-    row = {"preset": preset, "remat": "full", "mesh": mesh_text, "overrides": list(overrides)}
+    row = {"preset": preset, "remat": "full", "mesh": mesh_text, "attention": device_core(cfg.model, context=False),
+           "scan_layers": cfg.model.scan_layers, "overrides": list(overrides)}
     try:
         mesh = build_mesh(cfg.parallel)
         cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))

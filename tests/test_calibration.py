@@ -272,20 +272,29 @@ def test_the_memory_estimate_bounds_the_measured_micro_batch_sweep():
 def test_estimate_rows_rebuild_each_case_of_a_record(tmp_path):
     """estimate_vs_measured on a synthetic H100 record with one 125m case: the case's config
     (the preset, its overrides, remat and core, the global batch times the devices) planned at
-    the record's rates, its ratio to the measured step; failed cases are left out."""
+    the record's rates, its ratio to the measured step; and the mesh stage's case on its mesh
+    (fsdp=4,tp=2 of 8 devices); failed cases are left out."""
     path = gpu_record(tmp_path)
     stages = json.loads(path.read_text())["stages"]
     overrides = ["train.micro_batch_size=16", "train.global_batch_size=32", "train.seq_len=1024", "data.source=synthetic"]
     case = {"preset": "125m", "remat": "full", "attention": "cudnn", "overrides": overrides, "status": "ok",
             "devices": 1, "step_time_median_s": 0.5}
     stages["training"] = {"rows": [case, case | {"status": "oom"}]}
+    strategy = case | {"mesh": "fsdp=4,tp=2", "devices": 8, "step_time_median_s": 0.25}  # the mesh stage's
+    stages["mesh"] = {"strategies": [strategy, strategy | {"status": "error"}]}
     path.write_text(json.dumps({"stages": stages}))
-    [row] = estimate_vs_measured(path)
+    row, on_mesh = estimate_vs_measured(path)
     cfg = case_config("125m", tuple(overrides), ["model.remat=full", "model.attention=cudnn"], 1)
     assert cfg.train.global_batch_size == 32 and cfg.model.remat == "full"
     expected = roofline.step_time(cfg, {a: 1 for a in AXES}, rated_gpu("h100", path))["overlap_s"]
-    assert row == {"preset": "125m", "remat": "full", "scan_layers": True, "devices": 1, "measured_s": 0.5,
-                   "estimate_s": pytest.approx(expected), "ratio": pytest.approx(expected / 0.5)}
+    assert row == {"preset": "125m", "remat": "full", "scan_layers": True, "devices": 1, "mesh": "dp=1",
+                   "measured_s": 0.5, "estimate_s": pytest.approx(expected), "ratio": pytest.approx(expected / 0.5)}
+    cfg = case_config("125m", tuple(overrides), ["model.remat=full", "model.attention=cudnn"], 8)
+    sizes = dict.fromkeys(AXES, 1) | {"fsdp": 4, "tensor": 2}
+    expected = roofline.step_time(dataclasses.replace(cfg, parallel=parse_mesh("fsdp=4,tp=2", cfg.parallel)), sizes,
+                                  rated_gpu("h100", path))["overlap_s"]
+    assert cfg.train.global_batch_size == 256 and on_mesh["mesh"] == "fsdp=4,tp=2" and on_mesh["devices"] == 8
+    assert on_mesh["estimate_s"] == pytest.approx(expected) and on_mesh["ratio"] == pytest.approx(expected / 0.25)
 
 
 def test_a_plan_with_the_xla_core_says_to_take_a_fused_one():

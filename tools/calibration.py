@@ -144,12 +144,12 @@ def recorded_config(case: dict) -> RunConfig:
 
 
 def estimate_vs_measured(path: Path) -> list[dict]:
-    """The training stage of the bench.gpu record at `path` against the roofline at that
-    record's own measured rates: per case (preset, remat, devices) the measured median step,
-    tools.roofline's overlapped step time on the same config and mesh (data over the record's
-    devices), and their ratio. Reads the GPU kind from the record; refuses what `calibrate`
-    refuses."""
-    from sharding.mesh import AXES
+    """The training and mesh stages of the bench.gpu record at `path` against the roofline at that
+    record's own measured rates: per case (preset, remat, devices; the mesh stage's on its mesh)
+    the measured median step, tools.roofline's overlapped step time on the same config and mesh
+    (data over the record's devices for the training stage), and their ratio. Reads the GPU kind
+    from the record; refuses what `calibrate` refuses."""
+    from sharding.mesh import AXES, parse_mesh
     from tools.roofline import step_time
 
     stages, env = read_record(path)
@@ -158,12 +158,16 @@ def estimate_vs_measured(path: Path) -> list[dict]:
     if name is None:
         raise ConfigError(f"--calibration {path}: device {kind!r} is none of {', '.join(GPUS)}")
     gpu, rows = rated_gpu(name, path), []
-    for case in stages.get("training", {}).get("rows", []):
+    cases = [(case, f"dp={case.get('devices')}") for case in stages.get("training", {}).get("rows", [])]
+    cases += [(case, case["mesh"]) for case in (stages.get("mesh") or {}).get("strategies", [])]
+    for case, mesh in cases:
         if case.get("status") != "ok":
             continue
-        estimate = step_time(recorded_config(case), {a: 1 for a in AXES} | {"data": case["devices"]}, gpu)["overlap_s"]
+        cfg = recorded_config(case)
+        cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
+        estimate = step_time(cfg, {a: getattr(cfg.parallel, a) for a in AXES}, gpu)["overlap_s"]
         measured = case["step_time_median_s"]
         rows.append({"preset": case["preset"], "remat": case["remat"], "scan_layers": scanned(case),
-                     "devices": case["devices"],
+                     "devices": case["devices"], "mesh": mesh,
                      "measured_s": measured, "estimate_s": estimate, "ratio": estimate / measured})
     return rows
