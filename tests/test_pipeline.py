@@ -400,3 +400,17 @@ def test_pipeline_mesh_needs_enough_devices():
     cfg = small_config("pp=4,tp=4", "model.n_layers=4")
     with pytest.raises(ConfigError, match="needs 16 devices but 8 are available"):
         build_mesh(cfg.parallel, jax.devices()[:8])
+
+
+def test_the_step_outside_its_mesh_is_one_clear_error():
+    """A pipelined step traced with no mesh in context (the schedules read p from it) is refused
+    with the fix, not a KeyError from the tick program built for one stage."""
+    import dataclasses
+
+    from sharding.mesh import mesh_config
+
+    cfg = small_config("pp=2", "parallel.schedule=1f1b", "model.n_layers=4")
+    mesh = build_mesh(cfg.parallel, _devices(cfg))
+    program = make_program(dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel)), mesh)
+    with pytest.raises(ConfigError, match=r"needs its mesh in context.*jax.set_mesh\(mesh\)"):
+        jax.eval_shape(program.step_fn, program.state, program.abstract_batch())
