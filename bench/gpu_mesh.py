@@ -17,7 +17,7 @@ them, and what each parallelism trains at there. With one device it is skipped, 
   (tools.calibration.estimate_vs_measured), as for the training stage.
 
 Measured only where several GPUs are: the sessions that built it had one GPU at a time; the CPU
-smoke test (tests/test_bench.py, 4 fake devices) runs every part of it at tiny shapes.
+smoke test (tests/test_gpu_check.py, 4 fake devices) runs every part of it at tiny shapes.
 """
 
 from __future__ import annotations
