@@ -32,25 +32,43 @@ KEEP = ("n_params", "batch_shape", "tokens_per_step", "compile_s", "step_time_me
 
 
 def training_case(preset: str, remat: str, overrides: tuple[str, ...], steps: int,
-                  compiler_options: dict | None = None) -> dict:
+                  compiler_options: dict | None = None, mesh_text: str | None = None) -> dict:
     """One case's row: its settings and, measured over `steps`, the KEEP figures (status "ok"),
-    or status "oom" / "error" with the error's text."""
+    or status "oom" / "error" with the error's text. `mesh_text` (the mesh stage's, e.g.
+    "fsdp=4,tp=2"): that mesh instead of dp over every device, and per mesh axis the compiled
+    step's collective bytes (its busiest device's) beside tools.traffic's contract."""
     import jax
 
     from bench.step import measure_steps
-    from sharding.mesh import build_mesh, mesh_config
+    from sharding.mesh import build_mesh, mesh_config, parse_mesh
     from sharding.strategies import device_core
 
     cfg = case_config(preset, overrides, [f"model.remat={remat}"], jax.device_count())
+    if mesh_text:
+        cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh_text, cfg.parallel))
     row = {"preset": preset, "remat": remat, "attention": device_core(cfg.model, context=False),
-           "scan_layers": cfg.model.scan_layers, "overrides": list(overrides)}
+           "scan_layers": cfg.model.scan_layers, "overrides": list(overrides)} | ({"mesh": mesh_text} if mesh_text else {})
     try:
         mesh = build_mesh(cfg.parallel)
         cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
-        t = measure_steps(cfg, mesh, steps, compiler_options)
+        t = measure_steps(cfg, mesh, steps, compiler_options, census=bool(mesh_text))
     except Exception as err:  # noqa: BLE001 -- an OOM is a result; the next case runs
         return row | {"status": "oom" if is_out_of_memory(err) else "error", "error": error_text(err)}
-    return row | {"status": "ok", "devices": mesh.size} | {k: t[k] for k in KEEP}
+    row |= {"status": "ok", "devices": mesh.size} | {k: t[k] for k in KEEP}
+    return row | ({"bytes_per_axis": bytes_per_axis(cfg, t["census"])} if mesh_text else {})
+
+
+def bytes_per_axis(cfg, census: list) -> dict:
+    """Per mesh axis of cfg's mesh, the census's bytes (collectives over it, with others too)
+    beside tools.traffic's contract, and their ratio."""
+    from sharding.mesh import AXES
+    from tools import traffic
+    from tools.hlo import per_device
+
+    contract = traffic.communication(cfg, {a: getattr(cfg.parallel, a) for a in AXES})
+    moved = {a: per_device([c for c in census if a in c.axes]) for a in contract}
+    return {a: {"census": moved[a], "contract": contract[a], "ratio": moved[a] / contract[a] if contract[a] else None}
+            for a in contract}
 
 
 def training(cases: tuple[Case, ...], steps: int) -> dict:

@@ -239,16 +239,20 @@ def main(argv: list[str]) -> int:
     from training.distributed import initialize, process_count
 
     args = parse_args(argv)
-    cfg = RunConfig(parallel=parse_mesh(args.mesh))
-    ops, sizes = parse_ops(args.ops), parse_sizes(args.sizes)
-    request_fake_devices(cfg, process_count(args))
+    request_fake_devices(RunConfig(parallel=parse_mesh(args.mesh)), process_count(args))
     initialize(args)
+    return run(args, argv)
 
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """The command once this process has its devices (main; bench/gpu_mesh.py calls it in its own
+    process): check, or time and write the record (args.out)."""
     import jax
 
     from sharding.mesh import build_mesh, format_mesh
 
-    mesh = build_mesh(cfg.parallel)
+    ops, sizes = parse_ops(args.ops), parse_sizes(args.sizes)
+    mesh = build_mesh(parse_mesh(args.mesh))
     groups = parse_axes(args.axes, dict(mesh.shape))
     check_sizes(sizes, smallest_message(ops, [group_size(mesh, axes) for axes in groups], DTYPES[args.dtype]),
                 size_limit(jax.local_devices()[0]))
