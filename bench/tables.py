@@ -65,6 +65,9 @@ PROSE_ONLY = {
     "fsdp-tp-remat-h100-compiled": "ZeRO-3 beside explicit TP under remat, the census and XLA's memory before "
                                    "and after the regions' weights were gathered inside the checkpoint, quoted "
                                    "in the tensor-parallelism paragraph",
+    "fsdp-tp-remat-scan-h100-compiled": "the same in the layer scan, before and after the forward-only "
+                                        "constraint was set there too, quoted in the tensor-parallelism "
+                                        "paragraph",
     "pipeline-layout-h100-compiled": "the stage census before and after the layers were laid out by hand "
                                      "(pipeline/layout.py), H100 compiles and CPU, quoted in the pipeline "
                                      "paragraphs and the census table's interleaved row",

@@ -81,10 +81,11 @@ def parallelize(cfg: RunConfig, sizes: dict[str, int]) -> Strategies:
     p, m = cfg.parallel, cfg.model
     context = explicit_context(cfg, sizes["sequence"])
     core = device_core(m, context=context is not None)
+    regions = (p.tp_impl == "shard_map" and sizes["tensor"] > 1) or context is not None  # shard_maps
     return Strategies(
         tensor=TensorParallel(p.tp_impl, p.sequence_parallel, p.tp_overlap, check_vma=core == "xla",
                               context=context is not None,
-                              gather_in_checkpoint=m.remat != "none" and not m.scan_layers and sizes["fsdp"] > 1),
+                              gather_in_checkpoint=m.remat != "none" and sizes["fsdp"] > 1 and regions),
         context=context,
         attention=core,
         remat=m.remat,

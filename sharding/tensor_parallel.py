@@ -174,21 +174,37 @@ def _sum_forward_only(x: jax.Array) -> jax.Array:
 _sum_forward_only.defvjp(lambda x: (lax.psum(x, AXIS), None), lambda _, g: (g * lax.axis_size(AXIS),))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gathered_forward_only(w: jax.Array, spec: P) -> jax.Array:
+    """w laid out as `spec` (FSDP's all-gather) forward; the cotangent passes unconstrained, so
+    GSPMD reduce-scatters the gradient over fsdp as before. A plain constraint transposes to
+    one on the cotangent: in the layer scan XLA GPU then all-reduced each layer's gradient over
+    data and fsdp whole (125m scanned on dp=2,fsdp=2,tp=2: 127 MB of all-reduce for 80 MB of
+    reduce-scatter)."""
+    return lax.with_sharding_constraint(w, spec)
+
+
+_gathered_forward_only.defvjp(lambda w, spec: (lax.with_sharding_constraint(w, spec), None),
+                              lambda spec, _, g: (g,))
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """How the model's tensor-parallel regions run (decided by sharding/strategies.py).
 
-    gather_in_checkpoint (set for unrolled layers under a remat policy, fsdp > 1): each region
-    first constrains its weights to their in_specs (whole over fsdp), so that FSDP's all-gather
-    is a value of the layer's checkpoint. Left to the shard_map's edge, the gather is redone for
-    the recompute, whose inputs pass an optimization barrier, and again for the transpose,
-    which reads the primal weights; unrolled, the recompute also re-ran tensor all-reduces.
-    Compiled for H100s under remat full on fsdp=4,tp=2 (bench/results/fsdp-tp-remat-h100-compiled.json):
-    125m unrolled, its preset's default, fsdp bytes 0.68x, tensor 1.20x the contract to 1.00x,
-    peak memory 0.90x; 1b 0.58x, 1.20x to 1.00x, 0.78x. Not under remat none (the gathered
-    weights would be kept whole as residuals), and not in the layer scan: there it saves 14% of
-    the fsdp bytes on the GPU at the same memory, but XLA CPU then holds 9% more (125m on
-    dp=2,fsdp=2,tp=2), beyond tools.estimate's band (tests/test_plan.py)."""
+    gather_in_checkpoint (set under a remat policy with fsdp > 1): each region first lays its
+    weights out as their in_specs (whole over fsdp; forward only: `_gathered_forward_only`), so
+    that FSDP's all-gather is a value of the layer's checkpoint. Left to the shard_map's edge,
+    the gather is redone for the recompute, whose inputs pass an optimization barrier, and
+    again for the transpose, which reads the primal weights; unrolled, the recompute also re-ran
+    tensor all-reduces. Compiled for H100s under remat full: unrolled on fsdp=4,tp=2
+    (bench/results/fsdp-tp-remat-h100-compiled.json) 125m's fsdp bytes 0.68x, tensor 1.20x the
+    contract to 1.00x, peak memory 0.90x; 1b 0.58x, 1.20x to 1.00x, 0.78x. In the layer scan
+    (fsdp-tp-remat-scan-h100-compiled.json) the fsdp bytes 0.86x (125m) and 0.90x (llama3-8b
+    and -70b with 4 and 2 layers; the rest is the vocab-split table's gathers) at the same
+    memory (0.99-1.00x). Not under remat none: the gathered weights would be kept whole as
+    residuals. XLA CPU's fp32 program holds one more copy of the device's layer weights with
+    it (tests/test_plan.py counts it)."""
 
     impl: str = "shard_map"
     sequence_parallel: bool = False
@@ -233,7 +249,7 @@ class TensorParallel:
         within = (AXIS,) if tensor else ()
         specs = {name: logical_to_spec(names, a.shape, mesh, within=within) for name, (a, names) in weights.items()}
         if self.gather_in_checkpoint:  # FSDP's gather as a value of the layer's checkpoint (class docstring)
-            arrays = {name: lax.with_sharding_constraint(a, specs[name]) for name, a in arrays.items()}
+            arrays = {name: _gathered_forward_only(a, specs[name]) for name, a in arrays.items()}
         x_spec = logical_to_spec(self.activation_names, x.shape, mesh, within=manual)
         const_spec = P(CONTEXT_AXIS) if CONTEXT_AXIS in manual else P()
         check_vma = self.check_vma or not kernel

@@ -22,6 +22,7 @@ import pytest
 from configs import ConfigError, apply_overrides, get_preset
 from conftest import ROOT, SMALL, child_env, mesh_sizes, run_module, small_config
 from sharding.mesh import AXES, build_mesh, parse_mesh
+from sharding.strategies import parallelize
 from tools import estimate, gpu_target, op_kinds, roofline, trace_summary, traffic
 from tools.bandwidth import load
 from tools.oom import advice
@@ -33,7 +34,10 @@ from tools.search import meshes, search
 # 125m scanned: unrolled (its preset's default) at fp32 compute, XLA CPU keeps one more copy of
 # the layers' parameters, their slices (dp=8: 3126 MiB against the scan's 2802, +324 MiB = the
 # layers' fp32 parameters; 1.21x the estimate); the bf16 GPU program casts the slices instead,
-# and test_calibration holds the unrolled estimate against XLA's memory of it on an H100
+# and test_calibration holds the unrolled estimate against XLA's memory of it on an H100. The
+# scan keeps that copy too where the TP regions gather FSDP's weights inside the checkpoint
+# (dp=2,fsdp=2,tp=2 under remat full: +81.0 MiB, the layers' 81.07 MiB; the GPU program's peak
+# falls to 0.99x with it), so the test adds it there
 MEMORY_CASES = {"tiny": ["train.global_batch_size=8"],
                 "125m": ["train.global_batch_size=8", "train.seq_len=256", "model.scan_layers=true"]}
 
@@ -50,10 +54,20 @@ def test_memory_estimate_within_15_percent_of_xla(preset, mesh, remat):
                                                                       "model.compute_dtype=float32"])
     cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
     xla = xla_figures(cfg, build_mesh(cfg.parallel))
-    est = estimate.memory(cfg, mesh_sizes(cfg), scan_copies=1)  # XLA CPU holds the scan's stack once
-    print(f"{preset} {mesh} remat={remat}: estimate {est['peak'] / 2**20:.1f} MiB, "
+    sizes = mesh_sizes(cfg)
+    est = estimate.memory(cfg, sizes, scan_copies=1)["peak"]  # XLA CPU holds the scan's stack once
+    if parallelize(cfg, sizes).tensor.gather_in_checkpoint:
+        est += 4 * layer_params(cfg, sizes)  # XLA CPU's fp32 copy of them (TensorParallel's docstring)
+    print(f"{preset} {mesh} remat={remat}: estimate {est / 2**20:.1f} MiB, "
           f"XLA {xla['memory']['peak'] / 2**20:.1f} MiB")
-    assert est["peak"] == pytest.approx(xla["memory"]["peak"], rel=0.15)
+    assert est == pytest.approx(xla["memory"]["peak"], rel=0.15)
+
+
+def layer_params(cfg, sizes: dict[str, int]) -> float:
+    """The layers' parameters on one device: all of its parameters less the vocab-split
+    embedding and head and the final norm."""
+    m = cfg.model
+    return estimate.local_params(cfg, sizes) - 2 * m.vocab_size * m.d_model / (sizes["fsdp"] * sizes["tensor"]) - m.d_model
 
 
 def test_census_beside_the_contract_formulas():
@@ -273,6 +287,7 @@ CUDNN = importlib.util.find_spec("nvidia") is not None and importlib.util.find_s
     pytest.param("cudnn", "fsdp=2,tp=2", [],
                  marks=pytest.mark.skipif(not CUDNN, reason="cuDNN is not installed (nvidia-cudnn-cu13)")),
     ("pallas", "pp=2,dp=2", ["parallel.schedule=gpipe", "parallel.microbatches=4"]),
+    ("pallas", "dp=2,fsdp=2,tp=2", ["model.remat=full"]),
 ])
 def test_dry_run_compiled_for_h100s_without_one(core, mesh, sets):
     """--compile-for-gpu: XLA GPU compiles the step for 4 H100s on this CPU machine (the pallas
@@ -287,7 +302,11 @@ def test_dry_run_compiled_for_h100s_without_one(core, mesh, sets):
     gathers (the embedding and head gathered once: the census has one more vocab-split
     gather under tensor parallelism, 1.3% over on fsdp). gpipe reduces the layers' gradients
     over data in every tick, bubble ticks included, and all-reduces the last stage's outputs
-    over stage in fp32 (the head's input): the contract counts both."""
+    over stage in fp32 (the head's input): the contract counts both. Under remat full the layer
+    scan's TP regions gather FSDP's weights inside the checkpoint, once for the recompute and
+    once for the forward (at the region's edge: 1.24x the fsdp contract), and the gradients
+    still leave as reduce-scatters over fsdp and all-reduces over data (a plain sharding
+    constraint's transpose had made them all-reduces over data and fsdp)."""
     done = run_module("tools.plan", "--config", "tiny", "--mesh", mesh, "--compile-for-gpu",
                       "--set", f"model.attention={core}", *(a for x in sets for a in ("--set", x)), "--json")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -35,20 +35,23 @@ def _devices(cfg) -> int:
         ("dp=2,tp=4", ["parallel.tp_impl=gspmd", SP]),
         ("dp=2,tp=4", [SP, "model.remat=attn"]),
         ("fsdp=2,tp=4", ["model.remat=full", "model.scan_layers=false"]),
+        ("dp=2,fsdp=2,tp=2", ["model.remat=full"]),
     ],
     ids=["tp8", "tp4-sp", "dp2-tp4-overlap", "fsdp2-tp4", "fsdp2-tp4-sp", "dp2-tp4-gspmd-sp", "dp2-tp4-sp-remat",
-         "fsdp2-tp4-unrolled-full"],
+         "fsdp2-tp4-unrolled-full", "dp2-fsdp2-tp2-full"],
 )
 def test_tensor_parallel_equals_single_device(mesh, flags, reference, corpus):
     cfg = small_config(mesh, *flags)
     assert_same_run(run_steps(cfg, corpus, jax.devices()[: _devices(cfg)]), reference)
 
 
-def test_remat_full_gathers_fsdp_weights_no_more_than_none():
-    """Unrolled layers on fsdp=2,tp=2: under remat full the regions' weights are gathered inside
-    the layer's checkpoint (TensorParallel.gather_in_checkpoint), so the recompute and the
-    backward share one gather, and the step's fsdp all-gathers move no more than under remat
-    none (at the shard_map's edge they moved 1.93x: the recompute gathered again)."""
+@pytest.mark.parametrize("scan", [False, True])
+def test_remat_full_gathers_fsdp_weights_no_more_than_none(scan):
+    """fsdp=2,tp=2: under remat full the regions' weights are gathered inside the layer's
+    checkpoint (TensorParallel.gather_in_checkpoint), so the recompute and the backward share
+    one gather, and the step's fsdp all-gathers move no more than under remat none (at the
+    shard_map's edge they moved 1.93x unrolled and 1.33x scanned: the recompute gathered
+    again)."""
     import dataclasses
 
     from sharding.mesh import mesh_config
@@ -56,7 +59,7 @@ def test_remat_full_gathers_fsdp_weights_no_more_than_none():
 
     gathered = {}
     for remat in ("none", "full"):
-        cfg = small_config("fsdp=2,tp=2", f"model.remat={remat}", "model.scan_layers=false",
+        cfg = small_config("fsdp=2,tp=2", f"model.remat={remat}", f"model.scan_layers={str(scan).lower()}",
                            "train.micro_batch_size=4", "train.global_batch_size=16")
         mesh = build_mesh(cfg.parallel, jax.devices()[:4])
         ops = step_census(dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel)), mesh)

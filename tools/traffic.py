@@ -39,11 +39,13 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     in the compute dtype once per step, the fp32 gradient sum
                                     reduce-scattered once (norms all-reduced); so too under
                                     the 1F1B family (pipeline/one_f_one_b.py), manual over fsdp
-                                    (the device's E/ep experts included). Unrolled layers
-                                    under remat with explicit TP gather inside the layer's
-                                    checkpoint, and XLA merges each microbatch's forward and
-                                    backward gathers there: the census reads 0.72-0.84x this
-                                    (sharding.tensor_parallel.TensorParallel.gather_in_checkpoint)
+                                    (the device's E/ep experts included). Under remat with
+                                    explicit TP the layers gather inside their checkpoint
+                                    (sharding.tensor_parallel.TensorParallel.gather_in_checkpoint):
+                                    unrolled, XLA merges each microbatch's forward and
+                                    backward gathers there, the census reads 0.72-0.84x this;
+                                    scanned it reads 1.01-1.10x (the vocab-split table's
+                                    gathers)
   expert  k · 2 · G'(ep-1)/ep       G' = G_c less the routed experts: every other weight treats
                                     `expert` as a data axis (summed per microbatch and axis, as
                                     sequence's)
