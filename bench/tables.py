@@ -65,6 +65,8 @@ PROSE_ONLY = {
     "fsdp-tp-remat-h100-compiled": "ZeRO-3 beside explicit TP under remat, the census and XLA's memory before "
                                    "and after the regions' weights were gathered inside the checkpoint, quoted "
                                    "in the tensor-parallelism paragraph",
+    "remat-dots-tensor-h100-compiled": "the tensor census under remat dots and attn before and after dots kept "
+                                       "the row-parallel regions' sums, quoted in the census findings",
     "fsdp-tp-remat-scan-h100-compiled": "the same in the layer scan, before and after the forward-only "
                                         "constraint was set there too, quoted in the tensor-parallelism "
                                         "paragraph",

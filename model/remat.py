@@ -4,7 +4,9 @@
   full   keep only each layer's input [B, L, D]; recompute the whole layer in backward
          (about one extra forward: ~+33% FLOPs)
   dots   keep the outputs of matmuls without batch dimensions (the projections), recompute
-         the elementwise work, norms and softmax
+         the elementwise work, norms and softmax; under tensor parallelism a row-parallel
+         region's sum over tensor is kept in place of the partial output it sums
+         (sharding.tensor_parallel.SUM), so the backward runs no all-reduce again
   attn   keep the tagged q, k, v and attention output (checkpoint_name tags in model/),
          recompute the MLP: a middle ground when the MLP hidden [B, L, F] dominates memory
 
@@ -39,11 +41,13 @@ import jax
 
 from configs.base import ConfigError
 from sharding.context_parallel import KEPT_NAME  # context parallelism's kept out and lse
+from sharding.tensor_parallel import SUM  # a row-parallel region's sum over tensor
 
 POLICIES: dict[str, Callable | None] = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                                                            jax.checkpoint_policies.save_only_these_names(SUM)),
     "attn": jax.checkpoint_policies.save_only_these_names("query", "key", "value", "attn_core"),
 }
 

@@ -71,6 +71,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from sharding.context_parallel import AXIS as CONTEXT_AXIS
@@ -78,6 +79,9 @@ from sharding.rules import axis_size, logical_to_spec, not_manual
 
 IMPLS = ("shard_map", "gspmd")
 AXIS = "tensor"
+# the checkpoint_name of a row-parallel region's sum: remat dots keeps it rather than the partial
+# matmul output it sums, so the backward does not sum it again (model/remat.py)
+SUM = "tensor_sum"
 # Under SP (and context parallelism) the batch axes are manual too: XLA cannot partition an
 # all-gather or reduce-scatter over a manual axis whose operand is split on an automatic one
 # (it all-gathers the batch first).
@@ -116,12 +120,14 @@ class Sharded:
         return fn(lax.pcast(x, AXIS, to="varying") if self.check_vma else x)
 
     def row(self, h: jax.Array, fn: Callable) -> jax.Array:
-        """fn(h) ([B, L, F/T] -> partial [B, L, D]) summed over tensor."""
+        """fn(h) ([B, L, F/T] -> partial [B, L, D]) summed over tensor, the sum named `SUM`."""
         if self.overlap:
-            return self._scatter_ring(h, fn)
-        if self.sequence_parallel:
-            return lax.psum_scatter(fn(h), AXIS, scatter_dimension=1, tiled=True)  # -> [B, L/T, D]
-        return lax.psum(fn(h), AXIS) if self.check_vma else _sum_forward_only(fn(h))
+            summed = self._scatter_ring(h, fn)
+        elif self.sequence_parallel:
+            summed = lax.psum_scatter(fn(h), AXIS, scatter_dimension=1, tiled=True)  # -> [B, L/T, D]
+        else:
+            summed = lax.psum(fn(h), AXIS) if self.check_vma else _sum_forward_only(fn(h))
+        return checkpoint_name(summed, SUM)
 
     def own_kv_heads(self, w: jax.Array, n_kv_heads: int) -> jax.Array:
         """This device's kv heads of w [D, K', H]: split already, or picked from all K."""

@@ -402,6 +402,8 @@ def census_by_axis(found) -> dict[str, float]:
 CONTRACT_CASES = [("dp=8",), ("fsdp=8",), ("dp=2,tp=4",), ("dp=2,tp=4", "model.remat=full"),
                   ("dp=2,tp=4", "parallel.sequence_parallel=true"),
                   ("dp=2,tp=4", "parallel.sequence_parallel=true", "model.remat=full"),
+                  ("dp=2,tp=4", "model.remat=dots"), ("dp=2,tp=4", "parallel.sequence_parallel=true", "model.remat=dots"),
+                  ("dp=2,tp=4", "model.remat=attn"), ("dp=2,tp=4", "parallel.sequence_parallel=true", "model.remat=attn"),
                   # gradient accumulation, k = 4 (training/step.py's accumulation region)
                   ("dp=8", "train.micro_batch_size=1"),
                   ("fsdp=8", "train.micro_batch_size=1", "parallel.fsdp_gather_once=true"),

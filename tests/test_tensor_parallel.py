@@ -36,9 +36,10 @@ def _devices(cfg) -> int:
         ("dp=2,tp=4", [SP, "model.remat=attn"]),
         ("fsdp=2,tp=4", ["model.remat=full", "model.scan_layers=false"]),
         ("dp=2,fsdp=2,tp=2", ["model.remat=full"]),
+        ("dp=2,tp=4", ["model.remat=dots"]),
     ],
     ids=["tp8", "tp4-sp", "dp2-tp4-overlap", "fsdp2-tp4", "fsdp2-tp4-sp", "dp2-tp4-gspmd-sp", "dp2-tp4-sp-remat",
-         "fsdp2-tp4-unrolled-full", "dp2-fsdp2-tp2-full"],
+         "fsdp2-tp4-unrolled-full", "dp2-fsdp2-tp2-full", "dp2-tp4-dots"],
 )
 def test_tensor_parallel_equals_single_device(mesh, flags, reference, corpus):
     cfg = small_config(mesh, *flags)

@@ -62,7 +62,8 @@ Memory (bytes per device), the terms `memory()` returns:
                             dense MLP's measured count, not measured on a MoE compile)
                 remat full  D (the layer input)
                 remat dots  (N+2K)·H/t + 2·D + 2·F/t: the projections' outputs (q, k, v,
-                            the attention's and the MLP's output projections, gate, up)
+                            the attention's and the MLP's output projections, under TP
+                            their sums over tensor, gate, up)
                 remat attn  D + (2N+2K)·H/t: the layer input, q, k, v, the core's output
                             (MoE layers under dots and attn: none's, an upper bound)
                 1F1B-family slot (`chunk_residuals`: model.remat.stash_policy keeps no

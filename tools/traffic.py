@@ -65,9 +65,13 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           backward reads: the attention output's all-reduce (its sum feeds the MLP), not the
           MLP's (its sum only makes the layer's output, which the backward never reads), so
           r = 1; under sequence parallelism the recompute runs all-gather, reduce-scatter,
-          all-gather (the MLP's reduce-scatter is dead the same way): r = 1.5. The census of the
-          compiled tiny step on dp=2,tp=4 agrees within 0.1% with and without remat and SP
-          (tests/test_hlo.py). remat dots/attn: modelled as none (r = 0), not measured. The 1F1B
+          all-gather (the MLP's reduce-scatter is dead the same way): r = 1.5. remat=attn keeps
+          q, k, v and the core's output and recomputes the rest: the same r. remat=dots keeps
+          each row-parallel region's sum (sharding.tensor_parallel.SUM) in place of the partial
+          matmul output it sums, so r = 0; under sequence parallelism the recompute still
+          all-gathers the column regions' inputs (Megatron's choice too: [B, L/T, D] kept, not
+          [B, L, D]), r = 1. The census of the compiled tiny step on dp=2,tp=4 agrees within
+          0.1% for each policy, with and without SP (tests/test_hlo.py). The 1F1B
           family's tick program also embeds on every stage in every tick, T - k lookups'
           all-reduces more than k (`embedded_every_tick`). The census of tiny on pp=2,tp=2
           agrees within 1% with and without SP and remat full (tests/test_pipeline.py: 1f1b,
@@ -140,6 +144,9 @@ from tools.estimate import (DTYPE_BYTES, STASHING, dispatch_rows, local_param_pa
                             virtual)
 
 NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8
+# r per remat policy, (plain TP, sequence parallelism): the tensor all-reduces a layer's backward
+# runs again (module docstring)
+RECOMPUTED = {"none": (0.0, 0.0), "dots": (0.0, 1.0), "attn": (1.0, 1.5), "full": (1.0, 1.5)}
 Links = dict[str, tuple[float, float]]  # measured {axis: (latency_s, bytes_per_s)}
 
 
@@ -151,7 +158,7 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     frac = {a: (n - 1) / n for a, n in sizes.items()}
     act = s.tokens * m.d_model * c  # S: one layer's input for one microbatch (its L/sp rows)
     sp = cfg.parallel.sequence_parallel
-    recompute = (1.5 if sp else 1.0) * (m.remat == "full")  # r of the module docstring
+    recompute = RECOMPUTED[m.remat][sp]  # r of the module docstring
     kv_replicated = m.n_kv_heads % sizes["tensor"] != 0
     kv_grads = 2 * 4 * m.d_model * m.n_kv_heads * m.head_dim * kv_replicated
     tensor = s.layers * ((4 + recompute) * 2 * act + 2 * kv_grads) + 2 * 2 * act
