@@ -40,6 +40,7 @@ from configs.base import ModelConfig, RunConfig
 from sharding.cores import choose_core, target
 from sharding.checks import accumulation_axes, check_run, explicit_context
 from sharding.tensor_parallel import TensorParallel
+from sharding.xla_flags import program_options
 
 
 @dataclass(frozen=True)
@@ -63,15 +64,22 @@ class Strategies:
 
     def describe(self) -> str:
         """One line for the log, e.g. 'tensor shard_map+sp, context ring, attention xla, remat full,
-        pipeline 1f1b, experts none', and where the step accumulates itself e.g. ', accumulation
-        data+fsdp (fsdp gathered once)'."""
+        pipeline 1f1b, experts none', where the step accumulates itself e.g. ', accumulation
+        data+fsdp (fsdp gathered once)', and its XLA options e.g. ', xla
+        xla_gpu_pipeline_all_gather=COLLECTIVE_PIPELINING_MODE_OFF'."""
         t = self.tensor
         tensor = "+".join([t.impl] + ["sp"] * t.sequence_parallel + ["overlap"] * t.overlap)
         line = (f"tensor {tensor}, context {self.context or 'none'}, attention {self.attention}, remat {self.remat}, "
                 f"pipeline {self.schedule or 'none'}, experts {self.experts or 'none'}")
         if self.accumulation:
             line += f", accumulation {'+'.join(self.accumulation)}" + " (fsdp gathered once)" * self.fsdp_gather_once
-        return line
+        options = " ".join(f"{k}={v if isinstance(v, str) else str(v).lower()}" for k, v in self.compiler_options.items())
+        return line + f", xla {options}" * bool(options)
+
+    @property
+    def compiler_options(self) -> dict[str, str | bool]:
+        """XLA options of this run's programs, over XLA_FLAGS (sharding.xla_flags.program_options)."""
+        return program_options(self.tensor.sequence_parallel)
 
 
 def parallelize(cfg: RunConfig, sizes: dict[str, int]) -> Strategies:

@@ -22,6 +22,9 @@ never overridden, so `XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=false`
 XLA parses every `--xla_gpu_*` flag on every platform and dies on an unknown one, so
 tests/test_xla_flags.py starts a CPU backend with these flags to catch a renamed flag.
 
+Per program, over all of these: `program_options` (jax.jit's compiler_options, set by
+training/build.py from the run's strategies) turns the all-gather pipeliner off where sequence
+parallelism makes it cost more than it can give; it imports jax, when called.
 Memory, set by the user, not here: jax preallocates 75% of GPU memory at start-up.
 `XLA_PYTHON_CLIENT_MEM_FRACTION=0.9` gives the step more (practitioners use 0.8-0.9; lower it
 when NCCL user buffers or NVLS need their own memory); `XLA_PYTHON_CLIENT_PREALLOCATE=false`
@@ -30,6 +33,7 @@ allocates on demand, which fragments: for debugging only.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 from typing import Mapping, NamedTuple
@@ -50,7 +54,7 @@ GPU_FLAGS = (
          "(NVIDIA JAX-Toolbox GPU_performance.md; MaxText GPU configs)"),
     Flag("--xla_gpu_enable_pipelined_all_gather=true",
          "FSDP's per-layer weight all-gather inside the layer scan starts one iteration early "
-         "(JAX-Toolbox GPU_performance.md)"),
+         "(JAX-Toolbox GPU_performance.md); off under sequence parallelism (program_options)"),
     Flag("--xla_gpu_enable_pipelined_reduce_scatter=true",
          "FSDP's per-layer gradient reduce-scatter in the backward scan finishes one iteration "
          "late, behind the next layer's compute (JAX-Toolbox GPU_performance.md)"),
@@ -68,6 +72,38 @@ GPU_FLAGS = (
          "a collective whose peers never arrive (a dead node) ends the process after 10 minutes "
          "instead of hanging forever; XLA's default is no timeout (Marin's trainer sets 600)"),
 )
+
+
+# The all-gather pipeliner off, as XLA names it: jax 0.12's enum, else the older bool
+PIPELINER_OFF = (("xla_gpu_pipeline_all_gather", "COLLECTIVE_PIPELINING_MODE_OFF"),
+                 ("xla_gpu_enable_pipelined_all_gather", False))
+
+
+def program_options(sequence_parallel: bool) -> dict[str, str | bool]:
+    """XLA options of one program (jax.jit's compiler_options, training/build.py), over the flags
+    above and any in XLA_FLAGS: under sequence parallelism the all-gather pipeliner is off. It
+    also moves SP's activation all-gathers across the loops, and the compiled step then sums
+    rows over tensor again and holds more: for H100s (bench/results/pipelined-all-gather-sp-h100-compiled.json)
+    125m unrolled on fsdp=4,tp=2, 2 microbatches of 2 x 1024, the tensor bytes 1.50x the
+    contract (1.00x off) and XLA's peak 1.82x under remat none, 1.46x and 1.50x under full;
+    llama3-8b scanned (4 layers) 1.06x and 1.15x on fsdp=4,tp=2, 1.06x and 1.01x on dp=2,tp=4.
+    Elsewhere it stays on: FSDP's gathers in the layer scan are what it is for."""
+    return _pipeliner_off() if sequence_parallel else {}
+
+
+@functools.cache
+def _pipeliner_off() -> dict[str, str | bool]:
+    """The first of PIPELINER_OFF that this jax's XLA takes (a trivial compile each: the option
+    was renamed, and a name XLA does not know fails the compile)."""
+    import jax  # here, not at the top: this module is imported before jax (module docstring)
+
+    for name, off in PIPELINER_OFF:
+        try:
+            jax.jit(lambda x: x, compiler_options={name: off}).lower(0.0).compile()
+        except jax.errors.JaxRuntimeError:
+            continue
+        return {name: off}
+    raise RuntimeError(f"XLA takes none of {', '.join(n for n, _ in PIPELINER_OFF)}: its option was renamed again")
 
 
 def gpu_expected(env: Mapping[str, str] = os.environ) -> bool:

@@ -36,6 +36,30 @@ def test_xla_parses_every_gpu_flag():
     assert done.stdout.strip() == "3.0"
 
 
+def test_sequence_parallel_programs_compile_with_the_all_gather_pipeliner_off():
+    """Under SP the step and eval programs take an option that turns XLA's all-gather pipeliner
+    off, under the name this jax's XLA knows (the compile would fail on another); the strategies'
+    log line names it. Without SP: no option."""
+    import jax
+
+    from conftest import small_config
+    from sharding.mesh import build_mesh
+    from sharding.strategies import parallelize
+    from sharding.xla_flags import PIPELINER_OFF, program_options
+    from training.build import compile_step, make_program
+
+    assert program_options(False) == {}
+    (name, off), = program_options(True).items()
+    assert (name, off) in PIPELINER_OFF
+    cfg = small_config("dp=2,tp=2", "parallel.sequence_parallel=true")
+    mesh = build_mesh(cfg.parallel, jax.devices()[:4])
+    program = make_program(cfg, mesh)
+    assert program.strategies.compiler_options == {name: off}
+    assert program.strategies.describe().endswith(f", xla {name}={off if isinstance(off, str) else 'false'}")
+    compile_step(program.step_fn, mesh, program.state, program.abstract_batch())
+    assert parallelize(small_config("dp=2,tp=2"), dict(mesh.shape)).compiler_options == {}
+
+
 def test_cli_lists_the_flags_and_refuses_an_unknown_argument():
     run = lambda *a: subprocess.run([sys.executable, "-m", "sharding.xla_flags", *a], capture_output=True, text=True,  # noqa: E731
                                     timeout=60, env=dict(os.environ, JAX_PLATFORMS="cuda"))

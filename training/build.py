@@ -116,14 +116,16 @@ def make_program(cfg: RunConfig, mesh: Mesh) -> Program:
     shape = (k, b, cfg.train.seq_len)
     batch_sharding = data_sharding(mesh, shape)
     batch_shardings = {"inputs": batch_sharding, "targets": batch_sharding}
+    options = strategies.compiler_options or None
     step_fn = jax.jit(
         make_train_step(graphdef, tx, lr_schedule(cfg.train), cfg, strategies),
         in_shardings=(shardings, batch_shardings),
         out_shardings=(shardings, NamedSharding(mesh, P())),
         donate_argnums=0,
+        compiler_options=options,
     )
     eval_fn = jax.jit(make_eval_step(graphdef, cfg, strategies), in_shardings=(shardings.params, batch_shardings),
-                      out_shardings=NamedSharding(mesh, P()))
+                      out_shardings=NamedSharding(mesh, P()), compiler_options=options)
     init_fn = jax.jit(lambda: init()[1], out_shardings=shardings)
     order = zigzag_permutation(cfg.train.seq_len, mesh.shape["sequence"])[0] if strategies.context else None
     return Program(strategies, graphdef, state, shardings, batch_sharding, shape, init_fn, step_fn, eval_fn, order)
