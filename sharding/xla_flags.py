@@ -22,9 +22,11 @@ never overridden, so `XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=false`
 XLA parses every `--xla_gpu_*` flag on every platform and dies on an unknown one, so
 tests/test_xla_flags.py starts a CPU backend with these flags to catch a renamed flag.
 
-Per program, over all of these: `program_options` (jax.jit's compiler_options, set by
-training/build.py from the run's strategies) turns the all-gather pipeliner off where sequence
-parallelism makes it cost more than it can give; it imports jax, when called.
+Per program, over all of these and over the user's XLA_FLAGS too: `program_options`
+(jax.jit's compiler_options, set by training/build.py from the run's strategies) turns the
+all-gather pipeliner off where sequence parallelism makes it cost more than it can give; it
+imports jax, when called.
+
 Memory, set by the user, not here: jax preallocates 75% of GPU memory at start-up.
 `XLA_PYTHON_CLIENT_MEM_FRACTION=0.9` gives the step more (practitioners use 0.8-0.9; lower it
 when NCCL user buffers or NVLS need their own memory); `XLA_PYTHON_CLIENT_PREALLOCATE=false`
