@@ -37,7 +37,7 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
   mesh         with several GPUs only (bench/gpu_mesh.py): the collectives' busbw over all of
                them (tools.collectives over dp=n, 1 MiB to 256 MiB, its record written beside
                this one for `tools.plan --bandwidth`), and 125m under remat full on dp=n,
-               fsdp=n, fsdp=n/2,tp=2 and pp=2,dp=n/2 (1f1b): tokens/s, MFU, peak memory, and
+               fsdp=n, fsdp=n/2,tp=2 (and with SP) and pp=2,dp=n/2 (1f1b): tokens/s, MFU, peak memory, and
                each mesh axis's compiled collective bytes beside tools.traffic's contract;
                one GPU: skipped, said so (no multi-GPU machine has run it yet)
   flags        XLA options on and off, each compiled for the same training case in this process

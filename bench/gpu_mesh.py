@@ -8,7 +8,9 @@ them, and what each parallelism trains at there. With one device it is skipped, 
   written beside the report as `collectives-<device>-dp<n>.json`, which `tools.plan --bandwidth`
   reads (the planner then times each axis by these links instead of the datasheet's).
 - strategies: one preset (125m; smoke: tiny) under remat full on dp=n, fsdp=n, fsdp=n/2,tp=2
-  (explicit tensor parallelism; tp=2 at n = 2) and pp=2,dp=n/2 (1f1b, 4 microbatches), the
+  (explicit tensor parallelism; tp=2 at n = 2) without and with sequence parallelism (whose
+  step compiles with XLA's all-gather pipeliner off: sharding.xla_flags.program_options) and
+  pp=2,dp=n/2 (1f1b, 4 microbatches), the
   global batch n times the case's (weak scaling): tokens/s, TFLOP/s per device, MFU, peak memory
   (bench.step.measure_steps), and per mesh axis the bytes per device per step of the compiled
   step's collectives (tools.hlo, its busiest device) beside tools.traffic's contract, so the
@@ -28,11 +30,20 @@ from bench.common import error_text
 from bench.gpu_training import training_case
 
 
+SP = "parallel.sequence_parallel=true"
+
+
+def label(row: dict) -> str:
+    """A strategy row's name: its mesh, and 'sp' under sequence parallelism."""
+    return row["mesh"] + " sp" * (SP in row["overrides"])
+
+
 def meshes(n: int) -> list[tuple[str, tuple[str, ...]]]:
     """The strategies' (mesh, overrides) on n devices (n even for the tp and pp ones)."""
     out = [(f"dp={n}", ()), (f"fsdp={n}", ())]
     if n % 2 == 0:
-        out.append(("tp=2" if n == 2 else f"fsdp={n // 2},tp=2", ()))
+        tensor = "tp=2" if n == 2 else f"fsdp={n // 2},tp=2"
+        out += [(tensor, ()), (tensor, (SP,))]
         out.append(("pp=2" if n == 2 else f"pp=2,dp={n // 2}",
                     ("parallel.schedule=1f1b", "parallel.microbatches=4", "train.micro_batch_size=0")))
     return out

@@ -3,6 +3,8 @@ full figures being in the JSON record."""
 
 from __future__ import annotations
 
+from bench.gpu_mesh import label
+
 
 def summary_lines(name: str, r: dict) -> list[str]:
     """The short printed table of one stage."""
@@ -39,7 +41,7 @@ def summary_lines(name: str, r: dict) -> list[str]:
         lines = ([f"    interconnect: {link['error']}"] if "error" in link else
                  [f"    {x['op']:<15}n={x['group']:<3}peak busbw {x['peak_busbw_GBps']:8.4g} GB/s, floor "
                   f"{x['latency_floor_us']:.1f} us" for x in link["summary"]] + [f"    record: {link['record']}"])
-        return lines + [f"    {x['mesh']:<16}" + (
+        return lines + [f"    {label(x):<19}" + (
             f"{x['tokens_per_s']:>12,.0f} tok/s MFU {100 * (x['mfu'] or 0):.1f}%  census/contract "
             + ", ".join(f"{a} {v['ratio']:.3f}" for a, v in x["bytes_per_axis"].items() if v["ratio"] is not None)
             if x["status"] == "ok" else f"{x['status']}: {x['error']}") for x in r["strategies"]]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.gpu_mesh import label
 from conftest import GPU_INTERPRET, ROOT, child_env, run_module
 
 
@@ -67,8 +68,8 @@ def test_cpu_smoke_writes_real_numbers(tmp_path):
 def test_mesh_stage_on_four_devices(tmp_path):
     """The mesh stage on 4 fake CPU devices (what a node's GPUs get): the five collectives over
     all four, their record beside the report read back by tools.bandwidth (as `tools.plan
-    --bandwidth` reads it), and tiny (fp32 compute) on dp=4, fsdp=4, fsdp=2,tp=2 and pp=2,dp=2
-    (1f1b): each trains, and its compiled collectives equal tools.traffic's contract on data,
+    --bandwidth` reads it), and tiny (fp32 compute) on dp=4, fsdp=4, fsdp=2,tp=2 without and
+    with sequence parallelism, and pp=2,dp=2 (1f1b): each trains, and its compiled collectives equal tools.traffic's contract on data,
     tensor and stage within 1%. Over fsdp XLA CPU reduces the gradients with an all-reduce (it
     lacks GPU's reduce-scatter pass, tests/test_hlo.py), so the census reads above the contract
     there, by less than the gradients' share again."""
@@ -89,18 +90,19 @@ def test_mesh_stage_on_four_devices(tmp_path):
     assert set(record["fit"]["data"]) == {x["op"] for x in link["summary"]} and record["smoke"]
     with pytest.raises(ConfigError, match="measured on cpu devices"):  # tools.plan --bandwidth takes GPUs' only
         load(Path(link["record"]))
-    rows = {r["mesh"]: r for r in mesh["strategies"]}
-    assert list(rows) == ["dp=4", "fsdp=4", "fsdp=2,tp=2", "pp=2,dp=2"]
+    rows = {label(r): r for r in mesh["strategies"]}
+    assert list(rows) == ["dp=4", "fsdp=4", "fsdp=2,tp=2", "fsdp=2,tp=2 sp", "pp=2,dp=2"]
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and r["devices"] == 4 for r in rows.values()), rows
     assert {m: set(r["bytes_per_axis"]) for m, r in rows.items()} == {
-        "dp=4": {"data"}, "fsdp=4": {"fsdp"}, "fsdp=2,tp=2": {"fsdp", "tensor"}, "pp=2,dp=2": {"stage", "data"}}
+        "dp=4": {"data"}, "fsdp=4": {"fsdp"}, "fsdp=2,tp=2": {"fsdp", "tensor"}, "fsdp=2,tp=2 sp": {"fsdp", "tensor"},
+        "pp=2,dp=2": {"stage", "data"}}
     for r in rows.values():
         for axis, b in r["bytes_per_axis"].items():
             if axis == "fsdp":
                 assert 1 < b["ratio"] < 2, (r["mesh"], b)
             else:
                 assert b["ratio"] == pytest.approx(1, abs=0.01), (r["mesh"], axis, b)
-    assert "pp=2,dp=2" in done.stdout and "census/contract" in done.stdout
+    assert "pp=2,dp=2" in done.stdout and "fsdp=2,tp=2 sp" in done.stdout and "census/contract" in done.stdout
 
 
 def test_cores_limits_the_attention_stages(tmp_path):
