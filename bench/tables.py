@@ -67,6 +67,9 @@ PROSE_ONLY = {
                                    "in the tensor-parallelism paragraph",
     "remat-dots-tensor-h100-compiled": "the tensor census under remat dots and attn before and after dots kept "
                                        "the row-parallel regions' sums, quoted in the census findings",
+    "accumulation-tensor-h100-compiled": "FSDP's by-hand gathers and reductions beside tensor parallelism before "
+                                         "and after they ran on each tensor shard, quoted in the pipeline "
+                                         "paragraph and sharding/accumulation.py",
     "pipelined-all-gather-sp-h100-compiled": "the census and XLA's memory under sequence parallelism with XLA's "
                                              "all-gather pipeliner on and off, quoted in the XLA flags paragraph",
     "fsdp-tp-remat-scan-h100-compiled": "the same in the layer scan, before and after the forward-only "

@@ -105,7 +105,7 @@ from pipeline.layout import lay_out
 from pipeline.tables import BACKWARD
 from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
 from pipeline.tick_program import Program, cell_shares, program
-from sharding.accumulation import FSDP, gather, reduce
+from sharding.accumulation import FSDP, TENSOR, gather, reduce
 from sharding.checks import ONE_F_ONE_B, microbatches, moe_layers
 from sharding.rules import constrain, logical_to_spec
 
@@ -143,40 +143,43 @@ def whole_over_fsdp(tree: nnx.State) -> nnx.State:
     return treedef.unflatten(out)
 
 
-def _specs(params: nnx.State, fsdp: bool, stored: bool = False) -> nnx.State:
-    """Each weight's spec: the blocks' [V, X/V, ...] chunks, X/V over stage, as the body holds
-    them after `_chunked` (`stored`: the [X, ...] stack as stored, the engine's in_spec), and with `fsdp` (manual here)
-    its fsdp split (the `embed` dimension), each device then holding its shard; everything else
-    replicated."""
+def _specs(params: nnx.State, within: tuple[str, ...], stored: bool = False, stage: bool = True) -> nnx.State:
+    """Each weight's spec over the mesh axes `within`: the blocks' [V, X/V, ...] chunks, X/V over
+    stage (`stage`), as the body holds them after `_chunked` (`stored`: the [X, ...] stack as
+    stored, the engine's in_spec). With fsdp (manual here) its fsdp split (the `embed`
+    dimension), each device then holding its shard; with tensor (automatic here) its tensor
+    split, which sharding.accumulation's gather and reduce keep; everything else replicated."""
     mesh = jax.sharding.get_abstract_mesh()
 
     def spec(var: nnx.Variable, chunked: bool) -> P:
         names = tuple(var.get_metadata().get("out_sharding") or (None,) * var.ndim)
-        split = tuple(logical_to_spec(names, var.shape, mesh, within=(FSDP,))) if fsdp else ()
+        split = tuple(logical_to_spec(names, var.shape, mesh, within=within)) if within else ()
         split = (split + (None,) * var.ndim)[:var.ndim]
-        return P(*((AXIS,) if stored else (None, AXIS)), *split[1:]) if chunked else P(*split)
+        layers = AXIS if stage else None
+        return P(*((layers,) if stored else (None, layers)), *split[1:]) if chunked else P(*split)
 
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     return with_part(jax.tree.map(lambda v: spec(v, False), params, is_leaf=is_var), "blocks",
                      jax.tree.map(lambda v: spec(v, True), params["blocks"], is_leaf=is_var))
 
 
-def _whole(tree: nnx.State, flat_specs: list[P], batch_axes: tuple[str, ...]) -> nnx.State:
+def _whole(tree: nnx.State, flat_specs: list[P], tensors: list[P], batch_axes: tuple[str, ...]) -> nnx.State:
     """The stage's weights whole over fsdp, once per step: gathered by hand where fsdp is manual
-    in the engine, else by a sharding constraint (XLA's gather)."""
+    in the engine (on each tensor shard: `tensors`), else by a sharding constraint (XLA's gather)."""
     if FSDP not in batch_axes:
         return whole_over_fsdp(tree)
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten([gather(spec, a) for spec, a in zip(flat_specs, leaves, strict=True)])
+    return treedef.unflatten([gather(spec, a, t) for spec, a, t in zip(flat_specs, leaves, tensors, strict=True)])
 
 
-def _reduced(grads: nnx.State, flat_specs: list[P], batch_axes: tuple[str, ...]) -> nnx.State:
+def _reduced(grads: nnx.State, flat_specs: list[P], tensors: list[P], batch_axes: tuple[str, ...]) -> nnx.State:
     """The summed gradients -> their shard of the mean over the batch axes, once per step."""
     if not batch_axes:
         return grads
     n = math.prod(lax.axis_size(a) for a in batch_axes)
     leaves, treedef = jax.tree.flatten(grads)
-    return treedef.unflatten([reduce(g, spec, batch_axes) / n for spec, g in zip(flat_specs, leaves, strict=True)])
+    return treedef.unflatten([reduce(g, spec, batch_axes, t) / n
+                              for spec, g, t in zip(flat_specs, leaves, tensors, strict=True)])
 
 
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig,
@@ -191,14 +194,16 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, m_count, prog.split)
     pairs, arrivals = _links(prog, p, v_count)
 
-    specs = _specs(params, FSDP in batch_axes)  # the body's [V, Lc] chunks
-    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    outer = _specs(params, FSDP in batch_axes, stored=True)  # the stored [X] blocks, laid out in the body
+    manual = (FSDP,) if FSDP in batch_axes else ()
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    flat_specs = jax.tree.leaves(_specs(params, manual), is_leaf=is_spec)  # the body's [V, Lc] chunks
+    tensors = jax.tree.leaves(_specs(params, (TENSOR,), stage=False), is_leaf=is_spec)
+    outer = _specs(params, manual, stored=True)  # the stored [X] blocks, laid out in the body
 
     def body(local, inputs, targets):
         s = lax.axis_index(AXIS)
         compute = compute_params(local, st.dtype)  # cast, laid out in chunks and gathered once per step
-        compute = _whole(_chunked(compute, p, v_count, prog.v_shape), flat_specs, batch_axes)
+        compute = _whole(_chunked(compute, p, v_count, prog.v_shape), flat_specs, tensors, batch_axes)
         act = jax.ShapeDtypeStruct((inputs.shape[1], length, cfg.model.d_model), st.dtype)  # this device's b rows
         stc, residuals, stash = residual_layout(st, compute, act)
         cells = {kind: partial(cell, stc) for kind, cell in (SPLIT_CELLS if prog.split else CELLS).items()}
@@ -230,7 +235,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         (_, _, out), _ = lax.scan(tick, _start(prog, act, compute, residuals, stash, cfg), rows)
         n = math.prod(lax.axis_size(a) for a in batch_axes)
         over_batch = (lambda a: lax.psum(a, batch_axes) / n) if batch_axes else (lambda a: a)  # noqa: E731
-        grads = _reduced(out.grads, flat_specs, batch_axes)  # once per step
+        grads = _reduced(out.grads, flat_specs, tensors, batch_axes)  # once per step
         grads = _chunked(grads, p, v_count, prog.v_shape, back=True)
         summed = jax.tree.map(lambda a: lax.psum(a, AXIS), grads)  # embedding, norm, head
         stats = {name: over_batch(lax.psum(a, AXIS)) / (m_count * moe_layers(cfg.model)) for name, a in out.stats.items()}

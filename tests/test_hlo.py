@@ -439,6 +439,31 @@ def test_census_equals_the_contract_of_tools_traffic_on_every_axis(case):
     assert not off, off
 
 
+BY_HAND = [("fsdp=4,tp=2", "train.micro_batch_size=1", "parallel.fsdp_gather_once=true"),
+           ("pp=2,fsdp=2,tp=2", "parallel.schedule=1f1b", "parallel.microbatches=4", "train.micro_batch_size=0",
+            "train.global_batch_size=16")]
+
+
+@pytest.mark.parametrize("case", BY_HAND, ids=[c[0] for c in BY_HAND])
+def test_fsdp_gathered_by_hand_keeps_the_tensor_split(case):
+    """The accumulation region (parallel.fsdp_gather_once) and the 1F1B engine gather and reduce
+    FSDP's weights by hand, manual over fsdp with tensor automatic; they do it on each device's
+    tensor shard (sharding/accumulation.py): nothing is all-gathered over tensor, and the fsdp
+    bytes are the contract's (fp32, as the CPU program's; within 0.1%). Before, XLA gathered
+    every weight and gradient over tensor first: 2.00x the contract over fsdp on both, beside
+    2.05 MB (fsdp=4,tp=2) and 1.33 MB (pp=2,fsdp=2,tp=2) of all-gathers over tensor."""
+    from configs import apply_overrides
+    from sharding.mesh import AXES
+    from tools import traffic
+
+    found, _, cfg = compiled(*case)
+    contract = traffic.communication(apply_overrides(cfg, ["model.compute_dtype=float32"]),
+                                      {a: getattr(cfg.parallel, a) for a in AXES})
+    assert total(found, ("all-gather",), ("tensor",)) == 0
+    fsdp = total(found, ("all-gather", "reduce-scatter", "all-reduce"), ("fsdp",))
+    assert fsdp == pytest.approx(contract["fsdp"], rel=0.001)
+
+
 def test_pallas_core_moves_what_the_xla_core_moves_over_tensor():
     """The attention region runs unchecked around the Pallas kernel (sharding/tensor_parallel.py);
     its collectives over tensor are still exactly the typed regions': the same bytes as with the

@@ -26,6 +26,7 @@ def test_mesh_equals_single_device(mesh, reference, corpus):
 # the region over data (fsdp automatic inside, or manual with gather-once), and the tensor
 # regions nested in it (GSPMD; shard_map with SP and the overlap rings)
 ACCUMULATING = [("dp=4",), ("dp=2,fsdp=2",), ("dp=2,fsdp=2", "parallel.fsdp_gather_once=true"),
+                ("fsdp=2,tp=2", "train.micro_batch_size=2", "parallel.fsdp_gather_once=true"),
                 ("dp=2,tp=2", "train.micro_batch_size=2", "parallel.tp_impl=gspmd"),
                 ("dp=2,tp=2", "train.micro_batch_size=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=true")]
 

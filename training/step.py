@@ -76,7 +76,7 @@ from configs.base import RunConfig
 from model.loss import cross_entropy
 from model.moe import no_stats, router_loss
 from model.transformer import compute_params
-from sharding.accumulation import gather as fsdp_gather, reduce as batch_reduce
+from sharding.accumulation import TENSOR, gather as fsdp_gather, reduce as batch_reduce
 from sharding.rules import logical_to_spec
 from sharding.strategies import Strategies
 
@@ -119,22 +119,26 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         return _accumulate(params, graphdef, batch, cfg)
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     leaves, treedef = jax.tree.flatten(params)
-    specs = [logical_to_spec(v.get_metadata().get("out_sharding") or (None,) * v.ndim, v.shape, mesh, within=axes)
+    names = [(v.get_metadata().get("out_sharding") or (None,) * v.ndim, v.shape)
              for v in jax.tree.leaves(params, is_leaf=is_var)]
+    specs = [logical_to_spec(n, shape, mesh, within=axes) for n, shape in names]
+    tensors = [logical_to_spec(n, shape, mesh, within=(TENSOR,)) for n, shape in names]  # automatic here
     assert len(specs) == len(leaves)
     batch_spec = logical_to_spec((None, "batch", None), batch["inputs"].shape, mesh, within=axes)
     n = math.prod(dict(mesh.shape)[a] for a in axes)
 
     def local(leaves: list, batch: dict) -> tuple:
         """One device's k microbatches: its own rows of the batch, its fsdp shard of the weights."""
-        gather = functools.partial(jax.tree.map, fsdp_gather, specs)
+        def gather(weights: list) -> list:
+            return jax.tree.map(fsdp_gather, specs, weights, tensors)
+
         weights = compute_params(leaves, cfg.model.compute_dtype)  # the shard, cast before the gather
         if gather_once:
             weights = gather(weights)
         loss, grads, stats = _accumulate(
             weights, graphdef, batch, cfg, treedef=treedef, prepare=None if gather_once else gather,
             grad_dtypes=[a.dtype for a in leaves])
-        grads = [batch_reduce(g, spec, axes) / n for g, spec in zip(grads, specs)]
+        grads = [batch_reduce(g, spec, axes, tensor) / n for g, spec, tensor in zip(grads, specs, tensors)]
         return jax.lax.psum(loss, axes) / n, grads, jax.tree.map(lambda s: jax.lax.psum(s, axes) / n, stats)
 
     region = jax.shard_map(local, in_specs=(specs, {"inputs": batch_spec, "targets": batch_spec}),
