@@ -67,6 +67,8 @@ PROSE_ONLY = {
                                    "in the tensor-parallelism paragraph",
     "remat-dots-tensor-h100-compiled": "the tensor census under remat dots and attn before and after dots kept "
                                        "the row-parallel regions' sums, quoted in the census findings",
+    "census-sweep-125m-h100-compiled": "every strategy's census over its contract after the census fixes, "
+                                       "H100 compiles, quoted in the census section",
     "accumulation-tensor-h100-compiled": "FSDP's by-hand gathers and reductions beside tensor parallelism before "
                                          "and after they ran on each tensor shard, quoted in the pipeline "
                                          "paragraph and sharding/accumulation.py",
