@@ -77,6 +77,9 @@ PROSE_ONLY = {
     "fsdp-tp-remat-scan-h100-compiled": "the same in the layer scan, before and after the forward-only "
                                         "constraint was set there too, quoted in the tensor-parallelism "
                                         "paragraph",
+    "head-gather-fsdp-tp-h100-compiled": "the head's fsdp gathers beside explicit TP before and after it was "
+                                         "gathered before its region, quoted in the tensor-parallelism "
+                                         "paragraph",
     "pipeline-layout-h100-compiled": "the stage census before and after the layers were laid out by hand "
                                      "(pipeline/layout.py), H100 compiles and CPU, quoted in the pipeline "
                                      "paragraphs and the census table's interleaved row",

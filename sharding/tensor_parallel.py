@@ -75,7 +75,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from sharding.context_parallel import AXIS as CONTEXT_AXIS
-from sharding.rules import axis_size, logical_to_spec, not_manual
+from sharding.rules import axis_size, constrain, logical_to_spec, not_manual
 
 IMPLS = ("shard_map", "gspmd")
 AXIS = "tensor"
@@ -207,10 +207,12 @@ class TensorParallel:
     (bench/results/fsdp-tp-remat-h100-compiled.json) 125m's fsdp bytes 0.68x, tensor 1.20x the
     contract to 1.00x, peak memory 0.90x; 1b 0.58x, 1.20x to 1.00x, 0.78x. In the layer scan
     (fsdp-tp-remat-scan-h100-compiled.json) the fsdp bytes 0.86x (125m) and 0.90x (llama3-8b
-    and -70b with 4 and 2 layers; the rest is the vocab-split table's gathers) at the same
-    memory (0.99-1.00x). Not under remat none: the gathered weights would be kept whole as
-    residuals. XLA CPU's fp32 program holds one more copy of the device's layer weights with
-    it (tests/test_plan.py counts it)."""
+    and -70b with 4 and 2 layers; the rest was the head's second gather, see `logits`) at the
+    same memory (0.99-1.00x). Not under remat none: the gathered weights would be kept whole as
+    residuals from each layer's forward to its backward (the head's, gathered so under every
+    policy, lives from the loss's forward to its backward, next to each other). XLA CPU's fp32
+    program holds one more copy of the device's layer weights with it (tests/test_plan.py
+    counts it)."""
 
     impl: str = "shard_map"
     sequence_parallel: bool = False
@@ -270,7 +272,15 @@ class TensorParallel:
         """x [B, L, D] ([B, L/T, D] under SP) @ head [D, V] ('embed', 'vocab') -> fp32 logits
         [B, L, V], V split over tensor: the head as one column-parallel region (plain: dx
         all-reduced in backward; SP: x all-gathered forward, dx reduce-scattered backward, the
-        gathered x kept for the weight gradient rather than gathered again)."""
+        gathered x kept for the weight gradient rather than gathered again).
+
+        Under fsdp the head is gathered before the region, forward only, in the compute dtype
+        (pinned to its fsdp split first, so that GSPMD casts the shard rather than gathering
+        fp32): the gathered head is then what the backward reads. Left to the region's edge,
+        the transpose read the primal, fsdp-split head and gathered it again, per microbatch:
+        on llama3-8b (fsdp=4,tp=2, 2 microbatches) 0.79 GB per step more than the contract's
+        one gather, 1.10x its fsdp bytes; now 1.000x, at 0.94x XLA's peak
+        (bench/results/head-gather-fsdp-tp-h100-compiled.json)."""
         mesh, size = jax.sharding.get_abstract_mesh(), axis_size(AXIS)
 
         if self.impl == "gspmd" or size == 1:
@@ -279,6 +289,7 @@ class TensorParallel:
         ops = Sharded(size, self.sequence_parallel, self.overlap)
         x_spec = logical_to_spec(self.activation_names, x.shape, mesh, within=manual)
         w_spec = logical_to_spec(("embed", "vocab"), head.shape, mesh, within=(AXIS,))
+        head = _gathered_forward_only(constrain(head, ("embed", "vocab")), w_spec)  # FSDP's gather (docstring)
         out_spec = logical_to_spec(("batch", "length", "vocab"), (*x.shape[:2], head.shape[1]), mesh, within=manual)
         body = jax.shard_map(lambda x, w: ops.column(x, lambda x: head_matmul(x, w)),
                              in_specs=(x_spec, w_spec), out_specs=out_spec, axis_names=set(manual))

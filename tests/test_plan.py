@@ -299,8 +299,9 @@ def test_dry_run_compiled_for_h100s_without_one(core, mesh, sets):
     all-reduces are the bf16 activations (within 1%: the loss's few f32 beside them). With no
     accumulation the gradients are reduced as the backward leaves them: bf16 but for the head's
     and norms' fp32, over data, and over fsdp as ZeRO-3's reduce-scatters beside its bf16
-    gathers (the embedding and head gathered once: the census has one more vocab-split
-    gather under tensor parallelism, 1.3% over on fsdp). gpipe reduces the layers' gradients
+    gathers, within 0.5% (the embedding and head gathered once per microbatch; with the
+    head's gather left to its region's edge, its transpose gathered it again: 1.3% over on
+    fsdp=2,tp=2, 1.0% on dp=2,fsdp=2,tp=2, 10% on llama3-8b). gpipe reduces the layers' gradients
     over data in every tick, bubble ticks included, and all-reduces the last stage's outputs
     over stage in fp32 (the head's input): the contract counts both. Under remat full the layer
     scan's TP regions gather FSDP's weights inside the checkpoint, once for the recompute and
@@ -321,6 +322,8 @@ def test_dry_run_compiled_for_h100s_without_one(core, mesh, sets):
     assert census == pytest.approx(report["communication"], rel=0.02)
     for axis in {"tensor", "stage"} & set(census):
         assert census[axis] == pytest.approx(report["communication"][axis], rel=0.01)
+    if "fsdp" in census:
+        assert census["fsdp"] == pytest.approx(report["communication"]["fsdp"], rel=0.005)
 
 
 @pytest.mark.skipif(not gpu_target.plugin_installed(), reason="jax's CUDA plugin is not installed "

@@ -44,8 +44,8 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     (sharding.tensor_parallel.TensorParallel.gather_in_checkpoint):
                                     unrolled, XLA merges each microbatch's forward and
                                     backward gathers there, the census reads 0.72-0.84x this;
-                                    scanned it reads 1.01-1.10x (the vocab-split table's
-                                    gathers)
+                                    scanned it reads 1.000x (the head gathered before its
+                                    region: TensorParallel.logits)
   expert  k · 2 · G'(ep-1)/ep       G' = G_c less the routed experts: every other weight treats
                                     `expert` as a data axis (summed per microbatch and axis, as
                                     sequence's)
