@@ -77,6 +77,9 @@ PROSE_ONLY = {
     "fsdp-tp-remat-scan-h100-compiled": "the same in the layer scan, before and after the forward-only "
                                         "constraint was set there too, quoted in the tensor-parallelism "
                                         "paragraph",
+    "context-accumulation-h100-compiled": "the gradient all-reduce under context parallelism with accumulation "
+                                          "before and after the step's region was manual over sequence, quoted "
+                                          "in the context-parallelism paragraph",
     "head-gather-fsdp-tp-h100-compiled": "the head's fsdp gathers beside explicit TP before and after it was "
                                          "gathered before its region, quoted in the tensor-parallelism "
                                          "paragraph",

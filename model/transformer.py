@@ -180,13 +180,27 @@ class Transformer(nnx.Module):
                 x = self.embed(tokens)
             return constrain(x, self.act_names)
 
+    def rotary_tables(self, rows: int) -> tuple[jax.Array, jax.Array]:
+        """cos, sin [rows, H/2] for x's rows. Under context parallelism the batch's columns are in
+        zigzag order (training/data.py), and so are the tables; inside a region already manual
+        over `sequence` (the step's accumulation region) x holds this device's L/sp of them."""
+        sp = axis_size("sequence")
+        local = self.context and "sequence" in jax.sharding.get_abstract_mesh().manual_axes
+        length = rows * sp if local else rows
+        cos, sin = rotary(length, self.cfg.head_dim, self.cfg.rope_theta)
+        if not self.context:
+            return cos, sin
+        order, _ = zigzag_permutation(length, sp)
+        cos, sin = cos[order], sin[order]
+        if not local:
+            return cos, sin
+        start = jax.lax.axis_index("sequence") * rows
+        return tuple(jax.lax.dynamic_slice_in_dim(t, start, rows) for t in (cos, sin))
+
     def run_layers(self, x: jax.Array, layers: nnx.State) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [B, L, D] through the stacked block states `layers` ([n, ...] leaves, any n); the
         router statistics summed over the MoE layers."""
-        cos, sin = rotary(x.shape[1], self.cfg.head_dim, self.cfg.rope_theta)
-        if self.context:  # the batch's columns are in zigzag order (training/data.py): so are the positions
-            order, _ = zigzag_permutation(x.shape[1], axis_size("sequence"))
-            cos, sin = cos[order], sin[order]
+        cos, sin = self.rotary_tables(x.shape[1])
         graphdef = nnx.graphdef(self.blocks)
 
         def layer(x, layer_state):

@@ -75,12 +75,15 @@ def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
     with parallel.fsdp_gather_once (otherwise XLA's ZeRO-3 inside). () where XLA places
     the reductions: one microbatch (once per step already, and FSDP's weights gathered a layer
     at a time), pipelines (their own schedule), MoE models (their regions sum the router
-    statistics over the token axes) and sp > 1 (weights replicated over `sequence`). The 1F1B
+    statistics over the token axes). With sp > 1 `sequence` joins them, the weights being
+    replicated over it (`_sequence_accumulates` says where it can; elsewhere, and in
+    pipelines, () and XLA reduces over sequence per microbatch). The 1F1B
     family's engine (pipeline/one_f_one_b.py) runs its M microbatches per device the same way,
     manual over data and fsdp: it holds each stage's weights whole for the step anyway, so its
     gradients are summed over the schedule and reduced once per step on both; gpipe and
     interleaved are autodiff's."""
-    if cfg.model.n_experts or sizes["sequence"] > 1:
+    sequence_apart = sizes["sequence"] > 1 and (sizes["stage"] > 1 or not _sequence_accumulates(cfg, sizes))
+    if cfg.model.n_experts or sequence_apart:
         return ()
     if sizes["stage"] > 1:
         return tuple(a for a in ("data", "fsdp") if sizes[a] > 1) if cfg.parallel.schedule in ONE_F_ONE_B else ()
@@ -88,11 +91,24 @@ def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
     k = per_rank // (cfg.train.micro_batch_size or per_rank)
     if k == 1 and not (cfg.parallel.fsdp_gather_once and sizes["fsdp"] > 1):
         return ()
-    axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    axes = tuple(a for a in (*BATCH_AXES, "sequence") if sizes.get(a, 1) > 1)
     if not cfg.parallel.fsdp_gather_once:  # fsdp stays XLA's (ZeRO-3): a layer's weights gathered
         # when used and its gradient reduce-scattered per microbatch, so neither is ever whole
         axes = tuple(a for a in axes if a != "fsdp")
     return axes
+
+
+def _sequence_accumulates(cfg: RunConfig, sizes: dict[str, int]) -> bool:
+    """Whether the step's accumulation region can be manual over `sequence` too: the context
+    parallelism written out (its regions then nest, already manual over `sequence`; XLA's own,
+    context_impl=gspmd, needs the whole sequence in view); no axis before `sequence` in the
+    mesh left automatic for the model's regions to make manual inside it (Shardy refuses an
+    inner manual axis before an outer one): fsdp only gathered once, no expert axis; and no
+    tensor parallelism: its regions nested there fail jax's type check of the layer scan's
+    transpose (a cotangent of x not typed as varying over `sequence`), so tp > 1 keeps
+    XLA's reduction over sequence per microbatch."""
+    return (explicit_context(cfg, sizes["sequence"]) is not None and sizes.get("expert", 1) == 1
+            and sizes["tensor"] == 1 and (sizes["fsdp"] == 1 or cfg.parallel.fsdp_gather_once))
 
 
 def check_accumulation(cfg: RunConfig, sizes: dict[str, int]) -> None:
@@ -100,7 +116,8 @@ def check_accumulation(cfg: RunConfig, sizes: dict[str, int]) -> None:
     if cfg.parallel.fsdp_gather_once and "fsdp" not in accumulation_axes(cfg, sizes):
         raise ConfigError(
             "parallel.fsdp_gather_once=true needs fsdp > 1 and the step's own accumulation loop "
-            "(pp = 1, a dense model, sp = 1); drop it or change the --mesh"
+            "(pp = 1, a dense model; with sp > 1 no tp, and context_impl ring or allgather); drop it "
+            "or change the --mesh"
         )
 
 

@@ -56,8 +56,28 @@ def _all_meshes(n: int):
     (["parallel.virtual_stages=2"], {}, "use 1, or more with --set parallel.schedule=interleaved"),
     (["parallel.fsdp_gather_once=true"], {"data": 8}, "parallel.fsdp_gather_once=true needs fsdp > 1"),
     (["parallel.fsdp_gather_once=true"], {"fsdp": 2, "stage": 2}, "parallel.fsdp_gather_once=true needs fsdp > 1"),
+    (["parallel.fsdp_gather_once=true"], {"fsdp": 2, "sequence": 2, "tensor": 2}, "with sp > 1 no tp"),
 ])
 def test_rules_name_the_field(sets, sizes, message):
     cfg = small_config("", *sets)
     with pytest.raises(ConfigError, match=message):
         check_run(cfg, {a: 1 for a in AXES} | sizes)
+
+
+@pytest.mark.parametrize("sizes, sets, axes", [
+    ({"data": 2, "sequence": 4}, [], ("data", "sequence")),
+    ({"sequence": 8}, ["parallel.context_impl=allgather"], ("sequence",)),
+    ({"fsdp": 2, "sequence": 4}, ["parallel.fsdp_gather_once=true"], ("fsdp", "sequence")),
+    ({"data": 2, "sequence": 2, "tensor": 2}, [], ()),  # tp: its regions nested there fail jax's type check
+    ({"data": 2, "sequence": 4}, ["parallel.context_impl=gspmd"], ()),  # XLA's all-gather sees the whole L
+    ({"fsdp": 2, "sequence": 4}, [], ()),  # XLA's ZeRO-3: fsdp would be manual inside, before sequence
+    ({"stage": 2, "data": 2, "sequence": 2}, ["parallel.schedule=1f1b"], ()),
+    ({"data": 2, "sequence": 4}, ["train.micro_batch_size=0"], ()),  # one microbatch: nothing to accumulate
+])
+def test_sequence_joins_the_accumulation_region_where_it_can(sizes, sets, axes):
+    """sharding.checks.accumulation_axes under context parallelism (k = 2 microbatches unless
+    said): the step's region is manual over sequence too where the regions can nest in it."""
+    from sharding.checks import accumulation_axes
+
+    cfg = small_config("", "train.global_batch_size=16", "train.micro_batch_size=4", *sets)
+    assert accumulation_axes(cfg, {a: 1 for a in AXES} | sizes) == axes

@@ -230,6 +230,10 @@ STEP_CASES = [
     ("fsdp=2,sp=4", "model.remat=full", "train.micro_batch_size=4"),
     ("dp=2,sp=4", "model.attention=pallas"),
     ("pp=2,dp=2,sp=2",), ("pp=2,dp=2,sp=2", "parallel.schedule=1f1b", "parallel.context_impl=allgather"),
+    # the accumulation region manual over sequence too (training/step.py): gradients summed per device
+    ("dp=2,sp=4", "train.micro_batch_size=1"), ("sp=8", "model.remat=full", "train.micro_batch_size=2"),
+    ("sp=2,tp=4", "train.micro_batch_size=2"),  # tp > 1: sequence stays automatic in the region
+    ("fsdp=2,sp=4", "parallel.fsdp_gather_once=true", "parallel.context_impl=allgather", "train.micro_batch_size=2"),
 ]
 
 
@@ -277,6 +281,32 @@ def test_step_census_holds_the_context_contract(impl):
         assert {c.elements for c in kv} == {sp * e}
     sizes = {"stage": 1, "data": 2, "fsdp": 1, "expert": 1, "sequence": sp, "tensor": 1}
     assert sum(c.bytes_per_step for c in kv) == pytest.approx(traffic.context(cfg, sizes), rel=0.02)
+
+
+GRADIENT_CASES = [("dp=2,sp=4", ("data", "sequence")), ("sp=8", ("sequence",))]
+
+
+@pytest.mark.parametrize("mesh, group", GRADIENT_CASES, ids=[m for m, _ in GRADIENT_CASES])
+def test_accumulated_gradients_are_reduced_once_per_step_over_data_and_sequence(mesh, group):
+    """4 microbatches per device under context parallelism: the step's accumulation region is
+    manual over sequence too (sharding.checks.accumulation_axes), so the fp32 gradient sum is
+    all-reduced once per step, over data and sequence in one group, not per microbatch (before:
+    4 all-reduces of every gradient). The bytes are tools.traffic's, counted under the group's
+    first axis, within 2% (fp32, as XLA CPU's buffers are); on `sequence` alone the K/V ring."""
+    from sharding.checks import accumulation_axes
+    from sharding.mesh import AXES
+    from tools import traffic
+
+    cfg, found = _step_census(mesh, "train.micro_batch_size=1", "train.global_batch_size=8")
+    sizes = {a: getattr(cfg.parallel, a) for a in AXES}
+    assert accumulation_axes(cfg, sizes) == group
+    reductions = [c for c in found if c.kind == "all-reduce" and c.axes == group]
+    assert {c.trips for c in reductions} == {1}
+    assert not [c for c in found if c.kind in ("all-reduce", "reduce-scatter") and c.axes != group]
+    contract, ring = traffic.communication(cfg, sizes), traffic.context(cfg, sizes)
+    gradients = contract[group[0]] - (ring if group[0] == "sequence" else 0)  # sequence: the ring's K/V too
+    assert sum(c.bytes_per_step for c in reductions) == pytest.approx(gradients, rel=0.02)
+    assert sum(c.bytes_per_step for c in found if c.kind == "collective-permute") == pytest.approx(ring, rel=0.02)
 
 
 def test_ring_memory_stays_flat_as_sp_and_length_grow_together():

@@ -20,7 +20,7 @@ its census is compared at model.compute_dtype=float32, where the two agree):
   data    2 · G(N-1)/N              once per step (the k microbatches summed first; per
                                     microbatch, k · 2 · G_c(N-1)/N, where
                                     sharding.checks.accumulation_axes is empty: k = 1, MoE,
-                                    sp > 1, gpipe and interleaved;
+                                    sp > 1 beside tp or XLA's fsdp, gpipe and interleaved;
                                     the 1F1B family reduces over data once per step);
                                     P' counts this device's E/ep experts (they are reduced over
                                     data), and of the wk, wv that tensor replicates (t does not
@@ -78,7 +78,10 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           zb-h1 and zbv; interleaved-1f1b measured alike; the census counts a cell's
           collectives per cell run: pipeline.tick_program.cell_shares).
   sequence the gradients per microbatch, as over data (every weight is replicated over
-          sequence): k · 2 · G_c(N-1)/N;
+          sequence): k · 2 · G_c(N-1)/N; where the accumulation region is manual over sequence
+          too (sharding.checks.accumulation_axes), once per step in one all-reduce over data
+          and sequence together, 2 · G(N-1)/N with N = dp·sp, counted under data where dp > 1
+          (the census counts a collective under its first axis);
           plus K and V per layer and microbatch, E = b·(L/sp)·K'·H elements of one local block
           (K' = the kv heads of the device: K/t, or 1 when t does not divide K):
             ring       2E(sp-1)·c forward; backward 2E(sp-1)·c (K, V again) + 2E·sp·4
@@ -170,6 +173,11 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     head, norms, _ = small_parts(cfg, sizes)
     reduced, expert_share = per_microbatch_reductions(cfg, sizes, own, experts)
     data = 2 * 4 * own if "data" in local else 2 * reduced
+    per_step = {}  # once per step over data and sequence together: one all-reduce, under the first
+    if "sequence" in local:
+        group = [a for a in ("data", "sequence") if a in local]
+        together = math.prod(sizes[a] for a in group)
+        per_step = {"data": 0.0, "sequence": 0.0, group[0]: 2 * 4 * own * (together - 1) / together}
     if "fsdp" in local:  # gathered whole once per step, the fp32 sum reduce-scattered once
         fsdp = ((c + 4) * (own - norms) * f + 8 * norms) * frac["fsdp"]
     else:  # ZeRO-3 per microbatch: the layers' weights gathered twice, embedding and head once
@@ -177,10 +185,10 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         fsdp = s.k * ((3 * c * (layers + head) + 4 * head) * f + 8 * norms) * frac["fsdp"]
     volume = {
         "stage": stage(cfg, sizes),
-        "data": data * frac["data"],
+        "data": per_step.get("data", data * frac["data"]),
         "fsdp": fsdp,
         "expert": 2 * (reduced - expert_share) * frac["expert"] + expert(cfg, sizes),
-        "sequence": 2 * reduced * frac["sequence"] + context(cfg, sizes),
+        "sequence": per_step.get("sequence", 2 * reduced * frac["sequence"]) + context(cfg, sizes),
         "tensor": (s.k * tensor + embedded_every_tick(cfg, sizes) * 2 * act) * frac["tensor"],
     }
     return {a: v for a, v in volume.items() if sizes[a] > 1}

@@ -11,16 +11,19 @@ so this equals the gradient of one batch of k*b.
 
 Where it would otherwise reduce every microbatch's gradients (k > 1; `Strategies.accumulation`
 names the axes, sharding.checks.accumulation_axes decides), the scan runs in one `shard_map`
-manual over the batch axes of size > 1 (data, fsdp, expert; tensor and sequence stay
-automatic, and the model's own regions nested inside are manual over what is left,
-sharding/rules.not_manual). Each device runs the k microbatches of its own rows and sums its
+manual over the batch axes of size > 1 (data, fsdp, expert; and `sequence` under the context
+parallelism written out without tensor parallelism: each device then runs its L/sp columns,
+the rotary tables sliced to them, model/transformer.py; tensor stays automatic, and the
+model's own regions nested inside are manual over what is left, sharding/rules.not_manual). Each device runs the k microbatches of its own rows and sums its
 own fp32 gradients of the whole (fsdp-gathered) weights; after the loop, once per step: a
 reduce-scatter over fsdp (psum_scatter of each weight's `embed` dimension) and an all-reduce
 over data of the shard that is left (weights fsdp does not split, the norms: one all-reduce over
 data and fsdp). Per device per step, G the fp32 gradient bytes of the device's shard and P_c
 the compute-dtype bytes of its weights before fsdp splits them (N the axis size):
 
-  data   all-reduce          2·G·(N-1)/N once (XLA reduced every microbatch: k times that)
+  data   all-reduce          2·G·(N-1)/N once (XLA reduced every microbatch: k times that); with
+                             sequence in the region, one all-reduce over data and sequence
+                             together (N = dp·sp; XLA's per microbatch, in the compute dtype)
   fsdp   reduce-scatter      4/c·P_c·(N-1)/N once (fp32)
          all-gather          P_c·(N-1)/N per microbatch, of the whole weight tree in the compute
                              dtype before the microbatch's forward, kept for its backward (an
@@ -34,8 +37,9 @@ loop), where XLA's ZeRO-3 gathers one layer at a time. With data alone the accum
 size it always was. At k = 1 (unless fsdp_gather_once) there is nothing to accumulate: the
 step is XLA's, which reduces once and keeps ZeRO-3's memory. The 1F1B family's pipeline
 engine takes the data axis the same way (pipeline/one_f_one_b.py: manual over data, one
-all-reduce per step); gpipe and interleaved, MoE models and sp > 1 keep XLA's placement, a
-reduction per microbatch (per tick in gpipe and interleaved).
+all-reduce per step); gpipe and interleaved, MoE models and sp > 1 beside tensor parallelism
+or XLA's fsdp keep XLA's placement, a reduction per microbatch (per tick in gpipe and
+interleaved).
 Non-finite steps: when the loss or the gradient norm is NaN or inf, the step keeps the old
 parameters and optimizer state (an elementwise select per parameter and moment, which XLA fuses
 into the optimizer's elementwise update) and counts the step in `bad_steps` (in a row) and
@@ -124,7 +128,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     specs = [logical_to_spec(n, shape, mesh, within=axes) for n, shape in names]
     tensors = [logical_to_spec(n, shape, mesh, within=(TENSOR,)) for n, shape in names]  # automatic here
     assert len(specs) == len(leaves)
-    batch_spec = logical_to_spec((None, "batch", None), batch["inputs"].shape, mesh, within=axes)
+    batch_spec = logical_to_spec((None, "batch", "length"), batch["inputs"].shape, mesh, within=axes)
     n = math.prod(dict(mesh.shape)[a] for a in axes)
 
     def local(leaves: list, batch: dict) -> tuple:
