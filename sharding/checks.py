@@ -77,11 +77,11 @@ def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
     at a time), pipelines (their own schedule), MoE models (their regions sum the router
     statistics over the token axes). With sp > 1 `sequence` joins them, the weights being
     replicated over it (`_sequence_accumulates` says where it can; elsewhere, and in
-    pipelines, () and XLA reduces over sequence per microbatch). The 1F1B
-    family's engine (pipeline/one_f_one_b.py) runs its M microbatches per device the same way,
-    manual over data and fsdp: it holds each stage's weights whole for the step anyway, so its
-    gradients are summed over the schedule and reduced once per step on both; gpipe and
-    interleaved are autodiff's."""
+    pipelines, () and XLA reduces over sequence per microbatch). The 1F1B family's engine
+    (pipeline/one_f_one_b.py) runs its M microbatches per device the same way, manual over
+    data and fsdp: it holds each stage's weights whole for the step anyway, so its gradients
+    are summed over the schedule and reduced once per step on both; gpipe and interleaved are
+    autodiff's."""
     sequence_apart = sizes["sequence"] > 1 and (sizes["stage"] > 1 or not _sequence_accumulates(cfg, sizes))
     if cfg.model.n_experts or sequence_apart:
         return ()

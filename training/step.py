@@ -14,8 +14,9 @@ names the axes, sharding.checks.accumulation_axes decides), the scan runs in one
 manual over the batch axes of size > 1 (data, fsdp, expert; and `sequence` under the context
 parallelism written out without tensor parallelism: each device then runs its L/sp columns,
 the rotary tables sliced to them, model/transformer.py; tensor stays automatic, and the
-model's own regions nested inside are manual over what is left, sharding/rules.not_manual). Each device runs the k microbatches of its own rows and sums its
-own fp32 gradients of the whole (fsdp-gathered) weights; after the loop, once per step: a
+model's own regions nested inside are manual over what is left, sharding/rules.not_manual).
+Each device runs the k microbatches of its own rows and sums its own fp32 gradients of the
+whole (fsdp-gathered) weights; after the loop, once per step: a
 reduce-scatter over fsdp (psum_scatter of each weight's `embed` dimension) and an all-reduce
 over data of the shard that is left (weights fsdp does not split, the norms: one all-reduce over
 data and fsdp). Per device per step, G the fp32 gradient bytes of the device's shard and P_c
