@@ -69,6 +69,8 @@ PROSE_ONLY = {
                                        "the row-parallel regions' sums, quoted in the census findings",
     "census-sweep-125m-h100-compiled": "every strategy's census over its contract after the census fixes, "
                                        "H100 compiles, quoted in the census section",
+    "census-sweep-llama3-h100-compiled": "the same sweep for llama3-8b and mixtral-8x7b after the head and "
+                                         "accumulation fixes, quoted in the census section",
     "accumulation-tensor-h100-compiled": "FSDP's by-hand gathers and reductions beside tensor parallelism before "
                                          "and after they ran on each tensor shard, quoted in the pipeline "
                                          "paragraph and sharding/accumulation.py",
