@@ -101,14 +101,13 @@ def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
 def _sequence_accumulates(cfg: RunConfig, sizes: dict[str, int]) -> bool:
     """Whether the step's accumulation region can be manual over `sequence` too: the context
     parallelism written out (its regions then nest, already manual over `sequence`; XLA's own,
-    context_impl=gspmd, needs the whole sequence in view); no axis before `sequence` in the
+    context_impl=gspmd, needs the whole sequence in view), and no axis before `sequence` in the
     mesh left automatic for the model's regions to make manual inside it (Shardy refuses an
-    inner manual axis before an outer one): fsdp only gathered once, no expert axis; and no
-    tensor parallelism: its regions nested there fail jax's type check of the layer scan's
-    transpose (a cotangent of x not typed as varying over `sequence`), so tp > 1 keeps
-    XLA's reduction over sequence per microbatch."""
+    inner manual axis before an outer one): fsdp only gathered once, no expert axis. Tensor
+    parallelism may be there: its attention region, nested, runs unchecked
+    (TensorParallel.region)."""
     return (explicit_context(cfg, sizes["sequence"]) is not None and sizes.get("expert", 1) == 1
-            and sizes["tensor"] == 1 and (sizes["fsdp"] == 1 or cfg.parallel.fsdp_gather_once))
+            and (sizes["fsdp"] == 1 or cfg.parallel.fsdp_gather_once))
 
 
 def check_accumulation(cfg: RunConfig, sizes: dict[str, int]) -> None:
@@ -116,8 +115,8 @@ def check_accumulation(cfg: RunConfig, sizes: dict[str, int]) -> None:
     if cfg.parallel.fsdp_gather_once and "fsdp" not in accumulation_axes(cfg, sizes):
         raise ConfigError(
             "parallel.fsdp_gather_once=true needs fsdp > 1 and the step's own accumulation loop "
-            "(pp = 1, a dense model; with sp > 1 no tp, and context_impl ring or allgather); drop it "
-            "or change the --mesh"
+            "(pp = 1, a dense model; with sp > 1 context_impl ring or allgather); drop it or change "
+            "the --mesh"
         )
 
 

@@ -56,7 +56,8 @@ def _all_meshes(n: int):
     (["parallel.virtual_stages=2"], {}, "use 1, or more with --set parallel.schedule=interleaved"),
     (["parallel.fsdp_gather_once=true"], {"data": 8}, "parallel.fsdp_gather_once=true needs fsdp > 1"),
     (["parallel.fsdp_gather_once=true"], {"fsdp": 2, "stage": 2}, "parallel.fsdp_gather_once=true needs fsdp > 1"),
-    (["parallel.fsdp_gather_once=true"], {"fsdp": 2, "sequence": 2, "tensor": 2}, "with sp > 1 no tp"),
+    (["parallel.fsdp_gather_once=true", "parallel.context_impl=gspmd"], {"fsdp": 2, "sequence": 2},
+     "with sp > 1 context_impl ring or allgather"),
 ])
 def test_rules_name_the_field(sets, sizes, message):
     cfg = small_config("", *sets)
@@ -68,7 +69,8 @@ def test_rules_name_the_field(sets, sizes, message):
     ({"data": 2, "sequence": 4}, [], ("data", "sequence")),
     ({"sequence": 8}, ["parallel.context_impl=allgather"], ("sequence",)),
     ({"fsdp": 2, "sequence": 4}, ["parallel.fsdp_gather_once=true"], ("fsdp", "sequence")),
-    ({"data": 2, "sequence": 2, "tensor": 2}, [], ()),  # tp: its regions nested there fail jax's type check
+    ({"data": 2, "sequence": 2, "tensor": 2}, [], ("data", "sequence")),
+    ({"fsdp": 2, "sequence": 2, "tensor": 2}, ["parallel.fsdp_gather_once=true"], ("fsdp", "sequence")),
     ({"data": 2, "sequence": 4}, ["parallel.context_impl=gspmd"], ()),  # XLA's all-gather sees the whole L
     ({"fsdp": 2, "sequence": 4}, [], ()),  # XLA's ZeRO-3: fsdp would be manual inside, before sequence
     ({"stage": 2, "data": 2, "sequence": 2}, ["parallel.schedule=1f1b"], ()),

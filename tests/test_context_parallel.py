@@ -232,7 +232,9 @@ STEP_CASES = [
     ("pp=2,dp=2,sp=2",), ("pp=2,dp=2,sp=2", "parallel.schedule=1f1b", "parallel.context_impl=allgather"),
     # the accumulation region manual over sequence too (training/step.py): gradients summed per device
     ("dp=2,sp=4", "train.micro_batch_size=1"), ("sp=8", "model.remat=full", "train.micro_batch_size=2"),
-    ("sp=2,tp=4", "train.micro_batch_size=2"),  # tp > 1: sequence stays automatic in the region
+    ("sp=2,tp=4", "train.micro_batch_size=2"), ("sp=2,tp=4", "parallel.sequence_parallel=true", "train.micro_batch_size=2"),
+    ("dp=2,sp=2,tp=2", "model.attention=pallas", "model.remat=full", "train.micro_batch_size=2"),
+    ("fsdp=2,sp=2,tp=2", "parallel.fsdp_gather_once=true", "parallel.sequence_parallel=true", "train.micro_batch_size=2"),
     ("fsdp=2,sp=4", "parallel.fsdp_gather_once=true", "parallel.context_impl=allgather", "train.micro_batch_size=2"),
 ]
 

@@ -20,7 +20,7 @@ its census is compared at model.compute_dtype=float32, where the two agree):
   data    2 · G(N-1)/N              once per step (the k microbatches summed first; per
                                     microbatch, k · 2 · G_c(N-1)/N, where
                                     sharding.checks.accumulation_axes is empty: k = 1, MoE,
-                                    sp > 1 beside tp or XLA's fsdp, gpipe and interleaved;
+                                    sp > 1 beside XLA's fsdp, gpipe and interleaved;
                                     the 1F1B family reduces over data once per step);
                                     P' counts this device's E/ep experts (they are reduced over
                                     data), and of the wk, wv that tensor replicates (t does not

@@ -12,7 +12,7 @@ so this equals the gradient of one batch of k*b.
 Where it would otherwise reduce every microbatch's gradients (k > 1; `Strategies.accumulation`
 names the axes, sharding.checks.accumulation_axes decides), the scan runs in one `shard_map`
 manual over the batch axes of size > 1 (data, fsdp, expert; and `sequence` under the context
-parallelism written out without tensor parallelism: each device then runs its L/sp columns,
+parallelism written out: each device then runs its L/sp columns,
 the rotary tables sliced to them, model/transformer.py; tensor stays automatic, and the
 model's own regions nested inside are manual over what is left, sharding/rules.not_manual).
 Each device runs the k microbatches of its own rows and sums its own fp32 gradients of the
@@ -38,9 +38,8 @@ loop), where XLA's ZeRO-3 gathers one layer at a time. With data alone the accum
 size it always was. At k = 1 (unless fsdp_gather_once) there is nothing to accumulate: the
 step is XLA's, which reduces once and keeps ZeRO-3's memory. The 1F1B family's pipeline
 engine takes the data axis the same way (pipeline/one_f_one_b.py: manual over data, one
-all-reduce per step); gpipe and interleaved, MoE models and sp > 1 beside tensor parallelism
-or XLA's fsdp keep XLA's placement, a reduction per microbatch (per tick in gpipe and
-interleaved).
+all-reduce per step); gpipe and interleaved, MoE models and sp > 1 beside XLA's fsdp keep
+XLA's placement, a reduction per microbatch (per tick in gpipe and interleaved).
 Non-finite steps: when the loss or the gradient norm is NaN or inf, the step keeps the old
 parameters and optimizer state (an elementwise select per parameter and moment, which XLA fuses
 into the optimizer's elementwise update) and counts the step in `bad_steps` (in a row) and
