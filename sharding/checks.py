@@ -82,8 +82,7 @@ def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
     data and fsdp: it holds each stage's weights whole for the step anyway, so its gradients
     are summed over the schedule and reduced once per step on both; gpipe and interleaved are
     autodiff's."""
-    sequence_apart = sizes["sequence"] > 1 and (sizes["stage"] > 1 or not _sequence_accumulates(cfg, sizes))
-    if cfg.model.n_experts or sequence_apart:
+    if cfg.model.n_experts or (sizes["sequence"] > 1 and not _sequence_accumulates(cfg, sizes)):
         return ()
     if sizes["stage"] > 1:
         return tuple(a for a in ("data", "fsdp") if sizes[a] > 1) if cfg.parallel.schedule in ONE_F_ONE_B else ()
@@ -103,11 +102,11 @@ def _sequence_accumulates(cfg: RunConfig, sizes: dict[str, int]) -> bool:
     parallelism written out (its regions then nest, already manual over `sequence`; XLA's own,
     context_impl=gspmd, needs the whole sequence in view), and no axis before `sequence` in the
     mesh left automatic for the model's regions to make manual inside it (Shardy refuses an
-    inner manual axis before an outer one): fsdp only gathered once, no expert axis. Tensor
-    parallelism may be there: its attention region, nested, runs unchecked
-    (TensorParallel.region)."""
-    return (explicit_context(cfg, sizes["sequence"]) is not None and sizes.get("expert", 1) == 1
-            and (sizes["fsdp"] == 1 or cfg.parallel.fsdp_gather_once))
+    inner manual axis before an outer one): fsdp only gathered once, no expert axis, no
+    pipeline (its stage region has its own schedule). Tensor parallelism may be there: its
+    attention region, nested, runs unchecked (TensorParallel.region)."""
+    return (explicit_context(cfg, sizes["sequence"]) is not None and sizes["stage"] == 1
+            and sizes.get("expert", 1) == 1 and (sizes["fsdp"] == 1 or cfg.parallel.fsdp_gather_once))
 
 
 def check_accumulation(cfg: RunConfig, sizes: dict[str, int]) -> None:

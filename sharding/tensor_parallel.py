@@ -263,7 +263,7 @@ class TensorParallel:
         # nested in a region manual over sequence (the step's accumulation), the attention's ring
         # or all-gather over it would type x as varying there, and the layer scan's transpose,
         # whose cotangent comes from that unchecked region, refuses the mismatch: run it unchecked
-        check_vma = (self.check_vma or not kernel) and not (kernel and CONTEXT_AXIS in mesh.manual_axes)
+        check_vma = not kernel or (self.check_vma and CONTEXT_AXIS not in mesh.manual_axes)
         ops = Sharded(size, self.sequence_parallel, self.overlap, check_vma) if tensor else Local()
         body = jax.shard_map(
             functools.partial(fn, ops), in_specs=(x_spec, specs, *(const_spec,) * len(consts)),

@@ -172,12 +172,12 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     own -= kv_replicated * (not local) * s.layers * 2 * m.d_model * (m.n_kv_heads - 1) * m.head_dim / f
     head, norms, _ = small_parts(cfg, sizes)
     reduced, expert_share = per_microbatch_reductions(cfg, sizes, own, experts)
-    data = 2 * 4 * own if "data" in local else 2 * reduced
-    per_step = {}  # once per step over data and sequence together: one all-reduce, under the first
-    if "sequence" in local:
-        group = [a for a in ("data", "sequence") if a in local]
-        together = math.prod(sizes[a] for a in group)
-        per_step = {"data": 0.0, "sequence": 0.0, group[0]: 2 * 4 * own * (together - 1) / together}
+    data = (2 * 4 * own if "data" in local else 2 * reduced) * frac["data"]
+    sequence = 2 * reduced * frac["sequence"]
+    if "sequence" in local:  # one all-reduce over data and sequence together, counted under the first
+        n = sizes["data"] * sizes["sequence"]
+        once = 2 * 4 * own * (n - 1) / n
+        data, sequence = (once, 0.0) if sizes["data"] > 1 else (0.0, once)
     if "fsdp" in local:  # gathered whole once per step, the fp32 sum reduce-scattered once
         fsdp = ((c + 4) * (own - norms) * f + 8 * norms) * frac["fsdp"]
     else:  # ZeRO-3 per microbatch: the layers' weights gathered twice, embedding and head once
@@ -185,10 +185,10 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         fsdp = s.k * ((3 * c * (layers + head) + 4 * head) * f + 8 * norms) * frac["fsdp"]
     volume = {
         "stage": stage(cfg, sizes),
-        "data": per_step.get("data", data * frac["data"]),
+        "data": data,
         "fsdp": fsdp,
         "expert": 2 * (reduced - expert_share) * frac["expert"] + expert(cfg, sizes),
-        "sequence": per_step.get("sequence", 2 * reduced * frac["sequence"]) + context(cfg, sizes),
+        "sequence": sequence + context(cfg, sizes),
         "tensor": (s.k * tensor + embedded_every_tick(cfg, sizes) * 2 * act) * frac["tensor"],
     }
     return {a: v for a, v in volume.items() if sizes[a] > 1}
