@@ -44,6 +44,7 @@ class ModelConfig:
     expert_d_ff: int = 0  # F of one expert; 0 = d_ff
     moe_dispatch: str = "dropless"  # dropless | capacity (each expert takes cf·tokens·k/E per device)
     capacity_factor: float = 1.25  # cf, for moe_dispatch=capacity
+    expert_matmul: str = "ragged_dot"  # dropless's grouped matmul: ragged_dot (XLA) | mosaic (jax's Hopper kernels)
     router_aux_loss: float = 0.01  # weight of the load-balancing loss (Switch form)
     router_z_loss: float = 0.001  # weight of the router z-loss (logsumexp of router logits, squared)
 

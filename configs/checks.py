@@ -38,13 +38,14 @@ DTYPES = ("float32", "bfloat16", "float16")  # float8 has no matmul path here; f
 # checks that they agree): sharding.cores.CORES, model.remat.POLICIES,
 # sharding.tensor_parallel.IMPLS, pipeline.tables.SCHEDULES, training/data.py,
 # sharding.context_parallel.IMPLS (+ gspmd),
-# model.moe.DISPATCH.
+# model.moe.DISPATCH, model.kernels.grouped_matmul.IMPLS.
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.attention": ("auto", "xla", "cudnn", "pallas"),
     "model.param_dtype": DTYPES,
     "model.compute_dtype": DTYPES,
     "model.remat": ("none", "full", "dots", "attn"),
     "model.moe_dispatch": ("dropless", "capacity"),
+    "model.expert_matmul": ("ragged_dot", "mosaic"),
     "data.source": ("stdlib", "text", "tokens", "synthetic"),
     "data.token_dtype": ("uint16", "uint32"),
     "parallel.tp_impl": ("shard_map", "gspmd"),

@@ -83,7 +83,9 @@ def moe_tiny() -> RunConfig:
     """tiny with 8 experts of F 192, top 2 (tiny's active FFN). Capacity dispatch (cf 2): XLA:CPU
     lowers the dropless path's ragged_dot densely, every row through every local expert (E/k
     times the FLOPs: 3x tiny's step time on one CPU core), where capacity's batched matmul is
-    about 1.5x tiny's; on a GPU dropless (the model default) is the better demo."""
+    about 1.5x tiny's. XLA GPU lowers it densely too (model/kernels/grouped_matmul.py); jax's
+    Hopper kernels (model.expert_matmul=mosaic), which compute the routed rows only, need expert
+    dims in multiples of 128, as mixtral-8x7b's are."""
     return RunConfig(name="moe-tiny", model=ModelConfig(n_experts=8, experts_per_token=2, expert_d_ff=192,
                                                         moe_dispatch="capacity", capacity_factor=2.0))
 

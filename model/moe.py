@@ -24,8 +24,10 @@ Dispatch (the collectives are sharding/expert_parallel.py's): each assignment ge
 the experts run on what arrives, and the outputs go back to the same slots, weighted by the
 gates and summed over the k choices.
   dropless  slots in arrival order per device; the receiver sorts its rows by expert and runs
-            the grouped matmul `jax.lax.ragged_dot` (padding rows, sorted last, are outside
-            every group: no FLOPs on a GPU; XLA:CPU lowers ragged_dot densely).
+            the grouped matmul (model/kernels/grouped_matmul.py, `model.expert_matmul`:
+            `jax.lax.ragged_dot`, which XLA lowers densely on CPU and on the GPUs lent here,
+            every row through every local expert; or jax's Hopper kernels, whose FLOPs follow
+            the rows). Padding rows, sorted last, are outside every group: 0 out.
   capacity  C = ceil(cf·n·k/E) slots per expert, expert-major, so the receiver's rows are
             already grouped [E/ep, ep·C] and run as one batched matmul; the overflow is dropped.
 
@@ -36,16 +38,20 @@ outputs the same, and the experts' hidden [ep·S, 3·F/t] (gate, up, their produ
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from configs.base import ModelConfig
+from configs.base import ConfigError, ModelConfig
+from model.kernels.grouped_matmul import grouped_matmul, problem
 from model.layers import param
 from model.mlp import MLP
 from sharding.checks import expert_d_ff
+from sharding.cores import target
 from sharding.expert_parallel import Experts, region
 from sharding.tensor_parallel import TensorParallel
 
@@ -73,6 +79,8 @@ def router_loss(stats: dict[str, jax.Array], m: ModelConfig) -> jax.Array | floa
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, dispatch: str, *, rngs: nnx.Rngs):
         e, d, f = cfg.n_experts, cfg.d_model, expert_d_ff(cfg)
+        if cfg.expert_matmul == "mosaic" and (why := problem(*target(), d, f, cfg.compute_dtype)):
+            raise ConfigError(f"--set model.expert_matmul=mosaic: {why}")  # before any weight exists
         dtype = jnp.dtype(cfg.param_dtype)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.router = param(rngs, (d, e), NAMES["router"], cfg.init_std, dtype)
@@ -81,7 +89,7 @@ class MoE(nnx.Module):
         self.w_down = param(rngs, (e, f, d), NAMES["w_down"], out_std, dtype)
         shared = dataclasses.replace(cfg, d_ff=cfg.n_shared_experts * f)
         self.shared = MLP(shared, tp, rngs=rngs) if cfg.n_shared_experts else None
-        self.routing = Routing(e, cfg.experts_per_token, dispatch, cfg.capacity_factor)
+        self.routing = Routing(e, cfg.experts_per_token, dispatch, cfg.capacity_factor, cfg.expert_matmul)
         self.tp = tp
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -101,6 +109,7 @@ class Routing:
     k: int
     dispatch: str
     capacity_factor: float
+    matmul: str  # model.expert_matmul
 
     def __call__(self, ops: Experts, x: jax.Array, w: dict) -> tuple[jax.Array, dict]:
         tokens = ops.tensor.column(x, lambda x: x)  # [B, L, D] (gathered over L under SP)
@@ -153,7 +162,8 @@ class Routing:
             out = _batched(received.reshape(ep, local, -1, d), w)
         else:
             ids = jnp.full((ep, size), local, jnp.int32).at[dest, slot].set(mine, mode="drop")
-            out = _grouped(received.reshape(-1, d), ops.all_to_all(ids).reshape(-1), local, w)
+            matmul = functools.partial(grouped_matmul, impl=self.matmul)
+            out = _grouped(received.reshape(-1, d), ops.all_to_all(ids).reshape(-1), local, w, matmul)
         back = ops.all_to_all(out.reshape(ep, size, d))  # the outputs, in the slots they left
         picked = back.at[dest, slot].get(mode="fill", fill_value=0)  # [k·n, D]; dropped: 0
         weighted = picked * gates.T.reshape(-1, 1).astype(picked.dtype)
@@ -178,12 +188,12 @@ def _batched(rows: jax.Array, w: dict) -> jax.Array:
     return jnp.swapaxes(out, 0, 1)
 
 
-def _grouped(rows: jax.Array, ids: jax.Array, local: int, w: dict) -> jax.Array:
-    """rows [R, D] of local experts `ids` [R] (`local` = an empty row) -> outputs [R, D]."""
+def _grouped(rows: jax.Array, ids: jax.Array, local: int, w: dict, matmul: Callable) -> jax.Array:
+    """rows [R, D] of local experts `ids` [R] (`local` = an empty row) -> outputs [R, D], by the
+    grouped matmul `matmul`(x, w, sizes) (model/kernels/grouped_matmul.py)."""
     order = jnp.argsort(ids, stable=True)
     sizes = jnp.sum(jax.nn.one_hot(ids, local, dtype=jnp.int32), axis=0)  # empty rows count nowhere
     sorted_rows = rows[order]
-    hidden = _swiglu(jax.lax.ragged_dot(sorted_rows, w["w_gate"], sizes),
-                     jax.lax.ragged_dot(sorted_rows, w["w_up"], sizes))
-    out = jax.lax.ragged_dot(hidden, w["w_down"], sizes)
+    hidden = _swiglu(matmul(sorted_rows, w["w_gate"], sizes), matmul(sorted_rows, w["w_up"], sizes))
+    out = matmul(hidden, w["w_down"], sizes)
     return jnp.zeros_like(out).at[order].set(out)

@@ -226,6 +226,11 @@ def check_experts(cfg: RunConfig, sizes: dict[str, int]) -> None:
             f"model.n_layers={m.n_layers} is not divisible by model.moe_every={m.moe_every}: "
             "the layers run in groups of moe_every (the last of each MoE); change either"
         )
+    if m.expert_matmul != "ragged_dot" and m.moe_dispatch != "dropless":
+        raise ConfigError(
+            f"--set model.expert_matmul={m.expert_matmul} with model.moe_dispatch={m.moe_dispatch}: the grouped "
+            "matmul runs the dropless dispatch only (capacity runs one batched einsum); drop one of the two"
+        )
     for field, f in (("expert_d_ff", expert_d_ff(m)), ("n_shared_experts*expert_d_ff", m.n_shared_experts * expert_d_ff(m))):
         if f % tp:
             raise ConfigError(f"model.{field}={f} is not divisible by tp={tp}: the experts' F is split over tensor")

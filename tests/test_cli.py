@@ -81,6 +81,12 @@ def test_log_lines_and_profile_window(tmp_path):
         (["--config", "moe-tiny", "--set", "model.experts_per_token=9"], "model.experts_per_token=9 is more than model.n_experts=8"),
         (["--config", "moe-tiny", "--set", "model.capacity_factor=0"], "--set model.capacity_factor=0.0: must be > 0"),
         (["--mesh", "dp=4,ep=2"], "--mesh ep=2 with model.n_experts=0"),
+        (["--config", "moe-tiny", "--set", "model.moe_dispatch=dropless", "--set", "model.expert_matmul=mosaic"],
+         "--set model.expert_matmul=mosaic: jax's Mosaic GPU ragged dot kernels need an NVIDIA Hopper GPU, 9.0 "
+         "(this backend is cpu); use ragged_dot"),
+        (["--config", "moe-tiny", "--set", "model.expert_matmul=mosaic", "--set", "model.moe_dispatch=capacity"],
+         "the grouped matmul runs the dropless dispatch only"),
+        (["--config", "moe-tiny", "--set", "model.expert_matmul=cutlass"], "choose one of ragged_dot, mosaic"),
         (["--set", "train.lr=nan"], "--set train.lr=nan: expected a finite float"),
         (["--steps", "3", "--profile-steps", "10:13"], "--profile-steps 10:13 does not fit in --steps 3"),
         (["--profile-steps", "1:100", "--steps", "3"], "--profile-steps 1:100 does not fit in --steps 3"),

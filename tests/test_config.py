@@ -207,6 +207,8 @@ def test_every_field_has_a_value_rule():
 
 
 def test_choices_agree_with_the_modules_that_use_them():
+    from model.kernels.grouped_matmul import IMPLS as EXPERT_MATMULS
+    from model.moe import DISPATCH
     from model.remat import POLICIES
     from pipeline.tables import SCHEDULES
     from sharding import context_parallel
@@ -218,6 +220,8 @@ def test_choices_agree_with_the_modules_that_use_them():
     assert CHOICES["parallel.schedule"] == SCHEDULES
     assert CHOICES["parallel.tp_impl"] == IMPLS
     assert CHOICES["parallel.context_impl"] == (*context_parallel.IMPLS, "gspmd")
+    assert CHOICES["model.moe_dispatch"] == DISPATCH
+    assert CHOICES["model.expert_matmul"] == EXPERT_MATMULS
 
 
 @pytest.mark.parametrize(

@@ -45,7 +45,7 @@ def test_router_by_hand():
     E·Σ f_e·P_e, the z-loss and the load computed with numpy from the same logits."""
     rng = np.random.default_rng(0)
     tokens, router = rng.normal(size=(3, 5)).astype(np.float32), rng.normal(size=(5, 4)).astype(np.float32)
-    gates, experts, stats = Routing(4, 2, "dropless", 1.0).route(Experts(), jnp.asarray(tokens), jnp.asarray(router))
+    gates, experts, stats = Routing(4, 2, "dropless", 1.0, "ragged_dot").route(Experts(), jnp.asarray(tokens), jnp.asarray(router))
     logits = tokens @ router
     probs = _softmax(logits)
     top = np.argsort(-probs, axis=1)[:, :2]

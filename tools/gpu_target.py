@@ -18,10 +18,12 @@ part's. Why by hand: jax ships no target descriptions, and XLA's live in its sou
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
 import os
+from collections.abc import Iterator
 
 from configs import ConfigError
 from sharding.xla_flags import with_flags
@@ -129,3 +131,19 @@ def devices(gpu: Gpu, count: int) -> list:
         raise ConfigError(f"jax {jax.__version__} cannot compile for {count} x {gpu.kind} here: "
                           f"{str(e).strip().splitlines()[0]}") from None
     return list(topology.devices)
+
+
+@contextlib.contextmanager
+def listed(compile_only: list) -> Iterator[None]:
+    """Within: `jax.devices()` lists the compile-only devices. jax's Hopper kernel for the
+    experts' weight gradient (transposed_ragged_dot_mgpu, model/kernels/grouped_matmul.py) sizes
+    its grid by `jax.devices()[0].core_count` while it is traced, and this machine's devices are
+    CPUs; the compile-only GPU has the target's 132 SMs."""
+    import jax
+
+    listing = jax.devices
+    jax.devices = lambda backend=None: compile_only
+    try:
+        yield
+    finally:
+        jax.devices = listing

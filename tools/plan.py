@@ -114,11 +114,12 @@ def dry_run(cfg: RunConfig, gpu: roofline.GPU, as_json: bool, measured: Measured
     else:
         from sharding.cores import building_for
         from sharding.mesh import requested_devices
-        from tools.gpu_target import GPUS, devices
+        from tools.gpu_target import GPUS, devices, listed
 
         target = GPUS[compile_for]
-        mesh = build_mesh(cfg.parallel, devices(target, requested_devices(cfg.parallel)))
-        with building_for("gpu", target.capability):
+        compile_only = devices(target, requested_devices(cfg.parallel))
+        mesh = build_mesh(cfg.parallel, compile_only)
+        with building_for("gpu", target.capability), listed(compile_only):
             try:
                 xla = xla_figures(cfg, mesh)
             except RuntimeError as e:
