@@ -168,7 +168,7 @@ def moe_table(record: dict) -> str:
     first case's seconds, 2 decimals), temp MiB (1 decimal), all-to-alls per MoE layer and their
     MiB per step, compiled and estimated (1 decimal; "-" and 0 where a case has none); how many
     times faster capacity is than dropless at the same ep (1 decimal); then the FFN alone (ms 1
-    decimal, ratios 2 decimals)."""
+    decimal, ratios 2 decimals; mosaic's where it ran)."""
     by_mesh: dict[tuple[int, int], list[dict]] = {}
     for r in record["rows"]:
         by_mesh.setdefault((r["ep"], r["dp"]), []).append(r)
@@ -193,7 +193,9 @@ def moe_table(record: dict) -> str:
     lines += ["", f"Capacity dispatch is {span(speedup, '.1f')}x as fast as dropless at the same ep.",
               "", f"FFN alone ({ffn['tokens']} tokens x k = {ffn['rows']} rows, {ffn['experts']} experts, "
                   f"{SHORT[ffn['dtype']]}, {ffn['device'].upper()}): grouped {grouped_ms:.1f} ms, dense loop "
-                  f"{ways['loop']['ratio_to_grouped']:.2f}x, batched {ways['batched']['ratio_to_grouped']:.2f}x."]
+                  f"{ways['loop']['ratio_to_grouped']:.2f}x, batched {ways['batched']['ratio_to_grouped']:.2f}x"
+                  + (f", mosaic {ways['mosaic']['ratio_to_grouped']:.2f}x" if "ratio_to_grouped" in ways.get("mosaic", {})
+                     else "") + "."]
     return "\n".join(lines)
 
 

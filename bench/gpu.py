@@ -34,6 +34,14 @@ Stages, in order (GPU shapes; --cpu-smoke shrinks every shape, see SMOKE):
                one H100, 414 against 513 on one H200; and 1b under full unrolled, beside the
                scan's full (its checkpoints hold unrolled since 2026-11-27: model/remat.py;
                compiled for one H100, 22.69 GiB against 23.80 scanned, its step not yet timed)
+  moe          one MoE layer's experts alone (bench/moe_ffn.py), mixtral-8x7b's (E = 8, k = 2,
+               D = 4096, F = 14336), 4096 tokens, bf16: first jax's Hopper grouped matmul
+               (model.expert_matmul=mosaic) against ragged_dot, values and gradients with a
+               quarter of the rows padding; then forward + backward timed for ragged_dot
+               (what XLA makes of it: dense on the cuDNN 9.19 of the GPUs lent so far), mosaic
+               at its default tile and three others, a dense loop over the experts and the
+               capacity layout's batched einsum: ms, routed TFLOP/s, XLA's temporaries.
+               Never yet run on a GPU (added 2026-11-28)
   mesh         with several GPUs only (bench/gpu_mesh.py): the collectives' busbw over all of
                them (tools.collectives over dp=n, 1 MiB to 256 MiB, its record written beside
                this one for `tools.plan --bandwidth`), and 125m under remat full on dp=n,
@@ -98,15 +106,17 @@ from bench.attention import CORES as ATTENTION_CORES
 from bench.common import error_text
 from bench.gpu_correctness import correctness
 from bench.gpu_summary import summary_lines
+from bench.moe_ffn import ffn_bench, mosaic_check
 from cli import run_cli
-from configs import ConfigError
+from configs import ConfigError, get_preset
 from configs.parser import Parser
+from model.kernels.grouped_matmul import TILE, Tile
 from sharding.mesh import check_backend
 from sharding.xla_flags import with_flags
 from tools.calibration import estimate_vs_measured
 from tools.measure import RESULTS, check_at_least, check_out, file_path, int_list, run_record, write_report
 
-STAGES = ("environment", "ceilings", "correctness", "attention", "training", "mesh", "flags", "profile")
+STAGES = ("environment", "ceilings", "correctness", "attention", "training", "moe", "mesh", "flags", "profile")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +139,7 @@ class Sizes:
     train_steps: int
     flag_cases: tuple[tuple[str, str, tuple[str, ...], str], ...]  # (preset, remat, overrides, XLA option)
     profile_cases: tuple[tuple[str, tuple[str, ...]], ...]  # (preset, overrides)
+    moe_case: tuple[str, int, tuple[Tile, ...]]  # (preset, tokens, mosaic tiles) of the moe stage
     mesh_case: tuple[str, tuple[str, ...]]  # (preset, overrides) of the mesh stage's strategies
     message_bounds: str  # the mesh stage's collective sizes, LO:HI (tools.collectives --sizes)
     cores: tuple[str, ...] = ATTENTION_CORES  # those the correctness and attention stages run (--cores)
@@ -156,6 +167,7 @@ GPU = Sizes(
     train_steps=5,
     flag_cases=(("1b", "none", _batch(8, 2, 2048) + SCAN, "xla_gpu_enable_dynamic_slice_fusion"),),
     profile_cases=(("1b", _batch(8, 2, 2048) + SCAN), ("1b", _batch(8, 2, 2048) + UNROLLED)),
+    moe_case=("mixtral-8x7b", 4096, (TILE, Tile(block_m=64), Tile(max_concurrent_steps=2), Tile(grid_block_n=4))),
     mesh_case=("125m", _batch(16, 2, 1024)), message_bounds="1M:256M",
 )
 _TINY = ("model.n_layers=2", "train.seq_len=64", "train.global_batch_size=8")
@@ -169,6 +181,7 @@ SMOKE = Sizes(
     train_steps=2,
     flag_cases=(("tiny", "none", _TINY + _batch(4, 2, 64), "xla_gpu_enable_dynamic_slice_fusion"),),
     profile_cases=(("tiny", _TINY + _batch(4, 2, 64)),),
+    moe_case=("moe-tiny", 32, (TILE,)),
     mesh_case=("tiny", _TINY + _batch(4, 2, 64) + ("model.compute_dtype=float32",)), message_bounds="4K:16K",
 )
 
@@ -222,11 +235,17 @@ def stage_attention(sizes: Sizes) -> dict:
                                       sizes.timed_runs, sizes.cores)
 
 
-# --- stages 5-8: training speed, several GPUs (bench/gpu_mesh.py), XLA options on and off, profile
-# (bench/gpu_training.py) --------------------------------------------------------------------------
+# --- stages 5-9: training speed, the experts' matmul (bench/moe_ffn.py), several GPUs
+# (bench/gpu_mesh.py), XLA options on and off, profile (bench/gpu_training.py) ----------------------
 
 def stage_training(sizes: Sizes) -> dict:
     return gpu_training.training(sizes.train_cases, sizes.train_steps)
+
+
+def stage_moe(sizes: Sizes) -> dict:
+    preset, tokens, tiles = sizes.moe_case
+    cfg = get_preset(preset)
+    return {"preset": preset, "check": mosaic_check(cfg, tokens), "ffn": ffn_bench(cfg, tokens, sizes.timed_runs, tiles)}
 
 
 def stage_mesh(sizes: Sizes, record_dir: Path) -> dict:

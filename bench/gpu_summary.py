@@ -4,6 +4,7 @@ full figures being in the JSON record."""
 from __future__ import annotations
 
 from bench.gpu_mesh import label
+from bench.moe_ffn import ffn_lines
 
 
 def summary_lines(name: str, r: dict) -> list[str]:
@@ -36,6 +37,12 @@ def summary_lines(name: str, r: dict) -> list[str]:
             + (f" peak {x['peak_memory_bytes_per_device'] / 2**30:.1f} GiB"
                if x["peak_memory_bytes_per_device"] else "")
             if x["status"] == "ok" else f"{x['status']}: {x['error']}") for x in r["rows"]]
+    if name == "moe":
+        c = r["check"]
+        check = (f"    mosaic vs ragged_dot ({c['padding_rows']} of {c['rows']} rows padding): "
+                 f"{'pass' if c['ok'] else 'FAIL'}, max relative error {max(c['relative_error'].values()):.2e} "
+                 f"(tol {c['tolerance']:g})" if "ok" in c else f"    mosaic: not run: {c['unavailable']}")
+        return [check, *ffn_lines(r["ffn"])]
     if name == "mesh":
         link = r["interconnect"]
         lines = ([f"    interconnect: {link['error']}"] if "error" in link else

@@ -23,16 +23,11 @@ transposes backward: 4; dropless adds its int32 expert ids forward (ids have no 
 XLA:CPU computes bf16 in fp32, so with a bf16 compute dtype the compiled CPU program's buffers
 (and the census's bytes) are twice the estimate's; in fp32 the two agree (tests/test_bench.py).
 
-FFN micro-benchmark (one device, no mesh): the experts alone on the rows one device receives at
-ep=1 (--ffn-tokens tokens, k rows each, experts drawn uniformly), forward and backward (the
-gradient of the rows and the three weights), in the compute dtype:
-  grouped   model/moe.py `_grouped`: sort the rows by expert, `jax.lax.ragged_dot`, unsort
-  loop      every expert applied to every row, masked to its own rows, summed (E times the FLOPs)
-  batched   model/moe.py `_batched`, the capacity layout [E, C, D] with C = ceil(cf·rows/E)
-timed round-robin over --ffn-rounds rounds, ratios to grouped. XLA:CPU lowers ragged_dot
-densely (every group against every row, like the loop), so on a CPU the grouped matmul is no
-faster than the loop, and can be slower: the ratio that matters is a GPU's, where ragged_dot is
-a grouped GEMM that computes only the routed rows.
+FFN micro-benchmark (one device, no mesh; bench/moe_ffn.py): the experts alone on the rows one
+device receives at ep=1 (--ffn-tokens tokens), forward and backward, grouped (ragged_dot),
+mosaic (jax's Hopper kernels, model.expert_matmul=mosaic; on other devices the row says why it
+cannot run), a dense loop and the capacity layout's batched einsum, timed round-robin over
+--ffn-rounds rounds, ratios to grouped, with XLA's temporaries of each.
 
 Bad input (a model without experts, an ep that does not divide the devices or model.n_experts, an
 unknown dispatch, ...)
@@ -45,15 +40,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import statistics
 from typing import TYPE_CHECKING
 
 from bench.common import attempt, failures, report_head
+from bench.moe_ffn import ffn_bench, ffn_lines
 from cli import add_run_args, request_fake_devices, run_cli, run_config
 from configs import ConfigError, RunConfig, apply_overrides, get_preset
 from configs.checks import CHOICES
 from configs.parser import Parser
+from model.kernels.grouped_matmul import TILE
 from sharding.mesh import AXES, format_mesh, parse_mesh
 from tools.traffic import expert as expert_bytes
 from tools.measure import RESULTS, check_at_least, check_out, file_path, timed, write_report
@@ -189,55 +185,6 @@ def rows(todo: dict[tuple[int, str], RunConfig], runs: dict) -> list[dict]:
     return out
 
 
-def ffn_bench(cfg: RunConfig, tokens: int, rounds: int) -> dict:
-    """The experts alone on one device, forward + backward: grouped (ragged_dot), a dense loop,
-    the capacity layout's batched einsum; round-robin, ratios to grouped."""
-    import jax
-    import jax.numpy as jnp
-
-    from model.moe import _batched, _grouped, _swiglu
-    from sharding.checks import expert_d_ff
-
-    m = cfg.model
-    e, k, d, f = m.n_experts, m.experts_per_token, m.d_model, expert_d_ff(m)
-    dtype = jnp.dtype(m.compute_dtype)
-    n_rows = tokens * k
-    cap = math.ceil(m.capacity_factor * n_rows / e)
-    keys = jax.random.split(jax.random.key(0), 5)
-    w = {name: (jax.random.normal(key, (e, *shape), jnp.float32) * 0.02).astype(dtype)
-         for name, key, shape in (("w_gate", keys[0], (d, f)), ("w_up", keys[1], (d, f)), ("w_down", keys[2], (f, d)))}
-    rows = jax.random.normal(keys[3], (n_rows, d), jnp.float32).astype(dtype)
-    ids = jax.random.randint(keys[4], (n_rows,), 0, e, jnp.int32)
-    slots = jax.random.normal(keys[3], (1, e, cap, d), jnp.float32).astype(dtype)
-
-    def loop(x, w):
-        out = jnp.zeros_like(x)
-        for i in range(e):
-            y = jnp.dot(_swiglu(jnp.dot(x, w["w_gate"][i]), jnp.dot(x, w["w_up"][i])), w["w_down"][i])
-            out = out + jnp.where((ids == i)[:, None], y, 0)
-        return out
-
-    ways = {"grouped": (lambda x, w: _grouped(x, ids, e, w), rows),
-            "loop": (loop, rows),
-            "batched": (_batched, slots)}
-
-    def fwd_bwd(fn):
-        return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.square(fn(x, w).astype(jnp.float32))), argnums=(0, 1)))
-
-    steps = {name: fwd_bwd(fn) for name, (fn, _) in ways.items()}
-    times = {name: [] for name in ways}
-    for name, (_, x) in ways.items():
-        jax.block_until_ready(steps[name](x, w))  # compile
-    for _ in range(rounds):
-        for name, (_, x) in ways.items():
-            times[name].append(timed(steps[name], x, w)[1])
-    base = statistics.median(times["grouped"])
-    return {"tokens": tokens, "rows": n_rows, "capacity_rows": e * cap, "experts": e, "d_model": d, "expert_d_ff": f,
-            "dtype": m.compute_dtype, "device": str(jax.devices()[0].device_kind), "rounds": rounds,
-            "ways": {name: {"time_median_s": statistics.median(t), "times_s": t,
-                            "ratio_to_grouped": statistics.median(t) / base} for name, t in times.items()}}
-
-
 def per_layer_text(a: dict) -> str:
     """A case's all-to-alls per MoE layer, '5 (3+2)' (forward + backward), or '-' where it has none."""
     return f"{a['per_moe_layer']:g} ({a['forward_per_moe_layer']:g}+{a['backward_per_moe_layer']:g})" if a["per_step"] else "-"
@@ -279,12 +226,11 @@ def main(argv: list[str]) -> int:
     tokens = args.ffn_tokens
     if tokens is None:
         tokens = first_cfg.train.global_batch_size * first_cfg.train.seq_len // args.devices
-    ffn = ffn_bench(first_cfg, tokens, args.ffn_rounds) if tokens else None
+    ffn = ffn_bench(first_cfg, tokens, args.ffn_rounds, (TILE,)) if tokens else None
     if ffn:
         print(f"FFN alone, {ffn['rows']} rows ({tokens} tokens x k) of {ffn['experts']} experts, "
               f"forward + backward on {ffn['device']}:")
-        for name, w in ffn["ways"].items():
-            print(f"  {name:<8} {w['time_median_s'] * 1e3:>9.2f} ms  {w['ratio_to_grouped']:.2f}x grouped")
+        print("\n".join(ffn_lines(ffn)))
     eps = list(dict.fromkeys(ep for ep, _ in todo))
     mesh_text = ";".join(format_mesh(dict(meshes[ep].shape)) for ep in eps)
     head = report_head("bench.moe", argv, first_cfg, meshes[eps[-1]], mesh_text)

@@ -179,8 +179,13 @@ def test_moe_benchmark_times_ep_cases_and_counts_all_to_alls(tmp_path):
     assert (a2a["per_moe_layer"], a2a["forward_per_moe_layer"], a2a["backward_per_moe_layer"]) == (5, 3, 2)
     assert a2a["axes"] == ["expert"] and a2a["dtypes"] == ["f32", "s32"]
     assert a2a["bytes_per_device"] == rows[2, "dropless"]["all_to_all_bytes_estimate"] > 0
-    assert set(record["ffn"]["ways"]) == {"grouped", "loop", "batched"}
-    assert record["ffn"]["ways"]["grouped"]["ratio_to_grouped"] == 1.0
+    ffn = record["ffn"]
+    assert list(ffn["ways"]) == ["grouped", "loop", "batched", "mosaic"]
+    assert ffn["ways"]["grouped"]["ratio_to_grouped"] == 1.0
+    assert "NVIDIA Hopper GPU" in ffn["ways"]["mosaic"]["unavailable"]  # jax's kernels: not on a CPU
+    assert ffn["routed_flops"] == 18 * ffn["rows"] * ffn["d_model"] * ffn["expert_d_ff"]
+    # XLA:CPU lowers ragged_dot densely: the rows copied once per expert, fp32 here
+    assert ffn["ways"]["grouped"]["temp_bytes"] >= ffn["experts"] * ffn["rows"] * ffn["d_model"] * 4
 
 
 def test_a_failing_moe_case_keeps_the_others_rows(tmp_path, monkeypatch, capsys):

@@ -62,6 +62,11 @@ def test_cpu_smoke_writes_real_numbers(tmp_path):
     assert abs(sum(profile["ops"]["fractions"].values()) - 1) < 1e-6
     assert profile["ops"]["fractions"].get("matmul", 0) > 0
     assert stages["mesh"]["skipped"].startswith("one device")
+    moe = stages["moe"]
+    assert moe["preset"] == "moe-tiny" and "NVIDIA Hopper GPU" in moe["check"]["unavailable"]
+    assert [n for n, w in moe["ffn"]["ways"].items() if "time_median_s" in w] == ["grouped", "loop", "batched"]
+    assert all(w["routed_tflops"] > 0 for w in moe["ffn"]["ways"].values() if "time_median_s" in w)
+    assert "mosaic: not run" in done.stdout
     assert "correctness" in done.stdout and "verdict: pass" in done.stdout
 
 
