@@ -30,7 +30,11 @@ masks inside the dw kernel (which multiply neighbouring rows by 0, and NaN·0 is
 Why by hand: jax ships the Hopper kernels but no gradient rule tying them together, and XLA's
 GPU lowering of ragged_dot is dense on the cuDNN of the GPUs lent here (9.19). The tile
 (`TILE`) is the kernels' own examples' middle choice, not yet timed: `make gpu-check`'s moe stage
-times both implementations on a GPU (bench/moe_ffn.py).
+times both implementations on a GPU (bench/moe_ffn.py). Compiled for an H100 (jax 0.12.0.1,
+ptxas's log as tools/gpu_compile.py reads it, mixtral's D 4096 and F 14336) the gradient's
+kernels assemble for sm_90a without spilling at TILE (155 registers a thread forward and dx,
+181 dw) and at the moe stage's other tiles (64 rows: 90 and 103; 2 or 6 slots, 4 columns a
+visit: as TILE).
 """
 
 from __future__ import annotations
