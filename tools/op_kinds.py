@@ -21,7 +21,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from configs.parser import Parser
-from tools.hlo import HEADER, INSTRUCTION, KINDS
+from tools.hlo import KINDS
+from tools.hlo_text import HEADER, INSTRUCTION
 from tools.measure import check_at_least
 from tools.trace_summary import kernel_kind, read_profile, whole_steps
 

@@ -43,7 +43,8 @@ from pathlib import Path
 
 from configs import ConfigError
 from configs.parser import Parser
-from tools.hlo import INSTRUCTION, KINDS, OP_NAME
+from tools.hlo import KINDS
+from tools.hlo_text import INSTRUCTION, OP_NAME
 
 SCOPES = ("embedding", "attention", "mlp", "head", "optimizer")
 _SCOPE = re.compile(r"(?:^|[/(])(" + "|".join(SCOPES) + r")(?=[/)]|$)")
