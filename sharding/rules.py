@@ -130,6 +130,15 @@ def not_manual(axes: Sequence[str]) -> tuple[str, ...]:
     return tuple(a for a in axes if a not in mesh.manual_axes and sizes[a] > 1)
 
 
+def varying_as(y: jax.Array, *like: jax.Array) -> jax.Array:
+    """y made varying over the manual axes (inside a shard_map) that any of `like` varies over, as
+    an op of y with them would make it: a custom_vjp rule's results, or a kernel's output, which
+    carries no such type, must have their operands' for autodiff to transpose them."""
+    axes = set().union(*(jax.typeof(a).manual_axis_type.varying for a in like))
+    missing = tuple(sorted(axes - jax.typeof(y).manual_axis_type.varying))
+    return jax.lax.pcast(y, missing, to="varying") if missing else y
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pin an activation's sharding by logical names (no-op outside a mesh context).
 

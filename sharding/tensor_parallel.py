@@ -75,7 +75,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from sharding.context_parallel import AXIS as CONTEXT_AXIS
-from sharding.rules import axis_size, constrain, logical_to_spec, not_manual
+from sharding.rules import axis_size, constrain, logical_to_spec, not_manual, varying_as
 
 IMPLS = ("shard_map", "gspmd")
 AXIS = "tensor"
@@ -310,12 +310,7 @@ def head_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     autodiff's backward up to the order of dW's sums. Inside a shard_map each operand is first
     made varying over the manual axes the other varies over, as the einsum would, so that the
     rule's gradients have their operands' types and autodiff transposes that step as before."""
-    x_axes, w_axes = (jax.typeof(a).manual_axis_type.varying for a in (x, w))
-    if w_axes - x_axes:
-        x = lax.pcast(x, tuple(sorted(w_axes - x_axes)), to="varying")
-    if x_axes - w_axes:
-        w = lax.pcast(w, tuple(sorted(x_axes - w_axes)), to="varying")
-    return _head_matmul(x, w)
+    return _head_matmul(varying_as(x, w), varying_as(w, x))
 
 
 @jax.custom_vjp

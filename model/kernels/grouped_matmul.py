@@ -48,6 +48,7 @@ import jax.numpy as jnp
 
 from configs.base import ConfigError
 from sharding.cores import target
+from sharding.rules import varying_as
 
 IMPLS = ("ragged_dot", "mosaic")
 MOSAIC_DTYPES = ("bfloat16", "float16")
@@ -120,14 +121,6 @@ def with_gradient(forward: Callable, backward_x: Callable, backward_w: Callable)
 
     f.defvjp(f_fwd, f_bwd)
     return f
-
-
-def varying_as(y: jax.Array, *like: jax.Array) -> jax.Array:
-    """y made varying over the manual axes (inside a shard_map) that any of `like` varies over:
-    a kernel's output carries no such type, and a gradient must have its operand's."""
-    axes = set().union(*(jax.typeof(a).manual_axis_type.varying for a in like))
-    missing = tuple(sorted(axes - jax.typeof(y).manual_axis_type.varying))
-    return jax.lax.pcast(y, missing, to="varying") if missing else y
 
 
 @functools.cache
