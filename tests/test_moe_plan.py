@@ -110,16 +110,27 @@ def test_remat_full_repeats_the_forward_all_to_alls():
 
 
 def test_expert_padding_is_hardware_flops_only():
-    """Dropless sorts its padding rows out of the grouped matmul: no padding FLOPs at any ep.
-    Capacity (cf 1.25) computes every slot, E·C = 8·ceil(1.25·256·2/8) = 640 rows per MoE layer
-    where the model counts n·k = 512, at any ep; the model FLOPs do not change with the mesh."""
+    """Rows the experts compute beyond the n·k = 512 routed ones per MoE layer (n = 256 tokens a
+    microbatch, 2 microbatches, 4 MoE layers, remat none: forward, dx and dw passes of
+    2·3·D·F FLOPs a row). Capacity (cf 1.25) computes every slot, E·C = 8·ceil(1.25·256·2/8) =
+    640 rows, at any ep. Dropless under ragged_dot (XLA's dense lowering) every received row
+    through each local expert: E·n·min(k, E/ep) = 4096 rows at ep 1 and 4. Dropless under
+    mosaic the ep·S received rows in the forward and dx, the routed ones in dw: none at ep = 1,
+    2048 - 512 at ep = 4. The model FLOPs do not change with the mesh or the implementation."""
     dropless, capacity = moe_tiny(), moe_tiny("model.moe_dispatch=capacity")
-    for sizes in (ONE | {"data": 8}, ONE | {"data": 2, "expert": 4}):
-        assert roofline.flops(dropless, sizes)["padding_per_device"] == 0
-        got = roofline.flops(capacity, sizes)
-        assert got["model_per_device"] == roofline.flops(dropless, sizes)["model_per_device"]
-        assert got["padding_per_device"] == pytest.approx(2 * 4 * 18 * 128 * 192 * (640 - 512))
-        assert got["hardware_per_device"] == pytest.approx(got["model_per_device"] + got["padding_per_device"])
+    mosaic = moe_tiny("model.expert_matmul=mosaic")
+    row = 2 * 3 * 128 * 192
+    for sizes, mosaic_rows in ((ONE | {"data": 8}, 0), (ONE | {"data": 2, "expert": 4}, 2048 - 512)):
+        got = {name: roofline.flops(cfg, sizes) for name, cfg in
+               (("dropless", dropless), ("capacity", capacity), ("mosaic", mosaic))}
+        assert got["capacity"]["padding_per_device"] == pytest.approx(2 * 4 * 3 * row * (640 - 512))
+        assert got["dropless"]["padding_per_device"] == pytest.approx(2 * 4 * 3 * row * (4096 - 512))
+        assert got["mosaic"]["padding_per_device"] == pytest.approx(2 * 4 * 2 * row * mosaic_rows)
+        for g in got.values():
+            assert g["model_per_device"] == got["dropless"]["model_per_device"]
+            assert g["hardware_per_device"] == pytest.approx(g["model_per_device"] + g["padding_per_device"])
+    full = moe_tiny("model.remat=full")  # the recompute is a fourth pass
+    assert roofline.flops(full, ONE | {"data": 8})["padding_per_device"] == pytest.approx(2 * 4 * 4 * row * (4096 - 512))
 
 
 def test_expert_weights_split_over_ep_in_memory():

@@ -7,11 +7,10 @@ bytes per axis.
 Time (roofline): compute = the step's kernels one after another, each kind at an achievable
 rate, not the datasheet peak (GPU.rates names the published figures; `tools.plan
 --calibration` puts in those a `make gpu-check` record measured):
-  matmuls    hardware FLOPs (model FLOPs, + one more forward under full remat, and under capacity
-             dispatch the experts' padded rows: R - T·k' rows per MoE layer and microbatch,
-             6·3·D·F_e/t each; dropless sorts its padding rows out of every group of the
-             grouped matmul, so it computes the T·k' routed rows only, on average over
-             devices) less the attention core's, at the GPU's large-GEMM rate
+  matmuls    hardware FLOPs (model FLOPs, + one more forward under full remat, + the experts'
+             rows beyond the T·k' routed ones: capacity's padded slots, and under dropless
+             ragged_dot's dense lowering, every received row through every local expert:
+             `expert_padding`) less the attention core's, at the GPU's large-GEMM rate
   attention  the attention core's FLOPs at its attention rate
   memory     the memory-bound kernels between them (norms, rope, SiLU, residual adds, the
              loss, the optimizer) at the GPU's copy bandwidth, `memory_bound_bytes`: per
@@ -85,23 +84,47 @@ GPUS = {
 def flops(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     """Model FLOPs per step (6·N·tokens + attention, N the active parameters) and per device,
     and the hardware FLOPs per device: each recomputed forward adds 1/3 (remat full; 1f1b, whose
-    backward cell re-runs the stage's forward under jax.vjp); under capacity dispatch the
-    experts compute every row of their buffers, ep·S = E·C per MoE layer and microbatch where
-    the model counts n·k (padded, or dropped): 6·3·D·F_e/t per row of the difference, the
-    `padding_per_device` (hardware FLOPs, part of hardware_per_device). Dropless runs the
-    grouped matmul on the routed rows only (model/moe.py), so no padding FLOPs.
-    `attention_per_device`: the attention core's share of the hardware FLOPs (the rest are matmuls)."""
-    m, t, s = cfg.model, cfg.train, shape(cfg, sizes)
+    backward cell re-runs the stage's forward under jax.vjp), and the experts' rows beyond the
+    routed ones, `padding_per_device` (`expert_padding`; hardware FLOPs, part of
+    hardware_per_device). `attention_per_device`: the attention core's share of the hardware
+    FLOPs (the rest are matmuls)."""
+    m, t = cfg.model, cfg.train
     model = flops_per_token(m, t.seq_len) * t.global_batch_size * t.seq_len
     per_device = model / math.prod(sizes.values())
-    padding = 0.0
-    if s.moe and m.moe_dispatch == "capacity":
-        rows = sizes.get("expert", 1) * dispatch_rows(cfg, sizes) - s.tokens * m.experts_per_token
-        padding = s.k * s.moe * 18 * m.d_model * expert_d_ff(m) / sizes["tensor"] * rows
     redo = (2 + 1 + (m.remat == "full")) / 3  # forward, backward, recompute
     attention = attention_flops_per_token(m, t.seq_len) * t.global_batch_size * t.seq_len / math.prod(sizes.values())
-    return {"model": model, "model_per_device": per_device, "padding_per_device": padding * redo,
-            "hardware_per_device": (per_device + padding) * redo, "attention_per_device": attention * redo}
+    padding = expert_padding(cfg, sizes)
+    return {"model": model, "model_per_device": per_device, "padding_per_device": padding,
+            "hardware_per_device": per_device * redo + padding, "attention_per_device": attention * redo}
+
+
+def expert_padding(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """Hardware FLOPs per device and step of expert rows beyond the n·k' routed ones the model
+    counts, per MoE layer and microbatch, each row 2·3·D·F_e/t a pass of the three matmuls
+    (passes: forward, dx, dw, and the recompute under remat full):
+      capacity             every slot of the buffers, ep·S = E·C rows, in every pass
+      dropless ragged_dot  E·S rows in every pass: XLA lowers ragged_dot to a dense dot of
+                           zero-padded operands, every received row through each of the E/ep
+                           local experts (model/kernels/grouped_matmul.py: on the GPUs lent here,
+                           jax 0.11.2 with cuDNN 9.19, and in every compile for an H100 without
+                           one; a newer stack whose cuDNN ragged-dot fusion takes the forward and
+                           dx still computes dw so)
+      dropless mosaic      ep·S rows in the forward, dx and recompute (jax's Hopper kernels sweep
+                           every row block, padding rows too), the routed rows only in dw
+    ep·S = ep·n·min(k', E/ep) (`dispatch_rows`): n·k' at ep = 1, where mosaic has no padding."""
+    m, s = cfg.model, shape(cfg, sizes)
+    if not s.moe:
+        return 0.0
+    ep, block = sizes.get("expert", 1), dispatch_rows(cfg, sizes)
+    passes = 3 + (m.remat == "full")
+    if m.moe_dispatch == "capacity":
+        rows = ep * block
+    elif m.expert_matmul == "ragged_dot":
+        rows = m.n_experts * block
+    else:
+        rows, passes = ep * block, passes - 1
+    per_pass = 2 * 3 * m.d_model * expert_d_ff(m) / sizes["tensor"]
+    return s.k * s.moe * per_pass * passes * (rows - s.tokens * m.experts_per_token)
 
 
 def memory_bound_bytes(cfg: RunConfig, sizes: dict[str, int]) -> float:
