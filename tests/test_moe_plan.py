@@ -133,6 +133,18 @@ def test_expert_padding_is_hardware_flops_only():
     assert roofline.flops(full, ONE | {"data": 8})["padding_per_device"] == pytest.approx(2 * 4 * 4 * row * (4096 - 512))
 
 
+def test_dense_ragged_dot_copies_are_working_memory():
+    """Dropless under ragged_dot holds XLA's zero-padded copies in the MoE layer's working set:
+    on dp=2,ep=4 the E/ep = 2 local experts over R = ep·n·min(k, E/ep) = 2048 received rows, a
+    [2, R, D] and a [2, R, F] pair twice, bf16: 2·2048·2·(128 + 192)·2 bytes. Mosaic and
+    capacity hold none."""
+    sizes = ONE | {"data": 2, "expert": 4}
+    working = {name: estimate.memory(moe_tiny(*sets), sizes)["working"] for name, sets in
+               (("ragged_dot", ()), ("mosaic", ("model.expert_matmul=mosaic",)))}
+    assert working["ragged_dot"] - working["mosaic"] == 2 * 2048 * 2 * (128 + 192) * 2
+    assert estimate.dense_expert_copies(moe_tiny("model.moe_dispatch=capacity"), sizes) == 0
+
+
 def test_expert_weights_split_over_ep_in_memory():
     cfg = get_preset("mixtral-8x7b")
     sizes = ONE | {"fsdp": 8}

@@ -96,8 +96,9 @@ Memory (bytes per device), the terms `memory()` returns:
               after a gpipe/interleaved pipe; 1b on an H100: 205,332 bytes per token beside the
               layers, the logits' 196,608).
               The working set is the gradients of one layer's 'none' terms (one more layer's
-              worth; the larger of a dense and a MoE layer, the dispatch buffers included); under remat it is twice that, the layer's forward being
-              recomputed first. Under context parallelism with the xla core, plus one block
+              worth; the larger of a dense and a MoE layer, the dispatch buffers included, and
+              under dropless ragged_dot XLA's zero-padded copies, `dense_expert_copies`); under
+              remat it is twice that, the layer's forward being recomputed first. Under context parallelism with the xla core, plus one block
               piece's fp32 scores, probs and their gradient, 3·b·N/t·(L/sp)² · 4 (the ring's
               pieces are at most L/sp square; a flash core tiles them away).
 
@@ -247,6 +248,24 @@ def dispatch_rows(cfg: RunConfig, sizes: dict[str, int]) -> int:
     return n * min(m.experts_per_token, m.n_experts // ep)
 
 
+def dense_expert_copies(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """Bytes of XLA's dense lowering of the dropless experts' ragged_dot (model.expert_matmul =
+    ragged_dot; tools.roofline.expert_padding): zero-padded operands and outputs, one
+    [E/ep, R, D] and one [E/ep, R, F_e/t] pair of each of two ragged matmuls live at once
+    (gate and up forward; dx and dw backward), R = ep·S the rows received: (E/ep)·R·2·(D +
+    F_e/t)·c. 0 under capacity and under mosaic. Compiled for H100s (mixtral-8x7b, 2 layers,
+    six meshes: bench/results/expert-matmul-mixtral-h100-compiled.json) XLA's peak under
+    ragged_dot lies 0.49 to 5.40 GB above mosaic's, where this counts 1.21 to 2.42 GB (XLA's
+    scheduler keeps the copies live unevenly: 4.36 GB against 2.42 on dp=2,ep=4, 0.49 against
+    1.21 on ep=8); XLA's peak over the estimate went from 0.90-1.47x to 0.88-1.29x."""
+    m = cfg.model
+    if not m.n_experts or m.moe_dispatch == "capacity" or m.expert_matmul != "ragged_dot":
+        return 0.0
+    ep = sizes.get("expert", 1)
+    rows = ep * dispatch_rows(cfg, sizes)
+    return m.n_experts // ep * rows * 2 * (m.d_model + expert_d_ff(m) / sizes["tensor"]) * DTYPE_BYTES[m.compute_dtype]
+
+
 def layer_activations(cfg: RunConfig, sizes: dict[str, int], remat: str, moe: bool = False) -> float:
     """Bytes one layer (a MoE layer when `moe`) keeps for backward for one microbatch (module
     docstring)."""
@@ -375,7 +394,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
         "accumulator": p_local * 4 if s.k > 1 and not piped else 0.0,
         "update": p_local * 4 if sizes["fsdp"] == 1 else 0.0,
         "saved activations": saved,
-        "working": max((1 if m.remat == "none" else 1.5) * layer + piece, logits),
+        "working": max((1 if m.remat == "none" else 1.5) * layer + piece + dense_expert_copies(cfg, sizes), logits),
     }
     fixed = sum(terms[n] for n in ("params", "optimizer", "gradients", "gathered", "gathered once", "accumulator"))
     terms["peak"] = fixed + max(terms["update"], saved + terms["working"])
