@@ -23,7 +23,7 @@ from configs import ConfigError, apply_overrides, get_preset
 from conftest import ROOT, SMALL, child_env, mesh_sizes, run_module, small_config
 from sharding.mesh import AXES, build_mesh, parse_mesh
 from sharding.strategies import parallelize
-from tools import estimate, gpu_target, op_kinds, roofline, trace_summary, traffic
+from tools import estimate, gpu_target, op_kinds, pipeline_figures, roofline, trace_summary, traffic
 from tools.bandwidth import load
 from tools.oom import advice
 from tools.plan import main as plan_main
@@ -165,7 +165,7 @@ def test_estimate_bubble_and_stash_come_from_the_timetable(schedule, v, remat):
     table = timetable(schedule, 4, m, v)
     b = (1 if schedule == "zb-h1" else 2) + (remat == "full")  # remat full: each layer's forward again in B
     cost = {"F": 1, "B": b, "W": 1}
-    assert estimate.cell_costs(cfg, sizes) == cost
+    assert pipeline_figures.cell_costs(cfg, sizes) == cost
     bubble = roofline.step_time(cfg, sizes, roofline.GPUS["h100"])["bubble"]
     assert bubble == pytest.approx(weighted(table, cost).bubble)
     s, mem = estimate.shape(cfg, sizes), estimate.memory(cfg, sizes)
@@ -207,9 +207,9 @@ def test_search_ranks_every_schedule_and_runs_the_fastest():
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
     for r in rows:
         assert r["memory_gib"] <= 80e9 / 2**30 and r["microbatches"] >= 2
-        assert r["bubble"] == pytest.approx(estimate.pipeline_figures(r["cfg"], sizes)["bubble"])
+        assert r["bubble"] == pytest.approx(pipeline_figures.pipeline_figures(r["cfg"], sizes)["bubble"])
     by = {r["schedule"]: r for r in rows}
-    at_16 = {name: estimate.pipeline_figures(pipelined(cfg, sizes, 16, name), sizes)["bubble"] for name in ("1f1b", "zb-h1")}
+    at_16 = {name: pipeline_figures.pipeline_figures(pipelined(cfg, sizes, 16, name), sizes)["bubble"] for name in ("1f1b", "zb-h1")}
     assert at_16["zb-h1"] < at_16["1f1b"]  # W fills the bubble
     ranked, _ = search(cfg, 512, roofline.GPUS["h100"])
     piped = next(c for c in ranked if c["sizes"] == sizes)

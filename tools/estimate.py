@@ -132,15 +132,13 @@ the CUDA context and NCCL buffers (about 1-2 GiB per GPU): keep a margin.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 from configs.base import RunConfig
-from pipeline.schedule import in_flight, weighted
-from pipeline.tables import timetable
-from sharding.checks import CHUNKED, ONE_F_ONE_B, accumulation_axes, batch_ranks, expert_d_ff, explicit_context, moe_layers
+from sharding.checks import accumulation_axes, batch_ranks, expert_d_ff, explicit_context, microbatches, moe_layers
 from sharding.cores import choose_core
+from tools.pipeline_figures import SPLIT, STASHING, pipeline_figures, virtual
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GiB = 2**30  # every memory figure the tools print is in GiB, as jax and nvidia-smi count
@@ -164,7 +162,7 @@ def shape(cfg: RunConfig, sizes: dict[str, int]) -> Shape:
     ranks = batch_ranks(sizes)
     per_rank = t.global_batch_size // ranks
     if sizes["stage"] > 1:
-        k = cfg.parallel.microbatches or sizes["stage"]
+        k = microbatches(cfg, sizes["stage"])
     else:
         k = per_rank // (t.micro_batch_size or per_rank)
     b = per_rank // k
@@ -179,41 +177,6 @@ def core(cfg: RunConfig, sizes: dict[str, int]) -> str:
     pallas is fused too)."""
     m, context = cfg.model, explicit_context(cfg, sizes["sequence"]) is not None
     return choose_core(m.attention, "gpu", (9, 0), m.compute_dtype, m.head_dim, context)
-
-
-SPLIT = ("zb-h1", "zbv")  # B split into B and W (pipeline/split_backward.py)
-STASHING = ONE_F_ONE_B  # per-stage vjp cells (pipeline/one_f_one_b.py): residuals stashed
-
-
-def virtual(cfg: RunConfig) -> int:
-    """V, the chunks per stage: parallel.virtual_stages under the interleaved schedules and zbv, else 1."""
-    return cfg.parallel.virtual_stages if cfg.parallel.schedule in CHUNKED else 1
-
-
-def cell_costs(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
-    """The schedule's cell costs in forwards (module docstring, stage): F 1, B 2 (split: B 1, W 1),
-    B + 1 under model.remat=full (each layer recomputed once)."""
-    split = cfg.parallel.schedule in SPLIT
-    b = (1 if split else 2) + (cfg.model.remat == "full")
-    return {"F": 1, "B": b, "W": 1}
-
-
-@functools.lru_cache(maxsize=4096)
-def _table_figures(schedule: str, p: int, m: int, v: int, cost: tuple[tuple[str, float], ...]) -> tuple:
-    table = timetable(schedule, p, m, v)
-    return weighted(table, dict(cost)).bubble, in_flight(table)[0], len(table)
-
-
-def pipeline_figures(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
-    """From the schedule's table (pipeline.schedule): the lock-step weighted bubble with
-    `cell_costs`, stage 0's in-flight peak ((microbatch, chunk) pairs) and the ticks; no pipeline:
-    0, 1, 1."""
-    p = sizes["stage"]
-    if p == 1:
-        return {"bubble": 0.0, "in_flight": 1, "ticks": 1}
-    cost = tuple(sorted(cell_costs(cfg, sizes).items()))
-    bubble, peak, ticks = _table_figures(cfg.parallel.schedule, p, shape(cfg, sizes).k, virtual(cfg), cost)
-    return {"bubble": bubble, "in_flight": peak, "ticks": ticks}
 
 
 def local_param_parts(cfg: RunConfig, sizes: dict[str, int]) -> tuple[float, float]:

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 from configs.base import RunConfig
 from sharding.checks import expert_d_ff
-from tools.estimate import (dispatch_rows, local_params, pipeline_figures, shape,
-                            stack_activations)
+from tools.estimate import dispatch_rows, local_params, shape, stack_activations
+from tools.pipeline_figures import pipeline_figures
 from tools.traffic import Links, comm_time, communication
 from training.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token
 

@@ -123,7 +123,7 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           and others B).
           The bubble is the lock-step weighted bubble of the schedule's table
           (pipeline.schedule.weighted: every tick lasts as long as its most expensive cell) with
-          `estimate.cell_costs`: F = 1, B = 2, or split (zb-h1, zbv) B = 1 and W = 1; B one more under
+          `pipeline_figures.cell_costs`: F = 1, B = 2, or split (zb-h1, zbv) B = 1 and W = 1; B one more under
           model.remat=full (the layers' forward recomputed). gpipe
           (p-1)/(M+p-1), interleaved (p-1)/(V·M+p-1); 1f1b 1 - M(F+B)/(2M·B + (p-1)(F+B) - (B-F))
           (its F ticks last a B); zb-h1 (p-1)/(3M+p-1) (units), zbv (p-1)/(6M+p-1) (half-stage
@@ -143,8 +143,8 @@ from configs.base import RunConfig
 from pipeline.layout import leaving
 from sharding.checks import accumulation_axes
 from sharding.mesh import AXES
-from tools.estimate import (DTYPE_BYTES, STASHING, dispatch_rows, local_param_parts, pipeline_figures, shape,
-                            virtual)
+from tools.estimate import DTYPE_BYTES, dispatch_rows, local_param_parts, shape
+from tools.pipeline_figures import STASHING, pipeline_figures, virtual
 
 NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8
 # r per remat policy, (plain TP, sequence parallelism): the tensor all-reduces a layer's backward

@@ -1,0 +1,50 @@
+"""A pipeline schedule's figures for the planner: the cell costs, and from the schedule's
+timetable (pipeline/tables.py, weighed by pipeline/schedule.py) the lock-step bubble, stage 0's
+in-flight peak of (microbatch, chunk) pairs and the ticks. Pure arithmetic on the config, the
+tables cached by their arguments, so tools.search weighs hundreds of meshes in a second.
+tools/estimate.py (the residual slots in flight), tools/traffic.py (the stage's bytes) and
+tools/roofline.py (the bubble) read them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from configs.base import RunConfig
+from pipeline.schedule import in_flight, weighted
+from pipeline.tables import timetable
+from sharding.checks import CHUNKED, ONE_F_ONE_B, microbatches
+
+SPLIT = ("zb-h1", "zbv")  # B split into B and W (pipeline/split_backward.py)
+STASHING = ONE_F_ONE_B  # per-stage vjp cells (pipeline/one_f_one_b.py): residuals stashed
+
+
+def virtual(cfg: RunConfig) -> int:
+    """V, the chunks per stage: parallel.virtual_stages under the interleaved schedules and zbv, else 1."""
+    return cfg.parallel.virtual_stages if cfg.parallel.schedule in CHUNKED else 1
+
+
+def cell_costs(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
+    """The schedule's cell costs in forwards (tools/traffic.py's docstring, stage): F 1, B 2 (split: B 1, W 1),
+    B + 1 under model.remat=full (each layer recomputed once)."""
+    split = cfg.parallel.schedule in SPLIT
+    b = (1 if split else 2) + (cfg.model.remat == "full")
+    return {"F": 1, "B": b, "W": 1}
+
+
+@functools.lru_cache(maxsize=4096)
+def _table_figures(schedule: str, p: int, m: int, v: int, cost: tuple[tuple[str, float], ...]) -> tuple:
+    table = timetable(schedule, p, m, v)
+    return weighted(table, dict(cost)).bubble, in_flight(table)[0], len(table)
+
+
+def pipeline_figures(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
+    """From the schedule's table (pipeline.schedule): the lock-step weighted bubble with
+    `cell_costs`, stage 0's in-flight peak ((microbatch, chunk) pairs) and the ticks; no pipeline:
+    0, 1, 1."""
+    p = sizes["stage"]
+    if p == 1:
+        return {"bubble": 0.0, "in_flight": 1, "ticks": 1}
+    cost = tuple(sorted(cell_costs(cfg, sizes).items()))
+    bubble, peak, ticks = _table_figures(cfg.parallel.schedule, p, microbatches(cfg, p), virtual(cfg), cost)
+    return {"bubble": bubble, "in_flight": peak, "ticks": ticks}
