@@ -22,11 +22,15 @@ Memory (bytes per device), the terms `memory()` returns:
   gradients   P_local · 4                              fp32 (they arrive through the bf16 cast)
   update      P_local · 4 when replicated over fsdp    optax's clipped update, held beside the
               gradients (measured on XLA CPU: the optimizer phase holds about 2 gradient copies)
-  gathered    FSDP only: the embedding and head gathered whole (V·D/t each, param dtype) and
-              their full-size gradients before the reduce: 4 · V·D/t · 4
+  gathered    FSDP as XLA's ZeRO-3 only: the embedding and head gathered whole (V·D/t each,
+              param dtype) and their full-size gradients before the reduce: 4 · V·D/t · 4
   gathered once  parallel.fsdp_gather_once, and the 1F1B family under fsdp: the rest of the
               weights whole over fsdp in the compute dtype and a whole fp32 gradient
-              accumulator: P_local·(fsdp-1)·(c + 4)
+              accumulator: P_local·(fsdp-1)·(c + 4) (the embedding and head among them, so
+              not `gathered` too: llama3-8b fsdp=4,tp=2 had read 0.71x XLA's peak)
+  cast        the 1F1B family: the device's own weights in the compute dtype, P_local·c, cast
+              once per step before the tick loop and held through it (pipeline/one_f_one_b.py;
+              under fsdp `gathered once` is the rest); backward phase only
   saved       activations kept for backward: X/pp layers of one microbatch; under gpipe and
               interleaved every tick's (the ticks of the schedule's table, V·M+p-1, of X/(p·V)
               layers: autodiff through the tick scan keeps the idle ticks' too; at least the
@@ -98,11 +102,16 @@ Memory (bytes per device), the terms `memory()` returns:
               The working set is the gradients of one layer's 'none' terms (one more layer's
               worth; the larger of a dense and a MoE layer, the dispatch buffers included, and
               under dropless ragged_dot XLA's zero-padded copies, `dense_expert_copies`); under
-              remat it is twice that, the layer's forward being recomputed first. Under context parallelism with the xla core, plus one block
-              piece's fp32 scores, probs and their gradient, 3·b·N/t·(L/sp)² · 4 (the ring's
-              pieces are at most L/sp square; a flash core tiles them away).
+              remat it is twice that, the layer's forward being recomputed first. Under the
+              1F1B family at least the head's fp32 gradient V·D/t·4: the last stage's B
+              computes it per microbatch beside the accumulator it is added to (1.05 GB on
+              llama3-8b at t = 2, XLA's largest temporary there). Under context parallelism
+              with the xla core, plus one block piece's fp32 scores, probs and their gradient,
+              3·b·N/t·(L/sp)² · 4 (the ring's pieces are at most L/sp square; a flash core
+              tiles them away).
 
-Peak = params + optimizer + gradients + gathered + accumulator + max(update, saved + working):
+Peak = params + optimizer + gradients + gathered + gathered once + accumulator
+       + max(update, cast + saved + working):
 the optimizer phase and the backward phase do not overlap in time. Against the 1b step measured
 on one H100 (unrolled, remat none, 4 to 20 sequences a microbatch, k = 1 to 4): 1.03-1.11x
 (bench/results/batch-1b-*.json; tests/test_calibration.py), and 1.02-1.06x XLA's static peak of
@@ -119,8 +128,12 @@ family 0.90-0.95x (1f1b, pp=2,dp=2 and pp=2,tp=2, remat none, dots and full), 0.
 (zbv at M = 4, pp=2,tp=2 and pp=2,dp=2, remat none and full: over, XLA keeping less), 0.88x
 (1f1b remat full on pp=2,tp=2 at M = 4, its chunks keeping their layers' inputs; 0.85x when B
 recomputed the chunk first, 0.74x before the layers' checkpoints prevented CSE unrolled,
-model/remat.py; bench/results/remat-full-1f1b-family.json). tools.search scales each
-schedule's estimate by a floor (`MEMORY_LOW`).
+model/remat.py; bench/results/remat-full-1f1b-family.json). Those figures predate `cast` and the
+head's gradient: with them XLA's peak is 0.87-1.12x the estimate over the 1F1B family (125m and
+llama3-8b, pp=2 and 4, dp, tp and fsdp beside; 0.77-1.20x before), and 1.00-1.16x under
+parallel.fsdp_gather_once without the double-counted `gathered` (0.71-0.90x before;
+bench/results/memory-cast-h100-compiled.json). tools.search scales each schedule's estimate by a
+floor (`MEMORY_LOW`).
 
 CPU vs GPU: XLA on CPU computes bf16 matmuls in fp32 and keeps f32 buffers, so compare with a
 CPU compile only under model.compute_dtype=float32 (tests/test_plan.py does); on a GPU c = 2.
@@ -323,42 +336,44 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
     many times the layer scan under remat none holds its stacked residuals, 2 as XLA GPU
     compiles it; XLA CPU holds them once (tests/test_plan.py compares with a CPU compile)."""
     m, s = cfg.model, shape(cfg, sizes)
-    p_local, param_b = local_params(cfg, sizes), DTYPE_BYTES[m.param_dtype]
+    p_local, param_b, c = local_params(cfg, sizes), DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[m.compute_dtype]
     piped, v = sizes["stage"] > 1, virtual(cfg)
     stashing = piped and cfg.parallel.schedule in STASHING
     table = pipeline_figures(cfg, sizes)
     if stashing:  # stage 0's in-flight residual slots, the inputs/inbox, zb-h1's stash of dy's
-        c = DTYPE_BYTES[m.compute_dtype]
         saved = table["in_flight"] * chunk_residuals(cfg, sizes) + 3 * s.tokens * m.d_model * c
         if cfg.parallel.schedule in SPLIT:
             saved += table["in_flight"] * zb_stash(cfg, sizes)
     elif piped:  # gpipe, interleaved: autodiff keeps every tick's residuals, under none twice as the layer scan's
         saved = (scan_copies if m.remat == "none" else 1) * table["ticks"] / v * stack_activations(cfg, sizes, m.remat)
-        saved += 4 * s.k * s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype]  # [M, b, L, D] in, out, cotangents
+        saved += 4 * s.k * s.tokens * m.d_model * c  # [M, b, L, D] in, out, cotangents
     else:  # the layer scan under none stacks each layer's residuals and copies them: twice
         saved = (scan_copies if m.scan_layers and m.remat == "none" else 1) * stack_activations(cfg, sizes, m.remat)
     heads_at_once = s.k if piped and not stashing else 1
-    logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * (4 + DTYPE_BYTES[m.compute_dtype])
+    logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * (4 + c)
     # context parallel with the xla core: one block piece's fp32 scores, probs and their
     # gradient [b, N/t, L/sp, L/sp] at a time (a flash core tiles them away)
     blockwise_xla = explicit_context(cfg, sizes["sequence"]) is not None and core(cfg, sizes) == "xla"
     piece = 3 * s.b * m.n_heads / sizes["tensor"] * (cfg.train.seq_len / sizes["sequence"]) ** 2 * 4 * blockwise_xla
     kinds = [moe for moe, count in ((False, s.layers - s.moe), (True, s.moe)) if count]  # the device's layers
     layer = max(layer_activations(cfg, sizes, "none", moe) for moe in kinds)
+    once = "fsdp" in accumulation_axes(cfg, sizes)  # the weights gathered whole for the step
+    head_grad = m.vocab_size * m.d_model / sizes["tensor"] * 4 if stashing else 0.0
     terms = {
         "params": p_local * param_b,
         "optimizer": 2 * p_local * param_b,
         "gradients": p_local * 4,
-        "gathered": 4 * m.vocab_size * m.d_model / sizes["tensor"] * 4 if sizes["fsdp"] > 1 else 0.0,
+        "gathered": 4 * m.vocab_size * m.d_model / sizes["tensor"] * 4 if sizes["fsdp"] > 1 and not once else 0.0,
         # parallel.fsdp_gather_once: the weights whole in the compute dtype and the whole fp32
         # gradient accumulator, for the step (training/step.py)
-        "gathered once": p_local * (sizes["fsdp"] - 1) * (DTYPE_BYTES[m.compute_dtype] + 4)
-        if "fsdp" in accumulation_axes(cfg, sizes) else 0.0,
+        "gathered once": p_local * (sizes["fsdp"] - 1) * (c + 4) if once else 0.0,
+        "cast": p_local * c if stashing else 0.0,
         "accumulator": p_local * 4 if s.k > 1 and not piped else 0.0,
         "update": p_local * 4 if sizes["fsdp"] == 1 else 0.0,
         "saved activations": saved,
-        "working": max((1 if m.remat == "none" else 1.5) * layer + piece + dense_expert_copies(cfg, sizes), logits),
+        "working": max((1 if m.remat == "none" else 1.5) * layer + piece + dense_expert_copies(cfg, sizes), logits,
+                       head_grad),
     }
     fixed = sum(terms[n] for n in ("params", "optimizer", "gradients", "gathered", "gathered once", "accumulator"))
-    terms["peak"] = fixed + max(terms["update"], saved + terms["working"])
+    terms["peak"] = fixed + max(terms["update"], terms["cast"] + saved + terms["working"])
     return terms
