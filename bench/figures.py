@@ -11,7 +11,7 @@ import shlex
 
 from bench.moe import per_layer_text
 from bench.tp import VARIANTS, tensor_collectives
-from tools.estimate import DTYPE_BYTES
+from tools.shape import DTYPE_BYTES
 from tools.calibration import scanned
 from tools.gpu_compile import tile_text
 

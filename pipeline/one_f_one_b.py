@@ -53,7 +53,7 @@ an H100, pp=2,dp=2: 13.65 GiB, now 8.11). dots and attn keep what the layers' ow
 (B recomputes what they leave, as without a pipeline). With remat full the chunk's residuals are
 its layers' inputs, Lc x [b, L, D] (model.remat.LAYER_INPUT), and B recomputes each layer once,
 as without a pipeline (keeping the chunk's input alone recomputed the chunk's forward first and
-then each layer again: Lc - 1 fewer [b, L, D] per microbatch, one more forward). tools.estimate's
+then each layer again: Lc - 1 fewer [b, L, D] per microbatch, one more forward). tools.activations'
 `chunk_residuals` counts a slot (tests/test_pipeline.py holds it against `stash_bytes`).
 
 Memory per stage, flat in M (`stash_bytes`; slot counts from the table, the most any stage

@@ -1,7 +1,7 @@
 """Which attention core runs where: `model.attention` checked and, for `auto`, chosen.
 
 Pure functions of the config and the device (platform, CUDA compute capability), so the
-planner (tools/estimate.py) resolves a run for a GPU it does not have, and the build
+planner (tools/shape.py) resolves a run for a GPU it does not have, and the build
 (sharding/strategies.py) for the devices it runs on. The cores themselves are in
 model/attention.py.
 

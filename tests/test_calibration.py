@@ -12,6 +12,7 @@ from configs import ConfigError, apply_overrides, get_preset
 from conftest import ROOT, run_module
 from sharding.mesh import AXES, parse_mesh
 from tools import estimate, roofline
+from tools.shape import local_params
 from tools.calibration import case_config, estimate_vs_measured, rated_gpu, recorded_config, scanned
 from tools.plan_report import above_best_mfu, format_plan, plan
 from training.metrics import attention_flops_per_token, flops_per_token
@@ -73,7 +74,7 @@ def test_memory_bound_bytes_count_the_layer_passes_logits_and_optimizer():
     m, tokens = cfg.model, 16 * 1024
     per_token = (4 * m.d_model + 4 * m.n_heads * m.head_dim + 3 * m.d_ff) * 2 + 4 * m.n_heads  # K = N here
     acts = m.n_layers * tokens * per_token
-    logits, optimizer = 4 * tokens * m.vocab_size * 4, 28 * estimate.local_params(cfg, sizes)
+    logits, optimizer = 4 * tokens * m.vocab_size * 4, 28 * local_params(cfg, sizes)
     assert roofline.memory_bound_bytes(cfg, sizes) == pytest.approx(2 * (4 * acts + logits) + optimizer)
     full = dataclasses.replace(cfg, model=dataclasses.replace(m, remat="full"))
     assert roofline.memory_bound_bytes(full, sizes) == pytest.approx(2 * (6 * acts + logits) + optimizer)

@@ -11,6 +11,8 @@ from configs import apply_overrides, get_preset
 from conftest import run_module
 from sharding.mesh import AXES
 from tools import estimate, roofline, traffic
+from tools.activations import dense_expert_copies
+from tools.shape import dispatch_rows, local_params
 from tools.bandwidth import load
 from tools.plan_report import format_plan, plan
 from tools.search import meshes, search
@@ -29,7 +31,7 @@ def test_dense_presets_count_every_parameter_as_active():
         m = get_preset(name).model
         total, active = param_counts(m)
         assert total == active and total / 1e9 == pytest.approx(billions, abs=0.05)
-        assert total == estimate.local_params(get_preset(name), ONE)
+        assert total == local_params(get_preset(name), ONE)
 
 
 def test_moe_tiny_counts_by_hand():
@@ -54,7 +56,7 @@ def test_moe_every_and_shared_experts():
     moe_ffn = d * 8 + 3 * d * fe  # router + shared
     assert total == dense_total + 2 * (moe_ffn + 8 * 3 * d * fe - 3 * d * 384)
     assert active == dense_total + 2 * (moe_ffn + 2 * 3 * d * fe - 3 * d * 384)
-    assert estimate.local_params(dataclasses.replace(get_preset("moe-tiny"), model=m), ONE) == total
+    assert local_params(dataclasses.replace(get_preset("moe-tiny"), model=m), ONE) == total
 
 
 def moe_tiny(*overrides):
@@ -79,7 +81,7 @@ def test_expert_all_to_all_bytes_by_hand(dispatch):
     else:
         s = 8 // ep * math.ceil(1.25 * n * 2 / 8)  # 2 experts x 80 rows
         per_layer = 4 * (ep - 1) / ep * ep * s * d * c
-    assert estimate.dispatch_rows(cfg, sizes) == s
+    assert dispatch_rows(cfg, sizes) == s
     assert traffic.expert(cfg, sizes) == pytest.approx(k * layers * per_layer)
     # the expert term adds the gradients of every weight but the routed experts, as over data,
     # per microbatch as the backward leaves them: bf16 but for the fp32 head, norms and routers
@@ -91,7 +93,7 @@ def test_expert_all_to_all_bytes_by_hand(dispatch):
     # data reduces the device's own experts (E/ep of them, bf16) with the rest
     local = non_expert + layers * 8 // ep * 3 * d * 192
     assert comm["data"] == pytest.approx(k * 2 * (grads + c * layers * 8 // ep * 3 * d * 192) / 2)
-    assert estimate.local_params(cfg, sizes) == pytest.approx(local)
+    assert local_params(cfg, sizes) == pytest.approx(local)
 
 
 def test_no_expert_axis_no_all_to_all():
@@ -142,7 +144,7 @@ def test_dense_ragged_dot_copies_are_working_memory():
     working = {name: estimate.memory(moe_tiny(*sets), sizes)["working"] for name, sets in
                (("ragged_dot", ()), ("mosaic", ("model.expert_matmul=mosaic",)))}
     assert working["ragged_dot"] - working["mosaic"] == 2 * 2048 * 2 * (128 + 192) * 2
-    assert estimate.dense_expert_copies(moe_tiny("model.moe_dispatch=capacity"), sizes) == 0
+    assert dense_expert_copies(moe_tiny("model.moe_dispatch=capacity"), sizes) == 0
 
 
 def test_expert_weights_split_over_ep_in_memory():

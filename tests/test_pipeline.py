@@ -118,12 +118,12 @@ SLOT_CASES = [
 
 @pytest.mark.parametrize("preset, mesh, sets, rel", SLOT_CASES)
 def test_estimate_counts_what_a_1f1b_slot_holds(preset, mesh, sets, rel):
-    """tools.estimate.chunk_residuals, the planner's bytes of one residual slot, against
+    """tools.activations.chunk_residuals, the planner's bytes of one residual slot, against
     stash_bytes (an abstract trace of the chunk's vjp under model.remat.stash_policy: what the
     slot holds) for every remat policy, bf16 compute: exact for dense layers on a batch split;
     within 1% where the trace keeps a few small integer arrays the formula leaves out (the
     sequence split's zigzag positions, the experts' routing bookkeeping)."""
-    from tools.estimate import chunk_residuals
+    from tools.activations import chunk_residuals
 
     for remat in ("none", "dots", "attn", "full"):
         cfg, sizes, held = traced_stash(preset, mesh, "1f1b", remat, sets)
@@ -134,10 +134,10 @@ def test_estimate_counts_what_a_1f1b_slot_holds(preset, mesh, sets, rel):
     ("tiny", ("model.attention=xla",)),
     ("125m", ("model.attention=pallas", "model.n_layers=4", "model.n_kv_heads=4", "model.head_dim=32"))])
 def test_estimate_counts_what_zb_h1_leaves_for_w(preset, sets):
-    """tools.estimate.zb_stash against the traced stash of zb-h1's B for its W (stash_bytes), for
+    """tools.activations.zb_stash against the traced stash of zb-h1's B for its W (stash_bytes), for
     every remat policy, pp=2, dense layers (125m with N·H, K·H and D all different); zbv's, per
     chunk, half a stage's layers."""
-    from tools.estimate import zb_stash
+    from tools.activations import zb_stash
 
     for schedule, extra in (("zb-h1", ()), ("zbv", ("parallel.virtual_stages=2", "model.n_layers=4"))):
         for remat in ("none", "dots", "attn", "full"):
@@ -301,7 +301,7 @@ def test_stage_census_is_the_tick_program_contract(schedule, v, mesh):
     their switch ran every tick, the census reads 1.5-2x), with the chunk's whole recompute
     under remat full (2 layers a chunk) and the embedding in every tick."""
     from tools import traffic
-    from tools.estimate import DTYPE_BYTES, local_param_parts
+    from tools.shape import DTYPE_BYTES, local_param_parts
     from pipeline.layout import SCOPE
     from sharding.checks import ONE_F_ONE_B
     from tools.hlo import census, compiled_census, per_device

@@ -24,6 +24,8 @@ from conftest import ROOT, SMALL, child_env, mesh_sizes, run_module, small_confi
 from sharding.mesh import AXES, build_mesh, parse_mesh
 from sharding.strategies import parallelize
 from tools import estimate, gpu_target, op_kinds, pipeline_figures, roofline, trace_summary, traffic
+from tools.activations import chunk_residuals, stack_activations, zb_stash
+from tools.shape import local_params, shape
 from tools.bandwidth import load
 from tools.oom import advice
 from tools.plan import main as plan_main
@@ -67,7 +69,7 @@ def layer_params(cfg, sizes: dict[str, int]) -> float:
     """The layers' parameters on one device: all of its parameters less the vocab-split
     embedding and head and the final norm."""
     m = cfg.model
-    return estimate.local_params(cfg, sizes) - 2 * m.vocab_size * m.d_model / (sizes["fsdp"] * sizes["tensor"]) - m.d_model
+    return local_params(cfg, sizes) - 2 * m.vocab_size * m.d_model / (sizes["fsdp"] * sizes["tensor"]) - m.d_model
 
 
 def test_census_beside_the_contract_formulas():
@@ -108,9 +110,9 @@ def test_a_dry_run_on_cpu_compiles_the_core_that_runs_there():
 def test_estimate_terms_follow_the_mesh():
     cfg = get_preset("llama3-8b")
     one = dict(zip(AXES, (1, 1, 1, 1, 1, 1)))
-    p = estimate.local_params(cfg, one)
+    p = local_params(cfg, one)
     assert p == pytest.approx(8.03e9, rel=0.01)
-    assert estimate.local_params(cfg, one | {"fsdp": 8}) == pytest.approx(p / 8, rel=0.01)
+    assert local_params(cfg, one | {"fsdp": 8}) == pytest.approx(p / 8, rel=0.01)
     k = cfg.train.global_batch_size // 8  # the preset's one sequence per microbatch: 32 per rank
     dp8 = traffic.communication(cfg, one | {"data": 8})  # the k microbatches' gradients reduced once
     assert dp8 == {"data": pytest.approx(2 * 4 * p * 7 / 8)}
@@ -168,8 +170,8 @@ def test_estimate_bubble_and_stash_come_from_the_timetable(schedule, v, remat):
     assert pipeline_figures.cell_costs(cfg, sizes) == cost
     bubble = roofline.step_time(cfg, sizes, roofline.GPUS["h100"])["bubble"]
     assert bubble == pytest.approx(weighted(table, cost).bubble)
-    s, mem = estimate.shape(cfg, sizes), estimate.memory(cfg, sizes)
-    stack = estimate.stack_activations(cfg, sizes, remat)
+    s, mem = shape(cfg, sizes), estimate.memory(cfg, sizes)
+    stack = stack_activations(cfg, sizes, remat)
     if schedule in ("gpipe", "interleaved"):  # every tick's residuals (under none twice, as XLA GPU copies the
         # tick scan's stack), and the [M, b, L, D] buffers
         copies = 2 if remat == "none" else 1
@@ -179,11 +181,11 @@ def test_estimate_bubble_and_stash_come_from_the_timetable(schedule, v, remat):
         peak = {"1f1b": 4, "zb-h1": 4, "interleaved-1f1b": 2 * 3 + 4 + 1}[schedule]
         assert in_flight(table)[0] == peak
         act = s.tokens * 4096 * 2
-        chunk = estimate.chunk_residuals(cfg, sizes)  # one slot (tests/test_pipeline.py: the traced slot)
+        chunk = chunk_residuals(cfg, sizes)  # one slot (tests/test_pipeline.py: the traced slot)
         # remat none: a layer's terms less the block input, a norm output and the MLP hidden (2·D + F)
         # that B recomputes, plus the scanned chunk's input
         assert chunk == pytest.approx(s.layers / v * act if remat == "full" else stack / v - s.layers / v * s.tokens * (2 * 4096 + 14336) * 2 + act)
-        zb = peak * estimate.zb_stash(cfg, sizes) if schedule == "zb-h1" else 0
+        zb = peak * zb_stash(cfg, sizes) if schedule == "zb-h1" else 0
         assert mem["saved activations"] == pytest.approx(peak * chunk + 3 * act + zb)
     if schedule == "zb-h1" and remat == "none":
         assert bubble == pytest.approx(3 / (3 * m + 3))  # (p-1)/(3M+p-1)
@@ -498,7 +500,7 @@ def test_measured_links_set_the_step_time(tmp_path):
                                        "data+tensor": {"all-reduce": {"latency_us": 1.0, "busbw_GBps": 1.0}}})
     report = plan(cfg, sizes, roofline.GPUS["h100"], None, load(path))
     datasheet = roofline.step_time(cfg, sizes, roofline.GPUS["h100"])
-    g = 4 * estimate.local_params(cfg, sizes)  # fp32 gradient bytes of the device's tensor shard, reduced once per step
+    g = 4 * local_params(cfg, sizes)  # fp32 gradient bytes of the device's tensor shard, reduced once per step
     assert report["time"]["comm_s"]["data"] == pytest.approx(100e-6 + 2 * g * 7 / 8 / 20e9)
     assert datasheet["comm_s"]["data"] == pytest.approx(2 * g * 7 / 8 / traffic.INFINIBAND)
     assert report["time"]["comm_s"]["tensor"] == datasheet["comm_s"]["tensor"]

@@ -12,8 +12,8 @@ from configs import RunConfig
 from sharding.mesh import format_mesh
 from tools import estimate, roofline, traffic
 from tools.bandwidth import Measured
-from tools.estimate import GiB
 from tools.oom import remedy
+from tools.shape import GiB, core as device_core
 
 
 
@@ -36,7 +36,7 @@ def plan(cfg: RunConfig, sizes: dict[str, int], gpu: roofline.GPU, xla: dict | N
     (measured when `measured` covers it, else the datasheet) and the verdict."""
     mem = estimate.memory(cfg, sizes)
     time = roofline.step_time(cfg, sizes, gpu, links_of(cfg, measured))
-    core = estimate.core(cfg, sizes)
+    core = device_core(cfg, sizes)
     terms = {k: v for k, v in mem.items() if k != "peak"}
     unlike = [] if xla is None else not_judged(cfg, sizes, xla)
     judged = xla is not None and not unlike
@@ -67,7 +67,7 @@ def not_judged(cfg: RunConfig, sizes: dict[str, int], xla: dict) -> list[str]:
     """Why XLA's memory is not this run's GPU memory (none: it is). It is when compiled for a GPU,
     or like with like in fp32 on CPU (XLA CPU keeps a bf16 program's matmuls in fp32 buffers: up
     to twice a GPU's), and only when it compiled the attention core the GPU runs."""
-    core = estimate.core(cfg, sizes)
+    core = device_core(cfg, sizes)
     return ([f"{xla['platform']}'s fp32 buffers of a bf16 program"] * (xla["platform"] != "gpu" and
                                                                      cfg.model.compute_dtype != "float32")
             + [f"its {xla['attention']} core where the GPU takes {core}"] * (xla["attention"] != core))

@@ -1,8 +1,8 @@
 """The roofline of a run: FLOPs, the step's kernels at achievable rates, communication,
 the pipeline bubble, step time and MFU; and the GPUs it plans for.
 
-Pure arithmetic on tools/estimate.py's shape and memory-model activations and tools/traffic.py's
-bytes per axis.
+Pure arithmetic on tools/shape.py's per-device shape, tools/activations.py's activations and
+tools/traffic.py's bytes per axis.
 
 Time (roofline): compute = the step's kernels one after another, each kind at an achievable
 rate, not the datasheet peak (GPU.rates names the published figures; `tools.plan
@@ -22,7 +22,7 @@ rate, not the datasheet peak (GPU.rates names the published figures; `tools.plan
              parameter (AdamW reads params, gradients and two moments, writes three). On one
              H100, 1b at remat full: the profile's elementwise and copy kernels took 118 ms a
              step, this counts 100 ms (bench/results/gpu-nvidia-h100-80gb-hbm3-20261124.json;
-             126 ms before the layer's terms were measured, tools/estimate.py). Under remat
+             126 ms before the layer's terms were measured, tools/activations.py). Under remat
              none the measured step is slower than this model (the layer scan's copies of its
              stacked residuals: tests/test_calibration.py holds the gap).
 MFU is still model FLOPs over the datasheet peak. Each axis's bytes take their link's time
@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 from configs.base import RunConfig
 from sharding.checks import expert_d_ff
-from tools.estimate import dispatch_rows, local_params, shape, stack_activations
+from tools.activations import stack_activations
+from tools.shape import dispatch_rows, local_params, shape
 from tools.pipeline_figures import pipeline_figures
 from tools.traffic import Links, comm_time, communication
 from training.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token

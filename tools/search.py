@@ -29,7 +29,8 @@ import itertools
 from configs.base import ConfigError, RunConfig
 from sharding.checks import batch_ranks, check_run
 from sharding.mesh import AXES
-from tools.estimate import GiB, memory, shape
+from tools.estimate import memory
+from tools.shape import GiB, shape
 from tools.pipeline_figures import pipeline_figures
 from tools.roofline import GPU, step_time
 from tools.traffic import GPUS_PER_NODE, Links, expert

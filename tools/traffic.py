@@ -1,7 +1,7 @@
 """The analytic communication model of a run: bytes per device per step on each mesh axis, and
 the time they take on the link that axis crosses.
 
-Pure arithmetic, with tools/estimate.py's letters and per-device shape (`estimate.shape`).
+Pure arithmetic, with tools/shape.py's letters and per-device shape.
 
 Communication (bytes per device per step, of the device that moves the most where devices
 differ), the contract of DESIGN.md, in the bytes XLA GPU
@@ -143,7 +143,7 @@ from configs.base import RunConfig
 from pipeline.layout import leaving
 from sharding.checks import accumulation_axes
 from sharding.mesh import AXES
-from tools.estimate import DTYPE_BYTES, dispatch_rows, local_param_parts, shape
+from tools.shape import DTYPE_BYTES, dispatch_rows, local_param_parts, shape
 from tools.pipeline_figures import STASHING, pipeline_figures, virtual
 
 NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8

@@ -1,0 +1,92 @@
+"""The per-device shape of a run, which every term of the planner's models uses: tokens,
+layers, microbatches and parameters one device holds, and the rows its experts compute.
+
+Pure arithmetic on the config: no jax is imported. Letters as in DESIGN.md; per device: b
+sequences per microbatch, k microbatches, T = b·L/sp tokens, t = tp, X/pp layers; c = bytes of
+the compute dtype, p4 = 4 (fp32).
+Mixture of experts (model.n_experts = E > 0): X_moe = X/moe_every MoE layers, top-k' routing,
+F_e the expert F, ep = size of `expert`; per MoE layer and microbatch a device sends
+[ep, S, D] and its experts compute R = ep·S rows (`dispatch_rows`): dropless S = T·min(k', E/ep),
+capacity S = (E/ep)·ceil(cf·T·k'/E).
+Its users: tools/activations.py (what a layer keeps), tools/estimate.py (memory per device),
+tools/traffic.py (bytes per mesh axis) and tools/roofline.py (FLOPs, step time, MFU).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from configs.base import RunConfig
+from sharding.checks import batch_ranks, expert_d_ff, explicit_context, microbatches, moe_layers
+from sharding.cores import choose_core
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GiB = 2**30  # every memory figure the tools print is in GiB, as jax and nvidia-smi count
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The per-device quantities every term uses."""
+
+    k: int  # microbatches per step
+    b: int  # sequences per microbatch per device
+    tokens: int  # T = b·L/sp, tokens per microbatch on this device
+    layers: int  # X/pp, layers on this device
+    moe: int = 0  # of which MoE layers (X/(moe_every·pp) of the model's)
+
+
+def shape(cfg: RunConfig, sizes: dict[str, int]) -> Shape:
+    """Under a pipeline the microbatches are `parallel.microbatches` (default pp; sharding/checks.py
+    refuses train.micro_batch_size there); otherwise k = the rank's batch / micro_batch_size."""
+    t = cfg.train
+    ranks = batch_ranks(sizes)
+    per_rank = t.global_batch_size // ranks
+    if sizes["stage"] > 1:
+        k = microbatches(cfg, sizes["stage"])
+    else:
+        k = per_rank // (t.micro_batch_size or per_rank)
+    b = per_rank // k
+    return Shape(k, b, b * t.seq_len // sizes["sequence"], cfg.model.n_layers // sizes["stage"],
+                 moe_layers(cfg.model) // sizes["stage"])
+
+
+def core(cfg: RunConfig, sizes: dict[str, int]) -> str:
+    """The attention core the run takes on an NVIDIA GPU (sharding/cores.py). Only xla against a
+    fused core changes a term here, and every GPU of GPUS (8.0+) fuses bf16/fp16 under auto, so
+    Hopper's capability stands for them all (A100 differs only in cudnn's head-dim limit, and
+    pallas is fused too)."""
+    m, context = cfg.model, explicit_context(cfg, sizes["sequence"]) is not None
+    return choose_core(m.attention, "gpu", (9, 0), m.compute_dtype, m.head_dim, context)
+
+
+def local_param_parts(cfg: RunConfig, sizes: dict[str, int]) -> tuple[float, float]:
+    """(non-expert, expert) parameters held by one device: weights split by fsdp (D) and tensor
+    (heads, F, V); kv weights replicated over tensor when t does not divide K; norms replicated;
+    layers by stage. A MoE layer has no dense MLP: its router [D, E] split by fsdp, its shared
+    experts [D, n_shared·F_e] as a dense MLP, and (the second figure) its routed experts
+    [E, D, F_e] split by ep (E), fsdp (D) and tensor (F_e)."""
+    m, fsdp, tp, ep = cfg.model, sizes["fsdp"], sizes["tensor"], sizes.get("expert", 1)
+    d, h, fe = m.d_model, m.head_dim, expert_d_ff(m)
+    kv_split = tp if m.n_kv_heads % tp == 0 else 1
+    attention = 2 * d * m.n_heads * h / (fsdp * tp) + 2 * d * m.n_kv_heads * h / (fsdp * kv_split) + 2 * d
+    dense = attention + 3 * d * m.d_ff / (fsdp * tp)
+    moe = attention + d * m.n_experts / fsdp + 3 * d * m.n_shared_experts * fe / (fsdp * tp)
+    s = shape(cfg, sizes)
+    non_expert = (s.layers - s.moe) * dense + s.moe * moe + 2 * m.vocab_size * d / (fsdp * tp) + d
+    return non_expert, s.moe * m.n_experts * 3 * d * fe / (ep * fsdp * tp)
+
+
+def local_params(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """Parameters held by one device, expert and non-expert (`local_param_parts`)."""
+    return sum(local_param_parts(cfg, sizes))
+
+
+def dispatch_rows(cfg: RunConfig, sizes: dict[str, int]) -> int:
+    """S: rows of one block of a device's dispatch buffer [ep, S, D] per MoE layer and
+    microbatch; the device's experts compute ep·S rows. dropless n·min(k, E/ep) (the most one
+    device can send another); capacity (E/ep)·C, C = ceil(cf·n·k/E)."""
+    m, n, ep = cfg.model, shape(cfg, sizes).tokens, sizes.get("expert", 1)
+    if m.moe_dispatch == "capacity":
+        return m.n_experts // ep * math.ceil(m.capacity_factor * n * m.experts_per_token / m.n_experts)
+    return n * min(m.experts_per_token, m.n_experts // ep)
