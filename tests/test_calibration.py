@@ -12,9 +12,9 @@ from configs import ConfigError, apply_overrides, get_preset
 from conftest import ROOT, run_module
 from sharding.mesh import AXES, parse_mesh
 from tools import estimate, roofline
-from tools.shape import local_params
 from tools.calibration import case_config, estimate_vs_measured, rated_gpu, recorded_config, scanned
 from tools.plan_report import above_best_mfu, format_plan, plan
+from tools.shape import local_params
 from training.metrics import attention_flops_per_token, flops_per_token
 
 

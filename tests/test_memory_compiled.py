@@ -12,12 +12,13 @@ import json
 
 import pytest
 
+from configs import get_preset
 from conftest import run_module
 from tools.gpu_target import plugin_installed
 
 pytestmark = pytest.mark.skipif(not plugin_installed(), reason="jax's CUDA plugin is not installed "
                                 "(pip install -e '.[gpu-compile]')")
-V, D = 32768, 768  # 125m's vocabulary and width
+V, D = get_preset("125m").model.vocab_size, get_preset("125m").model.d_model
 
 
 def compiled(mesh: str, sets: list[str]) -> tuple[float, dict[str, float]]:

@@ -12,10 +12,10 @@ from conftest import run_module
 from sharding.mesh import AXES
 from tools import estimate, roofline, traffic
 from tools.activations import dense_expert_copies
-from tools.shape import dispatch_rows, local_params
 from tools.bandwidth import load
 from tools.plan_report import format_plan, plan
 from tools.search import meshes, search
+from tools.shape import dispatch_rows, local_params
 from training.metrics import flops_per_token, matmul_params, param_counts
 
 ONE = dict.fromkeys(AXES, 1)

@@ -25,13 +25,13 @@ from sharding.mesh import AXES, build_mesh, parse_mesh
 from sharding.strategies import parallelize
 from tools import estimate, gpu_target, op_kinds, pipeline_figures, roofline, trace_summary, traffic
 from tools.activations import chunk_residuals, stack_activations, zb_stash
-from tools.shape import local_params, shape
 from tools.bandwidth import load
 from tools.oom import advice
 from tools.plan import main as plan_main
 from tools.plan import run_search, xla_figures
 from tools.plan_report import format_plan, plan
 from tools.search import meshes, search
+from tools.shape import local_params, shape
 
 # 125m scanned: unrolled (its preset's default) at fp32 compute, XLA CPU keeps one more copy of
 # the layers' parameters, their slices (dp=8: 3126 MiB against the scan's 2802, +324 MiB = the

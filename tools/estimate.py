@@ -96,6 +96,7 @@ from tools.activations import chunk_residuals, dense_expert_copies, layer_activa
 from tools.pipeline_figures import SPLIT, STASHING, pipeline_figures, virtual
 from tools.shape import DTYPE_BYTES, core, local_params, shape
 
+
 def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[str, float]:
     """The memory terms per device, in bytes, and their peak (module docstring). scan_copies: how
     many times the layer scan under remat none holds its stacked residuals, 2 as XLA GPU

@@ -23,9 +23,9 @@ import math
 from configs import RunConfig, apply_overrides
 from sharding.mesh import format_mesh
 from tools.estimate import memory
-from tools.shape import GiB
 from tools.roofline import GPU, GPUS
 from tools.search import fit, no_mesh_takes, search, settings
+from tools.shape import GiB
 
 MARKERS = ("resource_exhausted", "out of memory")
 

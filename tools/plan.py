@@ -50,10 +50,10 @@ from sharding.mesh import AXES, format_mesh
 from tools import roofline, traffic
 from tools.bandwidth import Measured, add_bandwidth_arg, load
 from tools.calibration import add_calibration_arg, rated_gpu
-from tools.shape import GiB
 from tools.measure import check_at_least
 from tools.plan_report import above_best_mfu, format_plan, links_of, not_judged, plan
 from tools.search import no_mesh_takes, reason, search, settings
+from tools.shape import GiB
 
 
 def parse_tokens(text: str) -> int:

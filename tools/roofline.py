@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from configs.base import RunConfig
 from sharding.checks import expert_d_ff
 from tools.activations import stack_activations
-from tools.shape import dispatch_rows, local_params, shape
 from tools.pipeline_figures import pipeline_figures
+from tools.shape import dispatch_rows, local_params, shape
 from tools.traffic import Links, comm_time, communication
 from training.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token
 

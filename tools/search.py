@@ -30,9 +30,9 @@ from configs.base import ConfigError, RunConfig
 from sharding.checks import batch_ranks, check_run
 from sharding.mesh import AXES
 from tools.estimate import memory
-from tools.shape import GiB, shape
 from tools.pipeline_figures import pipeline_figures
 from tools.roofline import GPU, step_time
+from tools.shape import GiB, shape
 from tools.traffic import GPUS_PER_NODE, Links, expert
 
 SCHEDULES = (("gpipe", 1), ("interleaved", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2))  # (name, V)

@@ -143,8 +143,8 @@ from configs.base import RunConfig
 from pipeline.layout import leaving
 from sharding.checks import accumulation_axes
 from sharding.mesh import AXES
-from tools.shape import DTYPE_BYTES, dispatch_rows, local_param_parts, shape
 from tools.pipeline_figures import STASHING, pipeline_figures, virtual
+from tools.shape import DTYPE_BYTES, dispatch_rows, local_param_parts, shape
 
 NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8
 # r per remat policy, (plain TP, sequence parallelism): the tensor all-reduces a layer's backward
