@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sharding.rules import constrain
-from sharding.tensor_parallel import vocab_parallel_take
+from sharding.vocab_parallel import vocab_parallel_take
 
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str | None], std: float,

@@ -46,6 +46,7 @@ from sharding.rules import axis_size, constrain
 from sharding.context_parallel import zigzag_permutation
 from sharding.strategies import Strategies
 from sharding.tensor_parallel import TensorParallel
+from sharding.vocab_parallel import vocab_parallel_logits
 
 
 class Block(nnx.Module):
@@ -223,7 +224,7 @@ class Transformer(nnx.Module):
     def logits(self, x: jax.Array) -> jax.Array:
         """x [B, L, D] -> final norm -> logits [B, L, V] fp32."""
         with jax.named_scope("head"):
-            logits = self.tp.logits(self.final_norm(x), self.head[...])
+            logits = vocab_parallel_logits(self.tp, self.final_norm(x), self.head[...])
         return constrain(logits, ("batch", "length", "vocab"))
 
 
