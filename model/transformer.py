@@ -42,8 +42,8 @@ from model.mlp import MLP
 from model.moe import MoE
 from model.remat import LAYER_INPUT, remat
 from sharding.checks import check_model, moe_layers
+from sharding.context_layout import zigzag_permutation
 from sharding.rules import axis_size, constrain
-from sharding.context_parallel import zigzag_permutation
 from sharding.strategies import Strategies
 from sharding.tensor_parallel import TensorParallel
 from sharding.vocab_parallel import vocab_parallel_logits

@@ -1,9 +1,7 @@
-"""Context parallelism (sharding/context_parallel.py): equal to one device, balanced, and the
-collectives its docstring states.
+"""Context parallelism (sharding/context_parallel.py): equal to one device, and the collectives
+its docstring states (its layout and block schedule: tests/test_context_layout.py and
+test_context_schedule.py).
 
-- layout: the zigzag permutation round-trips and gives device d chunks d and 2sp-1-d;
-- balance: visible pairs per device equal under zigzag, increasing without; the schedule's
-  piece at every (device, step) holds every visible pair, only visible pairs when unmasked;
 - numbers: sp = 2, 4, 8 x ring/allgather x zigzag/contiguous, causal; full attention; the
   Pallas kernels as core (sp = 2, zigzag ring); the ring inside one region manual over
   sequence and tensor (the tensor-parallel region's way in);
@@ -34,10 +32,8 @@ from jax.sharding import PartitionSpec as P
 
 from model.attention import xla_attention
 from model.kernels.flash_attention import flash_block_backward, flash_block_forward
-from sharding.context_parallel import (
-    IMPLS, BlockCore, _piece, _Setup, causal_block_work, context_parallel_attention, positions,
-    ring_attention, zigzag_permutation,
-)
+from sharding.context_layout import zigzag_permutation
+from sharding.context_parallel import IMPLS, BlockCore, context_parallel_attention, ring_attention
 from configs import apply_overrides, get_preset
 from conftest import assert_same_run, run_steps, small_config
 from sharding.mesh import build_mesh, parse_mesh
@@ -94,58 +90,6 @@ def assert_same(got, want, label: str) -> None:
 def attention_reference(data):
     """xla_attention's out and grads on one device, causal and full."""
     return dict(zip((True, False), run_all([xla_attention, lambda q, k, v: xla_attention(q, k, v, False)], data)))
-
-
-# --- layout and balance (no devices) ------------------------------------------------------------
-
-@pytest.mark.parametrize("sp", [1, *SPS])
-def test_zigzag_permutation_round_trips_and_gives_device_d_chunks_d_and_mirror(sp):
-    perm, inverse = zigzag_permutation(L, sp)
-    x = np.arange(L) * 10
-    np.testing.assert_array_equal(x[perm][inverse], x)
-    assert sorted(perm) == list(range(L))
-    c = L // (2 * sp)
-    for d, rows in enumerate(positions(L, sp, zigzag=True)):  # device d's slice of the permuted order
-        np.testing.assert_array_equal(rows, np.r_[d * c:(d + 1) * c, (2 * sp - 1 - d) * c:(2 * sp - d) * c])
-    np.testing.assert_array_equal(positions(L, sp, zigzag=True).reshape(-1), perm)
-    np.testing.assert_array_equal(positions(L, sp, zigzag=False).reshape(-1), np.arange(L))
-
-
-@pytest.mark.parametrize("sp", SPS)
-def test_zigzag_balances_the_causal_work(sp):
-    zigzag, contiguous = causal_block_work(L, sp, True), causal_block_work(L, sp, False)
-    assert zigzag.sum() == contiguous.sum() == L * (L + 1) // 2
-    assert (zigzag == zigzag[0]).all(), zigzag
-    assert (np.diff(contiguous) > 0).all(), contiguous  # the last device does the most
-    assert contiguous[-1] / contiguous[0] > sp  # about 2sp-1 at L >> sp
-
-
-@pytest.mark.parametrize("zigzag", [True, False])
-@pytest.mark.parametrize("sp", SPS)
-def test_schedule_computes_every_visible_pair_and_skips_masked_blocks(sp, zigzag):
-    """For every device d and step s, against the block of device j = (d - s) mod sp: the piece
-    the schedule picks holds every visible (query, key) pair; an unmasked piece holds only
-    visible pairs; the masked (diagonal) piece has the same positions on both sides. Under
-    zigzag every device then computes the same number of pairs, without it not."""
-    setup, l = _Setup("ring", "sequence", True, zigzag, "xla"), L // sp
-    pos = positions(L, sp, zigzag)
-    computed = np.zeros(sp, int)
-    for d in range(sp):
-        for s in range(sp):
-            j = (d - s) % sp
-            visible = pos[j][None, :] <= pos[d][:, None]  # [query row of d, key row of j]
-            piece = _piece(setup, "own" if j == d else "earlier" if j < d else "later", l)
-            if piece is None:
-                assert not visible.any(), (d, s)
-                continue
-            first, end, diagonal = piece
-            assert visible[first:, :end].sum() == visible.sum(), (d, s)
-            computed[d] += (l - first) * end
-            if diagonal:
-                np.testing.assert_array_equal(pos[d][first:], pos[j][:end])
-            else:
-                assert visible[first:, :end].all(), (d, s)
-    assert (computed == computed[0]).all() == zigzag, computed
 
 
 # --- equal to one device -------------------------------------------------------------------------
@@ -214,8 +158,6 @@ def test_compiled_collectives(meshes, data):
 
 def test_bad_inputs_are_clear_errors():
     q, k = np.zeros((B, 8, N, H), np.float32), np.zeros((B, 8, 3, H), np.float32)
-    with pytest.raises(ValueError, match="not divisible by 2·sp = 8"):
-        zigzag_permutation(36, 4)
     with pytest.raises(ValueError, match="not a multiple of 3 kv heads"):
         ring_attention(q, k, k)
     with pytest.raises(ValueError, match="neither 'xla' nor a BlockCore"):

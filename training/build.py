@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from configs.base import RunConfig
 from model.transformer import Transformer, count_params
 from sharding.checks import batch_ranks, microbatches
-from sharding.context_parallel import zigzag_permutation
+from sharding.context_layout import zigzag_permutation
 from sharding.rules import data_sharding, param_shardings
 from sharding.strategies import Strategies, parallelize
 from training.data import Batches, Corpus, held_out, load_tokens
