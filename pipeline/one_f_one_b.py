@@ -65,12 +65,9 @@ chunk's matmul output cotangents, about ((N+2K)·H/t + 4·D + 2·F/t)·b·L per 
 residual slots and at most 2p stash slots, each of half a stage's layers (zb-h1's bytes), and
 2 inbox slots once M >= 2p. GPipe holds the residuals of all M microbatches instead.
 
-Under fsdp the stage's compute-dtype weights are gathered once per step, before the scan, and
-the gradients accumulate whole: ZeRO-1 style within the step (the fp32 master weights and AdamW
-moments stay split). With the batch axes manual (`batch_axes`, data and fsdp where > 1:
-sharding.checks.accumulation_axes) the gather is by hand and the summed gradients are reduced
-once per step (`_whole`, `_reduced`). Where they are not (MoE models, sp > 1) the gather is a
-sharding constraint (`whole_over_fsdp`) and XLA reduces each backward cell's partial sums.
+Under fsdp the stage's weights are gathered once per step, before the tick scan, and their
+gradients reduced once after it (pipeline/stage_weights.py: by hand where the batch axes are
+manual here, else by XLA).
 
 The embedding (2 and 4) runs outside the switch, on every stage every tick: the devices of
 different stages take different branches, so a branch may hold only collectives whose devices
@@ -101,13 +98,12 @@ from configs.base import RunConfig
 from model.moe import no_stats
 from model.transformer import compute_params
 from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed, replaced, residual_layout, run_cell
-from pipeline.layout import lay_out
-from pipeline.tables import BACKWARD
+from pipeline.stage_weights import chunked, gathered_once, reduced_once, weight_specs
 from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
+from pipeline.tables import BACKWARD
 from pipeline.tick_program import Program, cell_shares, program
-from sharding.accumulation import FSDP, TENSOR, gather, reduce
+from sharding.accumulation import FSDP, TENSOR
 from sharding.checks import ONE_F_ONE_B, microbatches, moe_layers
-from sharding.rules import constrain, logical_to_spec
 
 
 def stash_bytes(cfg: RunConfig, graphdef: nnx.GraphDef, params: nnx.State, micro_batch: int) -> dict[str, int]:
@@ -129,59 +125,6 @@ def stash_bytes(cfg: RunConfig, graphdef: nnx.GraphDef, params: nnx.State, micro
             "inbox": prog.inbox * one, "stash_per_microbatch": kept, "stash": prog.stash * kept if kept else 0}
 
 
-def whole_over_fsdp(tree: nnx.State) -> nnx.State:
-    """The parameter-shaped tree with FSDP's split of the weights (their `embed` dimension over
-    fsdp) undone by a sharding constraint: gathered once per step, whole on every fsdp device
-    for the step's ticks (tensor and stage splits kept)."""
-    variables = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    leaves, treedef = jax.tree.flatten(tree)
-    out = []
-    for var, a in zip(variables, leaves, strict=True):
-        names = tuple(var.get_metadata().get("out_sharding") or ())
-        names = (None,) * (a.ndim - len(names)) + tuple(None if n in ("embed", "layers") else n for n in names)
-        out.append(constrain(a, names))
-    return treedef.unflatten(out)
-
-
-def _specs(params: nnx.State, within: tuple[str, ...], stored: bool = False, stage: bool = True) -> nnx.State:
-    """Each weight's spec over the mesh axes `within`: the blocks' [V, X/V, ...] chunks, X/V over
-    stage (`stage`), as the body holds them after `_chunked` (`stored`: the [X, ...] stack as
-    stored, the engine's in_spec). With fsdp (manual here) its fsdp split (the `embed`
-    dimension), each device then holding its shard; with tensor (automatic here) its tensor
-    split, which sharding.accumulation's gather and reduce keep; everything else replicated."""
-    mesh = jax.sharding.get_abstract_mesh()
-
-    def spec(var: nnx.Variable, chunked: bool) -> P:
-        names = tuple(var.get_metadata().get("out_sharding") or (None,) * var.ndim)
-        split = tuple(logical_to_spec(names, var.shape, mesh, within=within)) if within else ()
-        split = (split + (None,) * var.ndim)[:var.ndim]
-        layers = AXIS if stage else None
-        return P(*((layers,) if stored else (None, layers)), *split[1:]) if chunked else P(*split)
-
-    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    return with_part(jax.tree.map(lambda v: spec(v, False), params, is_leaf=is_var), "blocks",
-                     jax.tree.map(lambda v: spec(v, True), params["blocks"], is_leaf=is_var))
-
-
-def _whole(tree: nnx.State, flat_specs: list[P], tensors: list[P], batch_axes: tuple[str, ...]) -> nnx.State:
-    """The stage's weights whole over fsdp, once per step: gathered by hand where fsdp is manual
-    in the engine (on each tensor shard: `tensors`), else by a sharding constraint (XLA's gather)."""
-    if FSDP not in batch_axes:
-        return whole_over_fsdp(tree)
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten([gather(spec, a, t) for spec, a, t in zip(flat_specs, leaves, tensors, strict=True)])
-
-
-def _reduced(grads: nnx.State, flat_specs: list[P], tensors: list[P], batch_axes: tuple[str, ...]) -> nnx.State:
-    """The summed gradients -> their shard of the mean over the batch axes, once per step."""
-    if not batch_axes:
-        return grads
-    n = math.prod(lax.axis_size(a) for a in batch_axes)
-    leaves, treedef = jax.tree.flatten(grads)
-    return treedef.unflatten([reduce(g, spec, batch_axes, t) / n
-                              for spec, g, t in zip(flat_specs, leaves, tensors, strict=True)])
-
-
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig,
                    batch_axes: tuple[str, ...] = ()) -> tuple[jax.Array, nnx.State, dict]:
     """Mean loss, fp32 gradients and router statistics of the [M, b, L] batch by the schedule.
@@ -196,14 +139,14 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
 
     manual = (FSDP,) if FSDP in batch_axes else ()
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    flat_specs = jax.tree.leaves(_specs(params, manual), is_leaf=is_spec)  # the body's [V, Lc] chunks
-    tensors = jax.tree.leaves(_specs(params, (TENSOR,), stage=False), is_leaf=is_spec)
-    outer = _specs(params, manual, stored=True)  # the stored [X] blocks, laid out in the body
+    flat_specs = jax.tree.leaves(weight_specs(params, manual), is_leaf=is_spec)  # the body's [V, Lc] chunks
+    tensors = jax.tree.leaves(weight_specs(params, (TENSOR,), stage=False), is_leaf=is_spec)
+    outer = weight_specs(params, manual, stored=True)  # the stored [X] blocks, laid out in the body
 
     def body(local, inputs, targets):
         s = lax.axis_index(AXIS)
         compute = compute_params(local, st.dtype)  # cast, laid out in chunks and gathered once per step
-        compute = _whole(_chunked(compute, p, v_count, prog.v_shape), flat_specs, tensors, batch_axes)
+        compute = gathered_once(chunked(compute, p, v_count, prog.v_shape), flat_specs, tensors, batch_axes)
         act = jax.ShapeDtypeStruct((inputs.shape[1], length, cfg.model.d_model), st.dtype)  # this device's b rows
         stc, residuals, stash = residual_layout(st, compute, act)
         cells = {kind: partial(cell, stc) for kind, cell in (SPLIT_CELLS if prog.split else CELLS).items()}
@@ -235,8 +178,8 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         (_, _, out), _ = lax.scan(tick, _start(prog, act, compute, residuals, stash, cfg), rows)
         n = math.prod(lax.axis_size(a) for a in batch_axes)
         over_batch = (lambda a: lax.psum(a, batch_axes) / n) if batch_axes else (lambda a: a)  # noqa: E731
-        grads = _reduced(out.grads, flat_specs, tensors, batch_axes)  # once per step
-        grads = _chunked(grads, p, v_count, prog.v_shape, back=True)
+        grads = reduced_once(out.grads, flat_specs, tensors, batch_axes)  # once per step
+        grads = chunked(grads, p, v_count, prog.v_shape, back=True)
         summed = jax.tree.map(lambda a: lax.psum(a, AXIS), grads)  # embedding, norm, head
         stats = {name: over_batch(lax.psum(a, AXIS)) / (m_count * moe_layers(cfg.model)) for name, a in out.stats.items()}
         return over_batch(lax.psum(out.loss, AXIS)), with_part(summed, "blocks", grads["blocks"]), stats
@@ -285,17 +228,6 @@ def _put(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
     """`buffer` with `value` in `slot`, unchanged where slot is -1."""
     at = jnp.maximum(slot, 0)
     return buffer.at[at].set(jnp.where(slot >= 0, value, buffer[at]))
-
-
-def _chunked(tree: nnx.State, p: int, v_count: int, vee: bool, back: bool = False) -> nnx.State:
-    """`tree` with the device's stored [V·Lc, ...] layers as the [V, Lc, ...] chunks it runs
-    (pipeline.layout.lay_out); `back`, the run chunks' gradients as the stored [V·Lc, ...]."""
-    def lay(a: jax.Array) -> jax.Array:
-        if back:
-            return lay_out(a, p, vee, back=True).reshape(-1, *a.shape[2:])
-        return lay_out(a.reshape(v_count, -1, *a.shape[1:]), p, vee)
-
-    return with_part(tree, "blocks", jax.tree.map(lay, tree["blocks"]))
 
 
 def census_taken(cfg: RunConfig, mesh_shape: dict[str, int]) -> dict[str, dict[int, float]] | None:

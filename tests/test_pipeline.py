@@ -333,7 +333,7 @@ def test_stage_census_is_the_tick_program_contract(schedule, v, mesh):
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_1f1b_family_gathers_fsdp_weights_once_per_step(schedule):
     """pp=2,fsdp=2: the stage's bf16 weights are all-gathered over fsdp once per step, before
-    the tick scan (pipeline.one_f_one_b.whole_over_fsdp), not in every cell that uses them; the
+    the tick scan (pipeline.stage_weights.whole_over_fsdp), not in every cell that uses them; the
     gradients are still reduced over fsdp in the cells (README: open)."""
     from tools.hlo import step_census
 
