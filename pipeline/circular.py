@@ -17,15 +17,24 @@ with one `ppermute` of [b, L, D] per tick: M·V + p - 1 collective-permutes of b
 forward, the same backward. Idle cells run the layers on zeros (inputs masked with a select),
 so no bubble value reaches the result.
 
-Embedding and head run outside the shard_map, under GSPMD, for all M microbatches at once: the
-embedded batch [M, b, L, D] enters replicated over stage (only stage 0 reads it; backward, its
-cotangent is summed over stage: an all-reduce of M·b·L·D), the last stage's outputs
-[M, b, L, D] leave through a [p, M, ...] array of which only row p-1 is read, and the head
-(final norm, [D, V] matmul, loss) runs replicated on every stage, p times its work.
+Embedding and head run outside the shard_map, under GSPMD: the embedded batch [M, b, L, D]
+enters replicated over stage (only stage 0 reads it; backward, its cotangent is summed over
+stage: an all-reduce of M·b·L·D), the last stage's outputs [M, b, L, D] leave through a
+[p, M, ...] array of which only row p-1 is read, and the head (final norm, [D, V] matmul, loss)
+runs replicated on every stage, p times its work: under remat none on all M microbatches at
+once, under any other policy one microbatch at a time, recomputed in the backward
+(`head_loss`).
 
 Memory: autodiff keeps every tick's layer residuals (per remat policy): activation memory grows
 with M like the unpipelined accumulation scan's would if it kept all microbatches, (M·V+p-1)
-ticks of Lc layers; plus [M, b, L, D] of embeddings, outputs and their cotangents.
+ticks of Lc layers; plus [M, b, L, D] of embeddings, outputs and their cotangents, and under
+remat none the logits of all M, [M·b, L, V/t] fp32 (else one microbatch's). The weights a tick
+runs are its chunk of the loop-invariant layers: under gpipe (V = 1) indexed statically, as
+indexing them by the tick's traced chunk made autodiff keep a copy per tick, M+p-1 copies of
+the stage's weights in the compute dtype. With the head's per-microbatch gradients that was up
+to 13% of XLA's peak under remat none, and 27-66% under full and dots with the logits of all M
+(125m and llama3-8b compiled for H100s: bench/results/gpipe-head-h100-compiled.json).
+Interleaved (V > 1) picks a chunk per tick and keeps that copy: V·M+p-1 of P_stage/V weights.
 """
 
 from __future__ import annotations
@@ -68,7 +77,8 @@ def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
             active = kind != IDLE
             x = jnp.where((s == 0) & (v == 0), x_all[m], state)
             x = jnp.where(active, x, jnp.zeros_like(x))  # idle ticks never read the buffers
-            y, more = model.run_layers(x, jax.tree.map(lambda a: a[v], layers))
+            chunk = jax.tree.map(lambda a: a[0] if v_count == 1 else a[v], layers)  # gpipe: static (docstring)
+            y, more = model.run_layers(x, chunk)
             stats = jax.tree.map(lambda a, b: a + jnp.where(active, b, 0.0), stats, more)  # idle: not counted
             done = active & (s == p - 1) & (v == v_count - 1)
             outputs = outputs.at[m].set(jnp.where(done, y, outputs[m]))
@@ -81,9 +91,31 @@ def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     specs = jax.tree.map(lambda _: P(AXIS), layers)
     out, stats = over_stages(body, (specs, P()), P(AXIS))(layers, x_all)
     stats = {name: jnp.sum(a) / (m_count * moe_layers(cfg.model)) for name, a in stats.items()}
-    logits = jax.vmap(model.logits)(out[p - 1])  # the last stage's outputs [M, b, L, D]
-    loss = jax.vmap(cross_entropy, (0, 0, None))(logits, batch["targets"], cfg.train.z_loss).mean()
+    loss = head_loss(model, out[p - 1], batch["targets"], cfg.train.z_loss, cfg.model.remat)  # the last stage's
     return loss + router_loss(stats, cfg.model), (loss, stats)
+
+
+def head_loss(model: nnx.Module, out: jax.Array, targets: jax.Array, z_loss: float, remat: str) -> jax.Array:
+    """The mean loss of the M microbatches' outputs [M, b, L, D] and targets [M, b, L].
+
+    remat none: all M at once, as one batch [b·M, L, D] (b, split over the batch axes, kept
+    major so that the merge moves nothing): the logits of all M are held for the backward,
+    [M·b, L, V/t] fp32, and the head's gradient [D, V/t] comes out of one matmul. (A vmap over
+    M made it M gradients in fp32, summed after: M·V·D·4/t bytes, 7.8 GiB on llama3-8b at
+    M = 4.) Any other policy: one microbatch at a time (a scan), each recomputed in the
+    backward, so that one microbatch's logits are live at a time; the recompute is the head's
+    forward matmul again, 2·b·L·D·V/t flops per microbatch (about 2% of llama3-8b's step, 7% of
+    125m's)."""
+    if remat == "none":
+        merged = lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[2:])  # noqa: E731  [M, b, ...] -> [b·M, ...]
+        return cross_entropy(model.logits(merged(out)), merged(targets), z_loss)
+
+    def one(total: jax.Array, xy: tuple) -> tuple:
+        x, y = xy
+        return total + cross_entropy(model.logits(x), y, z_loss), None
+
+    total, _ = lax.scan(jax.checkpoint(one), jnp.zeros((), jnp.float32), (out, targets))
+    return total / out.shape[0]
 
 
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,

@@ -259,6 +259,39 @@ def stage_bytes(ops) -> float:
     return per_device([c for c in ops if c.axes == ("stage",)])
 
 
+def _shapes(jaxpr, found: set) -> set:
+    """The shapes of every value of `jaxpr` and of the jaxprs in its equations' parameters."""
+    for e in jaxpr.eqns:
+        found.update(tuple(v.aval.shape) for v in e.outvars if hasattr(v.aval, "shape"))
+        for value in e.params.values():
+            for item in value if isinstance(value, (tuple, list)) else [value]:
+                inner = getattr(item, "jaxpr", item)
+                if hasattr(inner, "eqns"):
+                    _shapes(inner, found)
+    return found
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_gpipe_keeps_no_weights_per_tick_nor_head_gradient_per_microbatch(remat):
+    """The traced step of gpipe (pp=2, 4 layers, M = 4 of b = 4 sequences): no value stacks the
+    stage's [Lc, D, F] weights per tick (indexed by the tick's traced chunk, autodiff of the
+    tick scan kept one copy a tick), no [M, D, V] head gradient (a vmap of the head over M
+    made one per microbatch), and under remat full no logits of more than one microbatch,
+    [b, L, V] (pipeline.circular.head_loss); remat none holds all M's, [b·M, L, V]."""
+    cfg = small_config("pp=2", "parallel.microbatches=4", f"model.remat={remat}", "model.n_layers=4")
+    mesh = build_mesh(cfg.parallel, _devices(cfg))
+    program = make_program(cfg, mesh)
+    with jax.set_mesh(mesh):
+        shapes = _shapes(jax.make_jaxpr(program.step_fn)(program.state, program.abstract_batch()).jaxpr, set())
+    m, lc, b, length = 4, 2, 4, cfg.train.seq_len
+    d, f, v = cfg.model.d_model, cfg.model.d_ff, cfg.model.vocab_size
+    stacked = [x for x in shapes if len(x) == 4 and x[1:] in ((lc, d, f), (lc, f, d)) and x[0] > 1]
+    assert not stacked, stacked  # the chunk's [1, Lc, ...] layout only
+    assert (m, d, v) not in shapes
+    logits = max(math.prod(x) for x in shapes if x and x[-1] == v)
+    assert logits == (m if remat == "none" else 1) * b * length * v, sorted(x for x in shapes if x and x[-1] == v)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_memory):
     """pp=2 at M = 4, 8, 16: the ticks permute [b, L, D] (b = 2 sequences per microbatch), no

@@ -4,7 +4,7 @@ Loss and every gradient of step 0 against the single-device model of the same de
 tolerances of conftest.assert_same_run). Pipeline buffers start as NaN (pipeline.stages.FILL),
 so a bubble that leaked into the result would fail these tests. The matrix covers p = 2 and
 p = 4 and M = p and M = 2p; the interleaved schedules and zbv with V=2; remat full (and dots) for the
-1F1B family; sequence parallelism on pp=2,fsdp=2,tp=2 (gpipe with GSPMD TP, 1f1b, zb-h1,
+1F1B family, gpipe and interleaved (their head a microbatch at a time); sequence parallelism on pp=2,fsdp=2,tp=2 (gpipe with GSPMD TP, 1f1b, zb-h1,
 interleaved with the overlap rings); interleaved-1f1b with GSPMD TP. Five optimizer steps of
 every schedule on pp=2,dp=2,tp=2 (the explicit shard_map TP regions nested in the stage
 program; their step 0 loss and gradients too) give the single-device losses.
@@ -46,6 +46,10 @@ CASES = {  # id: (mesh, overrides)
     "gpipe-p4-m4": ("pp=4", ["parallel.microbatches=4"]),
     "interleaved-p2-m4-v2": ("pp=2", ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.microbatches=4"]),
     "interleaved-p4-m4-v2": ("pp=4", ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.microbatches=4"]),
+    # under a remat policy the head runs one microbatch at a time, recomputed (pipeline.circular.head_loss)
+    "gpipe-pp2-dp2-tp2-m4-full": ("pp=2,dp=2,tp=2", ["parallel.microbatches=4", "model.remat=full"]),
+    "interleaved-pp2-dp2-m4-v2-dots": ("pp=2,dp=2", ["parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                                                      "parallel.microbatches=4", "model.remat=dots"]),
     "1f1b-p2-m4": ("pp=2", ["parallel.schedule=1f1b", "parallel.microbatches=4"]),
     "1f1b-p4-m4": ("pp=4", ["parallel.schedule=1f1b", "parallel.microbatches=4"]),
     "1f1b-p2-m2-full": ("pp=2", ["parallel.schedule=1f1b", "parallel.microbatches=2", "model.remat=full"]),

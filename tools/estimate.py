@@ -42,8 +42,8 @@ Memory (bytes per device), the terms `memory()` returns:
               part of the whole accumulator, `gathered once` the rest
   working     the larger of: one layer's backward working set, and the logits [T, V/t] of the
               head and loss, in the compute dtype and in fp32 (of all M microbatches at once
-              after a gpipe/interleaved pipe; 1b on an H100: 205,332 bytes per token beside the
-              layers, the logits' 196,608).
+              after a gpipe/interleaved pipe under remat none; 1b on an H100: 205,332 bytes per
+              token beside the layers, the logits' 196,608).
               The working set is the gradients of one layer's 'none' terms (one more layer's
               worth; the larger of a dense and a MoE layer, the dispatch buffers included, and
               under dropless ragged_dot XLA's zero-padded copies, `dense_expert_copies`); under
@@ -77,7 +77,10 @@ model/remat.py; bench/results/remat-full-1f1b-family.json). Those figures predat
 head's gradient: with them XLA's peak is 0.87-1.12x the estimate over the 1F1B family (125m and
 llama3-8b, pp=2 and 4, dp, tp and fsdp beside; 0.77-1.20x before), and 1.00-1.16x under
 parallel.fsdp_gather_once without the double-counted `gathered` (0.71-0.90x before;
-bench/results/memory-cast-h100-compiled.json). tools.search scales each schedule's estimate by a
+bench/results/memory-cast-h100-compiled.json). gpipe and interleaved since their head runs one
+microbatch at a time under remat and gpipe keeps no copy of its weights per tick: 0.91-1.00x on
+125m (pp=2 and 4, dp and tp beside; none, dots and full), 0.67-0.70x on llama3-8b pp=2,fsdp=4
+(bench/results/gpipe-head-h100-compiled.json). tools.search scales each schedule's estimate by a
 floor (`MEMORY_LOW`).
 
 CPU vs GPU: XLA on CPU computes bf16 matmuls in fp32 and keeps f32 buffers, so compare with a
@@ -115,8 +118,12 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
         saved += 4 * s.k * s.tokens * m.d_model * c  # [M, b, L, D] in, out, cotangents
     else:  # the layer scan under none stacks each layer's residuals and copies them: twice
         saved = (scan_copies if m.scan_layers and m.remat == "none" else 1) * stack_activations(cfg, sizes, m.remat)
-    heads_at_once = s.k if piped and not stashing else 1
-    logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * (4 + c)
+    # gpipe and interleaved: the head of all M at once under remat none, else one microbatch's at a
+    # time in a scan, recomputed in the backward (pipeline.circular.head_loss), whose int32 iota of
+    # vocabulary ids [b, L, V/t] XLA hoists out of the loop beside the logits (125m pp=2,dp=2 full)
+    scanned_head = piped and not stashing and m.remat != "none"
+    heads_at_once = s.k if piped and not stashing and m.remat == "none" else 1
+    logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * (4 + c + 4 * scanned_head)
     # context parallel with the xla core: one block piece's fp32 scores, probs and their
     # gradient [b, N/t, L/sp, L/sp] at a time (a flash core tiles them away)
     blockwise_xla = explicit_context(cfg, sizes["sequence"]) is not None and core(cfg, sizes) == "xla"

@@ -15,8 +15,10 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           h = V·D/(f·t), n the norms' (2X + 1)·D, r the routers' D·E/f per MoE layer.
           Under gpipe and interleaved (autodiff's transpose of the tick scan) XLA reduces the
           layers' gradients in every tick, bubble ticks included (T/V times, T the table's
-          ticks), the head's per microbatch, the embedding's and norms' once per step
-          (`per_microbatch_reductions`; the census of tiny on pp=2,dp=2 compiled for H100s)
+          ticks), the head's, the embedding's and norms' once per step (the head runs the M
+          microbatches as one batch, or in a scan whose transpose sums the head's gradient
+          first: pipeline.circular.head_loss; `per_microbatch_reductions`; the census of tiny
+          on pp=2,dp=2 compiled for H100s)
   data    2 · G(N-1)/N              once per step (the k microbatches summed first; per
                                     microbatch, k · 2 · G_c(N-1)/N, where
                                     sharding.checks.accumulation_axes is empty: k = 1, MoE,
@@ -107,9 +109,10 @@ its census is compared at model.compute_dtype=float32, where the two agree):
             gpipe, interleaved  2T·a: T forward ticks on a ring, autodiff's transpose as many
                          back; plus the M·a of the last stage's outputs permuted to stage 0 and
                          their cotangent back (one sender each: M·a), and two all-reduces of M
-                         microbatches (the outputs read on every stage, in fp32 as the head takes
-                         them, and the embedded batch's cotangent summed over stage),
-                         2M·(a4 + a)·(p-1)/p, a4 = a·4/c
+                         microbatches (the outputs read on every stage, in fp32 as the head
+                         takes them under remat none, else in the compute dtype, the head's
+                         scan widening each microbatch; and the embedded batch's cotangent
+                         summed over stage), 2M·(a4 + a)·(p-1)/p, a4 = a·4/c or a
             V > 1        plus the layers laid out from the stored split every step
                          (`layout`, pipeline/layout.py): the chunks stored on the device that
                          run elsewhere (of V, P_l/V each, P_l the stage's layer weights) leave
@@ -217,8 +220,8 @@ def per_microbatch_reductions(cfg: RunConfig, sizes: dict[str, int], own: float,
     """(bytes, of which routed experts) per step of the gradients a reduction per microbatch
     moves (module docstring, G_c), `own` the device's parameters P': k·G_c, but under gpipe and
     interleaved (autodiff's transpose of the tick scan) the layers' gradients are reduced in every
-    tick, bubble ticks included (T/V per chunk), the head's per microbatch and the embedding's and
-    norms' once (the vmapped lookup and norms sum the M microbatches first)."""
+    tick, bubble ticks included (T/V per chunk), and the head's, the embedding's and the norms'
+    once (the vmapped lookup and the head's one batch or scan sum the M microbatches first)."""
     s, c = shape(cfg, sizes), DTYPE_BYTES[cfg.model.compute_dtype]
     head, norms, routers = small_parts(cfg, sizes)
     layers = c * (own - 2 * head - norms - routers) + 4 * routers  # one microbatch's, experts included
@@ -226,7 +229,7 @@ def per_microbatch_reductions(cfg: RunConfig, sizes: dict[str, int], own: float,
         trips, once = pipeline_figures(cfg, sizes)["ticks"] / virtual(cfg), 1
     else:
         trips, once = s.k, s.k
-    return trips * layers + s.k * 4 * head + once * (c * head + 4 * norms), trips * c * experts
+    return trips * layers + once * (4 * head + c * head + 4 * norms), trips * c * experts
 
 
 def stage(cfg: RunConfig, sizes: dict[str, int]) -> float:
@@ -245,7 +248,7 @@ def stage(cfg: RunConfig, sizes: dict[str, int]) -> float:
         reduced = 2 * 4 * replicated * (p - 1) / p
     else:  # rings; stage p-1 sends the outputs, stage 0 their cotangent back
         sends = [2 * ticks * a + s.k * a * (d in (0, p - 1)) for d in range(p)]
-        widened = a * 4 / DTYPE_BYTES[m.compute_dtype]  # the head's fp32 input
+        widened = a * 4 / DTYPE_BYTES[m.compute_dtype] if m.remat == "none" else a  # the head's input
         reduced = 2 * s.k * (widened + a) * (p - 1) / p
     return reduced + max(x + y for x, y in zip(sends, layout(cfg, sizes), strict=True))
 
