@@ -38,6 +38,8 @@ PROSE_ONLY = {
     "gpu-cpu-smoke": "a smoke run of the GPU check on CPU: README quotes no figure of it",
     "moe-h100-1gpu": "one GPU at ep=1, quoted in a sentence: its table would hold one row",
     "expert-matmul-mixtral-h100-compiled": "deviceless compiles: README's table of it is written by hand, with the prose",
+    "remat-full-dp-lhs-h100-compiled": "XLA GPU's compiled peak of 125m under remat full beside a data axis, "
+                                       "quoted in sentences in the planner's memory paragraph",
     "gpipe-head-h100-compiled": "XLA GPU's compiled peak of gpipe and interleaved steps and the estimate before and "
                                 "after their head and weights changed, quoted as ranges in the planner's memory paragraph",
     "memory-cast-h100-compiled": "the estimate against XLA GPU's compiled peak before and after the 1F1B family's "
