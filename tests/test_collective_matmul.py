@@ -24,6 +24,19 @@ def _run(local, tp, x, w, in_specs, out_spec):
     return grad(x, w), census(grad.lower(x, w).compile().as_text(), {AXIS: tp})
 
 
+def assert_ring_replaces(ring, collective, tp, x, w, specs) -> None:
+    """ring and collective give the same value and gradients; the ring's program holds T-1
+    collective-permutes of one [B, L/T, D] chunk each way and no all-gather or reduce-scatter."""
+    got, found = _run(ring, tp, x, w, *specs)
+    want, _ = _run(collective, tp, x, w, *specs)
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+    chunk = 2 * 4 * 16  # [B, L/T, D]
+    permutes = [c for c in found if c.kind == "collective-permute"]
+    assert len(permutes) == 2 * (tp - 1) and {c.elements for c in permutes} == {chunk}, found  # forward, backward
+    assert not [c for c in found if c.kind in ("all-gather", "reduce-scatter")], found
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_gather_ring_equals_all_gather_then_matmul(tp):
     rng = np.random.default_rng(0)
@@ -41,15 +54,7 @@ def test_gather_ring_equals_all_gather_then_matmul(tp):
         h, twice = matmul(w)(jax.lax.all_gather(x, AXIS, axis=1, tiled=True))
         return h + jnp.sum(twice)
 
-    specs = ((P(None, AXIS), P(None, AXIS)), P(None, None, AXIS))
-    got, found = _run(ring, tp, x, w, *specs)
-    want, _ = _run(gathered, tp, x, w, *specs)
-    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
-    chunk = 2 * 4 * 16  # [B, L/T, D]
-    permutes = [c for c in found if c.kind == "collective-permute"]
-    assert len(permutes) == 2 * (tp - 1) and {c.elements for c in permutes} == {chunk}, found  # forward, backward
-    assert not [c for c in found if c.kind in ("all-gather", "reduce-scatter")], found
+    assert_ring_replaces(ring, gathered, tp, x, w, ((P(None, AXIS), P(None, AXIS)), P(None, None, AXIS)))
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -64,12 +69,4 @@ def test_scatter_ring_equals_matmul_then_reduce_scatter(tp):
     def scattered(h, w):
         return jax.lax.psum_scatter(jnp.einsum("blf,fd->bld", h, w), AXIS, scatter_dimension=1, tiled=True)
 
-    specs = ((P(None, None, AXIS), P(AXIS)), P(None, AXIS))
-    got, found = _run(ring, tp, h, w, *specs)
-    want, _ = _run(scattered, tp, h, w, *specs)
-    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
-    chunk = 2 * 4 * 16  # [B, L/T, D]
-    permutes = [c for c in found if c.kind == "collective-permute"]
-    assert len(permutes) == 2 * (tp - 1) and {c.elements for c in permutes} == {chunk}, found
-    assert not [c for c in found if c.kind in ("all-gather", "reduce-scatter")], found
+    assert_ring_replaces(ring, scattered, tp, h, w, ((P(None, None, AXIS), P(AXIS)), P(None, AXIS)))
