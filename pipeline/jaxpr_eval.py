@@ -20,7 +20,7 @@ Jaxpr}. Checked on jax 0.10.2 and 0.12.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -165,15 +165,18 @@ def scan_counts(params: dict) -> tuple[int, int]:
     return len(consts), len(carry)
 
 
-def count_prims(closed: Any, name: str = "dot_general") -> int:
-    """Equations named `name` in a (closed) jaxpr, counted through every sub-jaxpr (scan bodies,
-    remat, pjit, cond branches), each once (not times a scan's length)."""
+def equations(closed: Any) -> Iterator[Any]:
+    """Every equation of a (closed) jaxpr and of its sub-jaxprs (scan bodies, remat, pjit, cond
+    branches, shard_map bodies), each sub-jaxpr once (not times a scan's length)."""
     jaxpr = closed.jaxpr if isinstance(closed, ClosedJaxpr) else closed
-    n = 0
     for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == name
+        yield eqn
         for p in eqn.params.values():
             for sub in (p if isinstance(p, (tuple, list)) else [p]):
                 if isinstance(sub, (ClosedJaxpr, Jaxpr)):
-                    n += count_prims(sub, name)
-    return n
+                    yield from equations(sub)
+
+
+def count_prims(closed: Any, name: str = "dot_general") -> int:
+    """Equations named `name` in a (closed) jaxpr, counted through every sub-jaxpr (`equations`)."""
+    return sum(eqn.primitive.name == name for eqn in equations(closed))

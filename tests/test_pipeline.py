@@ -12,6 +12,7 @@ import pytest
 
 from configs.base import ConfigError
 from conftest import mesh_sizes, pipeline_devices as _devices, small_config
+from pipeline.jaxpr_eval import count_prims, equations
 from pipeline.stages import FILL
 from sharding.mesh import build_mesh
 from training.build import make_program, build
@@ -174,19 +175,6 @@ def test_1f1b_stash_holds_at_most_p_microbatches(temp_memory):
     assert held_activations(compiled["gpipe", 16][0].as_text(), act) >= 16
 
 
-def _dots(jaxpr) -> int:
-    """dot_general equations in a jaxpr and all its sub-jaxprs (scan, remat, pjit, ...)."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == "dot_general"
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    count += _dots(inner)
-    return count
-
-
 def _cells(jaxpr):
     """The 1f1b program's cell switches (pipeline.cells.run_cell: a cond per group of GROUPS
     present, its first branch the pass-through), found as the jaxpr level holding conds of 2
@@ -212,7 +200,7 @@ def _cell_dots(schedule: str, remat: str, mesh: str = "pp=2") -> tuple:
     with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
                                                  schedule=schedule))(job.state.params, batch=job.batches(0))
-    switches = [[_dots(branch.jaxpr) for branch in branches] for branches in _cells(jaxpr.jaxpr)]
+    switches = [[count_prims(branch) for branch in branches] for branches in _cells(jaxpr.jaxpr)]
     (keep_f, forward), (keep_b, backward, last), *w = switches
     weight = w[0][1] if w else None
     return max(keep_f, keep_b, *(b[0] for b in w)), forward, backward, weight, last
@@ -259,18 +247,6 @@ def stage_bytes(ops) -> float:
     return per_device([c for c in ops if c.axes == ("stage",)])
 
 
-def _shapes(jaxpr, found: set) -> set:
-    """The shapes of every value of `jaxpr` and of the jaxprs in its equations' parameters."""
-    for e in jaxpr.eqns:
-        found.update(tuple(v.aval.shape) for v in e.outvars if hasattr(v.aval, "shape"))
-        for value in e.params.values():
-            for item in value if isinstance(value, (tuple, list)) else [value]:
-                inner = getattr(item, "jaxpr", item)
-                if hasattr(inner, "eqns"):
-                    _shapes(inner, found)
-    return found
-
-
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_gpipe_keeps_no_weights_per_tick_nor_head_gradient_per_microbatch(remat):
     """The traced step of gpipe (pp=2, 4 layers, M = 4 of b = 4 sequences): no value stacks the
@@ -282,7 +258,8 @@ def test_gpipe_keeps_no_weights_per_tick_nor_head_gradient_per_microbatch(remat)
     mesh = build_mesh(cfg.parallel, _devices(cfg))
     program = make_program(cfg, mesh)
     with jax.set_mesh(mesh):
-        shapes = _shapes(jax.make_jaxpr(program.step_fn)(program.state, program.abstract_batch()).jaxpr, set())
+        jaxpr = jax.make_jaxpr(program.step_fn)(program.state, program.abstract_batch())
+    shapes = {tuple(v.aval.shape) for e in equations(jaxpr) for v in e.outvars if hasattr(v.aval, "shape")}
     m, lc, b, length = 4, 2, 4, cfg.train.seq_len
     d, f, v = cfg.model.d_model, cfg.model.d_ff, cfg.model.vocab_size
     stacked = [x for x in shapes if len(x) == 4 and x[1:] in ((lc, d, f), (lc, f, d)) and x[0] > 1]

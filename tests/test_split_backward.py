@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pipeline.jaxpr_eval import count_prims
+from pipeline.jaxpr_eval import count_prims, equations
 from pipeline.split_backward import split_vjp, stash_bytes
 
 L, B, D, H = 3, 4, 8, 16  # layers, batch, width, hidden
@@ -53,21 +53,7 @@ def dots_in(fn, *args):
 
 def dot_shapes(fn, *args):
     """Output shapes of every dot_general in fn's jaxpr, through sub-jaxprs."""
-    out = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                out.append(tuple(eqn.outvars[0].aval.shape))
-            for p in eqn.params.values():
-                for sub in p if isinstance(p, (tuple, list)) else [p]:
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-                        walk(sub.jaxpr)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return out
+    return [tuple(e.outvars[0].aval.shape) for e in equations(jax.make_jaxpr(fn)(*args)) if e.primitive.name == "dot_general"]
 
 
 def check_split(f, params, x, g_key=7, **kw):

@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import small_config
+from pipeline.jaxpr_eval import equations
 from sharding.mesh import build_mesh
 from sharding.tensor_parallel import TensorParallel
 from sharding.vocab_parallel import head_matmul, vocab_parallel_logits, vocab_parallel_take
@@ -87,16 +88,6 @@ def test_logits_equal_the_dense_head(sequence_parallel):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
-def equations(jaxpr):
-    """Every equation of `jaxpr` and of the jaxprs in its equations' parameters (jit, scan...)."""
-    for e in jaxpr.eqns:
-        yield e
-        for value in e.params.values():
-            inner = getattr(value, "jaxpr", value)
-            if hasattr(inner, "eqns"):
-                yield from equations(inner)
-
-
 def test_head_matmul_backward_runs_in_the_compute_dtype_in_the_weight_layout():
     """head_matmul's backward: in fp32 autodiff's (dx, dW) within 1e-5 (the same products, dW's
     summed in another order); in bf16 its two matmuls take
@@ -120,7 +111,7 @@ def test_head_matmul_backward_runs_in_the_compute_dtype_in_the_weight_layout():
 
     x16, w16 = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     jaxpr = jax.make_jaxpr(grads)(x16, w16)
-    eqns = list(equations(jaxpr.jaxpr))
+    eqns = list(equations(jaxpr))
     dots = [e for e in eqns if e.primitive.name == "dot_general"]
     assert len(dots) == 3  # the forward, dx, dW
     assert all(str(a.aval.dtype) == "bfloat16" for e in dots for a in e.invars)
