@@ -51,7 +51,7 @@ from pipeline.tables import IDLE, cells, timetable
 from pipeline.stages import AXIS, buffer, over_stages, stages
 from model.loss import cross_entropy
 from model.moe import no_stats, router_loss
-from sharding.checks import moe_layers
+from sharding.checks import head_per_microbatch, moe_layers
 from model.transformer import compute_params
 
 
@@ -91,22 +91,24 @@ def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     specs = jax.tree.map(lambda _: P(AXIS), layers)
     out, stats = over_stages(body, (specs, P()), P(AXIS))(layers, x_all)
     stats = {name: jnp.sum(a) / (m_count * moe_layers(cfg.model)) for name, a in stats.items()}
-    loss = head_loss(model, out[p - 1], batch["targets"], cfg.train.z_loss, cfg.model.remat)  # the last stage's
+    loss = head_loss(model, out[p - 1], batch["targets"], cfg.train.z_loss, head_per_microbatch(cfg.model))
     return loss + router_loss(stats, cfg.model), (loss, stats)
 
 
-def head_loss(model: nnx.Module, out: jax.Array, targets: jax.Array, z_loss: float, remat: str) -> jax.Array:
-    """The mean loss of the M microbatches' outputs [M, b, L, D] and targets [M, b, L].
+def head_loss(model: nnx.Module, out: jax.Array, targets: jax.Array, z_loss: float,
+              per_microbatch: bool) -> jax.Array:
+    """The mean loss of the M microbatches' outputs [M, b, L, D] (the last stage's) and targets
+    [M, b, L].
 
-    remat none: all M at once, as one batch [b·M, L, D] (b, split over the batch axes, kept
-    major so that the merge moves nothing): the logits of all M are held for the backward,
-    [M·b, L, V/t] fp32, and the head's gradient [D, V/t] comes out of one matmul. (A vmap over
-    M made it M gradients in fp32, summed after: M·V·D·4/t bytes, 7.8 GiB on llama3-8b at
-    M = 4.) Any other policy: one microbatch at a time (a scan), each recomputed in the
-    backward, so that one microbatch's logits are live at a time; the recompute is the head's
-    forward matmul again, 2·b·L·D·V/t flops per microbatch (about 2% of llama3-8b's step, 7% of
-    125m's)."""
-    if remat == "none":
+    Not per_microbatch (remat none: sharding.checks.head_per_microbatch): all M at once, as one
+    batch [b·M, L, D] (b, split over the batch axes, kept major so that the merge moves
+    nothing): the logits of all M are held for the backward, [M·b, L, V/t] fp32, and the head's
+    gradient [D, V/t] comes out of one matmul. (A vmap over M made it M gradients in fp32,
+    summed after: M·V·D·4/t bytes, 7.8 GiB on llama3-8b at M = 4.) per_microbatch (any other
+    policy): one microbatch at a time (a scan), each recomputed in the backward, so that one
+    microbatch's logits are live at a time; the recompute is the head's forward matmul again,
+    2·b·L·D·V/t flops per microbatch (about 2% of llama3-8b's step, 7% of 125m's)."""
+    if not per_microbatch:
         merged = lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[2:])  # noqa: E731  [M, b, ...] -> [b·M, ...]
         return cross_entropy(model.logits(merged(out)), merged(targets), z_loss)
 

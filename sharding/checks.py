@@ -196,6 +196,13 @@ def expert_d_ff(m: ModelConfig) -> int:
     return m.expert_d_ff or m.d_ff
 
 
+def head_per_microbatch(m: ModelConfig) -> bool:
+    """Whether gpipe and interleaved run the head one microbatch at a time, recomputed in the
+    backward (pipeline.circular.head_loss): under every remat policy but none, which runs all M
+    at once. The memory estimate and the traffic contract read the same rule."""
+    return m.remat != "none"
+
+
 def moe_layers(m: ModelConfig) -> int:
     """How many of the X layers are MoE: the last of each group of moe_every; 0 when dense."""
     return m.n_layers // m.moe_every if m.n_experts else 0

@@ -144,7 +144,7 @@ import math
 
 from configs.base import RunConfig
 from pipeline.layout import leaving
-from sharding.checks import accumulation_axes
+from sharding.checks import accumulation_axes, head_per_microbatch
 from sharding.mesh import AXES
 from tools.pipeline_figures import STASHING, pipeline_figures, virtual
 from tools.shape import DTYPE_BYTES, dispatch_rows, local_param_parts, shape
@@ -248,7 +248,7 @@ def stage(cfg: RunConfig, sizes: dict[str, int]) -> float:
         reduced = 2 * 4 * replicated * (p - 1) / p
     else:  # rings; stage p-1 sends the outputs, stage 0 their cotangent back
         sends = [2 * ticks * a + s.k * a * (d in (0, p - 1)) for d in range(p)]
-        widened = a * 4 / DTYPE_BYTES[m.compute_dtype] if m.remat == "none" else a  # the head's input
+        widened = a if head_per_microbatch(m) else a * 4 / DTYPE_BYTES[m.compute_dtype]  # the head's input
         reduced = 2 * s.k * (widened + a) * (p - 1) / p
     return reduced + max(x + y for x, y in zip(sends, layout(cfg, sizes), strict=True))
 
