@@ -25,19 +25,29 @@ runs replicated on every stage, p times its work: under remat none on all M micr
 once, under any other policy one microbatch at a time, recomputed in the backward
 (`head_loss`).
 
-Memory: autodiff keeps every tick's layer residuals (per remat policy): activation memory grows
-with M like the unpipelined accumulation scan's would if it kept all microbatches, (M·V+p-1)
-ticks of Lc layers; plus [M, b, L, D] of embeddings, outputs and their cotangents, and under
-remat none the logits of all M, [M·b, L, V/t] fp32 (else one microbatch's). The weights a tick
-runs are its chunk of the loop-invariant layers: under gpipe (V = 1) indexed statically, as
-indexing them by the tick's traced chunk made autodiff keep a copy per tick, M+p-1 copies of
-the stage's weights in the compute dtype. With the head's per-microbatch gradients that was up
-to 13% of XLA's peak under remat none, and 27-66% under full and dots with the logits of all M
-(125m and llama3-8b compiled for H100s: bench/results/gpipe-head-h100-compiled.json).
-Interleaved (V > 1) picks a chunk per tick and keeps that copy: V·M+p-1 of P_stage/V weights.
+Memory: autodiff keeps every tick's chunk residuals: activation memory grows with M like the
+unpipelined accumulation scan's would if it kept all microbatches, (M·V+p-1) ticks of Lc
+layers, plus [M, b, L, D] of embeddings, outputs and their cotangents, and under remat none the
+logits of all M, [M·b, L, V/t] fp32 (else one microbatch's). A tick runs its chunk in one
+checkpoint whose policy is model.remat.stash_policy, the 1F1B family's (pipeline/cells.py): its
+inputs are the loop-invariant layers [V, Lc, ...] and the chunk number, so what the tick keeps
+is what that policy saves, never the chunk's weights (a dynamic slice of the layers, recomputed
+in the backward), and under remat none not the cheap elementwise outputs either. Picked by the
+tick's traced chunk outside a checkpoint, the weights were kept once a tick, (M·V+p-1) copies
+of P_stage/V weights in the compute dtype, and under remat none every elementwise output of
+every tick, which XLA GPU held twice (the tick scan's stacked residuals copied). XLA's peak,
+compiled for H100s: 125m gpipe pp=2,dp=2 M = 4 17.89 to 11.33 GiB under remat none, pp=2,tp=2
+21.06 to 11.68, llama3-8b (4 layers) pp=2,fsdp=4 16.67 to 13.30; full and dots unchanged
+under gpipe (which had indexed its chunk statically), interleaved full 1.75 to 1.69 GiB
+(125m pp=2,dp=4) and 11.56 to 11.10 (llama3-8b) (bench/results/circular-stash-h100-compiled.json).
+The head runs one microbatch at a time under any policy but none (`head_loss`): with the
+head's per-microbatch gradients that had cost 27-66% of XLA's peak under full and dots
+(bench/results/gpipe-head-h100-compiled.json).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +61,7 @@ from pipeline.tables import IDLE, cells, timetable
 from pipeline.stages import AXIS, buffer, over_stages, stages
 from model.loss import cross_entropy
 from model.moe import no_stats, router_loss
+from model.remat import stash_policy
 from sharding.checks import head_per_microbatch, moe_layers
 from model.transformer import compute_params
 
@@ -71,14 +82,17 @@ def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         layers = jax.tree.map(lambda a: lay_out(a.reshape(v_count, -1, *a.shape[1:]), p, vee=False),
                               stored)  # the stored [V·Lc, ...] -> the run [V, Lc, ...]
 
+        @functools.partial(jax.checkpoint, prevent_cse=False, policy=stash_policy(cfg.model.remat))
+        def run_chunk(layers: nnx.State, x: jax.Array, v: jax.Array) -> tuple[jax.Array, dict]:
+            return model.run_layers(x, jax.tree.map(lambda a: a[v], layers))  # the slice recomputed (docstring)
+
         def tick(carry, row):
             state, outputs, stats = carry  # state [b, L, D]: what arrived this tick
             kind, m, v = (a[s] for a in row)
             active = kind != IDLE
             x = jnp.where((s == 0) & (v == 0), x_all[m], state)
             x = jnp.where(active, x, jnp.zeros_like(x))  # idle ticks never read the buffers
-            chunk = jax.tree.map(lambda a: a[0] if v_count == 1 else a[v], layers)  # gpipe: static (docstring)
-            y, more = model.run_layers(x, chunk)
+            y, more = run_chunk(layers, x, v)
             stats = jax.tree.map(lambda a, b: a + jnp.where(active, b, 0.0), stats, more)  # idle: not counted
             done = active & (s == p - 1) & (v == v_count - 1)
             outputs = outputs.at[m].set(jnp.where(done, y, outputs[m]))

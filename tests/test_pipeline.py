@@ -247,23 +247,34 @@ def stage_bytes(ops) -> float:
     return per_device([c for c in ops if c.axes == ("stage",)])
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_gpipe_keeps_no_weights_per_tick_nor_head_gradient_per_microbatch(remat):
-    """The traced step of gpipe (pp=2, 4 layers, M = 4 of b = 4 sequences): no value stacks the
-    stage's [Lc, D, F] weights per tick (indexed by the tick's traced chunk, autodiff of the
-    tick scan kept one copy a tick), no [M, D, V] head gradient (a vmap of the head over M
-    made one per microbatch), and under remat full no logits of more than one microbatch,
-    [b, L, V] (pipeline.circular.head_loss); remat none holds all M's, [b·M, L, V]."""
-    cfg = small_config("pp=2", "parallel.microbatches=4", f"model.remat={remat}", "model.n_layers=4")
+@pytest.mark.parametrize("schedule, remat", [("gpipe", "none"), ("gpipe", "full"), ("interleaved", "none"),
+                                             ("interleaved", "full")])
+def test_circular_keeps_no_weights_per_tick_nor_head_gradient_per_microbatch(schedule, remat):
+    """The traced step of gpipe and interleaved (pp=2, V = 1 and 2, 4 layers, M = 4 of b = 4
+    sequences): no value stacks the chunk's [Lc, D, F] weights per tick (picked by the tick's
+    traced chunk outside the chunk's checkpoint, autodiff of the tick scan kept one copy a
+    tick: pipeline.circular), only the stage's [V, Lc, ...] layout; no [M, D, V] head gradient
+    (a vmap of the head over M made one per microbatch); of the MLP's [b, L, F] values the tick
+    scan stacks [ticks, Lc, b, L, F] only the two projections' under remat none (their
+    elementwise products, four more, recomputed: model.remat.stash_policy), none under full;
+    and under remat full no logits of more than one microbatch, [b, L, V]
+    (pipeline.circular.head_loss); remat none holds all M's, [b·M, L, V]. The previous
+    circular.py fails all but gpipe under full."""
+    virtual = 2 if schedule == "interleaved" else 1
+    cfg = small_config("pp=2", f"parallel.schedule={schedule}", f"parallel.virtual_stages={virtual}",
+                       "parallel.microbatches=4", f"model.remat={remat}", "model.n_layers=4")
     mesh = build_mesh(cfg.parallel, _devices(cfg))
     program = make_program(cfg, mesh)
     with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(program.step_fn)(program.state, program.abstract_batch())
     shapes = {tuple(v.aval.shape) for e in equations(jaxpr) for v in e.outvars if hasattr(v.aval, "shape")}
-    m, lc, b, length = 4, 2, 4, cfg.train.seq_len
+    m, lc, b, length = 4, 4 // (2 * virtual), 4, cfg.train.seq_len
     d, f, v = cfg.model.d_model, cfg.model.d_ff, cfg.model.vocab_size
-    stacked = [x for x in shapes if len(x) == 4 and x[1:] in ((lc, d, f), (lc, f, d)) and x[0] > 1]
-    assert not stacked, stacked  # the chunk's [1, Lc, ...] layout only
+    stacked = [x for x in shapes if len(x) == 4 and x[1:] in ((lc, d, f), (lc, f, d)) and x[0] not in (1, virtual, 2 * virtual)]
+    assert not stacked, stacked  # one chunk, the stage's [V, Lc, ...] layout (outside the shard_map [p·V, Lc, ...])
+    ticks = virtual * m + 2 - 1
+    per_tick = [tuple(o.aval.shape) for e in equations(jaxpr) if e.primitive.name == "scan" for o in e.outvars]
+    assert per_tick.count((ticks, lc, b, length, f)) == (2 if remat == "none" else 0)  # 6 before
     assert (m, d, v) not in shapes
     logits = max(math.prod(x) for x in shapes if x and x[-1] == v)
     assert logits == (m if remat == "none" else 1) * b * length * v, sorted(x for x in shapes if x and x[-1] == v)
