@@ -172,10 +172,11 @@ def test_estimate_bubble_and_stash_come_from_the_timetable(schedule, v, remat):
     assert bubble == pytest.approx(weighted(table, cost).bubble)
     s, mem = shape(cfg, sizes), estimate.memory(cfg, sizes)
     stack = stack_activations(cfg, sizes, remat)
-    if schedule in ("gpipe", "interleaved"):  # every tick's residuals (under none twice, as XLA GPU copies the
-        # tick scan's stack), and the [M, b, L, D] buffers
-        copies = 2 if remat == "none" else 1
-        assert mem["saved activations"] == pytest.approx(copies * len(table) / v * stack + 4 * m * s.tokens * 4096 * 2)
+    if schedule in ("gpipe", "interleaved"):  # every tick's chunk residuals by stash_policy, one slot's of the
+        # 1F1B family (below), and the [M, b, L, D] buffers
+        chunk = chunk_residuals(cfg, sizes)
+        assert chunk == pytest.approx(stack / v if remat == "full" else stack / v - s.layers / v * s.tokens * (2 * 4096 + 14336) * 2 + s.tokens * 4096 * 2)
+        assert mem["saved activations"] == pytest.approx(len(table) * chunk + 4 * m * s.tokens * 4096 * 2)
     else:  # stage 0's in-flight residual slots (remat full: the chunk's layers' inputs), 3 activations in
         # flight (inputs and gradients), zb-h1's stash of dy's for W
         peak = {"1f1b": 4, "zb-h1": 4, "interleaved-1f1b": 2 * 3 + 4 + 1}[schedule]

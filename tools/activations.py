@@ -115,8 +115,9 @@ def stack_activations(cfg: RunConfig, sizes: dict[str, int], remat: str) -> floa
 
 
 def chunk_residuals(cfg: RunConfig, sizes: dict[str, int]) -> float:
-    """Bytes of one chunk's residuals for one microbatch, one slot of the 1F1B family's stash:
-    what model.remat.stash_policy keeps of X/(pp·V) layers (module docstring, saved)."""
+    """Bytes of one chunk's residuals for one microbatch, one slot of the 1F1B family's stash and
+    one tick's under gpipe and interleaved: what model.remat.stash_policy keeps of X/(pp·V)
+    layers (module docstring, saved)."""
     m, s, tp = cfg.model, shape(cfg, sizes), sizes["tensor"]
     c, n = DTYPE_BYTES[m.compute_dtype], s.tokens
     layers, moe = s.layers / virtual(cfg), s.moe / virtual(cfg)  # the chunk's layers, of which MoE

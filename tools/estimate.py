@@ -26,9 +26,9 @@ Memory (bytes per device), the terms `memory()` returns:
   saved       activations kept for backward: X/pp layers of one microbatch; under gpipe and
               interleaved every tick's (the ticks of the schedule's table, V·M+p-1, of X/(p·V)
               layers: autodiff through the tick scan keeps the idle ticks' too; at least the
-              table's in-flight peak, all M; under remat none twice, as the layer scan's below:
-              XLA GPU copies the tick scan's stacked residuals too) plus [M, b, L, D]
-              embeddings, outputs and their cotangents; under the 1F1B family (1f1b,
+              table's in-flight peak, all M), each tick's what model.remat.stash_policy keeps of
+              its chunk (pipeline/circular.py; `chunk_residuals`, as a 1F1B slot's), plus
+              [M, b, L, D] embeddings, outputs and their cotangents; under the 1F1B family (1f1b,
               interleaved-1f1b, zb-h1, zbv) stage 0's in-flight peak of its table
               (pipeline.schedule.in_flight: p (microbatch, chunk) under 1f1b and zb-h1,
               2(p-1) + (V-1)p + 1 interleaved, 2p zbv) of residual slots, each one chunk's
@@ -78,9 +78,10 @@ head's gradient: with them XLA's peak is 0.87-1.12x the estimate over the 1F1B f
 llama3-8b, pp=2 and 4, dp, tp and fsdp beside; 0.77-1.20x before), and 1.00-1.16x under
 parallel.fsdp_gather_once without the double-counted `gathered` (0.71-0.90x before;
 bench/results/memory-cast-h100-compiled.json). gpipe and interleaved since their head runs one
-microbatch at a time under remat and gpipe keeps no copy of its weights per tick: 0.91-1.00x on
-125m (pp=2 and 4, dp and tp beside; none, dots and full), 0.67-0.70x on llama3-8b pp=2,fsdp=4
-(bench/results/gpipe-head-h100-compiled.json). tools.search scales each schedule's estimate by a
+microbatch at a time under remat and each tick runs its chunk in a checkpoint by the 1F1B
+family's stash policy: 0.92-0.99x on 125m under none and full (pp=2 and 4, dp and tp beside),
+0.83-0.93x under dots (XLA keeping less), 0.62-0.70x on llama3-8b pp=2,fsdp=4
+(bench/results/circular-stash-h100-compiled.json; gpipe-head-h100-compiled.json). tools.search scales each schedule's estimate by a
 floor (`MEMORY_LOW`).
 
 CPU vs GPU: XLA on CPU computes bf16 matmuls in fp32 and keeps f32 buffers, so compare with a
@@ -96,7 +97,7 @@ from __future__ import annotations
 from configs.base import RunConfig
 from sharding.checks import accumulation_axes, explicit_context, head_per_microbatch
 from tools.activations import chunk_residuals, dense_expert_copies, layer_activations, stack_activations, zb_stash
-from tools.pipeline_figures import SPLIT, STASHING, pipeline_figures, virtual
+from tools.pipeline_figures import SPLIT, STASHING, pipeline_figures
 from tools.shape import DTYPE_BYTES, core, local_params, shape
 
 
@@ -106,15 +107,15 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
     compiles it; XLA CPU holds them once (tests/test_plan.py compares with a CPU compile)."""
     m, s = cfg.model, shape(cfg, sizes)
     p_local, param_b, c = local_params(cfg, sizes), DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[m.compute_dtype]
-    piped, v = sizes["stage"] > 1, virtual(cfg)
+    piped = sizes["stage"] > 1
     stashing = piped and cfg.parallel.schedule in STASHING
     table = pipeline_figures(cfg, sizes)
     if stashing:  # stage 0's in-flight residual slots, the inputs/inbox, zb-h1's stash of dy's
         saved = table["in_flight"] * chunk_residuals(cfg, sizes) + 3 * s.tokens * m.d_model * c
         if cfg.parallel.schedule in SPLIT:
             saved += table["in_flight"] * zb_stash(cfg, sizes)
-    elif piped:  # gpipe, interleaved: autodiff keeps every tick's residuals, under none twice as the layer scan's
-        saved = (scan_copies if m.remat == "none" else 1) * table["ticks"] / v * stack_activations(cfg, sizes, m.remat)
+    elif piped:  # gpipe, interleaved: autodiff keeps every tick's chunk residuals, by stash_policy
+        saved = table["ticks"] * chunk_residuals(cfg, sizes)
         saved += 4 * s.k * s.tokens * m.d_model * c  # [M, b, L, D] in, out, cotangents
     else:  # the layer scan under none stacks each layer's residuals and copies them: twice
         saved = (scan_copies if m.scan_layers and m.remat == "none" else 1) * stack_activations(cfg, sizes, m.remat)
