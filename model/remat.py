@@ -90,6 +90,13 @@ def stash_policy(name: str) -> Callable | None:
     return _policy(name) or _costly
 
 
+def stashed(fn: Callable, name: str) -> Callable:
+    """`fn`, a pipeline chunk, as one jax.checkpoint by `stash_policy(name)`: a 1F1B cell's and a
+    gpipe or interleaved tick's (pipeline/cells.py, pipeline/circular.py). No CSE barrier: the
+    chunk runs inside the tick scan (module docstring)."""
+    return jax.checkpoint(fn, prevent_cse=False, policy=stash_policy(name))
+
+
 def remat(fn: Callable, name: str, prevent_cse: bool) -> Callable:
     """`fn` wrapped in jax.checkpoint with the named policy ('none' returns fn unchanged);
     prevent_cse where fn is not a scan body (module docstring)."""

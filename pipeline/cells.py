@@ -33,7 +33,7 @@ from jax.typing import DTypeLike
 from configs.base import ModelConfig
 from model.loss import cross_entropy
 from model.moe import router_loss
-from model.remat import stash_policy
+from model.remat import stashed
 from model.transformer import Transformer
 from pipeline.split_backward import split_vjp
 from pipeline.stages import with_part
@@ -95,7 +95,7 @@ def _chunk(st: Static, model: Transformer, layers: nnx.State, x: jax.Array) -> t
         y, stats = model.run_layers(x, layers)
         return (y, _router_share(st, stats)), stats
 
-    return jax.checkpoint(run, prevent_cse=False, policy=stash_policy(st.model.remat))(layers, x)
+    return stashed(run, st.model.remat)(layers, x)
 
 
 def _head(st: Static, local: nnx.State, y: jax.Array, target: jax.Array) -> tuple[jax.Array, dict, jax.Array]:

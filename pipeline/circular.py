@@ -47,8 +47,6 @@ head's per-microbatch gradients that had cost 27-66% of XLA's peak under full an
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -61,7 +59,7 @@ from pipeline.tables import IDLE, cells, timetable
 from pipeline.stages import AXIS, buffer, over_stages, stages
 from model.loss import cross_entropy
 from model.moe import no_stats, router_loss
-from model.remat import stash_policy
+from model.remat import stashed
 from sharding.checks import head_per_microbatch, moe_layers
 from model.transformer import compute_params
 
@@ -82,9 +80,10 @@ def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         layers = jax.tree.map(lambda a: lay_out(a.reshape(v_count, -1, *a.shape[1:]), p, vee=False),
                               stored)  # the stored [V·Lc, ...] -> the run [V, Lc, ...]
 
-        @functools.partial(jax.checkpoint, prevent_cse=False, policy=stash_policy(cfg.model.remat))
-        def run_chunk(layers: nnx.State, x: jax.Array, v: jax.Array) -> tuple[jax.Array, dict]:
+        def chunk(layers: nnx.State, x: jax.Array, v: jax.Array) -> tuple[jax.Array, dict]:
             return model.run_layers(x, jax.tree.map(lambda a: a[v], layers))  # the slice recomputed (docstring)
+
+        run_chunk = stashed(chunk, cfg.model.remat)
 
         def tick(carry, row):
             state, outputs, stats = carry  # state [b, L, D]: what arrived this tick
