@@ -9,8 +9,8 @@ import pytest
 
 from conftest import ROOT
 from pipeline.schedule import closed_form, costs, in_flight, weighted
-from pipeline.tables import (BACKWARD, FORWARD, IDLE, SCHEDULES, WEIGHT, bubble, cells, one_f_one_b, split, timetable,
-                             v_shape, with_backward)
+from pipeline.tables import (BACKWARD, FORWARD, IDLE, SCHEDULES, WEIGHT, Op, bubble, cells, needs, one_f_one_b, place,
+                             split, timetable, v_shape, with_backward)
 
 CASES = [(schedule, p, m) for schedule in SCHEDULES for p in (2, 4) for m in (p, 2 * p, 4 * p)]
 V = 2  # interleaved, interleaved-1f1b
@@ -174,6 +174,26 @@ def test_1f1b_family_shares_the_placer_and_cells():
     assert (IDLE, FORWARD, BACKWARD, WEIGHT) == (0, 1, 2, 3)
     assert split(timetable("zb-h1", 2, 2)) and not split(timetable("1f1b", 2, 2))
     assert costs() == {"F": 1, "B": 2, "W": 1} and costs(True) == {"F": 1, "B": 1, "W": 1}
+
+
+@pytest.mark.parametrize("schedule, p, m, v", [
+    ("1f1b", 8, 64, 1), ("interleaved-1f1b", 4, 32, 4), ("zb-h1", 8, 64, 1), ("zb-h1", 4, 2, 1)])
+def test_placer_runs_each_op_at_the_first_tick_it_can(schedule, p, m, v):
+    """place: each op at the tick after the later of its stage's previous op and the cells it needs
+    (what stepping tick by tick gives), at shapes beyond the closed-form cases."""
+    table = timetable(schedule, p, m, v)
+    at = _ticks(table)
+    for s in range(p):
+        previous = -1
+        for t, op in ((t, row[s]) for t, row in enumerate(table) if row[s] is not None):
+            assert t == max([previous] + [at[d] for d in needs(op, s, p, v)]) + 1, (op, s, t)
+            previous = t
+
+
+def test_placer_names_op_lists_that_wait_for_one_another():
+    with pytest.raises(ValueError, match=r"deadlock: \[Op\(kind='B', microbatch=0.*wait for one another"):
+        # stage 0's B0 waits for stage 1's B0, which follows 1's F0, which waits for 0's F0, after its B0
+        place([[Op("B", 0), Op("F", 0)], [Op("F", 0), Op("B", 0)]])
 
 
 @pytest.mark.parametrize("args, message", [
