@@ -164,7 +164,7 @@ def place(queues: list[list[Op]], virtual: int = 1) -> Table:
             done[cell], heads[s] = last[s], heads[s] + 1
             runnable += waiting.pop(cell, [])
     if stuck := [q[h] for q, h in zip(queues, heads) if h < len(q)]:
-        raise ValueError(f"op lists deadlock: {stuck} wait for one another")
+        raise ValueError(f"op lists deadlock: {stuck} wait for cells never placed {sorted(waiting)}")
     table: Table = [[None] * p for _ in range(max(last) + 1)]
     for (kind, m, v, s), t in done.items():
         table[t][s] = Op(kind, m, v)
