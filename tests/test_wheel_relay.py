@@ -67,6 +67,10 @@ def test_pack_splits_into_parts_with_a_manifest_each_and_ignores_them(packed):
     assert main(["pack", "--wheels", "wheels", "--part-mb", "0.004"]) == 0  # a new pack replaces the old whole
     assert sorted(p.name for p in relay.iterdir()) == ["aa", "ab", "ac"]
     assert (packed / ".git" / "info" / "exclude").read_text().count("/.relay/") == 1
+    assert main(["pack", "--wheels", "wheels", "--dir", str(packed / "sub" / "relay")]) == 0  # absolute, inside
+    assert main(["pack", "--wheels", "wheels", "--dir", str(packed.parent / f"{packed.name}-out")]) == 0  # outside
+    exclude = (packed / ".git" / "info" / "exclude").read_text().splitlines()
+    assert exclude == ["# git's own comment", "/.venv/", "/.relay/", "/.parts/", "/sub/relay/"]
     with pytest.raises(ConfigError, match="--dir wheels: exists and holds no earlier pack"):
         main(["pack", "--wheels", "wheels", "--dir", "wheels"])
 

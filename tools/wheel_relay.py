@@ -53,16 +53,18 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def download(version: str, cuda: str, python: str, into: Path) -> list[Path]:
-    """jax, jaxlib and the CUDA plugin and PJRT wheels of `version`, for CPython `python` on x86-64."""
-    packages = [f"{p}=={version}" for p in ("jax", "jaxlib", f"jax-cuda{cuda}-plugin", f"jax-cuda{cuda}-pjrt")]
+def download(version: str, cuda: str, python: str, extra: list[str], into: Path) -> list[Path]:
+    """jax, jaxlib and the CUDA plugin and PJRT wheels of `version`, and the `extra` requirements,
+    for CPython `python` on x86-64."""
+    packages = [f"{p}=={version}" for p in ("jax", "jaxlib", f"jax-cuda{cuda}-plugin", f"jax-cuda{cuda}-pjrt")] + extra
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                            "--python-version", python, "--implementation", "cp", *platforms, "-d", str(into),
                            *packages], capture_output=True, text=True)
     if done.returncode:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise ConfigError(f"--jax {version} --cuda {cuda}: pip download failed: {last}")
+        raise ConfigError(f"--jax {version} --cuda {cuda} {' '.join(f'--extra {e}' for e in extra)}".strip()
+                          + f": pip download failed: {last}")
     return sorted(into.glob("*.whl"))
 
 
@@ -92,15 +94,22 @@ def pack(wheels: list[Path], relay: Path, part_bytes: int) -> dict:
     return manifest
 
 
-def exclude(*folders: str) -> None:
-    """Add /folder/ to this checkout's .git/info/exclude (once each), so no call carries it unasked."""
+def exclude(*folders: Path) -> None:
+    """Add /folder/ to this checkout's .git/info/exclude (once each), so no call carries it unasked;
+    folders outside the current directory travel with no call anyway."""
     info = Path(".git/info")
     if not info.parent.is_dir():
-        return  # not a checkout's root: nothing travels from here anyway
+        return  # not a checkout's root: nothing travels from here
+    inside = []
+    for folder in folders:
+        try:
+            inside.append(f"/{folder.resolve().relative_to(Path.cwd().resolve()).as_posix()}/")
+        except ValueError:
+            continue
     info.mkdir(exist_ok=True)
     path = info / "exclude"
     lines = path.read_text().splitlines() if path.exists() else []
-    path.write_text("\n".join(lines + [f"/{f}/" for f in folders if f"/{f}/" not in lines]) + "\n")
+    path.write_text("\n".join(lines + [line for line in inside if line not in lines]) + "\n")
 
 
 def take(relay: Path, parts: Path) -> tuple[dict, list[str]]:
@@ -148,6 +157,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--jax", default="0.12.0.1", help="pack: the jax version (default 0.12.0.1)")
     p.add_argument("--cuda", default="13", help="pack: the CUDA major of the plugin wheels (default 13)")
     p.add_argument("--python", default="3.12", help="pack: the GPU machine's Python (default 3.12)")
+    p.add_argument("--extra", action="append", default=[], metavar="NAME==VERSION",
+                   help="pack: one more requirement to carry, e.g. flax==0.12.12 where the machine's is too old "
+                   "for that jax (repeatable)")
     p.add_argument("--wheels", type=Path, help="pack: wheels already downloaded, in this folder, instead of pip's")
     p.add_argument("--part-mb", type=float, default=60.0, help="pack: MB per part (default 60: under 64 MiB "
                    "with a checkout of a few MB beside it)")
@@ -160,15 +172,17 @@ def main(argv: list[str]) -> int:
         if args.part_mb <= 0:
             raise ConfigError(f"--part-mb {args.part_mb}: must be > 0")
         with tempfile.TemporaryDirectory() as tmp:
-            wheels = sorted(args.wheels.glob("*.whl")) if args.wheels else download(args.jax, args.cuda, args.python,
-                                                                                    Path(tmp))
+            if args.wheels:
+                wheels = sorted(args.wheels.glob("*.whl"))
+            else:
+                wheels = download(args.jax, args.cuda, args.python, args.extra, Path(tmp))
             if not wheels:
                 raise ConfigError(f"--wheels {args.wheels}: no .whl file there")
             manifest = pack(wheels, args.dir, int(args.part_mb * 1e6))
-        exclude(str(args.dir), str(args.parts))
+        exclude(args.dir, args.parts)
         names = [q["name"] for q in manifest["parts"]]
         print(f"packed {len(manifest['wheels'])} wheels, {manifest['bytes'] / 1e6:.1f} MB, into {len(names)} parts "
-              f"under {args.dir}/ (ignored by git). Device calls, back to back:")
+              f"under {args.dir}/. Device calls, back to back:")
         for i, name in enumerate(names, 1):
             command = ("python3 -m tools.wheel_relay take" if i < len(names) else
                        f"python3 -m tools.wheel_relay install --target {args.target} && PYTHONPATH={args.target} ...")
