@@ -5,7 +5,7 @@ per device count (weak scaling, dp over every device), and `model.attention=auto
 recorded per row. Timing is `bench.step.measure_steps` (compile, one step, then the median of
 `steps`); an out-of-memory case is a row with status "oom" and the next case runs. All cases
 share one process, so `peak_memory_bytes_per_device` (memory_stats) is the process's peak so
-far: bench/gpu.py lists the cases smallest first, and XLA's static memory analysis of each step
+far: bench/gpu_sizes.py lists the cases smallest first, and XLA's static memory analysis of each step
 is recorded beside it.
 
 - training: one row per case.

@@ -130,7 +130,8 @@ def test_cores_limits_the_attention_stages(tmp_path):
 def test_fp32_lengths_replace_the_correctness_stages_fp32_cases(tmp_path):
     """--fp32-lengths none drops the fp32 cases (Pallas Triton compiles about 2 minutes per fp32
     length on an H100); a list replaces the sizes' own; anything else is argparse's error."""
-    from bench.gpu import GPU, parse_args
+    from bench.gpu import parse_args
+    from bench.gpu_sizes import GPU
     from configs import ConfigError
 
     out = tmp_path / "gpu.json"
@@ -201,7 +202,7 @@ def test_op_kinds_prints_the_breakdown(tmp_path, capsys):
 
 
 def test_every_gpu_case_builds_and_traces():
-    """The GPU run's own cases (bench.gpu.GPU: training, flags and profile, at their real presets
+    """The GPU run's own cases (bench.gpu_sizes.GPU: training, flags and profile, at their real presets
     and batches) are valid runs: each parses and its train step traces (abstractly: nothing
     allocated or compiled) on 1 device and on 8, as on one GPU and on a node; the mesh stage's
     strategies on their meshes of 8. A renamed setting
@@ -210,7 +211,7 @@ def test_every_gpu_case_builds_and_traces():
 
     import jax
 
-    from bench.gpu import GPU
+    from bench.gpu_sizes import GPU
     from bench.gpu_mesh import meshes
     from bench.gpu_training import PROFILE_EXTRA
     from sharding.mesh import build_mesh, format_mesh, mesh_config, parse_mesh
