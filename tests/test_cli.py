@@ -321,7 +321,8 @@ def test_every_entry_point_names_a_backend_jax_cannot_start(tmp_path, monkeypatc
 
 
 ENTRY_POINTS = ["train", "pipeline.schedule", *(f"tools.{m}" for m in (
-    "collectives", "convert", "generate", "gpu_compile", "hlo", "op_kinds", "plan", "topology", "trace_summary")),
+    "collectives", "convert", "generate", "gpu_compile", "hlo", "op_kinds", "plan", "topology", "trace_summary",
+    "wheel_relay")),
     *(f"bench.{m}" for m in ("attention", "checkpoint", "context", "gpu", "moe", "pipeline", "step", "tables", "tp",
                              "tune_attention"))]
 
