@@ -73,6 +73,11 @@ def test_pack_splits_into_parts_with_a_manifest_each_and_ignores_them(packed):
     assert exclude == ["# git's own comment", "/.venv/", "/.relay/", "/.parts/", "/sub/relay/"]
     with pytest.raises(ConfigError, match="--dir wheels: exists and holds no earlier pack"):
         main(["pack", "--wheels", "wheels", "--dir", "wheels"])
+    with pytest.raises(ConfigError, match=r"--part-mb 1e-05: 0.0 MB would make more than 676 parts"):
+        main(["pack", "--wheels", "wheels", "--part-mb", "0.00001"])
+    assert sorted(p.name for p in relay.iterdir()) == ["aa", "ab", "ac"]  # the refused pack left the last one be
+    (packed / "empty").mkdir()
+    assert main(["pack", "--wheels", "wheels", "--dir", "empty"]) == 0  # an empty folder is a new one
 
 
 def test_parts_carried_one_a_call_install_and_import(packed, tmp_path_factory, capsys, monkeypatch):

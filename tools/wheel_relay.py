@@ -71,15 +71,18 @@ def download(version: str, cuda: str, python: str, extra: list[str], into: Path)
 def pack(wheels: list[Path], relay: Path, part_bytes: int) -> dict:
     """Tar `wheels`, split the tar into relay/<name>/part.<name> of at most part_bytes each, and
     write the manifest beside every part. Returns the manifest."""
-    if relay.exists():
-        if not (relay / "aa" / MANIFEST).exists():
-            raise ConfigError(f"--dir {relay}: exists and holds no earlier pack; name a new folder")
-        shutil.rmtree(relay)  # an earlier pack's parts: replaced whole, so no stale part survives
+    if relay.exists() and any(relay.iterdir()) and not (relay / "aa" / MANIFEST).exists():
+        raise ConfigError(f"--dir {relay}: exists and holds no earlier pack; name a new folder")
     with tempfile.TemporaryDirectory() as tmp:
         joined = Path(tmp) / "wheels.tar"
         with tarfile.open(joined, "w") as tar:
             for w in wheels:
                 tar.add(w, arcname=w.name)
+        size = joined.stat().st_size
+        if -(-size // part_bytes) > len(NAMES):
+            raise ConfigError(f"--part-mb {part_bytes / 1e6:g}: {size / 1e6:.1f} MB would make more than "
+                              f"{len(NAMES)} parts; take larger parts")
+        shutil.rmtree(relay, ignore_errors=True)  # an earlier pack's parts: replaced whole, no stale part survives
         parts = []
         with joined.open("rb") as f:
             while chunk := f.read(part_bytes):
@@ -87,8 +90,7 @@ def pack(wheels: list[Path], relay: Path, part_bytes: int) -> dict:
                 (relay / name).mkdir(parents=True)
                 (relay / name / f"part.{name}").write_bytes(chunk)
                 parts.append({"name": name, "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
-        manifest = {"wheels": [w.name for w in wheels], "bytes": joined.stat().st_size, "sha256": sha256(joined),
-                    "parts": parts}
+        manifest = {"wheels": [w.name for w in wheels], "bytes": size, "sha256": sha256(joined), "parts": parts}
     for p in parts:
         (relay / p["name"] / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
