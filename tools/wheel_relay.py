@@ -10,11 +10,11 @@ carries at most 64 MiB beside the checkout. jax 0.12.0.1 for CUDA 13 is four whe
 3.5, jaxlib 86.8, jax-cuda13-plugin 8.2, jax-cuda13-pjrt 134.9; recompressing gains nothing, they
 are zip files already). `pack` downloads them with pip for CPython 3.12 on manylinux x86-64, puts
 them in one tar and splits it into parts of --part-mb (default 60 MB: four parts), each in its own
-folder with a manifest (the sha256 of every part and of the whole), and adds the folders to
+folder with a manifest (the sha256 of every part; the whole's names the pack), and adds the folders to
 .git/info/exclude so that no call carries them unasked. Each call then carries one part folder
 (`carry: [".relay/aa"]`); a warm machine keeps ignored files between calls, so the calls must come
-back to back (it is released after 30 s idle, and a fresh one has lost the parts). `install`
-checks every part against the manifest, names any missing or damaged one, joins them and installs
+back to back (it is released after 30 s idle, and a fresh one has lost the parts). `take` checks
+each part against the manifest as it keeps it; `install` names any missing one, joins them and installs
 the wheels with pip (--no-index --no-deps) into --target, which PYTHONPATH puts in front of the
 machine's own jax and CUDA plugin. The plugin's CUDA requirements (nvidia-* wheels) for 0.12 are
 0.11.2's, which that machine has.
@@ -45,12 +45,12 @@ PLATFORMS = ("manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x8
 NAMES = [a + b for a in string.ascii_lowercase for b in string.ascii_lowercase]  # aa, ab, ... as split(1) names
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+def pip(argv: list[str], failure: str) -> None:
+    """Run this Python's pip; a failure is one ConfigError line: `failure` and pip's last line."""
+    done = subprocess.run([sys.executable, "-m", "pip", *argv], capture_output=True, text=True)
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise ConfigError(f"{failure}: {last}")
 
 
 def download(version: str, cuda: str, python: str, extra: list[str], into: Path) -> list[Path]:
@@ -58,13 +58,9 @@ def download(version: str, cuda: str, python: str, extra: list[str], into: Path)
     for CPython `python` on x86-64."""
     packages = [f"{p}=={version}" for p in ("jax", "jaxlib", f"jax-cuda{cuda}-plugin", f"jax-cuda{cuda}-pjrt")] + extra
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
-    done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                           "--python-version", python, "--implementation", "cp", *platforms, "-d", str(into),
-                           *packages], capture_output=True, text=True)
-    if done.returncode:
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise ConfigError(f"--jax {version} --cuda {cuda} {' '.join(f'--extra {e}' for e in extra)}".strip()
-                          + f": pip download failed: {last}")
+    flags = " ".join([f"--jax {version} --cuda {cuda}", *(f"--extra {e}" for e in extra)])
+    pip(["download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", python, "--implementation", "cp",
+         *platforms, "-d", str(into), *packages], f"{flags}: pip download failed")
     return sorted(into.glob("*.whl"))
 
 
@@ -83,14 +79,15 @@ def pack(wheels: list[Path], relay: Path, part_bytes: int) -> dict:
             raise ConfigError(f"--part-mb {part_bytes / 1e6:g}: {size / 1e6:.1f} MB would make more than "
                               f"{len(NAMES)} parts; take larger parts")
         shutil.rmtree(relay, ignore_errors=True)  # an earlier pack's parts: replaced whole, no stale part survives
-        parts = []
+        parts, whole = [], hashlib.sha256()
         with joined.open("rb") as f:
             while chunk := f.read(part_bytes):
                 name = NAMES[len(parts)]
                 (relay / name).mkdir(parents=True)
                 (relay / name / f"part.{name}").write_bytes(chunk)
                 parts.append({"name": name, "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
-        manifest = {"wheels": [w.name for w in wheels], "bytes": size, "sha256": sha256(joined), "parts": parts}
+                whole.update(chunk)
+    manifest = {"wheels": [w.name for w in wheels], "bytes": size, "sha256": whole.hexdigest(), "parts": parts}
     for p in parts:
         (relay / p["name"] / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
@@ -128,29 +125,25 @@ def take(relay: Path, parts: Path) -> tuple[dict, list[str]]:
     for p in manifest["parts"]:
         carried, kept = relay / p["name"] / f"part.{p['name']}", parts / f"part.{p['name']}"
         if carried.exists() and not kept.exists():
-            if sha256(carried) != p["sha256"]:
+            with carried.open("rb") as f:
+                damaged = hashlib.file_digest(f, "sha256").hexdigest() != p["sha256"]
+            if damaged:
                 raise ConfigError(f"{carried}: damaged (its sha256 is not the manifest's); pack again")
             shutil.copyfile(carried, kept)
     return manifest, [p["name"] for p in manifest["parts"] if not (parts / f"part.{p['name']}").exists()]
 
 
 def install(manifest: dict, parts: Path, target: Path) -> None:
-    """Join the parts, check the whole, and pip install its wheels into target."""
+    """Join the parts (each checked by `take`) and pip install their wheels into target."""
     with tempfile.TemporaryDirectory() as tmp:
         joined = Path(tmp) / "wheels.tar"
         with joined.open("wb") as out:
             for p in manifest["parts"]:
                 out.write((parts / f"part.{p['name']}").read_bytes())
-        if sha256(joined) != manifest["sha256"]:
-            raise ConfigError(f"the joined parts in {parts}/ are not what was packed (sha256); pack again")
         with tarfile.open(joined) as tar:
             tar.extractall(tmp, filter="data")
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                               "--no-cache-dir", "--upgrade", "--target", str(target),
-                               *(str(Path(tmp) / w) for w in manifest["wheels"])], capture_output=True, text=True)
-    if done.returncode:
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise ConfigError(f"pip install into {target} failed: {last}")
+        pip(["install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade", "--target",
+             str(target), *(str(Path(tmp) / w) for w in manifest["wheels"])], f"pip install into {target} failed")
 
 
 def main(argv: list[str]) -> int:
