@@ -97,6 +97,9 @@ PROSE_ONLY = {
     "pipeline-layout-h100-compiled": "the stage census before and after the layers were laid out by hand "
                                      "(pipeline/layout.py), H100 compiles and CPU, quoted in the pipeline "
                                      "paragraphs and the census table's interleaved row",
+    "embedding-grad-1f1b": "the 1F1B family's embedding backward before and after it scattered into the fp32 "
+                           "accumulator in place: CPU step ratios, H100 compiles and an estimate, quoted in the "
+                           "pipeline paragraph",
 }
 
 

@@ -12,6 +12,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from sharding.rules import constrain
 from sharding.vocab_parallel import vocab_parallel_take
@@ -56,14 +57,16 @@ class Embed(nnx.Module):
         table = constrain(self.table[...], ("vocab", None))
         return jnp.take(table, tokens, axis=0)  # [B, L] -> [B, L, D]
 
-    def vocab_parallel(self, tokens: jax.Array, sequence_parallel: bool = False) -> jax.Array:
+    def vocab_parallel(self, tokens: jax.Array, sequence_parallel: bool = False,
+                       dtype: DTypeLike | None = None) -> jax.Array:
         """The same lookup written per tensor shard (Megatron's vocab-parallel embedding): each
         device looks up the tokens in its own V/T rows, zeros the others, and one psum over the
         tensor axis ([B, L, D]; a reduce-scatter over L under sequence parallelism) assembles
-        the rows. The explicit tensor-parallel runs use it: XLA's own lookup from a vocab-split
-        table all-gathers the table under SP, and aborts inside the 1f1b stage region on jax 0.12."""
+        the rows, cast to `dtype` as taken. The explicit tensor-parallel runs use it: XLA's own
+        lookup from a vocab-split table all-gathers the table under SP, and aborts inside the
+        1f1b stage region on jax 0.12."""
         table = constrain(self.table[...], ("vocab", None))
-        return vocab_parallel_take(table, tokens, sequence_parallel)
+        return vocab_parallel_take(table, tokens, sequence_parallel, dtype)
 
 
 def rotary(length: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:

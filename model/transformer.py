@@ -170,15 +170,17 @@ class Transformer(nnx.Module):
 
     # The pieces below let pipeline/ run the layers in stages, embedding and head apart.
 
-    def embed_tokens(self, tokens: jax.Array, vocab_parallel: bool = False) -> jax.Array:
-        """tokens [B, L] int -> x [B, L, D]; the lookup is the tensor axis's explicit region
-        (Embed.vocab_parallel) when the regions are explicit (tp_impl=shard_map) or when
-        `vocab_parallel` asks for it, else XLA's."""
+    def embed_tokens(self, tokens: jax.Array, vocab_parallel: bool = False,
+                     dtype: DTypeLike | None = None) -> jax.Array:
+        """tokens [B, L] int -> x [B, L, D] in `dtype` (default the table's); the lookup is the
+        tensor axis's explicit region (Embed.vocab_parallel, which casts the rows before its
+        collective) when the regions are explicit (tp_impl=shard_map) or when `vocab_parallel`
+        asks for it, else XLA's."""
         with jax.named_scope("embedding"):
             if vocab_parallel or self.tp.impl == "shard_map":
-                x = self.embed.vocab_parallel(tokens, self.tp.sequence_parallel)
+                x = self.embed.vocab_parallel(tokens, self.tp.sequence_parallel, dtype)
             else:
-                x = self.embed(tokens)
+                x = self.embed(tokens) if dtype is None else self.embed(tokens).astype(dtype)
             return constrain(x, self.act_names)
 
     def rotary_tables(self, rows: int) -> tuple[jax.Array, jax.Array]:

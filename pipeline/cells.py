@@ -40,6 +40,7 @@ from pipeline.stages import with_part
 from pipeline.tables import BACKWARD, FORWARD, WEIGHT
 from pipeline.tick_program import BACKWARD_LAST, NAMES, SCOPE
 from sharding.checks import moe_layers
+from sharding.vocab_parallel import take_grad_reduced
 
 @dataclass(frozen=True)
 class Static:
@@ -274,5 +275,21 @@ def run_cell(cells: dict, kinds: set[int], kind: jax.Array, args: tuple, out: Se
 
 
 def embed(st: Static, compute: nnx.State, tokens: jax.Array, table: jax.Array) -> jax.Array:
-    """Stage 0's input: tokens [b, L] looked up in `table` (the embedding, vocab-parallel)."""
-    return model_of(st, with_part(compute, "embed", table)).embed_tokens(tokens, vocab_parallel=True)
+    """Stage 0's input: tokens [b, L] looked up in `table` (the embedding, vocab-parallel), in
+    the compute dtype."""
+    return model_of(st, with_part(compute, "embed", table)).embed_tokens(tokens, vocab_parallel=True, dtype=st.dtype)
+
+
+def embed_grad(st: Static, compute: nnx.State, tokens: jax.Array, d: jax.Array, acc: nnx.State) -> nnx.State:
+    """acc (the embedding's fp32 gradient, its [V, D] table) + the lookup's for cotangent d [b,
+    L, D]: the transpose of `embed` from a table in fp32, so that the scatter-add is fp32 from
+    the start and XLA writes it into acc in place (add(acc, scatter(0, ...)) folds to
+    scatter(acc, ...)), b·L·D elements a tick. From the compute-dtype table it zero-filled a
+    [V, D] table, converted it and added it to acc: about 12·V·D bytes of memory traffic every
+    tick on every stage. Where the lookup's region all-reduces the table's gradient every tick
+    (sharding.vocab_parallel.take_grad_reduced) nothing folds past the all-reduce, and the
+    transpose stays in the compute dtype, which the all-reduce then moves."""
+    dtype = st.dtype if take_grad_reduced() else jnp.float32
+    table = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), acc)
+    grad = jax.linear_transpose(partial(embed, st, compute, tokens), table)(d)[0]
+    return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grad)

@@ -39,7 +39,8 @@ pipeline/tick_program.py; the cells are pipeline/cells.py):
             slot what W needs (each matmul's output cotangent); W, a later tick, the weight
             gradients from the residuals and the stash. All weight-gradient matmuls stay in W
             (B + W hold the unsplit B's matmuls, none twice)
-  4. embedding backward: the table's gradient from stage 0 chunk 0's dx (zero elsewhere).
+  4. embedding backward: the table's gradient from stage 0 chunk 0's dx (zero elsewhere),
+     scattered into the fp32 accumulator in place (cells.embed_grad).
 
 Residuals and the remat policy (model.remat): a chunk runs as one jax.checkpoint whose policy is
 model.remat.stash_policy, so the residuals are what it saves, the parameters excepted (re-supplied
@@ -74,8 +75,9 @@ different stages take different branches, so a branch may hold only collectives 
 are all in one stage. GSPMD's partition of the embedding's scatter-add under sequence
 parallelism is a collective-permute over all devices, which would wait forever for the stages
 that took another branch (the tensor-parallel all-reduces, all-gathers and reduce-scatters
-inside the stage's layers stay within a stage). The cost is a [b, L, D] gather and
-scatter-add per tick on the stages that do not need them, and under tensor parallelism the
+inside the stage's layers stay within a stage). The cost is a [b, L, D] gather and scatter-add
+per tick on the stages that do not need them (the scatter-add in place: autodiff of the bf16
+lookup filled, converted and added a whole [V, D] table), and under tensor parallelism the
 vocab-parallel lookup's all-reduce: T - M more than M (tools.traffic.embedded_every_tick). The
 head's collectives (the vocab split over tensor) stay within the last stage. tp_overlap's rings
 are collective-permutes too, hence refused with this family (sharding/checks.py), and so is the
@@ -97,7 +99,7 @@ from jax.sharding import PartitionSpec as P
 from configs.base import RunConfig
 from model.moe import no_stats
 from model.transformer import compute_params
-from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed, replaced, residual_layout, run_cell
+from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed, embed_grad, replaced, residual_layout, run_cell
 from pipeline.stage_weights import chunked, gathered_once, reduced_once, weight_specs
 from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
 from pipeline.tables import BACKWARD
@@ -157,16 +159,14 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
             inbuf, inbox, out = carry
             inbuf, inbox = _receive(inbuf, inbox, out, slots, pairs, arrivals)
             first = (s == 0) & (v == 0)
-            embedded, embed_vjp = jax.vjp(partial(embed, stc, compute, inputs[m]), compute["embed"])
-            x = jnp.where(first, embedded, inbuf[xs])
+            x = jnp.where(first, embed(stc, compute, inputs[m], compute["embed"]), inbuf[xs])
             out = run_cell(cells, kinds, kind, (compute, v, (rs, ss), x, inbox[gs], targets[m]), out)
             inbuf = _put(inbuf, kf, out.send_f)  # the last chunk's output for its B; zbv's turn
             if prog.used("keep_b"):
                 inbox = _put(inbox, kb, out.send_b)  # zbv's turn: chunk 1's input gradient feeds chunk 0's B
             d_embedded = jnp.where(first & (kind == BACKWARD), out.send_b, jnp.zeros_like(out.send_b))
-            grads = replaced(out.grads, {"embed": jax.tree.map(lambda a, d: a + d.astype(a.dtype),
-                                                                out.grads["embed"], embed_vjp(d_embedded)[0])})
-            out = out._replace(grads=grads)
+            table = embed_grad(stc, compute, inputs[m], d_embedded, out.grads["embed"])
+            out = out._replace(grads=replaced(out.grads, {"embed": table}))
             if prog.v_shape:  # chunk 1 of the V sends its forward to s-1 and its gradient to s+1
                 out = out._replace(send_f=jnp.where(v == 1, out.send_b, out.send_f),
                                    send_b=jnp.where(v == 1, out.send_f, out.send_b))

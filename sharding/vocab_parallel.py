@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 from jax.sharding import PartitionSpec as P
 
 from sharding.context_parallel import AXIS as CONTEXT_AXIS
@@ -29,7 +30,8 @@ from sharding.rules import axis_size, constrain, logical_to_spec, not_manual, va
 from sharding.tensor_parallel import AXIS, BATCH_AXES, Sharded, TensorParallel, gathered_forward_only
 
 
-def vocab_parallel_take(table: jax.Array, tokens: jax.Array, sequence_parallel: bool = False) -> jax.Array:
+def vocab_parallel_take(table: jax.Array, tokens: jax.Array, sequence_parallel: bool = False,
+                        dtype: DTypeLike | None = None) -> jax.Array:
     """table [V, D] (V split over tensor), tokens [B, L] -> [B, L, D] ([B, L/T, D] under SP), as
     one region over tensor: each device takes the tokens that fall in its V/T rows (zeros
     elsewhere), then a psum of [B, L, D] over tensor, 2·B·L·D·(T-1)/T elements (under SP a
@@ -37,15 +39,18 @@ def vocab_parallel_take(table: jax.Array, tokens: jax.Array, sequence_parallel: 
     scatter-add. Under SP, GSPMD's own lookup would all-gather the whole table over data and
     tensor every step (V·D: 525M for Llama 3). The batch and sequence axes are manual too: with
     them automatic, XLA partitions the backward scatter-add by all-gathering dx and the tokens
-    over them instead of summing the table's gradient there."""
+    over them instead of summing the table's gradient there. `dtype`: the rows are cast to it
+    as taken, before any collective (default: the table's); the transpose from an fp32 table then
+    scatters an fp32 gradient (pipeline/cells.py's `embed_grad`) behind the same collectives."""
+    dtype = dtype or table.dtype
     if axis_size(AXIS) == 1:
-        return jnp.take(table, tokens, axis=0)
+        return jnp.take(table, tokens, axis=0).astype(dtype)
     mesh, manual = jax.sharding.get_abstract_mesh(), not_manual((*BATCH_AXES, CONTEXT_AXIS, AXIS))
 
     def local(rows: jax.Array, ids: jax.Array) -> jax.Array:
         idx = ids - lax.axis_index(AXIS) * rows.shape[0]
         mine = (idx >= 0) & (idx < rows.shape[0])
-        x = jnp.take(rows, jnp.clip(idx, 0, rows.shape[0] - 1), axis=0)
+        x = jnp.take(rows, jnp.clip(idx, 0, rows.shape[0] - 1), axis=0).astype(dtype)
         x = jnp.where(mine[..., None], x, jnp.zeros_like(x))
         return lax.psum_scatter(x, AXIS, scatter_dimension=1, tiled=True) if sequence_parallel else lax.psum(x, AXIS)
 
@@ -54,6 +59,16 @@ def vocab_parallel_take(table: jax.Array, tokens: jax.Array, sequence_parallel: 
     out_spec = logical_to_spec(out_names, (*tokens.shape, table.shape[1]), mesh, within=manual)
     return jax.shard_map(local, in_specs=(P(AXIS, None), ids_spec), out_specs=out_spec,
                          axis_names=set(manual))(table, tokens)
+
+
+def take_grad_reduced() -> bool:
+    """Whether the transpose of `vocab_parallel_take` all-reduces the table's gradient: its
+    region is manual over a batch or sequence axis of size > 1 that the context leaves to XLA,
+    over which the table is replicated (a pipeline engine not manual over them: MoE, sp > 1)."""
+    if axis_size(AXIS) == 1:
+        return False
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    return any(sizes[a] > 1 for a in not_manual((*BATCH_AXES, CONTEXT_AXIS)))
 
 
 def vocab_parallel_logits(tp: TensorParallel, x: jax.Array, head: jax.Array) -> jax.Array:

@@ -364,19 +364,44 @@ def test_1f1b_family_gathers_fsdp_weights_once_per_step(schedule):
     assert len(gathers) >= 9 and all(c.trips == 1 for c in gathers), [(c.op_name, c.trips) for c in gathers]
 
 
-def test_1f1b_cells_hold_no_collective_across_stages():
+@pytest.fixture(scope="module")
+def tp_sp_1f1b():
+    """The compiled 1f1b step on pp=2,dp=2,tp=2 with sequence parallelism, in bf16 (the vocab
+    320, so that no other value has the [V/T, D] shape of a device's embedding table)."""
+    cfg = small_config("pp=2,dp=2,tp=2", "parallel.schedule=1f1b", "parallel.sequence_parallel=true",
+                       "model.compute_dtype=bfloat16", "model.vocab_size=320")
+    return cfg, *_compiled(cfg)
+
+
+def test_1f1b_cells_hold_no_collective_across_stages(tp_sp_1f1b):
     """The devices of different stages run different 1f1b cells (lax.switch) in the same tick,
     so a collective inside a cell may only group devices of one stage, and no collective-permute
     (XLA runs one over all devices): with tp and sequence parallelism on, the census of the
     compiled step finds none inside the cells (the embedding runs outside them)."""
     from tools.hlo import census
 
-    cfg = small_config("pp=2,dp=2,tp=2", "parallel.schedule=1f1b", "parallel.sequence_parallel=true")
-    compiled, mesh = _compiled(cfg)
+    _, compiled, mesh = tp_sp_1f1b
     ops = census(compiled.as_text(), dict(mesh.shape))
     cells = [c for c in ops if "/cond/" in c.op_name]
     assert {c.kind for c in cells} >= {"all-gather", "reduce-scatter"}  # SP's, per stage
     assert not [c for c in cells if c.kind == "collective-permute" or "stage" in c.axes]
+
+
+def test_1f1b_embedding_gradient_is_scattered_in_place(tp_sp_1f1b):
+    """Every stage runs the embedding's backward every tick (pipeline/one_f_one_b.py says why),
+    so it must cost the tick's b·L·D rows, not the table: the lookup's transpose from an fp32
+    table (pipeline.cells.embed_grad) scatters into the fp32 accumulator in place, and no
+    [V/T, D] table is filled, converted or added inside the tick loop. The vjp of the bf16
+    lookup did all three every tick."""
+    from tools.hlo_text import INSTRUCTION, computation_runs
+
+    cfg, compiled, mesh = tp_sp_1f1b
+    body, runs = computation_runs(compiled.as_text())
+    table = f"[{cfg.model.vocab_size // mesh.shape['tensor']},{cfg.model.d_model}]"
+    in_loop = [m for comp, lines in body.items() if runs.get(comp, 0) > 1 for m in map(INSTRUCTION.match, lines)
+               if m and table in m.group(2)]
+    ops = {m.group(3) for m in in_loop}
+    assert ops and not {"broadcast", "convert", "add"} & ops, sorted(ops)
 
 
 @pytest.mark.parametrize(

@@ -120,3 +120,29 @@ def test_head_matmul_backward_runs_in_the_compute_dtype_in_the_weight_layout():
     dx, dw = grads(x16, w16)
     np.testing.assert_allclose(np.float32(dx), want[0], rtol=0.05, atol=0.05)
     np.testing.assert_allclose(np.float32(dw), want[1], rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("mesh_text, manual, reduced", [
+    ("pp=2,dp=2,tp=2", ("stage", "data"), False),  # the 1F1B engine beside data: summed per device
+    ("pp=2,dp=2,tp=2", ("stage",), True),  # MoE: data left to XLA, the lookup's region manual over it
+    ("pp=2,sp=2,tp=2", ("stage",), True),  # sp > 1
+    ("pp=2,dp=4", ("stage",), False),  # no tensor axis: GSPMD's own lookup, no region
+    ("dp=2,tp=4", (), True),  # outside any region (not nested): the region is manual over data
+])
+def test_take_grad_reduced_where_the_region_owns_a_batch_axis(mesh_text, manual, reduced):
+    """sharding.vocab_parallel.take_grad_reduced, read inside a shard_map manual over `manual`:
+    whether the lookup's transpose all-reduces the table's gradient (pipeline.cells.embed_grad
+    then keeps it in the compute dtype, so the all-reduce moves bf16; elsewhere it scatters fp32
+    into the accumulator in place)."""
+    from sharding.vocab_parallel import take_grad_reduced
+
+    mesh, seen = _mesh(mesh_text), []
+
+    def body(x):
+        seen.append(take_grad_reduced())
+        return x
+
+    with jax.set_mesh(mesh):
+        fn = jax.shard_map(body, in_specs=P(), out_specs=P(), axis_names=set(manual), check_vma=False) if manual else body
+        jax.eval_shape(fn, jnp.zeros(()))
+    assert seen == [reduced]
