@@ -45,7 +45,7 @@ def vocab_parallel_take(table: jax.Array, tokens: jax.Array, sequence_parallel: 
     dtype = dtype or table.dtype
     if axis_size(AXIS) == 1:
         return jnp.take(table, tokens, axis=0).astype(dtype)
-    mesh, manual = jax.sharding.get_abstract_mesh(), not_manual((*BATCH_AXES, CONTEXT_AXIS, AXIS))
+    mesh, manual = jax.sharding.get_abstract_mesh(), _take_region_axes()
 
     def local(rows: jax.Array, ids: jax.Array) -> jax.Array:
         idx = ids - lax.axis_index(AXIS) * rows.shape[0]
@@ -61,6 +61,12 @@ def vocab_parallel_take(table: jax.Array, tokens: jax.Array, sequence_parallel: 
                          axis_names=set(manual))(table, tokens)
 
 
+def _take_region_axes() -> tuple[str, ...]:
+    """The axes `vocab_parallel_take`'s region makes manual: tensor, and the batch and sequence
+    axes the context has not already made manual."""
+    return not_manual((*BATCH_AXES, CONTEXT_AXIS, AXIS))
+
+
 def take_grad_reduced() -> bool:
     """Whether the transpose of `vocab_parallel_take` all-reduces the table's gradient: its
     region is manual over a batch or sequence axis of size > 1 that the context leaves to XLA,
@@ -68,7 +74,7 @@ def take_grad_reduced() -> bool:
     if axis_size(AXIS) == 1:
         return False
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
-    return any(sizes[a] > 1 for a in not_manual((*BATCH_AXES, CONTEXT_AXIS)))
+    return any(sizes[a] > 1 for a in _take_region_axes() if a != AXIS)
 
 
 def vocab_parallel_logits(tp: TensorParallel, x: jax.Array, head: jax.Array) -> jax.Array:
