@@ -83,6 +83,8 @@ PROSE_ONLY = {
     "accumulation-tensor-h100-compiled": "FSDP's by-hand gathers and reductions beside tensor parallelism before "
                                          "and after they ran on each tensor shard, quoted in the pipeline "
                                          "paragraph and sharding/accumulation.py",
+    "pipeline-engine-h100-compiled": "gpipe's and interleaved's census and XLA's memory before and after they "
+                                     "moved into the schedules' shared region, quoted in the pipeline paragraph",
     "pipelined-all-gather-sp-h100-compiled": "the census and XLA's memory under sequence parallelism with XLA's "
                                              "all-gather pipeliner on and off, quoted in the XLA flags paragraph",
     "fsdp-tp-remat-scan-h100-compiled": "the same in the layer scan, before and after the forward-only "

@@ -35,8 +35,9 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     statistics (model/moe.py; {} for a dense model) of the [M, b, L] batch, pipelined by
     `parallel.schedule`. Each stage sums the statistics of its MoE layers over the microbatches
     it runs (idle ticks masked out), and the sums meet across `stage` once per step.
-    `accumulation`: the batch axes the 1F1B family runs manual over, reducing its gradients over
-    them once per step (sharding.checks.accumulation_axes: data, or none)."""
+    `accumulation`: the batch axes the schedule's region runs manual over, reducing its gradients
+    over them once per step (sharding.checks.accumulation_axes: data and fsdp, or none;
+    pipeline/engine.py)."""
     from configs.base import ConfigError
     from pipeline import circular, one_f_one_b
     from pipeline.stages import stages
@@ -44,6 +45,5 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     if stages() == 1:  # the step was built for pp > 1; the schedules read p from the mesh in context
         raise ConfigError("the pipelined step needs its mesh in context, which has no stage axis here: call it "
                           "inside `with jax.set_mesh(mesh)`, the mesh training.build built it for")
-    if cfg.parallel.schedule in ONE_F_ONE_B:
-        return one_f_one_b.loss_and_grads(params, graphdef, batch, cfg, accumulation)
-    return circular.loss_and_grads(params, graphdef, batch, cfg)
+    engine = one_f_one_b if cfg.parallel.schedule in ONE_F_ONE_B else circular
+    return engine.loss_and_grads(params, graphdef, batch, cfg, accumulation)

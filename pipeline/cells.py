@@ -6,6 +6,9 @@ parameters ([V, Lc, ...] blocks), chunk v, the cell's (residuals, stash) slots, 
 L, D], output gradient g, the microbatch's targets [b, L] and the carry's `Sent`, and returns the
 next `Sent`. Layouts, slot counts and memory are in one_f_one_b.py's docstring.
 
+`embed`, `embed_grad`, `router_share`, `Static` and `model_of` serve gpipe and interleaved too
+(pipeline/circular.py).
+
 `run_cell` runs a tick's cell as one `lax.switch` per group of cells that write the same fields
 of `Sent` (F; B and the last chunk's B; W), whose operand and result are those fields alone:
 the other fields, the slot buffers the group only reads among them, go in as operands that no
@@ -83,7 +86,7 @@ def model_of(st: Static, local: nnx.State) -> Transformer:
     return nnx.merge(st.graphdef, local)
 
 
-def _router_share(st: Static, stats: dict) -> jax.Array:
+def router_share(st: Static, stats: dict) -> jax.Array:
     """This chunk's part of one microbatch's router losses in the objective: its MoE layers'
     summed losses over all MoE layers and M (0 for a dense model)."""
     return jnp.asarray(router_loss(stats, st.model), jnp.float32) / (st.m_count * max(moe_layers(st.model), 1))
@@ -94,7 +97,7 @@ def _chunk(st: Static, model: Transformer, layers: nnx.State, x: jax.Array) -> t
     one checkpoint whose policy (model.remat.stash_policy) decides what its vjp keeps for B."""
     def run(layers, x):
         y, stats = model.run_layers(x, layers)
-        return (y, _router_share(st, stats)), stats
+        return (y, router_share(st, stats)), stats
 
     return stashed(run, st.model.remat)(layers, x)
 

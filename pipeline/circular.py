@@ -1,5 +1,5 @@
-"""GPipe and interleaved (circular) schedules: a scan over ticks inside a shard_map over `stage`;
-the backward pass is autodiff's transpose of that scan.
+"""GPipe and interleaved (circular) schedules: a scan over ticks on every stage; the backward pass
+is autodiff's transpose of that scan, on each device.
 
 Layout (p stages, V chunks per stage, X layers, Lc = X/(p·V) layers per chunk):
 
@@ -7,8 +7,8 @@ Layout (p stages, V chunks per stage, X layers, Lc = X/(p·V) layers per chunk):
   layers (v·p + s)·Lc ... + Lc - 1 (pipeline/layout.py). V = 1 (gpipe) is the stored layout
   itself: no data moves. V > 1 (interleaved) lays the cast layers out inside the shard_map
   every step, each chunk stored elsewhere moving once by collective-permute (the busiest
-  device's `layout.leaving` chunks of Lc layers), autodiff's transpose moving their gradients
-  back, both in the compute dtype.
+  device's `layout.leaving` chunks of Lc layers) in the compute dtype, their fp32 gradients
+  back after the backward (pipeline/engine.py).
 
 Tick t on device s runs its cell of pipeline/tables.py's table (the arrays of `cells`, in the
 scan's rows): microbatch m on chunk v; its input is the embedding of m (s = 0, v = 0) or what
@@ -17,13 +17,23 @@ with one `ppermute` of [b, L, D] per tick: M·V + p - 1 collective-permutes of b
 forward, the same backward. Idle cells run the layers on zeros (inputs masked with a select),
 so no bubble value reaches the result.
 
-Embedding and head run outside the shard_map, under GSPMD: the embedded batch [M, b, L, D]
-enters replicated over stage (only stage 0 reads it; backward, its cotangent is summed over
-stage: an all-reduce of M·b·L·D), the last stage's outputs [M, b, L, D] leave through a
-[p, M, ...] array of which only row p-1 is read, and the head (final norm, [D, V] matmul, loss)
-runs replicated on every stage, p times its work: under remat none on all M microbatches at
-once, under any other policy one microbatch at a time, recomputed in the backward
-(`head_loss`).
+Region and gradients: pipeline/engine.py's, shared with the 1F1B family: manual over stage
+and the step's accumulation axes (data and fsdp), the stage's weights cast, laid out and
+gathered whole over fsdp once per step, and on each device `jax.value_and_grad` of its own
+objective (`_objective`) through the tick scan; the summed gradients are then reduced over data
+and fsdp once per step. As autodiff's transpose under XLA's batch axes, the tick scan had
+reduced the layers' gradients over data in every tick, bubble ticks included (M·V + p - 1
+all-reduces a step), and under fsdp gathered the weights in every use (tiny pp=2,dp=2,fsdp=2
+at M = 8: 7.7x the data bytes and 15.3x the fsdp bytes, tests/test_hlo.py). Where no batch axis
+is manual (MoE models, sp > 1: sharding.checks.accumulation_axes) XLA still reduces per tick.
+
+Embedding and head run inside the region on every stage: the batch is embedded at once [M, b,
+L, D] (only stage 0 reads it), and the head and loss run on every stage over the M outputs,
+stage p-1's (the other stages' zeros, their loss masked out: p times the head's work). The
+embedding's gradient is the lookup's transpose from an fp32 table, once per step
+(pipeline.cells.embed_grad); the embedding's, final norm's and head's fp32 gradients, each
+nonzero on one stage, meet over stage in one all-reduce. `mean_loss`, the evaluation step's
+forward, runs the same objective in a region manual over stage alone.
 
 Memory: autodiff keeps every tick's chunk residuals: activation memory grows with M like the
 unpipelined accumulation scan's would if it kept all microbatches, (M·V+p-1) ticks of Lc
@@ -54,58 +64,97 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from configs.base import RunConfig
-from pipeline.layout import lay_out
-from pipeline.tables import IDLE, cells, timetable
-from pipeline.stages import AXIS, buffer, over_stages, stages
 from model.loss import cross_entropy
-from model.moe import no_stats, router_loss
+from model.moe import no_stats
 from model.remat import stashed
-from sharding.checks import head_per_microbatch, moe_layers
 from model.transformer import compute_params
+from pipeline.cells import Static, embed, embed_grad, model_of, router_share
+from pipeline.engine import run_stages
+from pipeline.stage_weights import chunked, weight_specs
+from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
+from pipeline.tables import IDLE, cells, timetable
+from sharding.checks import head_per_microbatch
 
 
-def pipelined_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig) -> tuple:
-    """The objective of the [M, b, L] batch, the layers run as a circular pipeline: the mean
-    loss plus the router losses; as aux, (mean loss, router statistics per MoE layer)."""
+def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig,
+                   batch_axes: tuple[str, ...] = ()) -> tuple[jax.Array, nnx.State, dict]:
+    """Mean loss, fp32 gradients and router statistics of the [M, b, L] batch, the layers run as
+    a circular pipeline in pipeline.engine's region (manual over stage and `batch_axes`), autodiff
+    through the tick scan on each device."""
+    st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, batch["inputs"].shape[0])
+
+    def run(compute: nnx.State, inputs: jax.Array, targets: jax.Array) -> tuple:
+        tokens = merged(inputs)  # [b·M, L]
+        x_all = unmerged(embed(st, compute, tokens, compute["embed"]), st.m_count)  # [M, b, L, D]
+        (_, (loss, stats)), (grads, d_x) = jax.value_and_grad(_objective, argnums=(1, 2), has_aux=True)(
+            st, compute, x_all, targets, cfg)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        table = embed_grad(st, compute, tokens, merged(d_x), jax.tree.map(jnp.zeros_like, grads["embed"]))
+        return loss, with_part(grads, "embed", table), stats
+
+    return run_stages(params, batch, cfg, batch_axes, False, run)
+
+
+def mean_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig) -> jax.Array:
+    """The mean loss of the [M, b, L] batch, forward only (the evaluation step), in a region
+    manual over stage alone."""
     p, v_count = stages(), max(cfg.parallel.virtual_stages, 1)
-    m_count = batch["inputs"].shape[0]
-    model = nnx.merge(graphdef, compute_params(params, cfg.model.compute_dtype))
-    x_all = jax.vmap(model.embed_tokens)(batch["inputs"])  # [M, b, L, D]
-    layers = nnx.state(model.blocks)  # [X, ...], cast to the compute dtype
-    ring = [(i, (i + 1) % p) for i in range(p)]
-    rows = tuple(jnp.asarray(a) for a in cells(timetable(cfg.parallel.schedule, p, m_count, v_count)))
+    st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, batch["inputs"].shape[0])
 
-    def body(stored: nnx.State, x_all: jax.Array) -> tuple[jax.Array, dict]:
-        s = lax.axis_index(AXIS)
-        layers = jax.tree.map(lambda a: lay_out(a.reshape(v_count, -1, *a.shape[1:]), p, vee=False),
-                              stored)  # the stored [V·Lc, ...] -> the run [V, Lc, ...]
+    def body(local: nnx.State, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+        compute = chunked(compute_params(local, st.dtype), p, v_count, False)
+        x_all = unmerged(embed(st, compute, merged(inputs), compute["embed"]), st.m_count)
+        return lax.psum(_objective(st, compute, x_all, targets, cfg)[1][0], AXIS)
 
-        def chunk(layers: nnx.State, x: jax.Array, v: jax.Array) -> tuple[jax.Array, dict]:
-            return model.run_layers(x, jax.tree.map(lambda a: a[v], layers))  # the slice recomputed (docstring)
+    specs = weight_specs(params, (), stored=True)
+    return over_stages(body, (specs, P(), P()), P())(params, batch["inputs"], batch["targets"])
 
-        run_chunk = stashed(chunk, cfg.model.remat)
 
-        def tick(carry, row):
-            state, outputs, stats = carry  # state [b, L, D]: what arrived this tick
-            kind, m, v = (a[s] for a in row)
-            active = kind != IDLE
-            x = jnp.where((s == 0) & (v == 0), x_all[m], state)
-            x = jnp.where(active, x, jnp.zeros_like(x))  # idle ticks never read the buffers
-            y, more = run_chunk(layers, x, v)
-            stats = jax.tree.map(lambda a, b: a + jnp.where(active, b, 0.0), stats, more)  # idle: not counted
-            done = active & (s == p - 1) & (v == v_count - 1)
-            outputs = outputs.at[m].set(jnp.where(done, y, outputs[m]))
-            return (lax.ppermute(y, AXIS, ring), outputs, stats), None
+def _objective(st: Static, compute: nnx.State, x_all: jax.Array, targets: jax.Array, cfg: RunConfig) -> tuple:
+    """A device's objective, its chunks ([V, Lc, ...] blocks of `compute`) run over the
+    timetable's ticks on the embedded batch x_all [M, b, L, D]: on stage p-1 the mean loss of
+    the M microbatches' outputs, on every stage its chunks' router losses; as aux (that loss,
+    0 elsewhere, and the router statistics' sums)."""
+    p, v_count, s = stages(), max(cfg.parallel.virtual_stages, 1), lax.axis_index(AXIS)
+    model, ring = model_of(st, compute), [(i, (i + 1) % p) for i in range(p)]
+    rows = tuple(jnp.asarray(a) for a in cells(timetable(cfg.parallel.schedule, p, st.m_count, v_count)))
 
-        start = (buffer(x_all.shape[1:], x_all.dtype), buffer(x_all.shape, x_all.dtype), no_stats(cfg.model))
-        (_, outputs, stats), _ = lax.scan(tick, start, rows)
-        return outputs[None], jax.tree.map(lambda a: a[None], stats)  # [1, M, b, L, D], {name: [1]}
+    def chunk(layers: nnx.State, x: jax.Array, v: jax.Array) -> tuple:
+        y, stats = model.run_layers(x, jax.tree.map(lambda a: a[v], layers))  # the slice recomputed (docstring)
+        return (y, router_share(st, stats)), stats
 
-    specs = jax.tree.map(lambda _: P(AXIS), layers)
-    out, stats = over_stages(body, (specs, P()), P(AXIS))(layers, x_all)
-    stats = {name: jnp.sum(a) / (m_count * moe_layers(cfg.model)) for name, a in stats.items()}
-    loss = head_loss(model, out[p - 1], batch["targets"], cfg.train.z_loss, head_per_microbatch(cfg.model))
-    return loss + router_loss(stats, cfg.model), (loss, stats)
+    run_chunk = stashed(chunk, cfg.model.remat)
+
+    def tick(carry, row):
+        state, outputs, share, stats = carry  # state [b, L, D]: what arrived this tick
+        kind, m, v = (a[s] for a in row)
+        active = kind != IDLE
+        x = jnp.where((s == 0) & (v == 0), x_all[m], state)
+        x = jnp.where(active, x, jnp.zeros_like(x))  # idle ticks never read the buffers
+        (y, more_share), more = run_chunk(compute["blocks"], x, v)
+        share = share + jnp.where(active, more_share, 0.0)
+        stats = jax.tree.map(lambda a, b: a + jnp.where(active, b, 0.0), stats, more)  # idle: not counted
+        done = active & (s == p - 1) & (v == v_count - 1)
+        outputs = outputs.at[m].set(jnp.where(done, y, outputs[m]))
+        return (lax.ppermute(y, AXIS, ring), outputs, share, stats), None
+
+    start = (buffer(x_all.shape[1:], x_all.dtype), buffer(x_all.shape, x_all.dtype),
+             jnp.zeros((), jnp.float32), no_stats(cfg.model))
+    (_, outputs, share, stats), _ = lax.scan(tick, start, rows)
+    last = s == p - 1  # the other stages' outputs are NaN buffers: their head runs on zeros
+    loss = head_loss(model, jnp.where(last, outputs, 0), targets, cfg.train.z_loss, head_per_microbatch(cfg.model))
+    loss = jnp.where(last, loss, 0.0)
+    return loss + share, (loss, stats)
+
+
+def merged(a: jax.Array) -> jax.Array:
+    """[M, b, ...] -> [b·M, ...], b kept major so that its split over the batch axes moves nothing."""
+    return a.swapaxes(0, 1).reshape(-1, *a.shape[2:])
+
+
+def unmerged(a: jax.Array, m_count: int) -> jax.Array:
+    """[b·M, ...] (b major) -> [M, b, ...]."""
+    return a.reshape(-1, m_count, *a.shape[1:]).swapaxes(0, 1)
 
 
 def head_loss(model: nnx.Module, out: jax.Array, targets: jax.Array, z_loss: float,
@@ -122,7 +171,6 @@ def head_loss(model: nnx.Module, out: jax.Array, targets: jax.Array, z_loss: flo
     microbatch's logits are live at a time; the recompute is the head's forward matmul again,
     2·b·L·D·V/t flops per microbatch (about 2% of llama3-8b's step, 7% of 125m's)."""
     if not per_microbatch:
-        merged = lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[2:])  # noqa: E731  [M, b, ...] -> [b·M, ...]
         return cross_entropy(model.logits(merged(out)), merged(targets), z_loss)
 
     def one(total: jax.Array, xy: tuple) -> tuple:
@@ -131,11 +179,3 @@ def head_loss(model: nnx.Module, out: jax.Array, targets: jax.Array, z_loss: flo
 
     total, _ = lax.scan(jax.checkpoint(one), jnp.zeros((), jnp.float32), (out, targets))
     return total / out.shape[0]
-
-
-def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict,
-                   cfg: RunConfig) -> tuple[jax.Array, nnx.State, dict]:
-    """Mean loss, gradients and router statistics of the [M, b, L] batch, autodiff through the
-    circular pipeline."""
-    (_, (loss, stats)), grads = jax.value_and_grad(pipelined_loss, has_aux=True)(params, graphdef, batch, cfg)
-    return loss, grads, stats

@@ -12,9 +12,8 @@ the devices that hold such a chunk to those that run it (at most V² permutes; a
 device is a local copy); `back` moves the gradients the opposite way. A device receives from
 one permute per slot and zeros from the others, hence the sums. Bytes per device: its stored
 chunks that run elsewhere (`leaving`), forward in the dtype laid
-out (the compute dtype: the cast copy moves), and back in the gradients' (the 1F1B family's
-engine: fp32; autodiff's transpose in gpipe and interleaved: the compute dtype). tools.traffic
-counts it (`layout`).
+out (the compute dtype: the cast copy moves), and back in the gradients' (fp32: every schedule's
+gradients leave pipeline/engine.py's schedule in fp32). tools.traffic counts it (`layout`).
 
 Why by hand: handed the stack under a new sharding ([V, p·Lc, ...], p·Lc over stage), XLA
 re-lays it with all-to-alls and permutes of its own choosing, which no contract could state: on

@@ -66,9 +66,9 @@ chunk's matmul output cotangents, about ((N+2K)·H/t + 4·D + 2·F/t)·b·L per 
 residual slots and at most 2p stash slots, each of half a stage's layers (zb-h1's bytes), and
 2 inbox slots once M >= 2p. GPipe holds the residuals of all M microbatches instead.
 
-Under fsdp the stage's weights are gathered once per step, before the tick scan, and their
-gradients reduced once after it (pipeline/stage_weights.py: by hand where the batch axes are
-manual here, else by XLA).
+The region, and what happens before and after the ticks (the weights cast, laid out and
+gathered over fsdp once per step, the gradients reduced over the batch axes once), is
+pipeline/engine.py's, shared with gpipe and interleaved.
 
 The embedding (2 and 4) runs outside the switch, on every stage every tick: the devices of
 different stages take different branches, so a branch may hold only collectives whose devices
@@ -86,7 +86,6 @@ context-parallel ring.
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import jax
@@ -94,18 +93,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from configs.base import RunConfig
 from model.moe import no_stats
-from model.transformer import compute_params
 from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed, embed_grad, replaced, residual_layout, run_cell
-from pipeline.stage_weights import chunked, gathered_once, reduced_once, weight_specs
-from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
+from pipeline.engine import run_stages
+from pipeline.stages import AXIS, buffer, stages, with_part
 from pipeline.tables import BACKWARD
 from pipeline.tick_program import Program, cell_shares, program
-from sharding.accumulation import FSDP, TENSOR
-from sharding.checks import ONE_F_ONE_B, microbatches, moe_layers
+from sharding.checks import ONE_F_ONE_B, microbatches
 
 
 def stash_bytes(cfg: RunConfig, graphdef: nnx.GraphDef, params: nnx.State, micro_batch: int) -> dict[str, int]:
@@ -129,26 +125,17 @@ def stash_bytes(cfg: RunConfig, graphdef: nnx.GraphDef, params: nnx.State, micro
 
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig,
                    batch_axes: tuple[str, ...] = ()) -> tuple[jax.Array, nnx.State, dict]:
-    """Mean loss, fp32 gradients and router statistics of the [M, b, L] batch by the schedule.
-    `batch_axes` (data, or none): the engine runs manual over them too, each device its own b
-    rows of every microbatch, and sums its gradients over the whole schedule before one psum
-    over them per step (without them XLA reduces each backward cell's weight gradients)."""
+    """Mean loss, fp32 gradients and router statistics of the [M, b, L] batch by the schedule,
+    in pipeline.engine's region (manual over stage and `batch_axes`: each device its own b rows
+    of every microbatch, its gradients summed over the whole schedule and reduced once per step)."""
     p, (m_count, _, length) = stages(), batch["inputs"].shape
     v_count = max(cfg.parallel.virtual_stages, 1)
     prog = program(cfg.parallel.schedule, p, m_count, v_count)
     st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, m_count, prog.split)
     pairs, arrivals = _links(prog, p, v_count)
 
-    manual = (FSDP,) if FSDP in batch_axes else ()
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    flat_specs = jax.tree.leaves(weight_specs(params, manual), is_leaf=is_spec)  # the body's [V, Lc] chunks
-    tensors = jax.tree.leaves(weight_specs(params, (TENSOR,), stage=False), is_leaf=is_spec)
-    outer = weight_specs(params, manual, stored=True)  # the stored [X] blocks, laid out in the body
-
-    def body(local, inputs, targets):
+    def run(compute, inputs, targets):
         s = lax.axis_index(AXIS)
-        compute = compute_params(local, st.dtype)  # cast, laid out in chunks and gathered once per step
-        compute = gathered_once(chunked(compute, p, v_count, prog.v_shape), flat_specs, tensors, batch_axes)
         act = jax.ShapeDtypeStruct((inputs.shape[1], length, cfg.model.d_model), st.dtype)  # this device's b rows
         stc, residuals, stash = residual_layout(st, compute, act)
         cells = {kind: partial(cell, stc) for kind, cell in (SPLIT_CELLS if prog.split else CELLS).items()}
@@ -176,17 +163,9 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
                                               prog.r_slot, prog.s_slot, prog.keep_f, prog.keep_b,
                                               *(getattr(prog, field) for _, _, field in arrivals)))
         (_, _, out), _ = lax.scan(tick, _start(prog, act, compute, residuals, stash, cfg), rows)
-        n = math.prod(lax.axis_size(a) for a in batch_axes)
-        over_batch = (lambda a: lax.psum(a, batch_axes) / n) if batch_axes else (lambda a: a)  # noqa: E731
-        grads = reduced_once(out.grads, flat_specs, tensors, batch_axes)  # once per step
-        grads = chunked(grads, p, v_count, prog.v_shape, back=True)
-        summed = jax.tree.map(lambda a: lax.psum(a, AXIS), grads)  # embedding, norm, head
-        stats = {name: over_batch(lax.psum(a, AXIS)) / (m_count * moe_layers(cfg.model)) for name, a in out.stats.items()}
-        return over_batch(lax.psum(out.loss, AXIS)), with_part(summed, "blocks", grads["blocks"]), stats
+        return out.loss, out.grads, out.stats
 
-    rows = P(None, batch_axes) if batch_axes else P()  # [M, b, L]: each device its b rows
-    run = over_stages(body, (outer, rows, rows), (P(), outer, P()), batch_axes)
-    return run(params, batch["inputs"], batch["targets"])
+    return run_stages(params, batch, cfg, batch_axes, prog.v_shape, run)
 
 
 def _start(prog: Program, act: jax.ShapeDtypeStruct, compute: nnx.State, residuals: tuple, stash: tuple,

@@ -1,4 +1,4 @@
-"""A stage's weights in the 1F1B-family engine (pipeline/one_f_one_b.py), once per step: laid
+"""A stage's weights in every schedule's region (pipeline/engine.py), once per step: laid
 out in the chunks the stage runs, whole over fsdp for the step's ticks, and the summed gradients
 reduced back to each device's shard.
 
@@ -15,7 +15,8 @@ and the summed gradients are reduced once per step (`gathered_once`, `reduced_on
 sharding/accumulation.py's gather and reduce): per step, whatever M, one all-gather of the
 stage's weights in the compute dtype and one reduction of their fp32 gradients (a
 reduce-scatter over fsdp, then an all-reduce of the shard over data). Where they are not (MoE models, sp > 1) the gather is a sharding constraint
-(`whole_over_fsdp`) and XLA reduces each backward cell's partial sums. Memory: the stage's
+(`whole_over_fsdp`) and XLA reduces the partial sums where the backward makes them (each
+backward cell of the 1F1B family, each tick of gpipe and interleaved). Memory: the stage's
 weights whole over fsdp in the compute dtype, and their fp32 gradients whole, for the step.
 """
 

@@ -77,15 +77,14 @@ def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
     at a time), pipelines (their own schedule), MoE models (their regions sum the router
     statistics over the token axes). With sp > 1 `sequence` joins them, the weights being
     replicated over it (`_sequence_accumulates` says where it can; elsewhere, and in
-    pipelines, () and XLA reduces over sequence per microbatch). The 1F1B family's engine
-    (pipeline/one_f_one_b.py) runs its M microbatches per device the same way, manual over
-    data and fsdp: it holds each stage's weights whole for the step anyway, so its gradients
-    are summed over the schedule and reduced once per step on both; gpipe and interleaved are
-    autodiff's."""
+    pipelines, () and XLA reduces over sequence per microbatch). Every pipeline schedule
+    (pipeline/engine.py) runs its M microbatches per device the same way, manual over data and
+    fsdp: it holds each stage's weights whole for the step anyway, so its gradients are summed
+    over the schedule and reduced once per step on both."""
     if cfg.model.n_experts or (sizes["sequence"] > 1 and not _sequence_accumulates(cfg, sizes)):
         return ()
     if sizes["stage"] > 1:
-        return tuple(a for a in ("data", "fsdp") if sizes[a] > 1) if cfg.parallel.schedule in ONE_F_ONE_B else ()
+        return tuple(a for a in ("data", "fsdp") if sizes[a] > 1)
     per_rank = cfg.train.global_batch_size // batch_ranks(sizes)
     k = per_rank // (cfg.train.micro_batch_size or per_rank)
     if k == 1 and not (cfg.parallel.fsdp_gather_once and sizes["fsdp"] > 1):
@@ -113,9 +112,8 @@ def check_accumulation(cfg: RunConfig, sizes: dict[str, int]) -> None:
     """parallel.fsdp_gather_once acts in the step's accumulation region only (accumulation_axes)."""
     if cfg.parallel.fsdp_gather_once and "fsdp" not in accumulation_axes(cfg, sizes):
         raise ConfigError(
-            "parallel.fsdp_gather_once=true needs fsdp > 1 and the step's own accumulation loop "
-            "(pp = 1, a dense model; with sp > 1 context_impl ring or allgather); drop it or change "
-            "the --mesh"
+            "parallel.fsdp_gather_once=true needs fsdp > 1 and a dense model (with sp > 1 context_impl "
+            "ring or allgather; pipelines gather once per step without it); drop it or change the --mesh"
         )
 
 

@@ -284,9 +284,8 @@ def test_circular_keeps_no_weights_per_tick_nor_head_gradient_per_microbatch(sch
 def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_memory):
     """pp=2 at M = 4, 8, 16: the ticks permute [b, L, D] (b = 2 sequences per microbatch), no
     stacked weight is gathered over stage, and the bytes over stage are tools.traffic.stage's
-    exactly: 2T permutes of a microbatch for the T ticks of the table (bubble ticks included),
-    gpipe's outputs and embedded batch (2 permutes and 2 all-reduces of all M), 1f1b's
-    all-reduce of the replicated embedding, head and norm gradients."""
+    exactly: 2T permutes of a microbatch for the T ticks of the table (bubble ticks included)
+    and the all-reduce of the replicated embedding, head and norm gradients (pipeline/engine.py)."""
     from tools import traffic
     from tools.hlo import census
 
@@ -304,23 +303,24 @@ def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_
 @pytest.mark.parametrize("schedule, v, mesh", [
     ("zb-h1", 1, "pp=2"), ("interleaved-1f1b", 2, "pp=2"), ("interleaved", 2, "pp=2"), ("zbv", 2, "pp=2"),
     ("zbv", 2, "pp=4"), ("gpipe", 1, "pp=4"), ("interleaved", 2, "pp=4"), ("interleaved-1f1b", 2, "pp=4"), ("1f1b", 1, "pp=2,tp=2"), ("1f1b", 1, "pp=2,tp=2 sp full"),
-    ("zb-h1", 1, "pp=2,tp=2 full"), ("zbv", 2, "pp=2,tp=2 sp")])
+    ("zb-h1", 1, "pp=2,tp=2 full"), ("zbv", 2, "pp=2,tp=2 sp"), ("gpipe", 1, "pp=2,tp=2 sp")])
 def test_stage_census_is_the_tick_program_contract(schedule, v, mesh):
     """M = 4, 2p layers: the bytes over stage of the stage that sends the most are
     tools.traffic.stage's (T permutes for the T ticks of zb-h1's and zbv's tables at p = 2, where
     each device sends one of the two, 2T at p = 4; 2T on interleaved-1f1b's ring; interleaved as
-    gpipe with V·M + p - 1 ticks, both rings, and the outputs' permute from stage p-1 to stage 0
-    and back, one sender each), and for V = 2 the layers laid out from the stored split every
-    step by collective-permutes before and after the ticks (pipeline/layout.py, traffic.layout):
-    of the stage's 2 chunks 1 leaves it at p = 2, 2 at p = 4 (interleaved's stage 0 keeps chunk 0,
-    stage 3 chunk 7; zbv's stage 0 chunk 0), in the compute dtype, and their gradients come back,
-    fp32 from the 1F1B family's engine, in the compute dtype from autodiff's transpose; no
-    all-to-all (XLA's own re-lay moved 1.75x the device's fp32 layer weights each way at p = 4).
+    gpipe with V·M + p - 1 ticks, both rings), and for V = 2 the layers laid out from the stored
+    split every step by collective-permutes before and after the ticks (pipeline/layout.py,
+    traffic.layout): of the stage's 2 chunks 1 leaves it at p = 2, 2 at p = 4 (interleaved's
+    stage 0 keeps chunk 0, stage 3 chunk 7; zbv's stage 0 chunk 0), in the compute dtype, and
+    their fp32 gradients come back; no all-to-all (XLA's own re-lay moved 1.75x the device's fp32 layer weights each way at p = 4).
     Under tp=2 every tensor rank sends its copy of the activations, under sequence parallelism
     its 1/t of them; and the tensor bytes are traffic's, counting each
     cell's collectives per run of the cell (without the cells' shares, as if every branch of
     their switch ran every tick, the census reads 1.5-2x), with the chunk's whole recompute
-    under remat full (2 layers a chunk) and the embedding in every tick."""
+    under remat full (2 layers a chunk) and the embedding in every tick; gpipe's layers run
+    in every tick, idle ones on zeros, T/V = M + 1 times (traffic.layer_runs; counted M times,
+    the census read 1.21x; now 1.01x: the vocab-parallel loss's fp32 max and sum all-reduces,
+    which the contract leaves out, are 1.0% of this small case's tensor bytes, hence its 1.5%)."""
     from tools import traffic
     from tools.shape import DTYPE_BYTES, local_param_parts
     from pipeline.layout import SCOPE
@@ -338,30 +338,18 @@ def test_stage_census_is_the_tick_program_contract(schedule, v, mesh):
     sizes = mesh_sizes(cfg)
     if sizes["tensor"] > 1:
         tensor = per_device([c for c in ops if c.axes == ("tensor",)])
-        assert tensor == pytest.approx(traffic.communication(cfg, sizes)["tensor"], rel=0.01)
-        every_branch = census(compiled.as_text(), dict(mesh.shape))
-        assert per_device([c for c in every_branch if c.axes == ("tensor",)]) > 1.5 * tensor
+        loss_share = 0.015 if schedule == "gpipe" else 0.01  # docstring
+        assert tensor == pytest.approx(traffic.communication(cfg, sizes)["tensor"], rel=loss_share)
+        if schedule in ONE_F_ONE_B:  # cells in a switch
+            every_branch = census(compiled.as_text(), dict(mesh.shape))
+            assert per_device([c for c in every_branch if c.axes == ("tensor",)]) > 1.5 * tensor
     assert stage_bytes(ops) == pytest.approx(traffic.stage(cfg, sizes), rel=1e-3)
     assert not [c for c in ops if c.axes == ("stage",) and c.kind == "all-to-all"]
     m, c = cfg.model, DTYPE_BYTES[cfg.model.compute_dtype]
     layers = local_param_parts(cfg, sizes)[0] - 2 * m.vocab_size * m.d_model / sizes["tensor"] - m.d_model  # 2 of 2p
-    back = 4 if schedule in ONE_F_ONE_B else c
     laid_out = per_device([op for op in ops if SCOPE in op.op_name])
     assert laid_out == pytest.approx(max(traffic.layout(cfg, sizes)), rel=1e-3)
-    assert max(traffic.layout(cfg, sizes)) == pytest.approx((c + back) * layers / 2 * (p // 2) if v > 1 else 0, rel=1e-3)
-
-
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_1f1b_family_gathers_fsdp_weights_once_per_step(schedule):
-    """pp=2,fsdp=2: the stage's bf16 weights are all-gathered over fsdp once per step, before
-    the tick scan (pipeline.stage_weights.whole_over_fsdp), not in every cell that uses them; the
-    gradients are still reduced over fsdp in the cells (README: open)."""
-    from tools.hlo import step_census
-
-    cfg = small_config("pp=2,fsdp=2", f"parallel.schedule={schedule}", "parallel.microbatches=4")
-    found = step_census(cfg, build_mesh(cfg.parallel, _devices(cfg)))
-    gathers = [c for c in found if c.kind == "all-gather" and c.axes == ("fsdp",) and "embedding" not in c.op_name]
-    assert len(gathers) >= 9 and all(c.trips == 1 for c in gathers), [(c.op_name, c.trips) for c in gathers]
+    assert max(traffic.layout(cfg, sizes)) == pytest.approx((c + 4) * layers / 2 * (p // 2) if v > 1 else 0, rel=1e-3)
 
 
 @pytest.fixture(scope="module")

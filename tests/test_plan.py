@@ -304,9 +304,9 @@ def test_dry_run_compiled_for_h100s_without_one(core, mesh, sets):
     and norms' fp32, over data, and over fsdp as ZeRO-3's reduce-scatters beside its bf16
     gathers, within 0.5% (the embedding and head gathered once per microbatch; with the
     head's gather left to its region's edge, its transpose gathered it again: 1.3% over on
-    fsdp=2,tp=2, 1.0% on dp=2,fsdp=2,tp=2, 10% on llama3-8b). gpipe reduces the layers' gradients
-    over data in every tick, bubble ticks included, and all-reduces the last stage's outputs
-    over stage in fp32 (the head's input): the contract counts both. Under remat full the layer
+    fsdp=2,tp=2, 1.0% on dp=2,fsdp=2,tp=2, 10% on llama3-8b). gpipe reduces its fp32 gradient
+    sums over data once per step, and over stage the embedding's, head's and final norm's
+    (pipeline/engine.py). Under remat full the layer
     scan's TP regions gather FSDP's weights inside the checkpoint, once for the recompute and
     once for the forward (at the region's edge: 1.24x the fsdp contract), and the gradients
     still leave as reduce-scatters over fsdp and all-reduces over data (a plain sharding

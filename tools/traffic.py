@@ -13,17 +13,15 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           embedding's gradients in the compute dtype (bf16 matmuls, a bf16 scatter-add), the
           head's and the routers' (their matmuls make fp32 logits) and the norms' in fp32;
           h = V·D/(f·t), n the norms' (2X + 1)·D, r the routers' D·E/f per MoE layer.
-          Under gpipe and interleaved (autodiff's transpose of the tick scan) XLA reduces the
-          layers' gradients in every tick, bubble ticks included (T/V times, T the table's
-          ticks), the head's, the embedding's and norms' once per step (the head runs the M
-          microbatches as one batch, or in a scan whose transpose sums the head's gradient
-          first: pipeline.circular.head_loss; `per_microbatch_reductions`; the census of tiny
-          on pp=2,dp=2 compiled for H100s)
+          Under gpipe and interleaved where no batch axis is manual (MoE models, sp > 1: XLA's
+          reduction inside autodiff's transpose of the tick scan) XLA reduces the layers'
+          gradients in every tick, bubble ticks included (T/V times, T the table's ticks), the
+          head's, the embedding's and norms' once per step (`per_microbatch_reductions`)
   data    2 · G(N-1)/N              once per step (the k microbatches summed first; per
                                     microbatch, k · 2 · G_c(N-1)/N, where
                                     sharding.checks.accumulation_axes is empty: k = 1, MoE,
-                                    sp > 1 beside XLA's fsdp, gpipe and interleaved;
-                                    the 1F1B family reduces over data once per step);
+                                    sp > 1 beside XLA's fsdp; every pipeline schedule
+                                    reduces over data once per step: pipeline/engine.py);
                                     P' counts this device's E/ep experts (they are reduced over
                                     data), and of the wk, wv that tensor replicates (t does not
                                     divide K) one kv head when reduced per microbatch: each
@@ -40,8 +38,8 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     ((c + 4)·(P'-n)·f + 8n)·(f-1)/f: the weights gathered whole
                                     in the compute dtype once per step, the fp32 gradient sum
                                     reduce-scattered once (norms all-reduced); so too under
-                                    the 1F1B family (pipeline/one_f_one_b.py), manual over fsdp
-                                    (the device's E/ep experts included). Under remat with
+                                    every pipeline schedule (pipeline/engine.py), manual over
+                                    fsdp (the device's E/ep experts included). Under remat with
                                     explicit TP the layers gather inside their checkpoint
                                     (sharding.tensor_parallel.TensorParallel.gather_in_checkpoint):
                                     unrolled, XLA merges each microbatch's forward and
@@ -78,7 +76,10 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           all-reduces more than k (`embedded_every_tick`). The census of tiny on pp=2,tp=2
           agrees within 1% with and without SP and remat full (tests/test_pipeline.py: 1f1b,
           zb-h1 and zbv; interleaved-1f1b measured alike; the census counts a cell's
-          collectives per cell run: pipeline.tick_program.cell_shares).
+          collectives per cell run: pipeline.tick_program.cell_shares). gpipe and interleaved
+          run their chunk in every tick, idle ones on zeros: the layers' collectives (tensor,
+          expert, sequence) run T/V times per step, not k (`layer_runs`; tiny's census on
+          pp=2,tp=2 under gpipe: (M+1)/M of the k-count before the contract counted it).
   sequence the gradients per microbatch, as over data (every weight is replicated over
           sequence): k · 2 · G_c(N-1)/N; where the accumulation region is manual over sequence
           too (sharding.checks.accumulation_axes), once per step in one all-reduce over data
@@ -103,21 +104,16 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           stages has no sender on the last, one up none on the first):
             1F1B family  2T·a: each tick sends its activation on and its cotangent back
                          (T counts F and B ticks); T·a at p = 2 but on interleaved-1f1b's ring
-                         (stage 0 sends only down, stage 1 only up); plus the all-reduce of
-                         the gradients of the weights every stage holds (embedding, head, final
-                         norm: their fp32 sum over the schedule), 2·4·(2h + D)·(p-1)/p
+                         (stage 0 sends only down, stage 1 only up)
             gpipe, interleaved  2T·a: T forward ticks on a ring, autodiff's transpose as many
-                         back; plus the M·a of the last stage's outputs permuted to stage 0 and
-                         their cotangent back (one sender each: M·a), and two all-reduces of M
-                         microbatches (the outputs read on every stage, in fp32 as the head
-                         takes them under remat none, else in the compute dtype, the head's
-                         scan widening each microbatch; and the embedded batch's cotangent
-                         summed over stage), 2M·(a4 + a)·(p-1)/p, a4 = a·4/c or a
+                         back
+            every schedule  plus the all-reduce of the gradients of the weights every stage
+                         holds (embedding, head, final norm: their fp32 sums, each nonzero on
+                         the stage that uses it; pipeline/engine.py), 2·4·(2h + D)·(p-1)/p
             V > 1        plus the layers laid out from the stored split every step
                          (`layout`, pipeline/layout.py): the chunks stored on the device that
                          run elsewhere (of V, P_l/V each, P_l the stage's layer weights) leave
-                         in the compute dtype and their gradients come back, in fp32 from the
-                         1F1B family's engine, in the compute dtype from autodiff's transpose
+                         in the compute dtype and their fp32 gradients come back
           The census of tiny on pp=2 and pp=4 equals it within a scalar's bytes for every
           schedule (tests/test_pipeline.py).
           The contract of DESIGN.md (one permute per microbatch and boundary, 2k·a) is what
@@ -144,7 +140,7 @@ import math
 
 from configs.base import RunConfig
 from pipeline.layout import leaving
-from sharding.checks import accumulation_axes, head_per_microbatch
+from sharding.checks import accumulation_axes
 from sharding.mesh import AXES
 from tools.pipeline_figures import STASHING, pipeline_figures, virtual
 from tools.shape import DTYPE_BYTES, dispatch_rows, local_param_parts, shape
@@ -167,7 +163,7 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     recompute = RECOMPUTED[m.remat][sp]  # r of the module docstring
     kv_replicated = m.n_kv_heads % sizes["tensor"] != 0
     kv_grads = 2 * 4 * m.d_model * m.n_kv_heads * m.head_dim * kv_replicated
-    tensor = s.layers * ((4 + recompute) * 2 * act + 2 * kv_grads) + 2 * 2 * act
+    layer_tensor = s.layers * ((4 + recompute) * 2 * act + 2 * kv_grads)  # one microbatch through the layers
     local = accumulation_axes(cfg, sizes)  # gradients reduced once per step (training/step.py)
     own = non_expert + experts  # P': this device's parameters (norms whole, the rest split by fsdp)
     # XLA's per-microbatch reduction over data takes one kv head of the replicated wk, wv per
@@ -192,9 +188,19 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         "fsdp": fsdp,
         "expert": 2 * (reduced - expert_share) * frac["expert"] + expert(cfg, sizes),
         "sequence": sequence + context(cfg, sizes),
-        "tensor": (s.k * tensor + embedded_every_tick(cfg, sizes) * 2 * act) * frac["tensor"],
+        "tensor": (layer_runs(cfg, sizes) * layer_tensor + s.k * 2 * 2 * act
+                   + embedded_every_tick(cfg, sizes) * 2 * act) * frac["tensor"],
     }
     return {a: v for a, v in volume.items() if sizes[a] > 1}
+
+
+def layer_runs(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """How many times per step the device's layers run a microbatch's worth of their per-layer
+    collectives (tensor, expert, sequence): k, but T/V under gpipe and interleaved, whose idle
+    ticks run their chunk on zeros, collectives included (T the table's ticks: M·V + p - 1)."""
+    if sizes["stage"] > 1 and cfg.parallel.schedule not in STASHING:
+        return pipeline_figures(cfg, sizes)["ticks"] / virtual(cfg)
+    return shape(cfg, sizes).k
 
 
 def embedded_every_tick(cfg: RunConfig, sizes: dict[str, int]) -> float:
@@ -219,16 +225,15 @@ def per_microbatch_reductions(cfg: RunConfig, sizes: dict[str, int], own: float,
                               experts: float) -> tuple[float, float]:
     """(bytes, of which routed experts) per step of the gradients a reduction per microbatch
     moves (module docstring, G_c), `own` the device's parameters P': k·G_c, but under gpipe and
-    interleaved (autodiff's transpose of the tick scan) the layers' gradients are reduced in every
-    tick, bubble ticks included (T/V per chunk), and the head's, the embedding's and the norms'
-    once (the vmapped lookup and the head's one batch or scan sum the M microbatches first)."""
+    interleaved (autodiff's transpose of the tick scan, where XLA keeps the batch axes: MoE,
+    sp > 1) the layers' gradients are reduced in every tick, bubble ticks included (T/V per
+    chunk), and the head's, the embedding's and the norms' once (the lookup and the head's one
+    batch or scan take the M microbatches at once)."""
     s, c = shape(cfg, sizes), DTYPE_BYTES[cfg.model.compute_dtype]
     head, norms, routers = small_parts(cfg, sizes)
     layers = c * (own - 2 * head - norms - routers) + 4 * routers  # one microbatch's, experts included
-    if sizes["stage"] > 1 and cfg.parallel.schedule not in STASHING:
-        trips, once = pipeline_figures(cfg, sizes)["ticks"] / virtual(cfg), 1
-    else:
-        trips, once = s.k, s.k
+    trips = layer_runs(cfg, sizes)
+    once = 1 if sizes["stage"] > 1 and cfg.parallel.schedule not in STASHING else s.k
     return trips * layers + once * (4 * head + c * head + 4 * norms), trips * c * experts
 
 
@@ -241,28 +246,24 @@ def stage(cfg: RunConfig, sizes: dict[str, int]) -> float:
     split = sizes["tensor"] if cfg.parallel.sequence_parallel else 1  # else every tensor rank sends its copy
     a = s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype] / split
     schedule, ticks = cfg.parallel.schedule, pipeline_figures(cfg, sizes)["ticks"]
-    if schedule in STASHING:  # both ways on a ring and in the middle stages, one way at the ends
-        ring = virtual(cfg) > 1 and schedule != "zbv"
-        sends = [(2 if ring or 0 < d < p - 1 else 1) * ticks * a for d in range(p)]
-        replicated = 2 * small_parts(cfg, sizes)[0] + m.d_model  # embedding, head, final norm
-        reduced = 2 * 4 * replicated * (p - 1) / p
-    else:  # rings; stage p-1 sends the outputs, stage 0 their cotangent back
-        sends = [2 * ticks * a + s.k * a * (d in (0, p - 1)) for d in range(p)]
-        widened = a if head_per_microbatch(m) else a * 4 / DTYPE_BYTES[m.compute_dtype]  # the head's input
-        reduced = 2 * s.k * (widened + a) * (p - 1) / p
+    ring = virtual(cfg) > 1 and schedule != "zbv" or schedule not in STASHING  # gpipe, interleaved: rings
+    # both ways on a ring and in the middle stages, one way at the ends
+    sends = [(2 if ring or 0 < d < p - 1 else 1) * ticks * a for d in range(p)]
+    replicated = 2 * small_parts(cfg, sizes)[0] + m.d_model  # embedding, head, final norm
+    reduced = 2 * 4 * replicated * (p - 1) / p
     return reduced + max(x + y for x, y in zip(sends, layout(cfg, sizes), strict=True))
 
 
 def layout(cfg: RunConfig, sizes: dict[str, int]) -> list[float]:
     """Per stage, the bytes of laying its layers out from the stored split every step
     (pipeline/layout.py): its `leaving` chunks of layer weights (of V) leave it in the compute
-    dtype, and as many chunks' gradients come back from it, fp32 from the 1F1B family's engine,
-    in the compute dtype from autodiff's transpose (gpipe, interleaved). All 0 at V = 1."""
+    dtype, and as many chunks' fp32 gradients come back from it (pipeline/engine.py). All 0 at
+    V = 1."""
     m, p, v = cfg.model, sizes["stage"], virtual(cfg)
     head, _, _ = small_parts(cfg, sizes)
     layers = sum(local_param_parts(cfg, sizes)) - 2 * head - m.d_model  # less embedding, head, final norm
     c = DTYPE_BYTES[m.compute_dtype]
-    chunk = layers / v * (c + (4 if cfg.parallel.schedule in STASHING else c))
+    chunk = layers / v * (c + 4)
     return [n * chunk for n in leaving(p, v, vee=cfg.parallel.schedule == "zbv")]
 
 
@@ -276,7 +277,8 @@ def expert(cfg: RunConfig, sizes: dict[str, int]) -> float:
         return 0.0
     rows, forwards = dispatch_rows(cfg, sizes), 1 + (m.remat == "full")
     ids = forwards * rows * 4 if m.moe_dispatch == "dropless" else 0
-    return s.k * s.moe * (ep - 1) * ((2 * forwards + 2) * rows * m.d_model * DTYPE_BYTES[m.compute_dtype] + ids)
+    return layer_runs(cfg, sizes) * s.moe * (ep - 1) * ((2 * forwards + 2) * rows * m.d_model
+                                                        * DTYPE_BYTES[m.compute_dtype] + ids)
 
 
 def context(cfg: RunConfig, sizes: dict[str, int]) -> float:
@@ -286,10 +288,10 @@ def context(cfg: RunConfig, sizes: dict[str, int]) -> float:
     if sp == 1:
         return 0.0
     if impl == "gspmd":
-        return 2 * s.k * s.layers * s.tokens * 2 * m.n_kv_heads * m.head_dim * c * (sp - 1)
+        return 2 * layer_runs(cfg, sizes) * s.layers * s.tokens * 2 * m.n_kv_heads * m.head_dim * c * (sp - 1)
     e = s.b * cfg.train.seq_len // sp * (m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else 1) * m.head_dim
     home = sp if impl == "ring" else sp - 1  # the ring's last send takes dK, dV home
-    return s.k * s.layers * (2 * 2 * e * (sp - 1) * c + 2 * e * home * 4)
+    return layer_runs(cfg, sizes) * s.layers * (2 * 2 * e * (sp - 1) * c + 2 * e * home * 4)
 
 
 def link_bandwidth(sizes: dict[str, int], axis: str) -> float:

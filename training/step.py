@@ -36,10 +36,10 @@ per parameter of the device's tensor (and stage) shard, fsdp times what ZeRO-3 h
 gathered weights, P_c, live through each microbatch (with fsdp_gather_once through the whole
 loop), where XLA's ZeRO-3 gathers one layer at a time. With data alone the accumulator is the
 size it always was. At k = 1 (unless fsdp_gather_once) there is nothing to accumulate: the
-step is XLA's, which reduces once and keeps ZeRO-3's memory. The 1F1B family's pipeline
-engine takes the data axis the same way (pipeline/one_f_one_b.py: manual over data, one
-all-reduce per step); gpipe and interleaved, MoE models and sp > 1 beside XLA's fsdp keep
-XLA's placement, a reduction per microbatch (per tick in gpipe and interleaved).
+step is XLA's, which reduces once and keeps ZeRO-3's memory. The pipeline schedules take the
+data and fsdp axes the same way (pipeline/engine.py: manual over them, one reduction per step);
+MoE models and sp > 1 beside XLA's fsdp keep XLA's placement, a reduction per microbatch (per
+tick in gpipe and interleaved).
 Non-finite steps: when the loss or the gradient norm is NaN or inf, the step keeps the old
 parameters and optimizer state (an elementwise select per parameter and moment, which XLA fuses
 into the optimizer's elementwise update) and counts the step in `bad_steps` (in a row) and
@@ -75,7 +75,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import pipeline
-from pipeline.circular import pipelined_loss
+from pipeline.circular import mean_loss
 from configs.base import RunConfig
 from model.loss import cross_entropy
 from model.moe import no_stats, router_loss
@@ -212,7 +212,7 @@ def make_eval_step(graphdef: nnx.GraphDef, cfg: RunConfig, strategies: Strategie
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, z_loss=0.0))
     if strategies.schedule:
         gpipe = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, schedule="gpipe", virtual_stages=1))
-        return lambda params, batch: pipelined_loss(params, graphdef, batch, gpipe)[1][0]
+        return lambda params, batch: mean_loss(params, graphdef, batch, gpipe)
 
     def eval_step(params: nnx.State, batch: dict) -> jax.Array:
         def micro(total, microbatch):

@@ -1,0 +1,80 @@
+"""The one shard_map every schedule runs in, and what it does before and after the ticks: a
+stage's weights cast, laid out and gathered once per step, its fp32 gradients reduced once.
+
+Region: manual over `stage` and the step's accumulation axes (`batch_axes`: data and fsdp where
+> 1, sharding.checks.accumulation_axes; none for MoE models or sp > 1, which XLA then reduces);
+`tensor` (and any other axis) stays automatic. In: the parameters as stored (blocks [X, ...], X
+over stage, and under manual fsdp each weight's fsdp shard), the batch [M, b, L] (each device
+its own b rows of every microbatch where the batch axes are manual).
+
+Per step, on each device:
+  1. cast the stage's parameters to the compute dtype, lay its layers out as the [V, Lc, ...]
+     chunks it runs (pipeline/layout.py: chunks stored on another stage move once, by
+     collective-permute) and gather them whole over fsdp (by hand on each tensor shard where fsdp
+     is manual, else a sharding constraint: pipeline/stage_weights.py);
+  2. `run` the schedule (pipeline/circular.py, pipeline/one_f_one_b.py): the mean loss of the
+     device's rows (nonzero on the stage that computes it), the fp32 gradients of every
+     parameter summed over the device's microbatches, and the router statistics summed over
+     the stage's MoE layers and microbatches;
+  3. reduce the gradients once over the batch axes (an fp32 reduce-scatter over fsdp, then an
+     all-reduce of the shard over data, on each tensor shard: sharding/accumulation.py), move
+     the chunks' gradients back to where they are stored, and sum the embedding's, final norm's
+     and head's over stage (each nonzero on the stage that uses it: an all-reduce of
+     2·(V·D + D)·4 bytes); loss and statistics summed over stage, averaged over the batch axes.
+
+So the data and fsdp bytes of a pipelined step are those of one reduction whatever M and the
+schedule: 2·4·P'·(N-1)/N over data (P' the device's parameters), and under fsdp one all-gather
+of the compute-dtype weights and one fp32 reduce-scatter. Memory: the stage's weights whole over
+fsdp in the compute dtype and their fp32 gradients whole, for the step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from configs.base import RunConfig
+from model.transformer import compute_params
+from pipeline.stage_weights import chunked, gathered_once, reduced_once, weight_specs
+from pipeline.stages import AXIS, over_stages, stages, with_part
+from sharding.accumulation import FSDP, TENSOR
+from sharding.checks import moe_layers
+
+# run(compute [V, Lc, ...] blocks, inputs [M, b, L], targets [M, b, L]) -> (the device's mean
+# loss, its fp32 gradients of compute, its router statistics' sums {name: scalar})
+Schedule = Callable[[nnx.State, jax.Array, jax.Array], tuple[jax.Array, nnx.State, dict]]
+
+
+def run_stages(params: nnx.State, batch: dict, cfg: RunConfig, batch_axes: tuple[str, ...], vee: bool,
+               run: Schedule) -> tuple[jax.Array, nnx.State, dict]:
+    """Mean loss, fp32 gradients (as stored) and router statistics (means per MoE layer and
+    microbatch) of the [M, b, L] batch, the schedule `run` on each stage's chunks (`vee`: zbv's
+    V layout) in a region manual over stage and `batch_axes` (module docstring)."""
+    p, m_count = stages(), batch["inputs"].shape[0]
+    v_count = max(cfg.parallel.virtual_stages, 1)
+    manual = (FSDP,) if FSDP in batch_axes else ()
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    flat_specs = jax.tree.leaves(weight_specs(params, manual), is_leaf=is_spec)  # the body's [V, Lc] chunks
+    tensors = jax.tree.leaves(weight_specs(params, (TENSOR,), stage=False), is_leaf=is_spec)
+    outer = weight_specs(params, manual, stored=True)  # the stored [X] blocks, laid out in the body
+
+    def body(local: nnx.State, inputs: jax.Array, targets: jax.Array) -> tuple:
+        compute = compute_params(local, cfg.model.compute_dtype)
+        compute = gathered_once(chunked(compute, p, v_count, vee), flat_specs, tensors, batch_axes)
+        loss, grads, stats = run(compute, inputs, targets)
+        n = math.prod(lax.axis_size(a) for a in batch_axes)
+        over_batch = (lambda a: lax.psum(a, batch_axes) / n) if batch_axes else (lambda a: a)  # noqa: E731
+        grads = reduced_once(grads, flat_specs, tensors, batch_axes)  # once per step
+        grads = chunked(grads, p, v_count, vee, back=True)
+        summed = jax.tree.map(lambda a: lax.psum(a, AXIS), grads)  # embedding, norm, head
+        stats = {name: over_batch(lax.psum(a, AXIS)) / (m_count * moe_layers(cfg.model)) for name, a in stats.items()}
+        return over_batch(lax.psum(loss, AXIS)), with_part(summed, "blocks", grads["blocks"]), stats
+
+    rows = P(None, batch_axes) if batch_axes else P()  # [M, b, L]: each device its b rows
+    return over_stages(body, (outer, rows, rows), (P(), outer, P()), batch_axes)(params, batch["inputs"],
+                                                                                batch["targets"])
