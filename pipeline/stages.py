@@ -29,9 +29,9 @@ def stages() -> int:
 
 
 def over_stages(body: Callable, in_specs: Any, out_specs: Any, batch_axes: tuple[str, ...] = ()) -> Callable:
-    """`body` as a shard_map manual over `stage` and `batch_axes` (the 1F1B family's accumulation
-    axes: its batch split over them, its gradients reduced over them by the body); the other
-    axes stay automatic.
+    """`body` as a shard_map manual over `stage` and `batch_axes` (the schedules' accumulation
+    axes: the batch split over them, the gradients reduced over them by the body,
+    pipeline/engine.py); the other axes stay automatic.
 
     Unchecked (check_vma=False): the tensor-parallel regions inside the stages are shard_maps of
     their own, and jax 0.10 types the residuals of a nested, checked shard_map with every axis
@@ -39,8 +39,8 @@ def over_stages(body: Callable, in_specs: Any, out_specs: Any, batch_axes: tuple
     axis" / "already bound by a parent"). Left unchecked, the outer program's values carry no
     stage type, the regions' residuals name `tensor` only, and the regions keep their own
     checked collectives. Nothing inside the schedules relies on the types: every cross-stage
-    sum (1f1b's gradients and loss) is an explicit psum, and gpipe's autodiff transposes only
-    ppermutes and the edges.
+    sum (the gradients, loss and statistics: pipeline/engine.py) is an explicit psum, and
+    gpipe's autodiff, taken inside the body, transposes only ppermutes across stages.
     """
     return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS, *batch_axes},
                          check_vma=False)

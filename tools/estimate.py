@@ -16,7 +16,7 @@ Memory (bytes per device), the terms `memory()` returns:
               gradients (measured on XLA CPU: the optimizer phase holds about 2 gradient copies)
   gathered    FSDP as XLA's ZeRO-3 only: the embedding and head gathered whole (V·D/t each,
               param dtype) and their full-size gradients before the reduce: 4 · V·D/t · 4
-  gathered once  parallel.fsdp_gather_once, and the 1F1B family under fsdp: the rest of the
+  gathered once  parallel.fsdp_gather_once, and every pipeline schedule under fsdp: the rest of the
               weights whole over fsdp in the compute dtype and a whole fp32 gradient
               accumulator: P_local·(fsdp-1)·(c + 4) (the embedding and head among them, so
               not `gathered` too: llama3-8b fsdp=4,tp=2 had read 0.71x XLA's peak)
