@@ -143,6 +143,24 @@ ENTRY %main (a: bf16[16,128,128]) -> bf16[16,128,128] {
     assert found["ar"].bytes_per_run == 2 * (16 * 128 * 128 * 2) / 2
 
 
+def test_census_reads_a_combined_collective_of_mixed_dtypes():
+    """XLA GPU combines a context-parallel ring's backward permutes into one of a tuple, fp32 dK
+    beside bf16 K and V (125m gpipe on pp=2,dp=2,sp=2 compiled for H100s, metadata cut): its
+    bytes are each part's in its own dtype. Read as fp32 throughout, the ring's census had
+    grown 18% with no byte more on the wire."""
+    module = """HloModule m
+
+ENTRY %main (a: f32[8,512,12,64]) -> f32[8,512,12,64] {
+  %cp = ((f32[8,512,12,64]{3,2,1,0}, bf16[8,512,12,64]{3,2,1,0}, bf16[8,512,12,64]{3,2,1,0}), (f32[8,512,12,64]{3,2,1,0}, bf16[8,512,12,64]{3,2,1,0}, bf16[8,512,12,64]{3,2,1,0})) collective-permute-start(%x, %y, %z), channel_id=1, source_target_pairs={{0,1},{1,0},{2,3},{3,2}}
+  ROOT %d = f32[8,512,12,64]{3,2,1,0} add(%a, %a)
+}
+"""
+    (cp,) = census(module, {"data": 2, "sequence": 2})
+    n = 8 * 512 * 12 * 64
+    assert (cp.kind, cp.axes, cp.dtype, cp.elements) == ("collective-permute", ("sequence",), "bf16", 4 * n)
+    assert cp.bytes_per_run == n * 4 + 2 * n * 2
+
+
 def test_census_counts_a_loop_without_trip_count_from_its_condition():
     """XLA GPU unrolls tiny's accumulation scan (4 microbatches on fsdp=2: one peeled, the rest
     in a loop) and drops its known_trip_count: the trips are read off the condition, i < 3 in a

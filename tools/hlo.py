@@ -47,12 +47,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from configs.parser import Parser
-from tools.hlo_text import (INSTRUCTION, OP_NAME, PAIRS, collective_buffer, computation_runs, replica_groups,
-                            spanned_axes)
+from tools.hlo_text import (DTYPE_BYTES, INSTRUCTION, OP_NAME, PAIRS, collective_buffer, computation_runs,
+                            replica_groups, spanned_axes)
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
-               "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 
 
 @dataclass(frozen=True)

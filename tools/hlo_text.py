@@ -34,6 +34,8 @@ _GROUPS = re.compile(r"replica_groups=(\{(?:\{[\d,]*\},?)*\}|\[[\d,]+\]<=\[[\d,]
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*)\))? \{([^}]*)\}")
 PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 OP_NAME = re.compile(r'op_name="([^"]*)"')  # jax's metadata: the op's path of named scopes
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+               "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 
 
 def _top_level(type_text: str) -> list[str]:
@@ -55,14 +57,20 @@ def _arrays(type_text: str) -> list[tuple[str, int]]:
 
 
 def collective_buffer(kind: str, started: bool, type_text: str) -> tuple[str, int]:
-    """(dtype, elements) of the buffer S that the byte formula of `kind` takes."""
+    """(dtype, elements) of the buffer S that the byte formula of `kind` takes. A collective that
+    XLA combined from several holds a tuple of them; where their dtypes differ (a ring's fp32
+    dK beside its bf16 K and V) S is counted in the narrowest of them, its elements the tuple's
+    bytes over that dtype's (the first array's dtype for all had read bf16 parts as fp32)."""
     parts = _top_level(type_text)
     if started and parts[0].startswith("("):  # ((operands), results): XLA GPU of jax >= 0.12
         parts = parts[1:2] if kind in ("all-gather", "collective-permute") else parts[1:]
     elif started and kind in ("all-gather", "collective-permute"):
         parts = [parts[1]]  # (operand, result[, sync flags]): the result
     arrays = [a for p in parts for a in _arrays(p)]
-    return arrays[0][0], sum(n for _, n in arrays)
+    if len({d for d, _ in arrays}) == 1:
+        return arrays[0][0], sum(n for _, n in arrays)
+    unit = min((d for d, _ in arrays), key=lambda d: DTYPE_BYTES.get(d, 4))
+    return unit, sum(n * DTYPE_BYTES.get(d, 4) for d, n in arrays) // DTYPE_BYTES.get(unit, 4)
 
 
 def _mesh_groups(sizes: str, device_ids: str | None, group_axes: str) -> list[list[int]]:
