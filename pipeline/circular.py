@@ -81,13 +81,12 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     """Mean loss, fp32 gradients and router statistics of the [M, b, L] batch, the layers run as
     a circular pipeline in pipeline.engine's region (manual over stage and `batch_axes`), autodiff
     through the tick scan on each device."""
-    st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, batch["inputs"].shape[0])
+    st = _static(graphdef, cfg, batch)
 
     def run(compute: nnx.State, inputs: jax.Array, targets: jax.Array) -> tuple:
         tokens = merged(inputs)  # [b·M, L]
-        x_all = unmerged(embed(st, compute, tokens, compute["embed"]), st.m_count)  # [M, b, L, D]
         (_, (loss, stats)), (grads, d_x) = jax.value_and_grad(_objective, argnums=(1, 2), has_aux=True)(
-            st, compute, x_all, targets, cfg)
+            st, compute, _embedded(st, compute, tokens), targets, cfg)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         table = embed_grad(st, compute, tokens, merged(d_x), jax.tree.map(jnp.zeros_like, grads["embed"]))
         return loss, with_part(grads, "embed", table), stats
@@ -98,16 +97,23 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
 def mean_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig) -> jax.Array:
     """The mean loss of the [M, b, L] batch, forward only (the evaluation step), in a region
     manual over stage alone."""
-    p, v_count = stages(), max(cfg.parallel.virtual_stages, 1)
-    st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, batch["inputs"].shape[0])
+    p, v_count, st = stages(), max(cfg.parallel.virtual_stages, 1), _static(graphdef, cfg, batch)
 
     def body(local: nnx.State, inputs: jax.Array, targets: jax.Array) -> jax.Array:
         compute = chunked(compute_params(local, st.dtype), p, v_count, False)
-        x_all = unmerged(embed(st, compute, merged(inputs), compute["embed"]), st.m_count)
-        return lax.psum(_objective(st, compute, x_all, targets, cfg)[1][0], AXIS)
+        return lax.psum(_objective(st, compute, _embedded(st, compute, merged(inputs)), targets, cfg)[1][0], AXIS)
 
     specs = weight_specs(params, (), stored=True)
     return over_stages(body, (specs, P(), P()), P())(params, batch["inputs"], batch["targets"])
+
+
+def _static(graphdef: nnx.GraphDef, cfg: RunConfig, batch: dict) -> Static:
+    return Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, batch["inputs"].shape[0])
+
+
+def _embedded(st: Static, compute: nnx.State, tokens: jax.Array) -> jax.Array:
+    """The M microbatches' tokens, merged [b·M, L], looked up at once: [M, b, L, D]."""
+    return unmerged(embed(st, compute, tokens, compute["embed"]), st.m_count)
 
 
 def _objective(st: Static, compute: nnx.State, x_all: jax.Array, targets: jax.Array, cfg: RunConfig) -> tuple:

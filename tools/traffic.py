@@ -198,9 +198,14 @@ def layer_runs(cfg: RunConfig, sizes: dict[str, int]) -> float:
     """How many times per step the device's layers run a microbatch's worth of their per-layer
     collectives (tensor, expert, sequence): k, but T/V under gpipe and interleaved, whose idle
     ticks run their chunk on zeros, collectives included (T the table's ticks: M·V + p - 1)."""
-    if sizes["stage"] > 1 and cfg.parallel.schedule not in STASHING:
+    if circular(cfg, sizes):
         return pipeline_figures(cfg, sizes)["ticks"] / virtual(cfg)
     return shape(cfg, sizes).k
+
+
+def circular(cfg: RunConfig, sizes: dict[str, int]) -> bool:
+    """Whether the step is pipelined by gpipe or interleaved (pipeline/circular.py)."""
+    return sizes["stage"] > 1 and cfg.parallel.schedule not in STASHING
 
 
 def embedded_every_tick(cfg: RunConfig, sizes: dict[str, int]) -> float:
@@ -233,7 +238,7 @@ def per_microbatch_reductions(cfg: RunConfig, sizes: dict[str, int], own: float,
     head, norms, routers = small_parts(cfg, sizes)
     layers = c * (own - 2 * head - norms - routers) + 4 * routers  # one microbatch's, experts included
     trips = layer_runs(cfg, sizes)
-    once = 1 if sizes["stage"] > 1 and cfg.parallel.schedule not in STASHING else s.k
+    once = 1 if circular(cfg, sizes) else s.k
     return trips * layers + once * (4 * head + c * head + 4 * norms), trips * c * experts
 
 
