@@ -1,11 +1,14 @@
 """The one shard_map every schedule runs in, and what it does before and after the ticks: a
 stage's weights cast, laid out and gathered once per step, its fp32 gradients reduced once.
 
-Region: manual over `stage` and the step's accumulation axes (`batch_axes`: data and fsdp where
-> 1, sharding.checks.accumulation_axes; none for MoE models or sp > 1, which XLA then reduces);
-`tensor` (and any other axis) stays automatic. In: the parameters as stored (blocks [X, ...], X
-over stage, and under manual fsdp each weight's fsdp shard), the batch [M, b, L] (each device
-its own b rows of every microbatch where the batch axes are manual).
+Region: manual over `stage` and the step's accumulation axes (`batch_axes`: data, fsdp and,
+under the context parallelism written out, sequence, where > 1:
+sharding.checks.accumulation_axes; none for MoE models, which XLA then reduces); `tensor` (and
+any other axis) stays automatic. In: the parameters as stored (blocks [X, ...], X over stage,
+and under manual fsdp each weight's fsdp shard), the batch [M, b, L] (each device its own b
+rows of every microbatch where the batch axes are manual, and its L/sp columns where sequence
+is: the model then slices the rotary tables to them, and the context-parallel attention
+regions nest in this one).
 
 Per step, on each device:
   1. cast the stage's parameters to the compute dtype, lay its layers out as the [V, Lc, ...]
@@ -17,14 +20,16 @@ Per step, on each device:
      parameter summed over the device's microbatches, and the router statistics summed over
      the stage's MoE layers and microbatches;
   3. reduce the gradients once over the batch axes (an fp32 reduce-scatter over fsdp, then an
-     all-reduce of the shard over data, on each tensor shard: sharding/accumulation.py), move
+     all-reduce of the shard over data and sequence, on each tensor shard:
+     sharding/accumulation.py), move
      the chunks' gradients back to where they are stored, and sum the embedding's, final norm's
      and head's over stage (each nonzero on the stage that uses it: an all-reduce of
      2·(V·D + D)·4 bytes); loss and statistics summed over stage, averaged over the batch axes.
 
 So the data and fsdp bytes of a pipelined step are those of one reduction whatever M and the
-schedule: 2·4·P'·(N-1)/N over data (P' the device's parameters), and under fsdp one all-gather
-of the compute-dtype weights and one fp32 reduce-scatter. Memory: the stage's weights whole over
+schedule: 2·4·P'·(N-1)/N over data (P' the device's parameters; N = dp·sp with sequence in the
+region), and under fsdp one all-gather of the compute-dtype weights and one fp32
+reduce-scatter. Memory: the stage's weights whole over
 fsdp in the compute dtype and their fp32 gradients whole, for the step.
 """
 
@@ -44,6 +49,7 @@ from pipeline.stage_weights import chunked, gathered_once, reduced_once, weight_
 from pipeline.stages import AXIS, over_stages, stages, with_part
 from sharding.accumulation import FSDP, TENSOR
 from sharding.checks import moe_layers
+from sharding.rules import logical_to_spec
 
 # run(compute [V, Lc, ...] blocks, inputs [M, b, L], targets [M, b, L]) -> (the device's mean
 # loss, its fp32 gradients of compute, its router statistics' sums {name: scalar})
@@ -75,6 +81,7 @@ def run_stages(params: nnx.State, batch: dict, cfg: RunConfig, batch_axes: tuple
         stats = {name: over_batch(lax.psum(a, AXIS)) / (m_count * moe_layers(cfg.model)) for name, a in stats.items()}
         return over_batch(lax.psum(loss, AXIS)), with_part(summed, "blocks", grads["blocks"]), stats
 
-    rows = P(None, batch_axes) if batch_axes else P()  # [M, b, L]: each device its b rows
+    rows = logical_to_spec((None, "batch", "length"), batch["inputs"].shape, jax.sharding.get_abstract_mesh(),
+                           within=batch_axes)  # [M, b, L]: each device its b rows (its L/sp columns)
     return over_stages(body, (outer, rows, rows), (P(), outer, P()), batch_axes)(params, batch["inputs"],
                                                                                 batch["targets"])

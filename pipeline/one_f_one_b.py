@@ -128,7 +128,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     """Mean loss, fp32 gradients and router statistics of the [M, b, L] batch by the schedule,
     in pipeline.engine's region (manual over stage and `batch_axes`: each device its own b rows
     of every microbatch, its gradients summed over the whole schedule and reduced once per step)."""
-    p, (m_count, _, length) = stages(), batch["inputs"].shape
+    p, m_count = stages(), batch["inputs"].shape[0]
     v_count = max(cfg.parallel.virtual_stages, 1)
     prog = program(cfg.parallel.schedule, p, m_count, v_count)
     st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, m_count, prog.split)
@@ -136,7 +136,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
 
     def run(compute, inputs, targets):
         s = lax.axis_index(AXIS)
-        act = jax.ShapeDtypeStruct((inputs.shape[1], length, cfg.model.d_model), st.dtype)  # this device's b rows
+        act = jax.ShapeDtypeStruct((*inputs.shape[1:], cfg.model.d_model), st.dtype)  # this device's b rows (L/sp columns)
         stc, residuals, stash = residual_layout(st, compute, act)
         cells = {kind: partial(cell, stc) for kind, cell in (SPLIT_CELLS if prog.split else CELLS).items()}
         kinds = {int(k) for k in np.unique(prog.branch)}

@@ -14,7 +14,8 @@ fsdp where > 1: sharding.checks.accumulation_axes) the gather is by hand, on eac
 and the summed gradients are reduced once per step (`gathered_once`, `reduced_once`, with
 sharding/accumulation.py's gather and reduce): per step, whatever M, one all-gather of the
 stage's weights in the compute dtype and one reduction of their fp32 gradients (a
-reduce-scatter over fsdp, then an all-reduce of the shard over data). Where they are not (MoE models, sp > 1) the gather is a sharding constraint
+reduce-scatter over fsdp, then an all-reduce of the shard over data and sequence). Where they
+are not (MoE models) the gather is a sharding constraint
 (`whole_over_fsdp`) and XLA reduces the partial sums where the backward makes them (each
 backward cell of the 1F1B family, each tick of gpipe and interleaved). Memory: the stage's
 weights whole over fsdp in the compute dtype, and their fp32 gradients whole, for the step.

@@ -74,17 +74,20 @@ def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
     microbatches or parallel.fsdp_gather_once asks for the gathered weights: data, and fsdp only
     with parallel.fsdp_gather_once (otherwise XLA's ZeRO-3 inside). () where XLA places
     the reductions: one microbatch (once per step already, and FSDP's weights gathered a layer
-    at a time), pipelines (their own schedule), MoE models (their regions sum the router
-    statistics over the token axes). With sp > 1 `sequence` joins them, the weights being
-    replicated over it (`_sequence_accumulates` says where it can; elsewhere, and in
-    pipelines, () and XLA reduces over sequence per microbatch). Every pipeline schedule
-    (pipeline/engine.py) runs its M microbatches per device the same way, manual over data and
-    fsdp: it holds each stage's weights whole for the step anyway, so its gradients are summed
-    over the schedule and reduced once per step on both."""
-    if cfg.model.n_experts or (sizes["sequence"] > 1 and not _sequence_accumulates(cfg, sizes)):
+    at a time), MoE models (their regions sum the router statistics over the token axes). With
+    sp > 1 `sequence` joins them, the weights being replicated over it, where the context
+    parallelism is written out and the regions nest (`_sequence_nests`; elsewhere () and XLA
+    reduces over sequence per microbatch). Every pipeline schedule (pipeline/engine.py) runs its M
+    microbatches per device the same way, manual over data, fsdp and (the context parallelism
+    written out) sequence: it holds each stage's weights whole for the step anyway, so its
+    gradients are summed over the schedule and reduced once per step on all of them."""
+    if cfg.model.n_experts:
         return ()
+    written_out = explicit_context(cfg, sizes["sequence"]) is not None
     if sizes["stage"] > 1:
-        return tuple(a for a in ("data", "fsdp") if sizes[a] > 1)
+        return tuple(a for a in ("data", "fsdp", "sequence") if sizes[a] > 1 and (a != "sequence" or written_out))
+    if sizes["sequence"] > 1 and not (written_out and _sequence_nests(cfg, sizes)):
+        return ()
     per_rank = cfg.train.global_batch_size // batch_ranks(sizes)
     k = per_rank // (cfg.train.micro_batch_size or per_rank)
     if k == 1 and not (cfg.parallel.fsdp_gather_once and sizes["fsdp"] > 1):
@@ -96,16 +99,16 @@ def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
     return axes
 
 
-def _sequence_accumulates(cfg: RunConfig, sizes: dict[str, int]) -> bool:
-    """Whether the step's accumulation region can be manual over `sequence` too: the context
-    parallelism written out (its regions then nest, already manual over `sequence`; XLA's own,
-    context_impl=gspmd, needs the whole sequence in view), and no axis before `sequence` in the
-    mesh left automatic for the model's regions to make manual inside it (Shardy refuses an
-    inner manual axis before an outer one): fsdp only gathered once, no expert axis, no
-    pipeline (its stage region has its own schedule). Tensor parallelism may be there: its
-    attention region, nested, runs unchecked (TensorParallel.region)."""
-    return (explicit_context(cfg, sizes["sequence"]) is not None and sizes["stage"] == 1
-            and sizes.get("expert", 1) == 1 and (sizes["fsdp"] == 1 or cfg.parallel.fsdp_gather_once))
+def _sequence_nests(cfg: RunConfig, sizes: dict[str, int]) -> bool:
+    """Whether the step's accumulation region (no pipeline) can be manual over `sequence` too,
+    the context parallelism written out (its regions then nest, already manual over `sequence`;
+    XLA's own, context_impl=gspmd, needs the whole sequence in view): no axis before `sequence`
+    in the mesh left automatic for the model's regions to make manual inside it (Shardy refuses
+    an inner manual axis before an outer one): fsdp only gathered once, no expert axis. (A
+    pipeline's engine is manual over data and fsdp whatever, so there it always can.) Tensor
+    parallelism may be there: its attention region, nested, runs unchecked
+    (TensorParallel.region)."""
+    return sizes.get("expert", 1) == 1 and (sizes["fsdp"] == 1 or cfg.parallel.fsdp_gather_once)
 
 
 def check_accumulation(cfg: RunConfig, sizes: dict[str, int]) -> None:

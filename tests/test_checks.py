@@ -74,7 +74,11 @@ def test_rules_name_the_field(sets, sizes, message):
     ({"fsdp": 2, "sequence": 2, "tensor": 2}, ["parallel.fsdp_gather_once=true"], ("fsdp", "sequence")),
     ({"data": 2, "sequence": 4}, ["parallel.context_impl=gspmd"], ()),  # XLA's all-gather sees the whole L
     ({"fsdp": 2, "sequence": 4}, [], ()),  # XLA's ZeRO-3: fsdp would be manual inside, before sequence
-    ({"stage": 2, "data": 2, "sequence": 2}, ["parallel.schedule=1f1b"], ()),
+    # pipelines: manual over data and sequence (pipeline/engine.py), or data alone beside XLA's all-gather
+    ({"stage": 2, "data": 2, "sequence": 2}, ["parallel.schedule=1f1b", "parallel.context_impl=allgather"],
+     ("data", "sequence")),
+    ({"stage": 2, "data": 2, "sequence": 2}, ["parallel.context_impl=gspmd"], ("data",)),
+    ({"stage": 2, "fsdp": 2, "sequence": 2}, [], ("fsdp", "sequence")),
     ({"data": 2, "sequence": 4}, ["train.micro_batch_size=0"], ()),  # one microbatch: nothing to accumulate
 ])
 def test_sequence_joins_the_accumulation_region_where_it_can(sizes, sets, axes):

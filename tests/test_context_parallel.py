@@ -172,6 +172,8 @@ STEP_CASES = [
     ("fsdp=2,sp=4", "model.remat=full", "train.micro_batch_size=4"),
     ("dp=2,sp=4", "model.attention=pallas"),
     ("pp=2,dp=2,sp=2",), ("pp=2,dp=2,sp=2", "parallel.schedule=1f1b", "parallel.context_impl=allgather"),
+    ("pp=2,fsdp=2,sp=2",), ("pp=2,fsdp=2,sp=2", "parallel.schedule=zb-h1", "parallel.context_impl=allgather"),
+    ("pp=2,dp=2,sp=2", "parallel.context_impl=gspmd"),
     # the accumulation region manual over sequence too (training/step.py): gradients summed per device
     ("dp=2,sp=4", "train.micro_batch_size=1"), ("sp=8", "model.remat=full", "train.micro_batch_size=2"),
     ("sp=2,tp=4", "train.micro_batch_size=2"), ("sp=2,tp=4", "parallel.sequence_parallel=true", "train.micro_batch_size=2"),
@@ -251,6 +253,33 @@ def test_accumulated_gradients_are_reduced_once_per_step_over_data_and_sequence(
     gradients = contract[group[0]] - (ring if group[0] == "sequence" else 0)  # sequence: the ring's K/V too
     assert sum(c.bytes_per_step for c in reductions) == pytest.approx(gradients, rel=0.02)
     assert sum(c.bytes_per_step for c in found if c.kind == "collective-permute") == pytest.approx(ring, rel=0.02)
+
+
+@pytest.mark.parametrize("sets", [("parallel.context_impl=ring",),
+                                  ("parallel.schedule=1f1b", "parallel.context_impl=allgather")], ids=" ".join)
+def test_pipelines_reduce_once_per_step_over_data_and_sequence(sets):
+    """pp=2,dp=2,sp=2, M = 4 (gpipe with the ring, 1f1b with the all-gather): the schedules'
+    engine (pipeline/engine.py) is manual over sequence too, so each device sums its fp32
+    gradients over the schedule and they are all-reduced once per step over data and sequence
+    in one group, `tools.traffic`'s bytes; everything else on those axes is the K/V traffic of
+    `tools.traffic.context`, each within 1% (fp32, CPU; the busiest device's bytes, the 1F1B
+    family's cell collectives counted per cell run). Left to XLA (data and sequence automatic,
+    as at f2ddadc), gpipe all-reduced the layers' gradients over data, sequence or both in
+    every tick, bubble ticks included: 4.4x these all-reduce bytes, and 1.6x the other bytes on
+    the two axes; 1f1b in every backward cell: 3.8x and 3.5x."""
+    from sharding.mesh import AXES
+    from tools import traffic
+    from tools.hlo import per_device
+
+    cfg, found = _step_census("pp=2,dp=2,sp=2", "parallel.microbatches=4", *sets)
+    sizes = {a: getattr(cfg.parallel, a) for a in AXES}
+    batch = [c for c in found if {"data", "sequence"} & set(c.axes)]
+    reductions = [c for c in batch if c.kind == "all-reduce"]
+    assert {(c.axes, c.trips) for c in reductions} == {(("data", "sequence"), 1)}
+    assert per_device(reductions) == pytest.approx(traffic.communication(cfg, sizes)["data"], rel=0.01)
+    kv = [c for c in batch if c.kind != "all-reduce"]
+    assert {c.axes for c in kv} == {("sequence",)}
+    assert per_device(kv) == pytest.approx(traffic.context(cfg, sizes), rel=0.01)  # the busiest device's
 
 
 def test_ring_memory_stays_flat_as_sp_and_length_grow_together():
