@@ -62,6 +62,9 @@ PROSE_ONLY = {
                                            "regions, quoted in the planner's pipeline paragraph",
     "pipeline-memory-125m-h100-zbv": "zbv beside zb-h1, XLA GPU's compiled memory and the estimate, quoted in "
                                      "the planner's pipeline paragraph",
+    "pipeline-context-h100-compiled": "XLA GPU's collective census of pipelines beside context parallelism before "
+                                      "and after their engine took the batch axes; README's table of it is written "
+                                      "by hand",
     "census-pipelines-h100-compiled": "XLA GPU's collective census of pipelined steps beside the contract, "
                                       "typed into the census table's pipeline rows and its paragraph",
     "gpipe-memory-125m-h100-compiled": "gpipe's and interleaved's compiled memory beside the estimate before and "
