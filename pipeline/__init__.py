@@ -36,8 +36,8 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     `parallel.schedule`. Each stage sums the statistics of its MoE layers over the microbatches
     it runs (idle ticks masked out), and the sums meet across `stage` once per step.
     `accumulation`: the batch axes the schedule's region runs manual over, reducing its gradients
-    over them once per step (sharding.checks.accumulation_axes: data, fsdp and sequence where
-    they can be, none for MoE models; pipeline/engine.py)."""
+    over them once per step (sharding.checks.accumulation_axes: data, fsdp, and sequence where
+    the context parallelism is written out; pipeline/engine.py)."""
     from configs.base import ConfigError
     from pipeline import circular, one_f_one_b
     from pipeline.stages import stages

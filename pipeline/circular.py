@@ -25,8 +25,8 @@ the summed gradients are then reduced over those axes once per step. As autodiff
 reduced the layers' gradients over data in every tick, bubble ticks included (M·V + p - 1
 all-reduces a step), and under fsdp gathered the weights in every use (tiny pp=2,dp=2,fsdp=2
 at M = 8: 7.7x the data bytes and 15.3x the fsdp bytes, tests/test_hlo.py). Where no batch axis
-is manual (MoE models: sharding.checks.accumulation_axes) XLA still reduces per tick, and over
-sequence per tick under context_impl=gspmd.
+is not manual (`expert`; `sequence` under context_impl=gspmd: sharding.checks.accumulation_axes)
+XLA still reduces per tick.
 
 Embedding and head run inside the region on every stage: the batch is embedded at once [M, b,
 L, D] (only stage 0 reads it), and the head and loss run on every stage over the M outputs,

@@ -3,8 +3,9 @@ stage's weights cast, laid out and gathered once per step, its fp32 gradients re
 
 Region: manual over `stage` and the step's accumulation axes (`batch_axes`: data, fsdp and,
 under the context parallelism written out, sequence, where > 1:
-sharding.checks.accumulation_axes; none for MoE models, which XLA then reduces); `tensor` (and
-any other axis) stays automatic. In: the parameters as stored (blocks [X, ...], X over stage,
+sharding.checks.accumulation_axes; a MoE layer's region nests in it, manual over the token
+axes left, sharding/expert_parallel.py); `tensor`, `expert` (and any other axis) stay
+automatic, and XLA reduces the gradients over expert. In: the parameters as stored (blocks [X, ...], X over stage,
 and under manual fsdp each weight's fsdp shard), the batch [M, b, L] (each device its own b
 rows of every microbatch where the batch axes are manual, and its L/sp columns where sequence
 is: the model then slices the rotary tables to them, and the context-parallel attention
@@ -13,18 +14,18 @@ regions nest in this one).
 Per step, on each device:
   1. cast the stage's parameters to the compute dtype, lay its layers out as the [V, Lc, ...]
      chunks it runs (pipeline/layout.py: chunks stored on another stage move once, by
-     collective-permute) and gather them whole over fsdp (by hand on each tensor shard where fsdp
-     is manual, else a sharding constraint: pipeline/stage_weights.py);
+     collective-permute) and gather them whole over fsdp (by hand on each tensor and expert
+     shard where fsdp is manual, else a sharding constraint: pipeline/stage_weights.py);
   2. `run` the schedule (pipeline/circular.py, pipeline/one_f_one_b.py): the mean loss of the
      device's rows (nonzero on the stage that computes it), the fp32 gradients of every
      parameter summed over the device's microbatches, and the router statistics summed over
      the stage's MoE layers and microbatches;
   3. reduce the gradients once over the batch axes (an fp32 reduce-scatter over fsdp, then an
-     all-reduce of the shard over data and sequence, on each tensor shard:
-     sharding/accumulation.py), move
-     the chunks' gradients back to where they are stored, and sum the embedding's, final norm's
-     and head's over stage (each nonzero on the stage that uses it: an all-reduce of
-     2·(V·D + D)·4 bytes); loss and statistics summed over stage, averaged over the batch axes.
+     all-reduce of the shard over data and sequence, on each tensor and expert shard:
+     sharding/accumulation.py), move the chunks' gradients back to where they are stored, and
+     sum the embedding's, final norm's and head's over stage (each nonzero on the stage that
+     uses it: an all-reduce of 2·(V·D + D)·4 bytes); loss and statistics summed over stage,
+     averaged over the batch axes.
 
 So the data and fsdp bytes of a pipelined step are those of one reduction whatever M and the
 schedule: 2·4·P'·(N-1)/N over data (P' the device's parameters; N = dp·sp with sequence in the
@@ -47,7 +48,7 @@ from configs.base import RunConfig
 from model.transformer import compute_params
 from pipeline.stage_weights import chunked, gathered_once, reduced_once, weight_specs
 from pipeline.stages import AXIS, over_stages, stages, with_part
-from sharding.accumulation import FSDP, TENSOR
+from sharding.accumulation import AUTOMATIC, FSDP
 from sharding.checks import moe_layers
 from sharding.rules import logical_to_spec
 
@@ -66,16 +67,16 @@ def run_stages(params: nnx.State, batch: dict, cfg: RunConfig, batch_axes: tuple
     manual = (FSDP,) if FSDP in batch_axes else ()
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     flat_specs = jax.tree.leaves(weight_specs(params, manual), is_leaf=is_spec)  # the body's [V, Lc] chunks
-    tensors = jax.tree.leaves(weight_specs(params, (TENSOR,), stage=False), is_leaf=is_spec)
+    splits = jax.tree.leaves(weight_specs(params, AUTOMATIC, stage=False), is_leaf=is_spec)  # tensor, expert
     outer = weight_specs(params, manual, stored=True)  # the stored [X] blocks, laid out in the body
 
     def body(local: nnx.State, inputs: jax.Array, targets: jax.Array) -> tuple:
         compute = compute_params(local, cfg.model.compute_dtype)
-        compute = gathered_once(chunked(compute, p, v_count, vee), flat_specs, tensors, batch_axes)
+        compute = gathered_once(chunked(compute, p, v_count, vee), flat_specs, splits, batch_axes)
         loss, grads, stats = run(compute, inputs, targets)
         n = math.prod(lax.axis_size(a) for a in batch_axes)
         over_batch = (lambda a: lax.psum(a, batch_axes) / n) if batch_axes else (lambda a: a)  # noqa: E731
-        grads = reduced_once(grads, flat_specs, tensors, batch_axes)  # once per step
+        grads = reduced_once(grads, flat_specs, splits, batch_axes)  # once per step
         grads = chunked(grads, p, v_count, vee, back=True)
         summed = jax.tree.map(lambda a: lax.psum(a, AXIS), grads)  # embedding, norm, head
         stats = {name: over_batch(lax.psum(a, AXIS)) / (m_count * moe_layers(cfg.model)) for name, a in stats.items()}

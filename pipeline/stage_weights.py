@@ -10,12 +10,12 @@ layout.
 Under fsdp the stage's compute-dtype weights are gathered once per step, before the tick scan,
 and the gradients accumulate whole: ZeRO-1 style within the step (the fp32 master weights and
 AdamW moments stay split). With the batch axes manual in the engine (`batch_axes`, data and
-fsdp where > 1: sharding.checks.accumulation_axes) the gather is by hand, on each tensor shard,
-and the summed gradients are reduced once per step (`gathered_once`, `reduced_once`, with
+fsdp where > 1: sharding.checks.accumulation_axes) the gather is by hand, on each tensor (and
+expert) shard, and the summed gradients are reduced once per step (`gathered_once`, `reduced_once`, with
 sharding/accumulation.py's gather and reduce): per step, whatever M, one all-gather of the
 stage's weights in the compute dtype and one reduction of their fp32 gradients (a
 reduce-scatter over fsdp, then an all-reduce of the shard over data and sequence). Where they
-are not (MoE models) the gather is a sharding constraint
+are not (`gathered_once` without fsdp in `batch_axes`) the gather is a sharding constraint
 (`whole_over_fsdp`) and XLA reduces the partial sums where the backward makes them (each
 backward cell of the 1F1B family, each tick of gpipe and interleaved). Memory: the stage's
 weights whole over fsdp in the compute dtype, and their fp32 gradients whole, for the step.
@@ -54,7 +54,7 @@ def weight_specs(params: nnx.State, within: tuple[str, ...], stored: bool = Fals
     """Each weight's spec over the mesh axes `within`: the blocks' [V, X/V, ...] chunks, X/V over
     stage (`stage`), as the body holds them after `chunked` (`stored`: the [X, ...] stack as
     stored, the engine's in_spec). With fsdp (manual here) its fsdp split (the `embed`
-    dimension), each device then holding its shard; with tensor (automatic here) its tensor
+    dimension), each device then holding its shard; with tensor or expert (automatic here) its
     split, which sharding.accumulation's gather and reduce keep; everything else replicated."""
     mesh = jax.sharding.get_abstract_mesh()
 
@@ -70,23 +70,24 @@ def weight_specs(params: nnx.State, within: tuple[str, ...], stored: bool = Fals
                      jax.tree.map(lambda v: spec(v, True), params["blocks"], is_leaf=is_var))
 
 
-def gathered_once(tree: nnx.State, flat_specs: list[P], tensors: list[P], batch_axes: tuple[str, ...]) -> nnx.State:
+def gathered_once(tree: nnx.State, flat_specs: list[P], splits: list[P], batch_axes: tuple[str, ...]) -> nnx.State:
     """The stage's weights whole over fsdp, once per step: gathered by hand where fsdp is manual
-    in the engine (on each tensor shard: `tensors`), else by a sharding constraint (XLA's gather)."""
+    in the engine (on each tensor or expert shard: `splits`), else by a sharding constraint (XLA's
+    gather)."""
     if FSDP not in batch_axes:
         return whole_over_fsdp(tree)
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten([gather(spec, a, t) for spec, a, t in zip(flat_specs, leaves, tensors, strict=True)])
+    return treedef.unflatten([gather(spec, a, t) for spec, a, t in zip(flat_specs, leaves, splits, strict=True)])
 
 
-def reduced_once(grads: nnx.State, flat_specs: list[P], tensors: list[P], batch_axes: tuple[str, ...]) -> nnx.State:
+def reduced_once(grads: nnx.State, flat_specs: list[P], splits: list[P], batch_axes: tuple[str, ...]) -> nnx.State:
     """The summed gradients -> their shard of the mean over the batch axes, once per step."""
     if not batch_axes:
         return grads
     n = math.prod(lax.axis_size(a) for a in batch_axes)
     leaves, treedef = jax.tree.flatten(grads)
     return treedef.unflatten([reduce(g, spec, batch_axes, t) / n
-                              for spec, g, t in zip(flat_specs, leaves, tensors, strict=True)])
+                              for spec, g, t in zip(flat_specs, leaves, splits, strict=True)])
 
 
 def chunked(tree: nnx.State, p: int, v_count: int, vee: bool, back: bool = False) -> nnx.State:

@@ -10,13 +10,16 @@ dimension (4·P·(N-1)/N in fp32), then an all-reduce of the smaller shard over 
 axes (2·4·P/N_fsdp·(N-1)/N). A weight that fsdp does not split (the norms) is all-reduced over
 every batch axis.
 
-`tensor` stays automatic in the region, and XLA cannot partition a collective over a manual axis
-whose operand is split over an automatic one: it gathers the operand over `tensor` first. So a
-weight that tensor parallelism splits (its `tensor` spec, the third argument) is gathered and
-reduced on each device's tensor shard, in a shard_map manual over `tensor` too. Compiled for
-H100s without it (llama3-70b, 4 layers, pp=2,fsdp=2,tp=8 under 1f1b) the fsdp bytes were 8x
-the contract, beside 16.7 GB of all-gathers over tensor, and XLA's peak 3.1x what it is now
-(bench/results/accumulation-tensor-h100-compiled.json).
+`tensor` stays automatic in the region (and `expert` in a pipeline's: pipeline/engine.py), and
+XLA cannot partition a collective over a manual axis whose operand is split over an automatic
+one: it gathers the operand over that axis first. So a weight that tensor or expert parallelism
+splits (its spec over those axes, the third argument) is gathered and reduced on each device's
+shard of it, in a shard_map manual over those axes too. Compiled for H100s without it
+(llama3-70b, 4 layers, pp=2,fsdp=2,tp=8 under 1f1b) the fsdp bytes were 8x the contract, beside
+16.7 GB of all-gathers over tensor, and XLA's peak 3.1x what it is now
+(bench/results/accumulation-tensor-h100-compiled.json); mixtral-8x7b's experts (4 layers,
+pp=2,fsdp=2,ep=2 under 1f1b) moved 1.8x the fsdp contract beside 26.4 GB of all-gathers over
+expert (bench/results/pipeline-experts-h100-compiled.json).
 """
 
 from __future__ import annotations
@@ -28,35 +31,39 @@ from jax.sharding import PartitionSpec as P
 
 FSDP = "fsdp"
 TENSOR = "tensor"
+AUTOMATIC = ("expert", TENSOR)  # the axes that may split a weight while automatic in the region
 
 
 def _splits(axes: str | tuple[str, ...] | None, axis: str) -> bool:
     return axes is not None and axis in (axes if isinstance(axes, tuple) else (axes,))
 
 
-def _on_tensor_shard(fn: Callable[[jax.Array], jax.Array], x: jax.Array, tensor: P) -> jax.Array:
-    """fn on each device's shard of x over `tensor` (its spec `tensor`; fn keeps that split)."""
-    if not any(_splits(a, TENSOR) for a in tensor):
+def _on_shard(fn: Callable[[jax.Array], jax.Array], x: jax.Array, split: P) -> jax.Array:
+    """fn on each device's shard of x over the AUTOMATIC axes its spec `split` names (fn keeps
+    that split)."""
+    axes = {a for a in AUTOMATIC if any(_splits(d, a) for d in split)}
+    if not axes:
         return fn(x)
-    return jax.shard_map(fn, in_specs=tensor, out_specs=tensor, axis_names={TENSOR}, check_vma=False)(x)
+    return jax.shard_map(fn, in_specs=split, out_specs=split, axis_names=axes, check_vma=False)(x)
 
 
-def gather(spec: P, w: jax.Array, tensor: P = P()) -> jax.Array:
+def gather(spec: P, w: jax.Array, split: P = P()) -> jax.Array:
     """w whole over fsdp: an all-gather of each dimension that `spec` splits over fsdp (on each
-    tensor shard where `tensor`, w's spec over the tensor axis, splits it)."""
+    tensor or expert shard where `split`, w's spec over those axes, splits it)."""
     def whole(w: jax.Array) -> jax.Array:
         for dim, axes in enumerate(spec):
             if _splits(axes, FSDP):
                 w = jax.lax.all_gather(w, FSDP, axis=dim, tiled=True)
         return w
 
-    return _on_tensor_shard(whole, w, tensor)
+    return _on_shard(whole, w, split)
 
 
-def reduce(g: jax.Array, spec: P, axes: tuple[str, ...], tensor: P = P()) -> jax.Array:
+def reduce(g: jax.Array, spec: P, axes: tuple[str, ...], split: P = P()) -> jax.Array:
     """A device's summed gradient of a whole (fsdp-gathered) weight -> its shard of the sum over
     the batch `axes`: a reduce-scatter over fsdp where `spec` splits the weight over it, then an
-    all-reduce over the other axes of the (smaller) shard (on each tensor shard, as `gather`)."""
+    all-reduce over the other axes of the (smaller) shard (on each tensor or expert shard, as
+    `gather`)."""
     def shard(g: jax.Array) -> jax.Array:
         scattered = ()
         for dim, dim_axes in enumerate(spec):
@@ -66,4 +73,4 @@ def reduce(g: jax.Array, spec: P, axes: tuple[str, ...], tensor: P = P()) -> jax
         rest = tuple(a for a in axes if a not in scattered)
         return jax.lax.psum(g, rest) if rest else g
 
-    return _on_tensor_shard(shard, g, tensor)
+    return _on_shard(shard, g, split)

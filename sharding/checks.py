@@ -74,18 +74,21 @@ def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
     microbatches or parallel.fsdp_gather_once asks for the gathered weights: data, and fsdp only
     with parallel.fsdp_gather_once (otherwise XLA's ZeRO-3 inside). () where XLA places
     the reductions: one microbatch (once per step already, and FSDP's weights gathered a layer
-    at a time), MoE models (their regions sum the router statistics over the token axes). With
+    at a time), MoE models outside a pipeline (their regions are manual over every token axis
+    themselves). With
     sp > 1 `sequence` joins them, the weights being replicated over it, where the context
     parallelism is written out and the regions nest (`_sequence_nests`; elsewhere () and XLA
     reduces over sequence per microbatch). Every pipeline schedule (pipeline/engine.py) runs its M
     microbatches per device the same way, manual over data, fsdp and (the context parallelism
-    written out) sequence: it holds each stage's weights whole for the step anyway, so its
-    gradients are summed over the schedule and reduced once per step on all of them."""
-    if cfg.model.n_experts:
-        return ()
+    written out) sequence, MoE models included (their regions nest in it, and sum the router
+    statistics over its axes too: sharding/expert_parallel.py): it holds each stage's weights
+    whole for the step anyway, so its gradients are summed over the schedule and reduced once
+    per step on all of them. `expert` stays automatic there (the MoE regions' own axis)."""
     written_out = explicit_context(cfg, sizes["sequence"]) is not None
     if sizes["stage"] > 1:
         return tuple(a for a in ("data", "fsdp", "sequence") if sizes[a] > 1 and (a != "sequence" or written_out))
+    if cfg.model.n_experts:
+        return ()
     if sizes["sequence"] > 1 and not (written_out and _sequence_nests(cfg, sizes)):
         return ()
     per_rank = cfg.train.global_batch_size // batch_ranks(sizes)

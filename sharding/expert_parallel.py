@@ -42,6 +42,13 @@ in the region (as the SP regions of tensor_parallel.py do).
 
 Router statistics (the load-balancing loss, the z-loss, the load) are over the whole batch:
 `Experts.total` sums them over the token axes, so the loss equals the single-device run's.
+
+Nested in a pipeline's engine (pipeline/engine.py, manual over data, fsdp and, with the context
+parallelism written out, sequence) the region is manual over the token axes left (expert,
+sequence, and tensor: sharding.rules.not_manual); the statistics are summed over the engine's
+axes too, so each device's objective holds the whole batch's router losses, and the psum's
+transpose sums their cotangents back (`Experts.total`). The router's and experts' gradients
+are then each device's own sums over those axes, reduced once per step by the engine.
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from sharding.context_parallel import AXIS as CONTEXT_AXIS
-from sharding.rules import axis_size, logical_to_spec
+from sharding.rules import axis_size, logical_to_spec, not_manual
 from sharding.tensor_parallel import AXIS as TENSOR_AXIS, BATCH_AXES, Local, Sharded, TensorParallel, Weights
 
 AXIS = "expert"
@@ -69,14 +76,21 @@ class Experts:
     size: int = 1  # ep
     token_axes: tuple[str, ...] = ()  # the manual axes that split the tokens
     tensor: Local | Sharded = field(default_factory=Local)
+    outer: tuple[str, ...] = ()  # those of them manual outside the region (a pipeline's engine)
 
     def all_to_all(self, buf: jax.Array) -> jax.Array:
         """[ep, S, ...]: block j goes to device j; block i of the result came from device i."""
         return lax.all_to_all(buf, AXIS, 0, 0) if self.size > 1 else buf
 
     def total(self, x: jax.Array) -> jax.Array:
-        """The sum of x over every device's tokens (a psum over the token axes)."""
-        return lax.psum(x, self.token_axes) if self.token_axes else x
+        """The sum of x over every device's tokens (a psum over the token axes). Over the axes
+        manual outside the region (`outer`) the region's sum is then typed varying (the
+        region's types know only its own axes) and summed again: the transpose of that psum is
+        a psum of the cotangent over them, each device's objective holding the whole batch's
+        statistics."""
+        inner = tuple(a for a in self.token_axes if a not in self.outer)
+        x = lax.psum(x, inner) if inner else x
+        return lax.psum(lax.pcast(x, self.outer, to="varying"), self.outer) if self.outer else x
 
     def same_on_tensor(self, x: jax.Array) -> jax.Array:
         """x, computed alike by every tensor rank, typed as replicated (a mean over tensor: each
@@ -89,15 +103,17 @@ def region(fn: Callable, x: jax.Array, weights: Weights, tp: TensorParallel) -> 
     experts; one device (no mesh, or every token axis of size 1) calls fn directly."""
     mesh = jax.sharding.get_abstract_mesh()
     arrays = {name: a for name, (a, _) in weights.items()}
-    manual = tuple(a for a in (*TOKEN_AXES, TENSOR_AXIS) if axis_size(a) > 1)
-    if not manual:
-        return fn(Experts(), x, arrays)
+    split = tuple(a for a in (*TOKEN_AXES, TENSOR_AXIS) if axis_size(a) > 1)
+    manual = not_manual(split)  # nested in a pipeline's engine: its batch axes are manual already
     tensor = axis_size(TENSOR_AXIS)
     ops = Experts(
         size=axis_size(AXIS),
-        token_axes=tuple(a for a in manual if a in TOKEN_AXES),
+        token_axes=tuple(a for a in split if a in TOKEN_AXES),  # the outer ones too: the psums reach them
         tensor=Sharded(tensor, tp.sequence_parallel, tp.overlap) if tensor > 1 else Local(),
+        outer=tuple(a for a in split if a in TOKEN_AXES and a not in manual),
     )
+    if not manual:
+        return fn(ops, x, arrays)
     specs = {name: logical_to_spec(names, a.shape, mesh, within=(AXIS, TENSOR_AXIS))
              for name, (a, names) in weights.items()}
     x_spec = logical_to_spec(tp.activation_names, x.shape, mesh, within=manual)

@@ -55,7 +55,7 @@ def _all_meshes(n: int):
     (["train.micro_batch_size=2"], {"stage": 2, "data": 4}, "train.micro_batch_size=2 with pp=2"),
     (["parallel.virtual_stages=2"], {}, "use 1, or more with --set parallel.schedule=interleaved"),
     (["parallel.fsdp_gather_once=true"], {"data": 8}, "parallel.fsdp_gather_once=true needs fsdp > 1"),
-    (["parallel.fsdp_gather_once=true", "model.n_experts=4"], {"fsdp": 2, "stage": 2},
+    (["parallel.fsdp_gather_once=true", "model.n_experts=4"], {"fsdp": 2},
      "parallel.fsdp_gather_once=true needs fsdp > 1 and a dense model"),
     (["parallel.fsdp_gather_once=true", "parallel.context_impl=gspmd"], {"fsdp": 2, "sequence": 2},
      "with sp > 1 context_impl ring or allgather"),

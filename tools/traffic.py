@@ -13,14 +13,16 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           embedding's gradients in the compute dtype (bf16 matmuls, a bf16 scatter-add), the
           head's and the routers' (their matmuls make fp32 logits) and the norms' in fp32;
           h = V·D/(f·t), n the norms' (2X + 1)·D, r the routers' D·E/f per MoE layer.
-          Under gpipe and interleaved where a batch axis is not manual (MoE models; sequence
+          Under gpipe and interleaved where a batch axis is not manual (expert; sequence
           under context_impl=gspmd: XLA's reduction inside autodiff's transpose of the tick
-          scan) XLA reduces the layers' gradients in every tick, bubble ticks included (T/V times, T the table's ticks), the
-          head's, the embedding's and norms' once per step (`per_microbatch_reductions`)
+          scan) XLA reduces the layers' gradients in every tick, bubble ticks included (T/V
+          times, T the table's ticks), the head's, the embedding's and norms' once per step
+          (`per_microbatch_reductions`)
   data    2 · G(N-1)/N              once per step (the k microbatches summed first; per
                                     microbatch, k · 2 · G_c(N-1)/N, where
-                                    sharding.checks.accumulation_axes is empty: k = 1, MoE,
-                                    sp > 1 beside XLA's fsdp; every pipeline schedule
+                                    sharding.checks.accumulation_axes is empty: k = 1, MoE
+                                    outside a pipeline, sp > 1 beside XLA's fsdp; every
+                                    pipeline schedule
                                     reduces over data once per step: pipeline/engine.py);
                                     P' counts this device's E/ep experts (they are reduced over
                                     data), and of the wk, wv that tensor replicates (t does not
@@ -230,7 +232,7 @@ def per_microbatch_reductions(cfg: RunConfig, sizes: dict[str, int], own: float,
                               experts: float) -> tuple[float, float]:
     """(bytes, of which routed experts) per step of the gradients a reduction per microbatch
     moves (module docstring, G_c), `own` the device's parameters P': k·G_c, but under gpipe and
-    interleaved (autodiff's transpose of the tick scan, where XLA keeps a batch axis: MoE;
+    interleaved (autodiff's transpose of the tick scan, where XLA keeps a batch axis: expert;
     sequence under context_impl=gspmd) the layers' gradients are reduced in every tick, bubble
     ticks included (T/V per chunk), and the head's, the embedding's and the norms' once (the lookup and the head's one
     batch or scan take the M microbatches at once)."""

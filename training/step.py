@@ -38,8 +38,8 @@ loop), where XLA's ZeRO-3 gathers one layer at a time. With data alone the accum
 size it always was. At k = 1 (unless fsdp_gather_once) there is nothing to accumulate: the
 step is XLA's, which reduces once and keeps ZeRO-3's memory. The pipeline schedules take the
 data, fsdp and (the context parallelism written out) sequence axes the same way
-(pipeline/engine.py: manual over them, one reduction per step); MoE models, and sp > 1 beside
-XLA's fsdp, keep XLA's placement, a reduction per microbatch (per tick in gpipe and
+(pipeline/engine.py: manual over them, one reduction per step, MoE models too); MoE models
+outside a pipeline, and sp > 1 beside XLA's fsdp, keep XLA's placement, a reduction per microbatch (per tick in gpipe and
 interleaved).
 Non-finite steps: when the loss or the gradient norm is NaN or inf, the step keeps the old
 parameters and optimizer state (an elementwise select per parameter and moment, which XLA fuses
