@@ -65,6 +65,8 @@ PROSE_ONLY = {
     "pipeline-context-h100-compiled": "XLA GPU's collective census of pipelines beside context parallelism before "
                                       "and after their engine took the batch axes; README's table of it is written "
                                       "by hand",
+    "pipeline-experts-h100-compiled": "XLA GPU's collective census of MoE pipelines before and after their engine "
+                                      "took the batch axes; README's table of it is written by hand",
     "census-pipelines-h100-compiled": "XLA GPU's collective census of pipelined steps beside the contract, "
                                       "typed into the census table's pipeline rows and its paragraph",
     "gpipe-memory-125m-h100-compiled": "gpipe's and interleaved's compiled memory beside the estimate before and "
