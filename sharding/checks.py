@@ -65,61 +65,51 @@ def batch_ranks(sizes: dict[str, int]) -> int:
     return sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1)
 
 
-BATCH_AXES = ("data", "fsdp", "expert")
-
-
 def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
     """The batch axes (of size > 1) over which the step's microbatch loop runs per device, its
     gradients summed locally and reduced once per step (training/step.py), when there are k > 1
     microbatches or parallel.fsdp_gather_once asks for the gathered weights: data, and fsdp only
-    with parallel.fsdp_gather_once (otherwise XLA's ZeRO-3 inside). () where XLA places
-    the reductions: one microbatch (once per step already, and FSDP's weights gathered a layer
-    at a time), MoE models outside a pipeline (their regions are manual over every token axis
-    themselves). With
-    sp > 1 `sequence` joins them, the weights being replicated over it, where the context
-    parallelism is written out and the regions nest (`_sequence_nests`; elsewhere () and XLA
-    reduces over sequence per microbatch). Every pipeline schedule (pipeline/engine.py) runs its M
-    microbatches per device the same way, manual over data, fsdp and (the context parallelism
-    written out) sequence, MoE models included (their regions nest in it, and sum the router
-    statistics over its axes too: sharding/expert_parallel.py): it holds each stage's weights
-    whole for the step anyway, so its gradients are summed over the schedule and reduced once
-    per step on all of them. `expert` stays automatic there (the MoE regions' own axis)."""
-    written_out = explicit_context(cfg, sizes["sequence"]) is not None
+    with parallel.fsdp_gather_once (otherwise XLA's ZeRO-3 inside). () where XLA places the
+    reductions: one microbatch (once per step already, and FSDP's weights gathered a layer at a
+    time).
+
+    With sp > 1 `sequence` joins them, the weights being replicated over it, where the context
+    parallelism is written out (its regions then nest, already manual over `sequence`; XLA's
+    own, context_impl=gspmd, needs the whole sequence in view) and no axis before `sequence` in
+    the mesh is left automatic for the model's regions to make manual inside it (Shardy refuses
+    an inner manual axis before an outer one; jax 0.12's XLA aborts the process): fsdp only
+    gathered once, no expert axis. Elsewhere () and XLA reduces over sequence per microbatch.
+    Tensor parallelism may be there: its attention region, nested, runs unchecked
+    (TensorParallel.region).
+
+    Every pipeline schedule (pipeline/engine.py) runs its M microbatches per device the same
+    way, manual over data, fsdp and (as above) sequence: it holds each stage's weights whole
+    for the step anyway, so its gradients are summed over the schedule and reduced once per
+    step on all of them. `expert` is never among the axes: it is the MoE regions' own, and XLA
+    reduces the other weights' gradients over it. MoE regions nest in the step's region and sum
+    their router statistics over its axes too (sharding/expert_parallel.py)."""
+    nests = explicit_context(cfg, sizes["sequence"]) is not None and sizes.get("expert", 1) == 1
     if sizes["stage"] > 1:
-        return tuple(a for a in ("data", "fsdp", "sequence") if sizes[a] > 1 and (a != "sequence" or written_out))
-    if cfg.model.n_experts:
-        return ()
-    if sizes["sequence"] > 1 and not (written_out and _sequence_nests(cfg, sizes)):
+        return tuple(a for a in ("data", "fsdp", "sequence") if sizes[a] > 1 and (a != "sequence" or nests))
+    if sizes["sequence"] > 1 and not (nests and (sizes["fsdp"] == 1 or cfg.parallel.fsdp_gather_once)):
         return ()
     per_rank = cfg.train.global_batch_size // batch_ranks(sizes)
     k = per_rank // (cfg.train.micro_batch_size or per_rank)
     if k == 1 and not (cfg.parallel.fsdp_gather_once and sizes["fsdp"] > 1):
         return ()
-    axes = tuple(a for a in (*BATCH_AXES, "sequence") if sizes.get(a, 1) > 1)
+    axes = tuple(a for a in ("data", "fsdp", "sequence") if sizes[a] > 1)
     if not cfg.parallel.fsdp_gather_once:  # fsdp stays XLA's (ZeRO-3): a layer's weights gathered
         # when used and its gradient reduce-scattered per microbatch, so neither is ever whole
         axes = tuple(a for a in axes if a != "fsdp")
     return axes
 
 
-def _sequence_nests(cfg: RunConfig, sizes: dict[str, int]) -> bool:
-    """Whether the step's accumulation region (no pipeline) can be manual over `sequence` too,
-    the context parallelism written out (its regions then nest, already manual over `sequence`;
-    XLA's own, context_impl=gspmd, needs the whole sequence in view): no axis before `sequence`
-    in the mesh left automatic for the model's regions to make manual inside it (Shardy refuses
-    an inner manual axis before an outer one): fsdp only gathered once, no expert axis. (A
-    pipeline's engine is manual over data and fsdp whatever, so there it always can.) Tensor
-    parallelism may be there: its attention region, nested, runs unchecked
-    (TensorParallel.region)."""
-    return sizes.get("expert", 1) == 1 and (sizes["fsdp"] == 1 or cfg.parallel.fsdp_gather_once)
-
-
 def check_accumulation(cfg: RunConfig, sizes: dict[str, int]) -> None:
     """parallel.fsdp_gather_once acts in the step's accumulation region only (accumulation_axes)."""
     if cfg.parallel.fsdp_gather_once and "fsdp" not in accumulation_axes(cfg, sizes):
         raise ConfigError(
-            "parallel.fsdp_gather_once=true needs fsdp > 1 and a dense model (with sp > 1 context_impl "
-            "ring or allgather; pipelines gather once per step without it); drop it or change the --mesh"
+            "parallel.fsdp_gather_once=true needs fsdp > 1 (with sp > 1 context_impl ring or allgather and "
+            "no expert axis; pipelines gather once per step without it); drop it or change the --mesh"
         )
 
 

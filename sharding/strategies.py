@@ -25,8 +25,7 @@ microbatches the step writes them, once per step: `accumulation`).
   accumulation  the batch axes over which the k microbatches run per device (their gradients
              summed locally, reduced once per step: training/step.py), and whether fsdp's
              weights are gathered once per step (parallel.fsdp_gather_once); () = XLA reduces
-             the gradients (one device, k = 1, MoE outside a pipeline, sp > 1 where the regions
-             cannot nest)
+             the gradients (one device, k = 1, sp > 1 where the regions cannot nest)
   experts    n_experts > 0: how the MoE layers dispatch (dropless | capacity); their region is
              explicit over every token axis and `expert` (sharding/expert_parallel.py) whatever
              the mesh; None: a dense model

@@ -55,8 +55,8 @@ def _all_meshes(n: int):
     (["train.micro_batch_size=2"], {"stage": 2, "data": 4}, "train.micro_batch_size=2 with pp=2"),
     (["parallel.virtual_stages=2"], {}, "use 1, or more with --set parallel.schedule=interleaved"),
     (["parallel.fsdp_gather_once=true"], {"data": 8}, "parallel.fsdp_gather_once=true needs fsdp > 1"),
-    (["parallel.fsdp_gather_once=true", "model.n_experts=4"], {"fsdp": 2},
-     "parallel.fsdp_gather_once=true needs fsdp > 1 and a dense model"),
+    (["parallel.fsdp_gather_once=true", "model.n_experts=4"], {"fsdp": 2, "expert": 2, "sequence": 2},
+     "with sp > 1 context_impl ring or allgather and no expert axis"),
     (["parallel.fsdp_gather_once=true", "parallel.context_impl=gspmd"], {"fsdp": 2, "sequence": 2},
      "with sp > 1 context_impl ring or allgather"),
 ])
@@ -79,6 +79,10 @@ def test_rules_name_the_field(sets, sizes, message):
      ("data", "sequence")),
     ({"stage": 2, "data": 2, "sequence": 2}, ["parallel.context_impl=gspmd"], ("data",)),
     ({"stage": 2, "fsdp": 2, "sequence": 2}, [], ("fsdp", "sequence")),
+    # experts: never `expert` (the MoE regions' own), nor `sequence` after it (jax 0.12 aborts)
+    ({"data": 2, "expert": 2, "sequence": 2}, ["model.n_experts=4"], ()),
+    ({"stage": 2, "data": 2, "expert": 2, "sequence": 2}, ["model.n_experts=4"], ("data",)),
+    ({"data": 2, "expert": 2}, ["model.n_experts=4", "train.micro_batch_size=2"], ("data",)),
     ({"data": 2, "sequence": 4}, ["train.micro_batch_size=0"], ()),  # one microbatch: nothing to accumulate
 ])
 def test_sequence_joins_the_accumulation_region_where_it_can(sizes, sets, axes):

@@ -20,9 +20,8 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           (`per_microbatch_reductions`)
   data    2 · G(N-1)/N              once per step (the k microbatches summed first; per
                                     microbatch, k · 2 · G_c(N-1)/N, where
-                                    sharding.checks.accumulation_axes is empty: k = 1, MoE
-                                    outside a pipeline, sp > 1 beside XLA's fsdp; every
-                                    pipeline schedule
+                                    sharding.checks.accumulation_axes is empty: k = 1, sp > 1
+                                    beside XLA's fsdp or an expert axis; every pipeline schedule
                                     reduces over data once per step: pipeline/engine.py);
                                     P' counts this device's E/ep experts (they are reduced over
                                     data), and of the wk, wv that tensor replicates (t does not

@@ -11,10 +11,11 @@ so this equals the gradient of one batch of k*b.
 
 Where it would otherwise reduce every microbatch's gradients (k > 1; `Strategies.accumulation`
 names the axes, sharding.checks.accumulation_axes decides), the scan runs in one `shard_map`
-manual over the batch axes of size > 1 (data, fsdp, expert; and `sequence` under the context
-parallelism written out: each device then runs its L/sp columns,
-the rotary tables sliced to them, model/transformer.py; tensor stays automatic, and the
-model's own regions nested inside are manual over what is left, sharding/rules.not_manual).
+manual over the batch axes of size > 1 (data, fsdp; and `sequence` under the context
+parallelism written out: each device then runs its L/sp columns, the rotary tables sliced to
+them, model/transformer.py; tensor and expert stay automatic, and the model's own regions
+nested inside are manual over what is left, sharding/rules.not_manual; a weight split over
+them is gathered and reduced on each device's shard, sharding/accumulation.py).
 Each device runs the k microbatches of its own rows and sums its own fp32 gradients of the
 whole (fsdp-gathered) weights; after the loop, once per step: a
 reduce-scatter over fsdp (psum_scatter of each weight's `embed` dimension) and an all-reduce
@@ -38,9 +39,11 @@ loop), where XLA's ZeRO-3 gathers one layer at a time. With data alone the accum
 size it always was. At k = 1 (unless fsdp_gather_once) there is nothing to accumulate: the
 step is XLA's, which reduces once and keeps ZeRO-3's memory. The pipeline schedules take the
 data, fsdp and (the context parallelism written out) sequence axes the same way
-(pipeline/engine.py: manual over them, one reduction per step, MoE models too); MoE models
-outside a pipeline, and sp > 1 beside XLA's fsdp, keep XLA's placement, a reduction per microbatch (per tick in gpipe and
-interleaved).
+(pipeline/engine.py: manual over them, one reduction per step). MoE models too: their
+regions nest in either and sum the router statistics over its axes as well; `expert` is theirs,
+and XLA reduces the other weights' gradients over it. sp > 1 beside XLA's fsdp or an expert
+axis keeps XLA's placement (in a pipeline over sequence only), a reduction per microbatch (per
+tick in gpipe and interleaved).
 Non-finite steps: when the loss or the gradient norm is NaN or inf, the step keeps the old
 parameters and optimizer state (an elementwise select per parameter and moment, which XLA fuses
 into the optimizer's elementwise update) and counts the step in `bad_steps` (in a row) and
@@ -81,7 +84,7 @@ from configs.base import RunConfig
 from model.loss import cross_entropy
 from model.moe import no_stats, router_loss
 from model.transformer import compute_params
-from sharding.accumulation import TENSOR, gather as fsdp_gather, reduce as batch_reduce
+from sharding.accumulation import AUTOMATIC, gather as fsdp_gather, reduce as batch_reduce
 from sharding.rules import logical_to_spec
 from sharding.strategies import Strategies
 
@@ -127,7 +130,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     names = [(v.get_metadata().get("out_sharding") or (None,) * v.ndim, v.shape)
              for v in jax.tree.leaves(params, is_leaf=is_var)]
     specs = [logical_to_spec(n, shape, mesh, within=axes) for n, shape in names]
-    tensors = [logical_to_spec(n, shape, mesh, within=(TENSOR,)) for n, shape in names]  # automatic here
+    splits = [logical_to_spec(n, shape, mesh, within=AUTOMATIC) for n, shape in names]  # tensor, expert: automatic here
     assert len(specs) == len(leaves)
     batch_spec = logical_to_spec((None, "batch", "length"), batch["inputs"].shape, mesh, within=axes)
     n = math.prod(dict(mesh.shape)[a] for a in axes)
@@ -135,7 +138,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     def local(leaves: list, batch: dict) -> tuple:
         """One device's k microbatches: its own rows of the batch, its fsdp shard of the weights."""
         def gather(weights: list) -> list:
-            return jax.tree.map(fsdp_gather, specs, weights, tensors)
+            return jax.tree.map(fsdp_gather, specs, weights, splits)
 
         weights = compute_params(leaves, cfg.model.compute_dtype)  # the shard, cast before the gather
         if gather_once:
@@ -143,7 +146,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         loss, grads, stats = _accumulate(
             weights, graphdef, batch, cfg, treedef=treedef, prepare=None if gather_once else gather,
             grad_dtypes=[a.dtype for a in leaves])
-        grads = [batch_reduce(g, spec, axes, tensor) / n for g, spec, tensor in zip(grads, specs, tensors)]
+        grads = [batch_reduce(g, spec, axes, split) / n for g, spec, split in zip(grads, specs, splits)]
         return jax.lax.psum(loss, axes) / n, grads, jax.tree.map(lambda s: jax.lax.psum(s, axes) / n, stats)
 
     region = jax.shard_map(local, in_specs=(specs, {"inputs": batch_spec, "targets": batch_spec}),
