@@ -5,11 +5,11 @@ Region: manual over `stage` and the step's accumulation axes (`batch_axes`: data
 under the context parallelism written out, sequence, where > 1:
 sharding.checks.accumulation_axes; a MoE layer's region nests in it, manual over the token
 axes left, sharding/expert_parallel.py); `tensor`, `expert` (and any other axis) stay
-automatic, and XLA reduces the gradients over expert. In: the parameters as stored (blocks [X, ...], X over stage,
-and under manual fsdp each weight's fsdp shard), the batch [M, b, L] (each device its own b
-rows of every microbatch where the batch axes are manual, and its L/sp columns where sequence
-is: the model then slices the rotary tables to them, and the context-parallel attention
-regions nest in this one).
+automatic, and XLA reduces the gradients over expert. In: the parameters as stored (blocks
+[X, ...], X over stage, and under manual fsdp each weight's fsdp shard), the batch [M, b, L]
+(each device its own b rows of every microbatch where the batch axes are manual, and its L/sp
+columns where sequence is: the model then slices the rotary tables to them, and the
+context-parallel attention regions nest in this one).
 
 Per step, on each device:
   1. cast the stage's parameters to the compute dtype, lay its layers out as the [V, Lc, ...]
@@ -30,8 +30,8 @@ Per step, on each device:
 So the data and fsdp bytes of a pipelined step are those of one reduction whatever M and the
 schedule: 2·4·P'·(N-1)/N over data (P' the device's parameters; N = dp·sp with sequence in the
 region), and under fsdp one all-gather of the compute-dtype weights and one fp32
-reduce-scatter. Memory: the stage's weights whole over
-fsdp in the compute dtype and their fp32 gradients whole, for the step.
+reduce-scatter. Memory: the stage's weights whole over fsdp in the compute dtype and their fp32
+gradients whole, for the step.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The gathers and reductions of an accumulation region: a shard_map manual over batch axes in
 which each device runs its own rows of every microbatch, sums its gradients, and reduces them
-once per step (training/step.py's microbatch loop, pipeline/one_f_one_b.py's schedule).
+once per step (training/step.py's microbatch loop, pipeline/engine.py's schedules).
 
 A weight's spec (its in_spec in the region) names `fsdp` on the dimension FSDP splits (`embed`);
 each device holds that shard. `gather` makes it whole over fsdp (an all-gather per such
@@ -10,8 +10,8 @@ dimension (4·P·(N-1)/N in fp32), then an all-reduce of the smaller shard over 
 axes (2·4·P/N_fsdp·(N-1)/N). A weight that fsdp does not split (the norms) is all-reduced over
 every batch axis.
 
-`tensor` stays automatic in the region (and `expert` in a pipeline's: pipeline/engine.py), and
-XLA cannot partition a collective over a manual axis whose operand is split over an automatic
+`tensor` and `expert` stay automatic in the region (sharding.checks.accumulation_axes), and XLA
+cannot partition a collective over a manual axis whose operand is split over an automatic
 one: it gathers the operand over that axis first. So a weight that tensor or expert parallelism
 splits (its spec over those axes, the third argument) is gathered and reduced on each device's
 shard of it, in a shard_map manual over those axes too. Compiled for H100s without it
