@@ -21,12 +21,12 @@ Region and gradients: pipeline/engine.py's, shared with the 1F1B family: manual 
 and the step's accumulation axes (data, fsdp and, the context parallelism written out,
 sequence), the stage's weights cast, laid out and gathered whole over fsdp once per step, and
 on each device `jax.value_and_grad` of its own objective (`_objective`) through the tick scan;
-the summed gradients are then reduced over those axes once per step. As autodiff's transpose under XLA's batch axes, the tick scan had
-reduced the layers' gradients over data in every tick, bubble ticks included (M·V + p - 1
-all-reduces a step), and under fsdp gathered the weights in every use (tiny pp=2,dp=2,fsdp=2
-at M = 8: 7.7x the data bytes and 15.3x the fsdp bytes, tests/test_hlo.py). Where no batch axis
-is not manual (`expert`; `sequence` under context_impl=gspmd: sharding.checks.accumulation_axes)
-XLA still reduces per tick.
+the summed gradients are then reduced over those axes once per step. As autodiff's transpose
+under XLA's batch axes, the tick scan had reduced the layers' gradients over data in every
+tick, bubble ticks included (M·V + p - 1 all-reduces a step), and under fsdp gathered the
+weights in every use (tiny pp=2,dp=2,fsdp=2 at M = 8: 7.7x the data bytes and 15.3x the fsdp
+bytes, tests/test_hlo.py). Where a batch axis is not manual (`expert`; `sequence` under
+context_impl=gspmd: sharding.checks.accumulation_axes) XLA still reduces over it per tick.
 
 Embedding and head run inside the region on every stage: the batch is embedded at once [M, b,
 L, D] (only stage 0 reads it), and the head and loss run on every stage over the M outputs,
