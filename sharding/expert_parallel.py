@@ -43,12 +43,13 @@ in the region (as the SP regions of tensor_parallel.py do).
 Router statistics (the load-balancing loss, the z-loss, the load) are over the whole batch:
 `Experts.total` sums them over the token axes, so the loss equals the single-device run's.
 
-Nested in a pipeline's engine (pipeline/engine.py, manual over data, fsdp and, with the context
-parallelism written out, sequence) the region is manual over the token axes left (expert,
-sequence, and tensor: sharding.rules.not_manual); the statistics are summed over the engine's
-axes too, so each device's objective holds the whole batch's router losses, and the psum's
-transpose sums their cotangents back (`Experts.total`). The router's and experts' gradients
-are then each device's own sums over those axes, reduced once per step by the engine.
+Nested in a region manual over batch axes (the step's accumulation region, training/step.py, or
+a pipeline's engine, pipeline/engine.py: data, fsdp and, with the context parallelism written
+out, sequence) the region is manual over the token axes left (expert, sequence, and tensor:
+sharding.rules.not_manual); the statistics are summed over the outer region's axes too, so
+each device's objective holds the whole batch's router losses, and the psum's transpose sums
+their cotangents back (`Experts.total`). The router's and experts' gradients are then each
+device's own sums over those axes, reduced once per step by the outer region.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class Experts:
     size: int = 1  # ep
     token_axes: tuple[str, ...] = ()  # the manual axes that split the tokens
     tensor: Local | Sharded = field(default_factory=Local)
-    outer: tuple[str, ...] = ()  # those of them manual outside the region (a pipeline's engine)
+    outer: tuple[str, ...] = ()  # those of them manual outside the region (the step's or a pipeline's)
 
     def all_to_all(self, buf: jax.Array) -> jax.Array:
         """[ep, S, ...]: block j goes to device j; block i of the result came from device i."""
@@ -104,7 +105,7 @@ def region(fn: Callable, x: jax.Array, weights: Weights, tp: TensorParallel) -> 
     mesh = jax.sharding.get_abstract_mesh()
     arrays = {name: a for name, (a, _) in weights.items()}
     split = tuple(a for a in (*TOKEN_AXES, TENSOR_AXIS) if axis_size(a) > 1)
-    manual = not_manual(split)  # nested in a pipeline's engine: its batch axes are manual already
+    manual = not_manual(split)  # nested in the step's or a pipeline's region: its axes are manual already
     tensor = axis_size(TENSOR_AXIS)
     ops = Experts(
         size=axis_size(AXIS),
