@@ -67,8 +67,6 @@ def collective_buffer(kind: str, started: bool, type_text: str) -> tuple[str, in
     elif started and kind in ("all-gather", "collective-permute"):
         parts = [parts[1]]  # (operand, result[, sync flags]): the result
     arrays = [a for p in parts for a in _arrays(p)]
-    if len({d for d, _ in arrays}) == 1:
-        return arrays[0][0], sum(n for _, n in arrays)
     unit = min((d for d, _ in arrays), key=lambda d: DTYPE_BYTES.get(d, 4))
     return unit, sum(n * DTYPE_BYTES.get(d, 4) for d, n in arrays) // DTYPE_BYTES.get(unit, 4)
 
