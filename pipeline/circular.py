@@ -21,11 +21,13 @@ Region and gradients: pipeline/engine.py's, shared with the 1F1B family: manual 
 and the step's accumulation axes (data, fsdp and, the context parallelism written out,
 sequence), the stage's weights cast, laid out and gathered whole over fsdp once per step, and
 on each device `jax.value_and_grad` of its own objective (`_objective`) through the tick scan;
-the summed gradients are then reduced over those axes once per step. As autodiff's transpose
-under XLA's batch axes, the tick scan had reduced the layers' gradients over data in every
-tick, bubble ticks included (M·V + p - 1 all-reduces a step), and under fsdp gathered the
-weights in every use (tiny pp=2,dp=2,fsdp=2 at M = 8: 7.7x the data bytes and 15.3x the fsdp
-bytes, tests/test_hlo.py). Where a batch axis is not manual (`expert`; `sequence` under
+the summed gradients are then reduced over those axes once per step. The layers' gradients
+sum over the ticks in fp32, as the 1F1B family's accumulators do (`_objective`'s fp32 zeros:
+autodiff's transpose of the scan sums a loop-invariant input's cotangent in its dtype). As
+autodiff's transpose under XLA's batch axes, the tick scan had reduced the layers' gradients
+over data in every tick, bubble ticks included (M·V + p - 1 all-reduces a step), and under
+fsdp gathered the weights in every use (tiny pp=2,dp=2,fsdp=2 at M = 8: 7.7x the data bytes
+and 15.3x the fsdp bytes, tests/test_hlo.py). Where a batch axis is not manual (`expert`; `sequence` under
 context_impl=gspmd: sharding.checks.accumulation_axes) XLA still reduces over it per tick.
 
 Embedding and head run inside the region on every stage: the batch is embedded at once [M, b,
@@ -86,8 +88,9 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
 
     def run(compute: nnx.State, inputs: jax.Array, targets: jax.Array) -> tuple:
         tokens = merged(inputs)  # [b·M, L]
+        sums = with_part(compute, "blocks", jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), compute["blocks"]))
         (_, (loss, stats)), (grads, d_x) = jax.value_and_grad(_objective, argnums=(1, 2), has_aux=True)(
-            st, compute, _embedded(st, compute, tokens), targets, cfg)
+            st, sums, _embedded(st, compute, tokens), targets, cfg, compute["blocks"])  # _objective's docstring
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         table = embed_grad(st, compute, tokens, merged(d_x), jax.tree.map(jnp.zeros_like, grads["embed"]))
         return loss, with_part(grads, "embed", table), stats
@@ -117,17 +120,33 @@ def _embedded(st: Static, compute: nnx.State, tokens: jax.Array) -> jax.Array:
     return unmerged(embed(st, compute, tokens, compute["embed"]), st.m_count)
 
 
-def _objective(st: Static, compute: nnx.State, x_all: jax.Array, targets: jax.Array, cfg: RunConfig) -> tuple:
+def _objective(st: Static, compute: nnx.State, x_all: jax.Array, targets: jax.Array, cfg: RunConfig,
+               layers: nnx.State | None = None) -> tuple:
     """A device's objective, its chunks ([V, Lc, ...] blocks of `compute`) run over the
     timetable's ticks on the embedded batch x_all [M, b, L, D]: on stage p-1 the mean loss of
     the M microbatches' outputs, on every stage its chunks' router losses; as aux (that loss,
-    0 elsewhere, and the router statistics' sums)."""
+    0 elsewhere, and the router statistics' sums).
+
+    `layers` (the training step's): the chunks' weights in the compute dtype, compute["blocks"]
+    then fp32 zeros of their shape, which each tick adds to the chunk it runs (XLA folds the add
+    away). The zeros' gradient is the layers' gradient, summed over the ticks in fp32, as the
+    1F1B family's accumulators sum it: autodiff's transpose of the tick scan sums a
+    loop-invariant input's cotangent in that input's dtype, bf16 for the weights themselves
+    (each tick's term is the bf16 matmul's in every schedule). Summed in bf16, gpipe's layer
+    gradients on tiny pp=2 were 1.20x (M = 8), 1.36x (16) and 1.56x (32) as far from the fp32
+    one-device gradients as 1f1b's."""
     p, v_count, s = stages(), max(cfg.parallel.virtual_stages, 1), lax.axis_index(AXIS)
     model, ring = model_of(st, compute), [(i, (i + 1) % p) for i in range(p)]
     rows = tuple(jnp.asarray(a) for a in cells(timetable(cfg.parallel.schedule, p, st.m_count, v_count)))
 
-    def chunk(layers: nnx.State, x: jax.Array, v: jax.Array) -> tuple:
-        y, stats = model.run_layers(x, jax.tree.map(lambda a: a[v], layers))  # the slice recomputed (docstring)
+    zeros = None if layers is None else compute["blocks"]
+    layers = compute["blocks"] if layers is None else layers
+
+    def chunk(layers: nnx.State, zeros: nnx.State | None, x: jax.Array, v: jax.Array) -> tuple:
+        weights = jax.tree.map(lambda a: a[v], layers)  # the slice recomputed (module docstring)
+        if zeros is not None:
+            weights = jax.tree.map(lambda w, z: w + z[v].astype(w.dtype), weights, zeros)
+        y, stats = model.run_layers(x, weights)
         return (y, router_share(st, stats)), stats
 
     run_chunk = stashed(chunk, cfg.model.remat)
@@ -138,7 +157,7 @@ def _objective(st: Static, compute: nnx.State, x_all: jax.Array, targets: jax.Ar
         active = kind != IDLE
         x = jnp.where((s == 0) & (v == 0), x_all[m], state)
         x = jnp.where(active, x, jnp.zeros_like(x))  # idle ticks never read the buffers
-        (y, more_share), more = run_chunk(compute["blocks"], x, v)
+        (y, more_share), more = run_chunk(layers, zeros, x, v)
         share = share + jnp.where(active, more_share, 0.0)
         stats = jax.tree.map(lambda a, b: a + jnp.where(active, b, 0.0), stats, more)  # idle: not counted
         done = active & (s == p - 1) & (v == v_count - 1)

@@ -39,7 +39,13 @@ Memory (bytes per device), the terms `memory()` returns:
   accumulator k > 1 microbatches without a pipeline: the step's fp32 gradient sum, P_local·4,
               beside each microbatch's gradients (1b on one H100, 8 sequences a microbatch:
               36.04 GiB at k = 1, 40.16 at k = 2: +P·4); under fsdp_gather_once the local
-              part of the whole accumulator, `gathered once` the rest
+              part of the whole accumulator, `gathered once` the rest. Under gpipe and
+              interleaved the layers' gradients summed over the ticks in fp32 and the fp32
+              zeros that make the sum fp32 (pipeline/circular.py), whole over fsdp: the
+              device's layers (P_local less the embedding, head and final norm) · fsdp · 4.
+              Against the sum in bf16, XLA's peak for 1b pp=2,dp=4 (H100 compiles) rose
+              2.15 GiB under remat full, 2.07 under none and 1.22 interleaved (this term: 1.81);
+              125m's peak, which falls in the head's backward before the tick scan's, 0.0-0.09
   working     the larger of: one layer's backward working set, and the logits [T, V/t] of the
               head and loss, in the compute dtype and in fp32 (of all M microbatches at once
               after a gpipe/interleaved pipe under remat none; 1b on an H100: 205,332 bytes per
@@ -81,8 +87,10 @@ bench/results/memory-cast-h100-compiled.json). gpipe and interleaved since their
 microbatch at a time under remat and each tick runs its chunk in a checkpoint by the 1F1B
 family's stash policy: 0.92-0.99x on 125m under none and full (pp=2 and 4, dp and tp beside),
 0.83-0.93x under dots (XLA keeping less), 0.62-0.70x on llama3-8b pp=2,fsdp=4
-(bench/results/circular-stash-h100-compiled.json; gpipe-head-h100-compiled.json). tools.search scales each schedule's estimate by a
-floor (`MEMORY_LOW`).
+(bench/results/circular-stash-h100-compiled.json; gpipe-head-h100-compiled.json); since they sum
+the layers' gradients in fp32, with the `accumulator` term, 0.96-1.14x (125m and 1b, pp=2,
+gpipe and interleaved, none and full; bench/results/circular-fp32-sum-h100-compiled.json).
+tools.search scales each schedule's estimate by a floor (`MEMORY_LOW`).
 
 CPU vs GPU: XLA on CPU computes bf16 matmuls in fp32 and keeps f32 buffers, so compare with a
 CPU compile only under model.compute_dtype=float32 (tests/test_plan.py does); on a GPU c = 2.
@@ -132,6 +140,8 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
     kinds = [moe for moe, count in ((False, s.layers - s.moe), (True, s.moe)) if count]  # the device's layers
     layer = max(layer_activations(cfg, sizes, "none", moe) for moe in kinds)
     once = "fsdp" in accumulation_axes(cfg, sizes)  # the weights gathered whole for the step
+    layers_local = p_local - 2 * m.vocab_size * m.d_model / (sizes["fsdp"] * sizes["tensor"]) - m.d_model
+    tick_sum = layers_local * sizes["fsdp"] * 4  # gpipe, interleaved: the fp32 sum over the ticks and its zeros
     head_grad = m.vocab_size * m.d_model / sizes["tensor"] * 4 if stashing else 0.0
     terms = {
         "params": p_local * param_b,
@@ -142,7 +152,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
         # gradient accumulator, for the step (training/step.py)
         "gathered once": p_local * (sizes["fsdp"] - 1) * (c + 4) if once else 0.0,
         "cast": p_local * c if stashing else 0.0,
-        "accumulator": p_local * 4 if s.k > 1 and not piped else 0.0,
+        "accumulator": p_local * 4 if s.k > 1 and not piped else (tick_sum if piped and not stashing else 0.0),
         "update": p_local * 4 if sizes["fsdp"] == 1 else 0.0,
         "saved activations": saved,
         "working": max((1 if m.remat == "none" else 1.5) * layer + piece + dense_expert_copies(cfg, sizes), logits,
