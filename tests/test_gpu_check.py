@@ -11,22 +11,9 @@ from bench.gpu_mesh import label
 from conftest import GPU_INTERPRET, ROOT, child_env, run_module
 
 
-def test_cpu_smoke_on_four_devices_writes_real_numbers(tmp_path):
-    """Every stage of `bench.gpu --cpu-smoke` on 4 fake CPU devices (what a node's GPUs get), one
-    process, as on a GPU node. The mesh stage: the five collectives over all four, their record
-    beside the report read back by tools.bandwidth (as `tools.plan --bandwidth` reads it), and
-    tiny (fp32 compute) on dp=4, fsdp=4, fsdp=2,tp=2 without and with sequence parallelism, and
-    pp=2,dp=2 (1f1b): each trains, and its compiled collectives equal tools.traffic's contract
-    on data, tensor and stage within 1%. Over fsdp XLA CPU reduces the gradients with an
-    all-reduce (it lacks GPU's reduce-scatter pass, tests/test_hlo.py), so the census reads
-    above the contract there, by less than the gradients' share again."""
-    from configs import ConfigError
-    from tools.bandwidth import load
-
+def test_cpu_smoke_writes_real_numbers(tmp_path):
     out = tmp_path / "gpu.json"
-    env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--cpu-smoke", "--out", str(out), "--profile-dir",
-                           str(tmp_path / "profile")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = run_module("bench.gpu", "--cpu-smoke", "--out", str(out), "--profile-dir", str(tmp_path / "profile"))
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
     assert report["smoke"] and "smoke run" in report["note"].lower()
@@ -74,6 +61,7 @@ def test_cpu_smoke_on_four_devices_writes_real_numbers(tmp_path):
     assert profile["ops"]["total_ms"] > 0 and profile["ops"]["top_ops"]
     assert abs(sum(profile["ops"]["fractions"].values()) - 1) < 1e-6
     assert profile["ops"]["fractions"].get("matmul", 0) > 0
+    assert stages["mesh"]["skipped"].startswith("one device")
     moe = stages["moe"]
     assert moe["preset"] == "moe-tiny" and "NVIDIA Hopper GPU" in moe["check"]["unavailable"]
     assert [n for n, w in moe["ffn"]["ways"].items() if "time_median_s" in w] == ["grouped", "loop", "batched"]
@@ -81,7 +69,24 @@ def test_cpu_smoke_on_four_devices_writes_real_numbers(tmp_path):
     assert "mosaic: not run" in done.stdout
     assert "correctness" in done.stdout and "verdict: pass" in done.stdout
 
-    mesh = stages["mesh"]
+
+def test_mesh_stage_on_four_devices(tmp_path):
+    """The mesh stage on 4 fake CPU devices (what a node's GPUs get): the five collectives over
+    all four, their record beside the report read back by tools.bandwidth (as `tools.plan
+    --bandwidth` reads it), and tiny (fp32 compute) on dp=4, fsdp=4, fsdp=2,tp=2 without and
+    with sequence parallelism, and pp=2,dp=2 (1f1b): each trains, and its compiled collectives equal tools.traffic's contract on data,
+    tensor and stage within 1%. Over fsdp XLA CPU reduces the gradients with an all-reduce (it
+    lacks GPU's reduce-scatter pass, tests/test_hlo.py), so the census reads above the contract
+    there, by less than the gradients' share again."""
+    from configs import ConfigError
+    from tools.bandwidth import load
+
+    out = tmp_path / "gpu.json"
+    env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--cpu-smoke", "--stages", "mesh", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    mesh = json.loads(out.read_text())["stages"]["mesh"]
     link = mesh["interconnect"]
     assert [(x["op"], x["group"]) for x in link["summary"]] == [
         (op, 4) for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "permute")]
@@ -103,15 +108,6 @@ def test_cpu_smoke_on_four_devices_writes_real_numbers(tmp_path):
             else:
                 assert b["ratio"] == pytest.approx(1, abs=0.01), (r["mesh"], axis, b)
     assert "pp=2,dp=2" in done.stdout and "fsdp=2,tp=2 sp" in done.stdout and "census/contract" in done.stdout
-
-
-def test_mesh_stage_on_one_device_says_so(monkeypatch, tmp_path):
-    import jax
-
-    from bench.gpu_mesh import mesh_stage
-
-    monkeypatch.setattr(jax, "device_count", lambda: 1)
-    assert mesh_stage("tiny", (), 1, "1K:1K", 1, tmp_path)["skipped"].startswith("one device")
 
 
 def test_cores_limits_the_attention_stages(tmp_path):
