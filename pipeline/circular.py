@@ -38,7 +38,10 @@ embedding's gradient is the lookup's transpose from an fp32 table, once per step
 nonzero on one stage, meet over stage in one all-reduce. `mean_loss`, the evaluation step's
 forward, runs the same objective in a region manual over stage alone.
 
-Memory: autodiff keeps every tick's chunk residuals: activation memory grows with M like the
+Memory: the fp32 zeros and the fp32 sum of the layers' gradients (`_objective`), about the
+stage's layers in fp32 beyond the bf16 sum they replace (XLA's peak on 1b pp=2,dp=4: +2.1 GiB,
+where the peak falls in the tick scan's backward; tools/estimate.py's `accumulator`); and
+autodiff keeps every tick's chunk residuals: activation memory grows with M like the
 unpipelined accumulation scan's would if it kept all microbatches, (M·V+p-1) ticks of Lc
 layers, plus [M, b, L, D] of embeddings, outputs and their cotangents, and under remat none the
 logits of all M, [M·b, L, V/t] fp32 (else one microbatch's). A tick runs its chunk in one
@@ -128,8 +131,8 @@ def _objective(st: Static, compute: nnx.State, x_all: jax.Array, targets: jax.Ar
     0 elsewhere, and the router statistics' sums).
 
     `layers` (the training step's): the chunks' weights in the compute dtype, compute["blocks"]
-    then fp32 zeros of their shape, which each tick adds to the chunk it runs (XLA folds the add
-    away). The zeros' gradient is the layers' gradient, summed over the ticks in fp32, as the
+    then fp32 zeros of their shape, which each tick adds to the chunk it runs. The zeros'
+    gradient is the layers' gradient, summed over the ticks in fp32, as the
     1F1B family's accumulators sum it: autodiff's transpose of the tick scan sums a
     loop-invariant input's cotangent in that input's dtype, bf16 for the weights themselves
     (each tick's term is the bf16 matmul's in every schedule). Summed in bf16, gpipe's layer
