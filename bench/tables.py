@@ -47,6 +47,8 @@ PROSE_ONLY = {
     "circular-fp32-sum-h100-compiled": "XLA GPU's compiled peak of gpipe and interleaved steps before and after they "
                                        "summed their layers' gradients in fp32, and the estimate; README's table of it "
                                        "is written by hand",
+    "ring-home-cast-h100-compiled": "XLA GPU's census of the context-parallel ring before and after it cast dK and "
+                                    "dV for their last send, quoted as ratios in the census notes",
     "memory-cast-h100-compiled": "the estimate against XLA GPU's compiled peak before and after the 1F1B family's "
                                  "cast weights were counted, quoted as ranges in the planner's memory paragraph",
     "scan-vs-unrolled-nvidia-h100-80gb-hbm3-20261126": "an inline script's twelve cases on one GPU, quoted in "

@@ -23,15 +23,20 @@ Collectives per layer, E = b·l·K·H elements (one local K or V block, b the lo
 
   impl       forward                               backward
   ring       2(sp-1) collective-permutes of E      2(sp-1) collective-permutes of E (K, V
-             (K and V, to device d+1)              again) + 2·sp of E in fp32 (dK, dV travel
-                                                   with their block; the last send takes
-                                                   them home)
+             (K and V, to device d+1)              again) + 2(sp-1) of E in fp32 (dK, dV
+                                                   travel with their block, summed) + 2 of E
+                                                   in K's dtype (the last send takes them
+                                                   home, cast before it)
   allgather  2 all-gathers, result sp·E (K, V)     2 all-gathers again + 2 reduce-scatters of
                                                    sp·E fp32 (dK, dV)
 
 Elements each device sends: forward 2E(sp-1) for both, the ring in sp-1 steps of 2E each, one
-per block computed, the all-gather at once. Backward: the ring 2E(sp-1) + 2E·sp fp32, the
-all-gather 2E(sp-1) + 2E(sp-1) fp32. Gradient partial sums stay fp32 until they are home.
+per block computed, the all-gather at once. Backward: the ring 2E(sp-1) + 2E(sp-1) fp32 + 2E,
+the all-gather 2E(sp-1) + 2E(sp-1) fp32. Gradient partial sums stay fp32 until their last
+device has added its share; the ring sends them home in the compute dtype, which they are
+cast to there anyway (XLA GPU had moved that cast ahead of the send by itself, for dV and not
+always dK: 125m dp=2,sp=2 in bf16). XLA may also send a block's first hop in bf16 where the
+core computed that gradient in bf16 (the Pallas core's dV): below this count, never above.
 
 Memory per device. Saved for the backward (`jax.custom_vjp`): q, k, v, out and lse of the local
 rows, O(l): no [L, L] scores and no full-length K/V outlive a layer. Ring: while running, two
@@ -127,7 +132,9 @@ def _backward(setup: Setup, residuals, d_out: jax.Array) -> tuple[jax.Array, jax
         for s, kb, vb in blocks(setup, k, v):
             dq, gk, gv = visit(setup, s, d, rows, grads, kb, vb, dq)
             held = (gk, gv) if held is None else (held[0] + gk, held[1] + gv)  # added after the compute
-            held = lax.ppermute(held, setup.axis, to_right(sp))  # the last send brings them home
+            if s == sp - 1:  # the last send brings them home, in K's and V's dtype: summed, cast there anyway
+                held = (held[0].astype(k.dtype), held[1].astype(v.dtype))
+            held = lax.ppermute(held, setup.axis, to_right(sp))
         dk, dv = held
     else:
         full = [jnp.zeros((k.shape[0], sp * rows, *k.shape[2:]), F32) for _ in range(2)]  # dK, dV [B, L, K, H]

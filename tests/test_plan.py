@@ -289,11 +289,11 @@ CUDNN = importlib.util.find_spec("nvidia") is not None and importlib.util.find_s
     ("pallas", "dp=2,tp=2", []),
     pytest.param("cudnn", "fsdp=2,tp=2", [],
                  marks=pytest.mark.skipif(not CUDNN, reason="cuDNN is not installed (nvidia-cudnn-cu13)")),
-    ("pallas", "pp=2,dp=2", ["parallel.schedule=gpipe", "parallel.microbatches=4"]),
+    ("xla", "pp=2,dp=2,sp=2", ["parallel.schedule=gpipe", "parallel.microbatches=4"]),
     ("pallas", "dp=2,fsdp=2,tp=2", ["model.remat=full"]),
 ])
 def test_dry_run_compiled_for_h100s_without_one(core, mesh, sets):
-    """--compile-for-gpu: XLA GPU compiles the step for 4 H100s on this CPU machine (the pallas
+    """--compile-for-gpu: XLA GPU compiles the step for 4 H100s (8 for gpipe) on this CPU machine (the pallas
     core's Triton kernels, or cuDNN's call, under shard_map inside the tensor-parallel regions:
     jax's custom partitioning of the cuDNN call failed there with an AttributeError before it
     ran per device too); its memory is judged against the GPU, and its census is the GPU
@@ -305,8 +305,12 @@ def test_dry_run_compiled_for_h100s_without_one(core, mesh, sets):
     gathers, within 0.5% (the embedding and head gathered once per microbatch; with the
     head's gather left to its region's edge, its transpose gathered it again: 1.3% over on
     fsdp=2,tp=2, 1.0% on dp=2,fsdp=2,tp=2, 10% on llama3-8b). gpipe reduces its fp32 gradient
-    sums over data once per step, and over stage the embedding's, head's and final norm's
-    (pipeline/engine.py). Under remat full the layer
+    sums over data and sequence once per step, and over stage the embedding's, head's and final
+    norm's (pipeline/engine.py); beside it the context-parallel ring (8 H100s) sends K and V in
+    bf16, the dK/dV partial sums in fp32 and home in bf16 (sharding/context_parallel.py), as
+    tools.traffic.context counts (before the ring cast them itself, XLA GPU moved dV's cast
+    ahead of the last send but not dK's, and the census read 0.92x a contract that counted that
+    send in fp32). Under remat full the layer
     scan's TP regions gather FSDP's weights inside the checkpoint, once for the recompute and
     once for the forward (at the region's edge: 1.24x the fsdp contract), and the gradients
     still leave as reduce-scatters over fsdp and all-reduces over data (a plain sharding

@@ -88,8 +88,9 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           (the census counts a collective under its first axis);
           plus K and V per layer and microbatch, E = b·(L/sp)·K'·H elements of one local block
           (K' = the kv heads of the device: K/t, or 1 when t does not divide K):
-            ring       2E(sp-1)·c forward; backward 2E(sp-1)·c (K, V again) + 2E·sp·4
-                       (dK, dV in fp32 travel with their blocks and come home)
+            ring       2E(sp-1)·c forward; backward 2E(sp-1)·c (K, V again) + 2E(sp-1)·4
+                       (dK, dV in fp32 travel with their blocks) + 2E·c (the last send
+                       takes them home, cast to the compute dtype first)
             allgather  2E(sp-1)·c forward (all-gather); backward 2E(sp-1)·c (gathered
                        again) + 2E(sp-1)·4 (reduce-scatter of dK, dV in fp32)
           remat=full adds nothing: the recomputed forward needs the blocks the backward sends
@@ -296,8 +297,8 @@ def context(cfg: RunConfig, sizes: dict[str, int]) -> float:
     if impl == "gspmd":
         return 2 * layer_runs(cfg, sizes) * s.layers * s.tokens * 2 * m.n_kv_heads * m.head_dim * c * (sp - 1)
     e = s.b * cfg.train.seq_len // sp * (m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else 1) * m.head_dim
-    home = sp if impl == "ring" else sp - 1  # the ring's last send takes dK, dV home
-    return layer_runs(cfg, sizes) * s.layers * (2 * 2 * e * (sp - 1) * c + 2 * e * home * 4)
+    home = 2 * e * c if impl == "ring" else 0.0  # the ring's last send takes dK, dV home, cast
+    return layer_runs(cfg, sizes) * s.layers * (2 * 2 * e * (sp - 1) * c + 2 * e * (sp - 1) * 4 + home)
 
 
 def link_bandwidth(sizes: dict[str, int], axis: str) -> float:
