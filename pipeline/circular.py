@@ -22,7 +22,7 @@ and the step's accumulation axes (data, fsdp and, the context parallelism writte
 sequence), the stage's weights cast, laid out and gathered whole over fsdp once per step, and
 on each device `jax.value_and_grad` of its own objective (`_objective`) through the tick scan;
 the summed gradients are then reduced over those axes once per step. The layers' gradients
-sum over the ticks in fp32, as the 1F1B family's accumulators do (`_objective`'s fp32 zeros:
+sum over the ticks in fp32, as the 1F1B family's accumulators do (`_objective`'s fp32 stand-in:
 autodiff's transpose of the scan sums a loop-invariant input's cotangent in its dtype). As
 autodiff's transpose under XLA's batch axes, the tick scan had reduced the layers' gradients
 over data in every tick, bubble ticks included (M·V + p - 1 all-reduces a step), and under
@@ -38,10 +38,10 @@ embedding's gradient is the lookup's transpose from an fp32 table, once per step
 nonzero on one stage, meet over stage in one all-reduce. `mean_loss`, the evaluation step's
 forward, runs the same objective in a region manual over stage alone.
 
-Memory: the fp32 zeros and the fp32 sum of the layers' gradients (`_objective`), about the
-stage's layers in fp32 beyond the bf16 sum they replace (XLA's peak on 1b pp=2,dp=4: +2.1 GiB,
-where the peak falls in the tick scan's backward; tools/estimate.py's `accumulator`); and
-autodiff keeps every tick's chunk residuals: activation memory grows with M like the
+Memory: the fp32 sum of the layers' gradients (`_objective`), the stage's layers in fp32 where
+the bf16 sum had held them in bf16 (XLA's peak on 1b gpipe pp=2,dp=4: +0.8-0.9 GiB, where the
+peak falls in the tick scan's backward; tools/estimate.py's `accumulator`); and autodiff keeps
+every tick's chunk residuals: activation memory grows with M like the
 unpipelined accumulation scan's would if it kept all microbatches, (M·V+p-1) ticks of Lc
 layers, plus [M, b, L, D] of embeddings, outputs and their cotangents, and under remat none the
 logits of all M, [M·b, L, V/t] fp32 (else one microbatch's). A tick runs its chunk in one
@@ -131,11 +131,11 @@ def _objective(st: Static, compute: nnx.State, x_all: jax.Array, targets: jax.Ar
     0 elsewhere, and the router statistics' sums).
 
     `layers` (the training step's): the chunks' weights in the compute dtype, compute["blocks"]
-    then fp32 zeros of their shape, which each tick adds to the chunk it runs. The zeros'
-    gradient is the layers' gradient, summed over the ticks in fp32, as the
-    1F1B family's accumulators sum it: autodiff's transpose of the tick scan sums a
-    loop-invariant input's cotangent in that input's dtype, bf16 for the weights themselves
-    (each tick's term is the bf16 matmul's in every schedule). Summed in bf16, gpipe's layer
+    then fp32 zeros of their shape that stand in for them in autodiff (`_fp32_grad`): their
+    gradient is the layers' gradient, summed over the ticks in fp32, as the 1F1B family's
+    accumulators sum it. Autodiff's transpose of the tick scan sums a loop-invariant input's
+    cotangent in that input's dtype, bf16 for the weights themselves (each tick's term is the
+    bf16 matmul's in every schedule). Summed in bf16, gpipe's layer
     gradients on tiny pp=2 were 1.20x (M = 8), 1.36x (16) and 1.56x (32) as far from the fp32
     one-device gradients as 1f1b's."""
     p, v_count, s = stages(), max(cfg.parallel.virtual_stages, 1), lax.axis_index(AXIS)
@@ -148,7 +148,7 @@ def _objective(st: Static, compute: nnx.State, x_all: jax.Array, targets: jax.Ar
     def chunk(layers: nnx.State, zeros: nnx.State | None, x: jax.Array, v: jax.Array) -> tuple:
         weights = jax.tree.map(lambda a: a[v], layers)  # the slice recomputed (module docstring)
         if zeros is not None:
-            weights = jax.tree.map(lambda w, z: w + z[v].astype(w.dtype), weights, zeros)
+            weights = jax.tree.map(lambda w, z: _fp32_grad(w, z[v]), weights, zeros)
         y, stats = model.run_layers(x, weights)
         return (y, router_share(st, stats)), stats
 
@@ -174,6 +174,27 @@ def _objective(st: Static, compute: nnx.State, x_all: jax.Array, targets: jax.Ar
     loss = head_loss(model, jnp.where(last, outputs, 0), targets, cfg.train.z_loss, head_per_microbatch(cfg.model))
     loss = jnp.where(last, loss, 0.0)
     return loss + share, (loss, stats)
+
+
+@jax.custom_vjp
+def _fp32_grad(w: jax.Array, z: jax.Array) -> jax.Array:
+    """w (a chunk's bf16 weights), whose cotangent, cast to fp32, goes to z (fp32 zeros of w's
+    shape) rather than to w, so that autodiff sums it over the ticks in fp32. z's value is never
+    read: neither the forward nor a tick's checkpoint keeps it. Adding z to w instead had XLA
+    hold the zeros through the step too (1b gpipe pp=2,dp=4 remat full: 15.83 GiB against 14.57;
+    interleaved 14.35 against 13.13)."""
+    return w
+
+
+def _fp32_grad_fwd(w: jax.Array, z: jax.Array) -> tuple:
+    return w, None
+
+
+def _fp32_grad_bwd(_, ct: jax.Array) -> tuple:
+    return jnp.zeros_like(ct), ct.astype(jnp.float32)  # w's: dropped (the layers take no gradient)
+
+
+_fp32_grad.defvjp(_fp32_grad_fwd, _fp32_grad_bwd)
 
 
 def merged(a: jax.Array) -> jax.Array:

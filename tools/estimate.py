@@ -40,12 +40,12 @@ Memory (bytes per device), the terms `memory()` returns:
               beside each microbatch's gradients (1b on one H100, 8 sequences a microbatch:
               36.04 GiB at k = 1, 40.16 at k = 2: +P·4); under fsdp_gather_once the local
               part of the whole accumulator, `gathered once` the rest. Under gpipe and
-              interleaved the layers' gradients summed over the ticks in fp32 and the fp32
-              zeros that make the sum fp32 (pipeline/circular.py), whole over fsdp: the
-              device's layers (P_local less the embedding, head and final norm) · fsdp · 4.
-              Against the sum in bf16, XLA's peak for 1b pp=2,dp=4 (H100 compiles) rose
-              2.15 GiB under remat full, 2.07 under none and 1.22 interleaved (this term: 1.81);
-              125m's peak, which falls in the head's backward before the tick scan's, 0.0-0.09
+              interleaved the layers' gradients summed over the ticks in fp32
+              (pipeline/circular.py), whole over fsdp: the device's layers (P_local less the
+              embedding, head and final norm) · fsdp · 4 (1.81 GiB on 1b pp=2,dp=4). Against
+              the sum in bf16, XLA's peak there (H100 compiles) rose 0.89 GiB under remat
+              full and 0.79 under none; interleaved and 125m (whose peak falls in the head's
+              backward, before the tick scan's) kept theirs
   working     the larger of: one layer's backward working set, and the logits [T, V/t] of the
               head and loss, in the compute dtype and in fp32 (of all M microbatches at once
               after a gpipe/interleaved pipe under remat none; 1b on an H100: 205,332 bytes per
@@ -88,7 +88,7 @@ microbatch at a time under remat and each tick runs its chunk in a checkpoint by
 family's stash policy: 0.92-0.99x on 125m under none and full (pp=2 and 4, dp and tp beside),
 0.83-0.93x under dots (XLA keeping less), 0.62-0.70x on llama3-8b pp=2,fsdp=4
 (bench/results/circular-stash-h100-compiled.json; gpipe-head-h100-compiled.json); since they sum
-the layers' gradients in fp32, with the `accumulator` term, 0.96-1.14x (125m and 1b, pp=2,
+the layers' gradients in fp32, with the `accumulator` term, 0.92-1.05x (125m and 1b, pp=2,
 gpipe and interleaved, none and full; bench/results/circular-fp32-sum-h100-compiled.json).
 tools.search scales each schedule's estimate by a floor (`MEMORY_LOW`).
 
