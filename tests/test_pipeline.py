@@ -322,7 +322,7 @@ def test_stage_census_is_the_tick_program_contract(schedule, v, mesh):
     the census read 1.21x; now 1.01x: the vocab-parallel loss's fp32 max and sum all-reduces,
     which the contract leaves out, are 1.0% of this small case's tensor bytes, hence its 1.5%)."""
     from tools import traffic
-    from tools.shape import DTYPE_BYTES, local_param_parts
+    from tools.shape import DTYPE_BYTES, local_layer_params
     from pipeline.layout import SCOPE
     from sharding.checks import ONE_F_ONE_B
     from tools.hlo import census, compiled_census, per_device
@@ -345,8 +345,8 @@ def test_stage_census_is_the_tick_program_contract(schedule, v, mesh):
             assert per_device([c for c in every_branch if c.axes == ("tensor",)]) > 1.5 * tensor
     assert stage_bytes(ops) == pytest.approx(traffic.stage(cfg, sizes), rel=1e-3)
     assert not [c for c in ops if c.axes == ("stage",) and c.kind == "all-to-all"]
-    m, c = cfg.model, DTYPE_BYTES[cfg.model.compute_dtype]
-    layers = local_param_parts(cfg, sizes)[0] - 2 * m.vocab_size * m.d_model / sizes["tensor"] - m.d_model  # 2 of 2p
+    c = DTYPE_BYTES[cfg.model.compute_dtype]
+    layers = local_layer_params(cfg, sizes)  # 2 of 2p
     laid_out = per_device([op for op in ops if SCOPE in op.op_name])
     assert laid_out == pytest.approx(max(traffic.layout(cfg, sizes)), rel=1e-3)
     assert max(traffic.layout(cfg, sizes)) == pytest.approx((c + 4) * layers / 2 * (p // 2) if v > 1 else 0, rel=1e-3)

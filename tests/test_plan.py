@@ -31,7 +31,7 @@ from tools.plan import main as plan_main
 from tools.plan import run_search, xla_figures
 from tools.plan_report import format_plan, plan
 from tools.search import meshes, search
-from tools.shape import local_params, shape
+from tools.shape import local_layer_params, local_params, shape
 
 # 125m scanned: unrolled (its preset's default) at fp32 compute, XLA CPU keeps one more copy of
 # the layers' parameters, their slices (dp=8: 3126 MiB against the scan's 2802, +324 MiB = the
@@ -59,17 +59,10 @@ def test_memory_estimate_within_15_percent_of_xla(preset, mesh, remat):
     sizes = mesh_sizes(cfg)
     est = estimate.memory(cfg, sizes, scan_copies=1)["peak"]  # XLA CPU holds the scan's stack once
     if parallelize(cfg, sizes).tensor.gather_in_checkpoint:
-        est += 4 * layer_params(cfg, sizes)  # XLA CPU's fp32 copy of them (TensorParallel's docstring)
+        est += 4 * local_layer_params(cfg, sizes)  # XLA CPU's fp32 copy of them (TensorParallel's docstring)
     print(f"{preset} {mesh} remat={remat}: estimate {est / 2**20:.1f} MiB, "
           f"XLA {xla['memory']['peak'] / 2**20:.1f} MiB")
     assert est == pytest.approx(xla["memory"]["peak"], rel=0.15)
-
-
-def layer_params(cfg, sizes: dict[str, int]) -> float:
-    """The layers' parameters on one device: all of its parameters less the vocab-split
-    embedding and head and the final norm."""
-    m = cfg.model
-    return local_params(cfg, sizes) - 2 * m.vocab_size * m.d_model / (sizes["fsdp"] * sizes["tensor"]) - m.d_model
 
 
 def test_census_beside_the_contract_formulas():

@@ -106,7 +106,7 @@ from configs.base import RunConfig
 from sharding.checks import accumulation_axes, explicit_context, head_per_microbatch
 from tools.activations import chunk_residuals, dense_expert_copies, layer_activations, stack_activations, zb_stash
 from tools.pipeline_figures import SPLIT, STASHING, pipeline_figures
-from tools.shape import DTYPE_BYTES, core, local_params, shape
+from tools.shape import DTYPE_BYTES, core, local_layer_params, local_params, shape
 
 
 def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[str, float]:
@@ -140,8 +140,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
     kinds = [moe for moe, count in ((False, s.layers - s.moe), (True, s.moe)) if count]  # the device's layers
     layer = max(layer_activations(cfg, sizes, "none", moe) for moe in kinds)
     once = "fsdp" in accumulation_axes(cfg, sizes)  # the weights gathered whole for the step
-    layers_local = p_local - 2 * m.vocab_size * m.d_model / (sizes["fsdp"] * sizes["tensor"]) - m.d_model
-    tick_sum = layers_local * sizes["fsdp"] * 4  # gpipe, interleaved: the fp32 sum over the ticks and its zeros
+    tick_sum = local_layer_params(cfg, sizes) * sizes["fsdp"] * 4  # gpipe, interleaved: the ticks' fp32 sum
     head_grad = m.vocab_size * m.d_model / sizes["tensor"] * 4 if stashing else 0.0
     terms = {
         "params": p_local * param_b,

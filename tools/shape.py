@@ -82,6 +82,13 @@ def local_params(cfg: RunConfig, sizes: dict[str, int]) -> float:
     return sum(local_param_parts(cfg, sizes))
 
 
+def local_layer_params(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """The device's layers' parameters (`local_params` less the vocab-split embedding and head
+    and the final norm)."""
+    m = cfg.model
+    return local_params(cfg, sizes) - 2 * m.vocab_size * m.d_model / (sizes["fsdp"] * sizes["tensor"]) - m.d_model
+
+
 def dispatch_rows(cfg: RunConfig, sizes: dict[str, int]) -> int:
     """S: rows of one block of a device's dispatch buffer [ep, S, D] per MoE layer and
     microbatch; the device's experts compute ep·S rows. dropless n·min(k, E/ep) (the most one
