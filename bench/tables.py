@@ -70,6 +70,9 @@ PROSE_ONLY = {
     "pipeline-context-h100-compiled": "XLA GPU's collective census of pipelines beside context parallelism before "
                                       "and after their engine took the batch axes; README's table of it is written "
                                       "by hand",
+    "moe-accumulation-expert-h100-compiled": "XLA GPU's collective census of MoE steps with accumulation before and after "
+                                             "their region was manual over expert too; README's table of it is "
+                                             "written by hand",
     "pipeline-experts-h100-compiled": "XLA GPU's collective census of MoE pipelines before and after their engine "
                                       "took the batch axes; README's table of it is written by hand",
     "census-pipelines-h100-compiled": "XLA GPU's collective census of pipelined steps beside the contract, "

@@ -8,13 +8,15 @@ dimension: P_c·(N-1)/N of the compute dtype); `reduce` takes the device's summe
 the whole weight to its shard of the sum over the batch axes: a reduce-scatter over fsdp on that
 dimension (4·P·(N-1)/N in fp32), then an all-reduce of the smaller shard over the other batch
 axes (2·4·P/N_fsdp·(N-1)/N). A weight that fsdp does not split (the norms) is all-reduced over
-every batch axis.
+every batch axis. Where `expert` is one of the region's axes (the step's accumulation region of
+a MoE model: sharding.checks.accumulation_axes), the experts' weights are split over it, each
+device holding its E/ep: their gradients are summed over the other batch axes only.
 
-`tensor` and `expert` stay automatic in the region (sharding.checks.accumulation_axes), and XLA
-cannot partition a collective over a manual axis whose operand is split over an automatic
-one: it gathers the operand over that axis first. So a weight that tensor or expert parallelism
-splits (its spec over those axes, the third argument) is gathered and reduced on each device's
-shard of it, in a shard_map manual over those axes too. Compiled for H100s without it
+`tensor` stays automatic in the region, and `expert` too where it is not one of its axes (every
+pipeline's engine), and XLA cannot partition a collective over a manual axis whose operand is
+split over an automatic one: it gathers the operand over that axis first. So a weight that
+tensor or expert parallelism splits (its spec over those axes, the third argument) is gathered
+and reduced on each device's shard of it, in a shard_map manual over those axes too. Compiled for H100s without it
 (llama3-70b, 4 layers, pp=2,fsdp=2,tp=8 under 1f1b) the fsdp bytes were 8x the contract, beside
 16.7 GB of all-gathers over tensor, and XLA's peak 3.1x what it is now
 (bench/results/accumulation-tensor-h100-compiled.json); mixtral-8x7b's experts (4 layers,
@@ -31,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 FSDP = "fsdp"
 TENSOR = "tensor"
-AUTOMATIC = ("expert", TENSOR)  # the axes that may split a weight while automatic in the region
+AUTOMATIC = ("expert", TENSOR)  # the axes that may split a weight while automatic in a region
 
 
 def _splits(axes: str | tuple[str, ...] | None, axis: str) -> bool:
@@ -62,15 +64,14 @@ def gather(spec: P, w: jax.Array, split: P = P()) -> jax.Array:
 def reduce(g: jax.Array, spec: P, axes: tuple[str, ...], split: P = P()) -> jax.Array:
     """A device's summed gradient of a whole (fsdp-gathered) weight -> its shard of the sum over
     the batch `axes`: a reduce-scatter over fsdp where `spec` splits the weight over it, then an
-    all-reduce over the other axes of the (smaller) shard (on each tensor or expert shard, as
-    `gather`)."""
+    all-reduce of the (smaller) shard over the axes that `spec` does not split it over (an
+    expert's weights, split over a manual `expert`, are each device's own: summed over the
+    others only), on each tensor or expert shard, as `gather`."""
     def shard(g: jax.Array) -> jax.Array:
-        scattered = ()
         for dim, dim_axes in enumerate(spec):
             if _splits(dim_axes, FSDP):
                 g = jax.lax.psum_scatter(g, FSDP, scatter_dimension=dim, tiled=True)
-                scattered = (FSDP,)
-        rest = tuple(a for a in axes if a not in scattered)
+        rest = tuple(a for a in axes if not any(_splits(d, a) for d in spec))
         return jax.lax.psum(g, rest) if rest else g
 
     return _on_shard(shard, g, split)

@@ -73,6 +73,13 @@ def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
     reductions: one microbatch (once per step already, and FSDP's weights gathered a layer at a
     time).
 
+    `expert` joins them too (a MoE model on ep > 1): to every weight but the experts' it is one
+    more data axis, and its MoE regions, nested, are then manual over what is left (tensor), the
+    experts' weights each device's E/ep and their gradients summed over the other axes alone
+    (sharding/accumulation.reduce). Not beside XLA's ZeRO-3 (fsdp > 1 without
+    fsdp_gather_once): the MoE regions would make fsdp manual inside a region over `expert`,
+    which comes after it in the mesh (below).
+
     With sp > 1 `sequence` joins them, the weights being replicated over it, where the context
     parallelism is written out (its regions then nest, already manual over `sequence`; XLA's
     own, context_impl=gspmd, needs the whole sequence in view) and no axis before `sequence` in
@@ -85,9 +92,10 @@ def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
     Every pipeline schedule (pipeline/engine.py) runs its M microbatches per device the same
     way, manual over data, fsdp and (as above) sequence: it holds each stage's weights whole
     for the step anyway, so its gradients are summed over the schedule and reduced once per
-    step on all of them. `expert` is never among the axes: it is the MoE regions' own, and XLA
-    reduces the other weights' gradients over it. MoE regions nest in the step's region and sum
-    their router statistics over its axes too (sharding/expert_parallel.py)."""
+    step on all of them. There `expert` is never among the axes: it stays the MoE regions' own,
+    and XLA reduces the other weights' gradients over it per tick or cell. MoE regions nest in
+    the step's region and in the engine and sum their router statistics over its axes too
+    (sharding/expert_parallel.py)."""
     nests = explicit_context(cfg, sizes["sequence"]) is not None and sizes.get("expert", 1) == 1
     if sizes["stage"] > 1:
         return tuple(a for a in ("data", "fsdp", "sequence") if sizes[a] > 1 and (a != "sequence" or nests))
@@ -97,10 +105,11 @@ def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
     k = per_rank // (cfg.train.micro_batch_size or per_rank)
     if k == 1 and not (cfg.parallel.fsdp_gather_once and sizes["fsdp"] > 1):
         return ()
-    axes = tuple(a for a in ("data", "fsdp", "sequence") if sizes[a] > 1)
+    axes = tuple(a for a in ("data", "fsdp", "expert", "sequence") if sizes.get(a, 1) > 1)
     if not cfg.parallel.fsdp_gather_once:  # fsdp stays XLA's (ZeRO-3): a layer's weights gathered
-        # when used and its gradient reduce-scattered per microbatch, so neither is ever whole
-        axes = tuple(a for a in axes if a != "fsdp")
+        # when used and its gradient reduce-scattered per microbatch, so neither is ever whole;
+        # the MoE regions would then make fsdp manual inside a region over expert, which follows it
+        axes = tuple(a for a in axes if a != "fsdp" and (a != "expert" or sizes["fsdp"] == 1))
     return axes
 
 

@@ -49,7 +49,12 @@ out, sequence) the region is manual over the token axes left (expert, sequence, 
 sharding.rules.not_manual); the statistics are summed over the outer region's axes too, so
 each device's objective holds the whole batch's router losses, and the psum's transpose sums
 their cotangents back (`Experts.total`). The router's and experts' gradients are then each
-device's own sums over those axes, reduced once per step by the outer region.
+device's own sums over those axes, reduced once per step by the outer region. The step's
+region is manual over `expert` too (sharding.checks.accumulation_axes): the experts' weights
+arrive as each device's E/ep, the all-to-alls run over the outer axis, and the region is then
+manual over tensor alone (or not needed) and runs unchecked, as the tensor-parallel region
+beside sequence does (the outer, unchecked region's cotangents carry no type over `expert`):
+the tensor sums are Megatron's forward-only ones (sharding/tensor_parallel.Sharded).
 """
 
 from __future__ import annotations
@@ -106,18 +111,22 @@ def region(fn: Callable, x: jax.Array, weights: Weights, tp: TensorParallel) -> 
     arrays = {name: a for name, (a, _) in weights.items()}
     split = tuple(a for a in (*TOKEN_AXES, TENSOR_AXIS) if axis_size(a) > 1)
     manual = not_manual(split)  # nested in the step's or a pipeline's region: its axes are manual already
+    # nested in a region manual over `expert` (the step's accumulation region), the all-to-alls
+    # type y as varying over it, and the cotangent from that unchecked region carries no such
+    # type: run unchecked, as TensorParallel.region does nested over sequence
+    checked = AXIS in manual or AXIS not in split
     tensor = axis_size(TENSOR_AXIS)
     ops = Experts(
         size=axis_size(AXIS),
         token_axes=tuple(a for a in split if a in TOKEN_AXES),  # the outer ones too: the psums reach them
-        tensor=Sharded(tensor, tp.sequence_parallel, tp.overlap) if tensor > 1 else Local(),
+        tensor=Sharded(tensor, tp.sequence_parallel, tp.overlap, checked) if tensor > 1 else Local(),
         outer=tuple(a for a in split if a in TOKEN_AXES and a not in manual),
     )
     if not manual:
         return fn(ops, x, arrays)
-    specs = {name: logical_to_spec(names, a.shape, mesh, within=(AXIS, TENSOR_AXIS))
-             for name, (a, names) in weights.items()}
+    weight_axes = tuple(a for a in (AXIS, TENSOR_AXIS) if a in manual)  # the experts split outside, if so
+    specs = {name: logical_to_spec(names, a.shape, mesh, within=weight_axes) for name, (a, names) in weights.items()}
     x_spec = logical_to_spec(tp.activation_names, x.shape, mesh, within=manual)
     body = jax.shard_map(functools.partial(fn, ops), in_specs=(x_spec, specs), out_specs=(x_spec, P()),
-                         axis_names=set(manual))
+                         axis_names=set(manual), check_vma=checked)
     return body(x, arrays)

@@ -83,18 +83,22 @@ def test_expert_all_to_all_bytes_by_hand(dispatch):
         per_layer = 4 * (ep - 1) / ep * ep * s * d * c
     assert dispatch_rows(cfg, sizes) == s
     assert traffic.expert(cfg, sizes) == pytest.approx(k * layers * per_layer)
-    # the expert term adds the gradients of every weight but the routed experts, as over data,
-    # per microbatch as the backward leaves them: bf16 but for the fp32 head, norms and routers
+    # the step's accumulation region is manual over data and expert: once per step, the k
+    # microbatches' fp32 sums of the device's own experts (E/ep of them) all-reduced over data,
+    # of every other weight over data and expert together (N = 8), counted under data; so the
+    # expert axis moves the all-to-alls alone
     non_expert = param_counts(cfg.model)[0] - layers * 8 * 3 * d * 192
+    experts = layers * 8 // ep * 3 * d * 192
+    comm = traffic.communication(cfg, sizes)
+    assert comm["expert"] == pytest.approx(traffic.expert(cfg, sizes))
+    assert comm["data"] == pytest.approx(2 * 4 * experts / 2 + 2 * 4 * non_expert * 7 / 8)
+    assert local_params(cfg, sizes) == pytest.approx(non_expert + experts)
+    # at k = 1 XLA places the reductions, every weight but the routed experts' reduced over
+    # expert as the backward leaves them: bf16 but for the fp32 head, norms and routers
+    one = moe_tiny(f"model.moe_dispatch={dispatch}", "train.micro_batch_size=0")
     fp32 = 256 * d + (2 * layers + 1) * d + layers * d * 8
     grads = c * (non_expert - fp32) + 4 * fp32
-    comm = traffic.communication(cfg, sizes)
-    assert comm["expert"] == pytest.approx(traffic.expert(cfg, sizes) + k * 2 * grads * 3 / 4)
-    # data reduces the device's own experts (E/ep of them) with the rest, once per step: the k
-    # microbatches' fp32 sums (the step's accumulation region, manual over data)
-    local = non_expert + layers * 8 // ep * 3 * d * 192
-    assert comm["data"] == pytest.approx(2 * 4 * local / 2)
-    assert local_params(cfg, sizes) == pytest.approx(local)
+    assert traffic.communication(one, sizes)["expert"] == pytest.approx(traffic.expert(one, sizes) + 2 * grads * 3 / 4)
 
 
 def test_no_expert_axis_no_all_to_all():

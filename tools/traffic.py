@@ -27,7 +27,10 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     data), and of the wk, wv that tensor replicates (t does not
                                     divide K) one kv head when reduced per microbatch: each
                                     device's gradient covers the head it uses, and XLA reduces
-                                    that slice over data before the tensor sum
+                                    that slice over data before the tensor sum. With `expert`
+                                    in the step's region too (MoE, ep > 1) the other weights'
+                                    sum is all-reduced over data and expert together (N = dp·ep,
+                                    counted here; under expert at dp = 1)
   fsdp    k·((3c·(w + h) + 4h)·f + 8n)·(f-1)/f    XLA's ZeRO-3 per microbatch, w the layers' weights
                                     of the device (after the fsdp split), h the head's as the
                                     embedding's: the layers' weights all-gathered forward
@@ -48,8 +51,10 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     scanned it reads 1.000x (the head gathered before its
                                     region: TensorParallel.logits)
   expert  k · 2 · G'(ep-1)/ep       G' = G_c less the routed experts: every other weight treats
-                                    `expert` as a data axis (summed per microbatch and axis, as
-                                    sequence's)
+                                    `expert` as a data axis, reduced per microbatch (per tick or
+                                    cell in a pipeline, beside XLA's ZeRO-3 or at k = 1); where
+                                    it is one of the step's accumulation axes, once per step
+                                    with data's (above)
           + all-to-alls, per MoE layer and microbatch: dispatch and combine forward, their
           transposes backward, 4 · (ep-1)/ep · ep·S·D·c; dropless adds the int32 expert ids
           forward, (ep-1)/ep · ep·S·4; remat=full repeats the forward's (6 and 2 ids;
@@ -175,10 +180,16 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     reduced, expert_share = per_microbatch_reductions(cfg, sizes, own, experts)
     data = (2 * 4 * own if "data" in local else 2 * reduced) * frac["data"]
     sequence = 2 * reduced * frac["sequence"]
+    expert_grads = 2 * (reduced - expert_share) * frac["expert"]
     if "sequence" in local:  # one all-reduce over data and sequence together, counted under the first
         n = sizes["data"] * sizes["sequence"]
         once = 2 * 4 * own * (n - 1) / n
         data, sequence = (once, 0.0) if sizes["data"] > 1 else (0.0, once)
+    if "expert" in local:  # the same over data and expert, the routed experts (split over expert) over data alone
+        n = sizes["data"] * sizes["expert"]
+        once = 2 * 4 * (own - experts) * (n - 1) / n
+        data = 2 * 4 * experts * frac["data"] + (once if sizes["data"] > 1 else 0.0)
+        expert_grads = 0.0 if sizes["data"] > 1 else once
     if "fsdp" in local:  # gathered whole once per step, the fp32 sum reduce-scattered once
         fsdp = ((c + 4) * (own - norms) * f + 8 * norms) * frac["fsdp"]
     else:  # ZeRO-3 per microbatch: the layers' weights gathered twice, embedding and head once
@@ -188,7 +199,7 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         "stage": stage(cfg, sizes),
         "data": data,
         "fsdp": fsdp,
-        "expert": 2 * (reduced - expert_share) * frac["expert"] + expert(cfg, sizes),
+        "expert": expert_grads + expert(cfg, sizes),
         "sequence": sequence + context(cfg, sizes),
         "tensor": (layer_runs(cfg, sizes) * layer_tensor + s.k * 2 * 2 * act
                    + embedded_every_tick(cfg, sizes) * 2 * act) * frac["tensor"],

@@ -11,11 +11,12 @@ so this equals the gradient of one batch of k*b.
 
 Where it would otherwise reduce every microbatch's gradients (k > 1; `Strategies.accumulation`
 names the axes, sharding.checks.accumulation_axes decides), the scan runs in one `shard_map`
-manual over the batch axes of size > 1 (data, fsdp; and `sequence` under the context
-parallelism written out: each device then runs its L/sp columns, the rotary tables sliced to
-them, model/transformer.py; tensor and expert stay automatic, and the model's own regions
+manual over the batch axes of size > 1 (data, fsdp; `expert` for a MoE model, each device
+then holding its E/ep experts; and `sequence` under the context parallelism written out: each
+device then runs its L/sp columns, the rotary tables sliced to them, model/transformer.py);
+tensor (and expert where it is not among them) stays automatic, and the model's own regions
 nested inside are manual over what is left, sharding/rules.not_manual; a weight split over
-them is gathered and reduced on each device's shard, sharding/accumulation.py).
+them is gathered and reduced on each device's shard, sharding/accumulation.py.
 Each device runs the k microbatches of its own rows and sums its own fp32 gradients of the
 whole (fsdp-gathered) weights; after the loop, once per step: a
 reduce-scatter over fsdp (psum_scatter of each weight's `embed` dimension) and an all-reduce
@@ -25,7 +26,9 @@ the compute-dtype bytes of its weights before fsdp splits them (N the axis size)
 
   data   all-reduce          2·G·(N-1)/N once (XLA reduced every microbatch: k times that); with
                              sequence in the region, one all-reduce over data and sequence
-                             together (N = dp·sp; XLA's per microbatch, in the compute dtype)
+                             together (N = dp·sp; XLA's per microbatch, in the compute dtype);
+                             with expert, the same over data and expert (N = dp·ep) for every
+                             weight but the routed experts, whose sums go over data alone
   fsdp   reduce-scatter      4/c·P_c·(N-1)/N once (fp32)
          all-gather          P_c·(N-1)/N per microbatch, of the whole weight tree in the compute
                              dtype before the microbatch's forward, kept for its backward (an
@@ -40,10 +43,11 @@ size it always was. At k = 1 (unless fsdp_gather_once) there is nothing to accum
 step is XLA's, which reduces once and keeps ZeRO-3's memory. The pipeline schedules take the
 data, fsdp and (the context parallelism written out) sequence axes the same way
 (pipeline/engine.py: manual over them, one reduction per step). MoE models too: their
-regions nest in either and sum the router statistics over its axes as well; `expert` is theirs,
-and XLA reduces the other weights' gradients over it. sp > 1 beside XLA's fsdp or an expert
-axis keeps XLA's placement (in a pipeline over sequence only), a reduction per microbatch (per
-tick in gpipe and interleaved).
+regions nest in either and sum the router statistics over its axes as well. In the engine, and
+here beside XLA's ZeRO-3 (fsdp > 1 without fsdp_gather_once), `expert` stays theirs and XLA
+reduces the other weights' gradients over it per microbatch (per tick or cell). sp > 1 beside
+XLA's fsdp or an expert axis keeps XLA's placement (in a pipeline over sequence only), a
+reduction per microbatch (per tick in gpipe and interleaved).
 Non-finite steps: when the loss or the gradient norm is NaN or inf, the step keeps the old
 parameters and optimizer state (an elementwise select per parameter and moment, which XLA fuses
 into the optimizer's elementwise update) and counts the step in `bad_steps` (in a row) and
@@ -130,7 +134,8 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     names = [(v.get_metadata().get("out_sharding") or (None,) * v.ndim, v.shape)
              for v in jax.tree.leaves(params, is_leaf=is_var)]
     specs = [logical_to_spec(n, shape, mesh, within=axes) for n, shape in names]
-    splits = [logical_to_spec(n, shape, mesh, within=AUTOMATIC) for n, shape in names]  # tensor, expert: automatic here
+    automatic = tuple(a for a in AUTOMATIC if a not in axes)  # tensor; expert unless the region's own
+    splits = [logical_to_spec(n, shape, mesh, within=automatic) for n, shape in names]
     assert len(specs) == len(leaves)
     batch_spec = logical_to_spec((None, "batch", "length"), batch["inputs"].shape, mesh, within=axes)
     n = math.prod(dict(mesh.shape)[a] for a in axes)
