@@ -16,9 +16,9 @@ device holding its E/ep: their gradients are summed over the other batch axes on
 pipeline's engine), and XLA cannot partition a collective over a manual axis whose operand is
 split over an automatic one: it gathers the operand over that axis first. So a weight that
 tensor or expert parallelism splits (its spec over those axes, the third argument) is gathered
-and reduced on each device's shard of it, in a shard_map manual over those axes too. Compiled for H100s without it
-(llama3-70b, 4 layers, pp=2,fsdp=2,tp=8 under 1f1b) the fsdp bytes were 8x the contract, beside
-16.7 GB of all-gathers over tensor, and XLA's peak 3.1x what it is now
+and reduced on each device's shard of it, in a shard_map manual over those axes too. Compiled
+for H100s without it (llama3-70b, 4 layers, pp=2,fsdp=2,tp=8 under 1f1b) the fsdp bytes were
+8x the contract, beside 16.7 GB of all-gathers over tensor, and XLA's peak 3.1x what it is now
 (bench/results/accumulation-tensor-h100-compiled.json); mixtral-8x7b's experts (4 layers,
 pp=2,fsdp=2,ep=2 under 1f1b) moved 1.8x the fsdp contract beside 26.4 GB of all-gathers over
 expert (bench/results/pipeline-experts-h100-compiled.json).
