@@ -27,7 +27,7 @@ autodiff's transpose of the scan sums a loop-invariant input's cotangent in its 
 autodiff's transpose under XLA's batch axes, the tick scan had reduced the layers' gradients
 over data in every tick, bubble ticks included (M·V + p - 1 all-reduces a step), and under
 fsdp gathered the weights in every use (tiny pp=2,dp=2,fsdp=2 at M = 8: 7.7x the data bytes
-and 15.3x the fsdp bytes, tests/test_hlo.py). Where a batch axis is not manual (`expert`; `sequence` under
+and 15.3x the fsdp bytes, tests/test_hlo.py). Where a batch axis is not manual (`sequence` under
 context_impl=gspmd: sharding.checks.accumulation_axes) XLA still reduces over it per tick.
 
 Embedding and head run inside the region on every stage: the batch is embedded at once [M, b,

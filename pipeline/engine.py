@@ -1,12 +1,12 @@
 """The one shard_map every schedule runs in, and what it does before and after the ticks: a
 stage's weights cast, laid out and gathered once per step, its fp32 gradients reduced once.
 
-Region: manual over `stage` and the step's accumulation axes (`batch_axes`: data, fsdp and,
-under the context parallelism written out, sequence, where > 1:
+Region: manual over `stage` and the step's accumulation axes (`batch_axes`: data, fsdp,
+expert and, under the context parallelism written out, sequence, where > 1:
 sharding.checks.accumulation_axes; a MoE layer's region nests in it, manual over the token
-axes left, sharding/expert_parallel.py); `tensor`, `expert` (and any other axis) stay
-automatic, and XLA reduces the gradients over expert. In: the parameters as stored (blocks
-[X, ...], X over stage, and under manual fsdp each weight's fsdp shard), the batch [M, b, L]
+axes left, sharding/expert_parallel.py); `tensor` (and any other axis) stays automatic. In:
+the parameters as stored (blocks [X, ...], X over stage, under manual fsdp each weight's fsdp
+shard, under manual expert each device's E/ep experts), the batch [M, b, L]
 (each device its own b rows of every microbatch where the batch axes are manual, and its L/sp
 columns where sequence is: the model then slices the rotary tables to them, and the
 context-parallel attention regions nest in this one).
@@ -21,8 +21,8 @@ Per step, on each device:
      parameter summed over the device's microbatches, and the router statistics summed over
      the stage's MoE layers and microbatches;
   3. reduce the gradients once over the batch axes (an fp32 reduce-scatter over fsdp, then an
-     all-reduce of the shard over data and sequence, on each tensor and expert shard:
-     sharding/accumulation.py), move the chunks' gradients back to where they are stored, and
+     all-reduce of the shard over data, expert and sequence, the routed experts' over data
+     alone, on each tensor shard: sharding/accumulation.py), move the chunks' gradients back to where they are stored, and
      sum the embedding's, final norm's and head's over stage (each nonzero on the stage that
      uses it: an all-reduce of 2·(V·D + D)·4 bytes); loss and statistics summed over stage,
      averaged over the batch axes.
@@ -49,6 +49,7 @@ from model.transformer import compute_params
 from pipeline.stage_weights import chunked, gathered_once, reduced_once, weight_specs
 from pipeline.stages import AXIS, over_stages, stages, with_part
 from sharding.accumulation import AUTOMATIC, FSDP
+from sharding.expert_parallel import AXIS as EXPERT
 from sharding.checks import moe_layers
 from sharding.rules import logical_to_spec
 
@@ -64,10 +65,11 @@ def run_stages(params: nnx.State, batch: dict, cfg: RunConfig, batch_axes: tuple
     V layout) in a region manual over stage and `batch_axes` (module docstring)."""
     p, m_count = stages(), batch["inputs"].shape[0]
     v_count = max(cfg.parallel.virtual_stages, 1)
-    manual = (FSDP,) if FSDP in batch_axes else ()
+    manual = tuple(a for a in (FSDP, EXPERT) if a in batch_axes)  # the batch axes that split weights
+    automatic = tuple(a for a in AUTOMATIC if a not in batch_axes)  # tensor; expert unless manual here
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     flat_specs = jax.tree.leaves(weight_specs(params, manual), is_leaf=is_spec)  # the body's [V, Lc] chunks
-    splits = jax.tree.leaves(weight_specs(params, AUTOMATIC, stage=False), is_leaf=is_spec)  # tensor, expert
+    splits = jax.tree.leaves(weight_specs(params, automatic, stage=False), is_leaf=is_spec)
     outer = weight_specs(params, manual, stored=True)  # the stored [X] blocks, laid out in the body
 
     def body(local: nnx.State, inputs: jax.Array, targets: jax.Array) -> tuple:

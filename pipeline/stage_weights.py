@@ -9,9 +9,9 @@ layout.
 
 Under fsdp the stage's compute-dtype weights are gathered once per step, before the tick scan,
 and the gradients accumulate whole: ZeRO-1 style within the step (the fp32 master weights and
-AdamW moments stay split). With the batch axes manual in the engine (`batch_axes`, data and
-fsdp where > 1: sharding.checks.accumulation_axes) the gather is by hand, on each tensor (and
-expert) shard, and the summed gradients are reduced once per step (`gathered_once`, `reduced_once`, with
+AdamW moments stay split). With the batch axes manual in the engine (`batch_axes`, data, fsdp
+and expert where > 1: sharding.checks.accumulation_axes) the gather is by hand, on each tensor
+shard (and expert shard, where expert is not manual), and the summed gradients are reduced once per step (`gathered_once`, `reduced_once`, with
 sharding/accumulation.py's gather and reduce): per step, whatever M, one all-gather of the
 stage's weights in the compute dtype and one reduction of their fp32 gradients (a
 reduce-scatter over fsdp, then an all-reduce of the shard over data and sequence). Where they
@@ -54,8 +54,9 @@ def weight_specs(params: nnx.State, within: tuple[str, ...], stored: bool = Fals
     """Each weight's spec over the mesh axes `within`: the blocks' [V, X/V, ...] chunks, X/V over
     stage (`stage`), as the body holds them after `chunked` (`stored`: the [X, ...] stack as
     stored, the engine's in_spec). With fsdp (manual here) its fsdp split (the `embed`
-    dimension), each device then holding its shard; with tensor or expert (automatic here) its
-    split, which sharding.accumulation's gather and reduce keep; everything else replicated."""
+    dimension), each device then holding its shard, and with expert the experts' split; with
+    tensor (automatic here) its split, which sharding.accumulation's gather and reduce keep;
+    everything else replicated."""
     mesh = jax.sharding.get_abstract_mesh()
 
     def spec(var: nnx.Variable, block: bool) -> P:

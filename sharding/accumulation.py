@@ -12,8 +12,8 @@ every batch axis. Where `expert` is one of the region's axes (the step's accumul
 a MoE model: sharding.checks.accumulation_axes), the experts' weights are split over it, each
 device holding its E/ep: their gradients are summed over the other batch axes only.
 
-`tensor` stays automatic in the region, and `expert` too where it is not one of its axes (every
-pipeline's engine), and XLA cannot partition a collective over a manual axis whose operand is
+`tensor` stays automatic in the region, and `expert` too where it is not one of its axes (a
+dense model's, or beside XLA's ZeRO-3), and XLA cannot partition a collective over a manual axis whose operand is
 split over an automatic one: it gathers the operand over that axis first. So a weight that
 tensor or expert parallelism splits (its spec over those axes, the third argument) is gathered
 and reduced on each device's shard of it, in a shard_map manual over those axes too. Compiled

@@ -92,13 +92,13 @@ def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
     Every pipeline schedule (pipeline/engine.py) runs its M microbatches per device the same
     way, manual over data, fsdp and (as above) sequence: it holds each stage's weights whole
     for the step anyway, so its gradients are summed over the schedule and reduced once per
-    step on all of them. There `expert` is never among the axes: it stays the MoE regions' own,
-    and XLA reduces the other weights' gradients over it per tick or cell. MoE regions nest in
-    the step's region and in the engine and sum their router statistics over its axes too
+    step on all of them, `expert` too (fsdp, when > 1, is manual there anyway). MoE regions nest
+    in the step's region and in the engine and sum their router statistics over its axes too
     (sharding/expert_parallel.py)."""
     nests = explicit_context(cfg, sizes["sequence"]) is not None and sizes.get("expert", 1) == 1
     if sizes["stage"] > 1:
-        return tuple(a for a in ("data", "fsdp", "sequence") if sizes[a] > 1 and (a != "sequence" or nests))
+        return tuple(a for a in ("data", "fsdp", "expert", "sequence")
+                     if sizes.get(a, 1) > 1 and (a != "sequence" or nests))
     if sizes["sequence"] > 1 and not (nests and (sizes["fsdp"] == 1 or cfg.parallel.fsdp_gather_once)):
         return ()
     per_rank = cfg.train.global_batch_size // batch_ranks(sizes)

@@ -49,8 +49,8 @@ out, sequence) the region is manual over the token axes left (expert, sequence, 
 sharding.rules.not_manual); the statistics are summed over the outer region's axes too, so
 each device's objective holds the whole batch's router losses, and the psum's transpose sums
 their cotangents back (`Experts.total`). The router's and experts' gradients are then each
-device's own sums over those axes, reduced once per step by the outer region. The step's
-region is manual over `expert` too (sharding.checks.accumulation_axes): the experts' weights
+device's own sums over those axes, reduced once per step by the outer region. Both outer
+regions are manual over `expert` too (sharding.checks.accumulation_axes): the experts' weights
 arrive as each device's E/ep, the all-to-alls run over the outer axis, and the region is then
 manual over tensor alone (or not needed) and runs unchecked, as the tensor-parallel region
 beside sequence does (the outer, unchecked region's cotangents carry no type over `expert`):
@@ -111,7 +111,7 @@ def region(fn: Callable, x: jax.Array, weights: Weights, tp: TensorParallel) -> 
     arrays = {name: a for name, (a, _) in weights.items()}
     split = tuple(a for a in (*TOKEN_AXES, TENSOR_AXIS) if axis_size(a) > 1)
     manual = not_manual(split)  # nested in the step's or a pipeline's region: its axes are manual already
-    # nested in a region manual over `expert` (the step's accumulation region), the all-to-alls
+    # nested in a region manual over `expert` (the step's accumulation region, a pipeline's), the all-to-alls
     # type y as varying over it, and the cotangent from that unchecked region carries no such
     # type: run unchecked, as TensorParallel.region does nested over sequence
     checked = AXIS in manual or AXIS not in split

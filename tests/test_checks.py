@@ -79,16 +79,16 @@ def test_rules_name_the_field(sets, sizes, message):
      ("data", "sequence")),
     ({"stage": 2, "data": 2, "sequence": 2}, ["parallel.context_impl=gspmd"], ("data",)),
     ({"stage": 2, "fsdp": 2, "sequence": 2}, [], ("fsdp", "sequence")),
-    # experts: `expert` in the step's region (its MoE regions nest, manual over what is left), not
-    # beside XLA's ZeRO-3 (fsdp would be manual inside, before expert) nor in a pipeline's engine;
+    # experts: `expert` in the step's region and a pipeline's engine (its MoE regions nest, manual
+    # over what is left), not beside XLA's ZeRO-3 (fsdp would be manual inside, before expert);
     # never `sequence` after it (jax 0.12 aborts)
     ({"data": 2, "expert": 2, "sequence": 2}, ["model.n_experts=4"], ()),
-    ({"stage": 2, "data": 2, "expert": 2, "sequence": 2}, ["model.n_experts=4"], ("data",)),
+    ({"stage": 2, "data": 2, "expert": 2, "sequence": 2}, ["model.n_experts=4"], ("data", "expert")),
     ({"data": 2, "expert": 2}, ["model.n_experts=4", "train.micro_batch_size=2"], ("data", "expert")),
     ({"expert": 4, "tensor": 2}, ["model.n_experts=4", "train.micro_batch_size=1"], ("expert",)),
     ({"fsdp": 2, "expert": 2}, ["model.n_experts=4", "parallel.fsdp_gather_once=true"], ("fsdp", "expert")),
     ({"data": 2, "fsdp": 2, "expert": 2}, ["model.n_experts=4"], ("data",)),
-    ({"stage": 2, "data": 2, "expert": 2}, ["model.n_experts=4"], ("data",)),
+    ({"stage": 2, "fsdp": 2, "expert": 2}, ["model.n_experts=4"], ("fsdp", "expert")),
     ({"data": 2, "sequence": 4}, ["train.micro_batch_size=0"], ()),  # one microbatch: nothing to accumulate
 ])
 def test_sequence_and_expert_join_the_accumulation_region_where_they_can(sizes, sets, axes):

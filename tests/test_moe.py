@@ -225,15 +225,16 @@ def test_census_holds_the_expert_contract(dispatch, remat):
 
 @pytest.mark.parametrize("mesh, sets, kinds", [
     ("pp=2,dp=2,fsdp=2", ("parallel.microbatches=4",), {"all-gather", "reduce-scatter", "all-reduce"}),
+    ("pp=2,dp=2,ep=2", ("parallel.microbatches=4", "parallel.schedule=1f1b"), {"all-reduce"}),
     ("dp=4,ep=2", ("train.micro_batch_size=1",), {"all-reduce"}),
     ("fsdp=4,ep=2", ("train.micro_batch_size=1", "parallel.fsdp_gather_once=true"),
      {"all-gather", "reduce-scatter", "all-reduce"}),
-], ids=["gpipe", "accumulation", "accumulation-fsdp"])
+], ids=["gpipe", "1f1b-experts", "accumulation", "accumulation-fsdp"])
 def test_experts_reduce_once_per_step(mesh, sets, kinds):
-    """moe-tiny (fp32) in a pipeline (gpipe on pp=2,dp=2,fsdp=2, M = 4; the engine is every
-    schedule's) and in the step's accumulation region (dp=4,ep=2 and fsdp=4,ep=2 with the
-    weights gathered once, 4 microbatches of one sequence per device): both regions are manual
-    over data (and fsdp), the step's over `expert` too, for MoE models (the expert regions nest
+    """moe-tiny (fp32) in a pipeline (gpipe on pp=2,dp=2,fsdp=2 and 1f1b on pp=2,dp=2,ep=2, M =
+    4; the engine is every schedule's) and in the step's accumulation region (dp=4,ep=2 and
+    fsdp=4,ep=2 with the weights gathered once, 4 microbatches of one sequence per device):
+    both regions are manual over data (and fsdp) and expert for MoE models (the expert regions nest
     in them and sum the router statistics over their axes: sharding/expert_parallel.py), so
     beside the statistics' psums (at most 2E + 2 numbers each, forward and backward in each MoE
     layer's run) and the all-to-alls every collective on data, fsdp and expert runs once per
@@ -242,9 +243,9 @@ def test_experts_reduce_once_per_step(mesh, sets, kinds):
     bytes equal tools.traffic's within 1%. Left to XLA (at f2ddadc) the gradients were reduced
     per tick (gpipe), per backward cell (1f1b: 4.7x these bytes, measured alike) or per
     microbatch (the accumulation): 5.3x these bytes under gpipe, 4.1x in the accumulation; with
-    `expert` automatic in the step's region (at bb00f64) XLA reduced the other weights'
-    gradients over expert per microbatch, in fp32 on XLA CPU: 1.9x (dp=4,ep=2) and 1.8x the
-    data, fsdp and expert bytes here."""
+    `expert` automatic in both regions (at bb00f64) XLA reduced the other weights' gradients
+    over expert per microbatch or backward cell, in fp32 on XLA CPU: 1.37x these bytes on
+    dp=4,ep=2 and fsdp=4,ep=2."""
     from tools import traffic
     from tools.hlo import per_device
 

@@ -13,7 +13,7 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           embedding's gradients in the compute dtype (bf16 matmuls, a bf16 scatter-add), the
           head's and the routers' (their matmuls make fp32 logits) and the norms' in fp32;
           h = V·D/(f·t), n the norms' (2X + 1)·D, r the routers' D·E/f per MoE layer.
-          Under gpipe and interleaved where a batch axis is not manual (expert; sequence
+          Under gpipe and interleaved where a batch axis is not manual (sequence
           under context_impl=gspmd: XLA's reduction inside autodiff's transpose of the tick
           scan) XLA reduces the layers' gradients in every tick, bubble ticks included (T/V
           times, T the table's ticks), the head's, the embedding's and norms' once per step
@@ -51,10 +51,10 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     scanned it reads 1.000x (the head gathered before its
                                     region: TensorParallel.logits)
   expert  k · 2 · G'(ep-1)/ep       G' = G_c less the routed experts: every other weight treats
-                                    `expert` as a data axis, reduced per microbatch (per tick or
-                                    cell in a pipeline, beside XLA's ZeRO-3 or at k = 1); where
-                                    it is one of the step's accumulation axes, once per step
-                                    with data's (above)
+                                    `expert` as a data axis, reduced per microbatch where XLA
+                                    places the reductions (beside XLA's ZeRO-3, or at k = 1);
+                                    where it is one of the step's accumulation axes (every
+                                    pipeline's too), once per step with data's (above)
           + all-to-alls, per MoE layer and microbatch: dispatch and combine forward, their
           transposes backward, 4 · (ep-1)/ep · ep·S·D·c; dropless adds the int32 expert ids
           forward, (ep-1)/ep · ep·S·4; remat=full repeats the forward's (6 and 2 ids;
@@ -243,7 +243,7 @@ def per_microbatch_reductions(cfg: RunConfig, sizes: dict[str, int], own: float,
                               experts: float) -> tuple[float, float]:
     """(bytes, of which routed experts) per step of the gradients a reduction per microbatch
     moves (module docstring, G_c), `own` the device's parameters P': k·G_c, but under gpipe and
-    interleaved (autodiff's transpose of the tick scan, where XLA keeps a batch axis: expert;
+    interleaved (autodiff's transpose of the tick scan, where XLA keeps a batch axis:
     sequence under context_impl=gspmd) the layers' gradients are reduced in every tick, bubble
     ticks included (T/V per chunk), and the head's, the embedding's and the norms' once (the lookup and the head's one
     batch or scan take the M microbatches at once)."""

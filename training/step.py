@@ -43,9 +43,9 @@ size it always was. At k = 1 (unless fsdp_gather_once) there is nothing to accum
 step is XLA's, which reduces once and keeps ZeRO-3's memory. The pipeline schedules take the
 data, fsdp and (the context parallelism written out) sequence axes the same way
 (pipeline/engine.py: manual over them, one reduction per step). MoE models too: their
-regions nest in either and sum the router statistics over its axes as well. In the engine, and
-here beside XLA's ZeRO-3 (fsdp > 1 without fsdp_gather_once), `expert` stays theirs and XLA
-reduces the other weights' gradients over it per microbatch (per tick or cell). sp > 1 beside
+regions nest in either and sum the router statistics over its axes as well, and `expert` is
+one of the axes of both, but here beside XLA's ZeRO-3 (fsdp > 1 without fsdp_gather_once),
+where it stays theirs and XLA reduces the other weights' gradients over it per microbatch. sp > 1 beside
 XLA's fsdp or an expert axis keeps XLA's placement (in a pipeline over sequence only), a
 reduction per microbatch (per tick in gpipe and interleaved).
 Non-finite steps: when the loss or the gradient norm is NaN or inf, the step keeps the old
