@@ -14,8 +14,8 @@ context-parallel attention regions nest in this one).
 Per step, on each device:
   1. cast the stage's parameters to the compute dtype, lay its layers out as the [V, Lc, ...]
      chunks it runs (pipeline/layout.py: chunks stored on another stage move once, by
-     collective-permute) and gather them whole over fsdp (by hand on each tensor and expert
-     shard where fsdp is manual, else a sharding constraint: pipeline/stage_weights.py);
+     collective-permute) and gather them whole over fsdp (by hand on each tensor shard where
+     fsdp is manual, else a sharding constraint: pipeline/stage_weights.py);
   2. `run` the schedule (pipeline/circular.py, pipeline/one_f_one_b.py): the mean loss of the
      device's rows (nonzero on the stage that computes it), the fp32 gradients of every
      parameter summed over the device's microbatches, and the router statistics summed over
@@ -66,7 +66,7 @@ def run_stages(params: nnx.State, batch: dict, cfg: RunConfig, batch_axes: tuple
     p, m_count = stages(), batch["inputs"].shape[0]
     v_count = max(cfg.parallel.virtual_stages, 1)
     manual = tuple(a for a in (FSDP, EXPERT) if a in batch_axes)  # the batch axes that split weights
-    automatic = tuple(a for a in AUTOMATIC if a not in batch_axes)  # tensor; expert unless manual here
+    automatic = tuple(a for a in AUTOMATIC if a not in batch_axes)  # tensor (expert, if > 1, is manual)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     flat_specs = jax.tree.leaves(weight_specs(params, manual), is_leaf=is_spec)  # the body's [V, Lc] chunks
     splits = jax.tree.leaves(weight_specs(params, automatic, stage=False), is_leaf=is_spec)
