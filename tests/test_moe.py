@@ -183,6 +183,24 @@ def test_train_step_equals_single_device(case, moe_reference, corpus):
     assert_same_run(run_steps(cfg, corpus, _devices(cfg)), moe_reference)
 
 
+FOUR_LAYERS = (*MOE, "model.n_layers=4")
+
+
+@pytest.fixture(scope="module")
+def four_layer_reference(corpus):
+    """moe_reference with 4 layers: the V = 2 schedules need p·V = 4 of them."""
+    return run_steps(small_config("", *FOUR_LAYERS, "train.micro_batch_size=8"), corpus, devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_virtual_stage_schedules_equal_single_device(schedule, four_layer_reference, corpus):
+    """The two schedules of V = 2 chunks a stage, which lay the experts (split over the engine's
+    manual `expert`) out in chunks and back, zbv with its split backward: pp=2,ep=2, M = 2
+    microbatches of 8, equal to one device as in test_train_step_equals_single_device."""
+    cfg = small_config("pp=2,ep=2", *FOUR_LAYERS, f"parallel.schedule={schedule}", "parallel.virtual_stages=2")
+    assert_same_run(run_steps(cfg, corpus, _devices(cfg)), four_layer_reference)
+
+
 # --- the compiled step's collectives ---------------------------------------------------------
 
 def _moe_census(mesh: str, *sets: str):
