@@ -22,8 +22,8 @@ Per step, on each device:
      the stage's MoE layers and microbatches;
   3. reduce the gradients once over the batch axes (an fp32 reduce-scatter over fsdp, then an
      all-reduce of the shard over data, expert and sequence, the routed experts' over data
-     alone, on each tensor shard: sharding/accumulation.py), move the chunks' gradients back to where they are stored, and
-     sum the embedding's, final norm's and head's over stage (each nonzero on the stage that
+     alone, on each tensor shard: sharding/accumulation.py), move the chunks' gradients back
+     to where they are stored, and sum the embedding's, final norm's and head's over stage (each nonzero on the stage that
      uses it: an all-reduce of 2·(V·D + D)·4 bytes); loss and statistics summed over stage,
      averaged over the batch axes.
 

@@ -11,10 +11,11 @@ Under fsdp the stage's compute-dtype weights are gathered once per step, before 
 and the gradients accumulate whole: ZeRO-1 style within the step (the fp32 master weights and
 AdamW moments stay split). With the batch axes manual in the engine (`batch_axes`, data, fsdp
 and expert where > 1: sharding.checks.accumulation_axes) the gather is by hand, on each tensor
-shard (and expert shard, where expert is not manual), and the summed gradients are reduced once per step (`gathered_once`, `reduced_once`, with
-sharding/accumulation.py's gather and reduce): per step, whatever M, one all-gather of the
+shard, and the summed gradients are reduced once per step (`gathered_once`, `reduced_once`,
+with sharding/accumulation.py's gather and reduce): per step, whatever M, one all-gather of the
 stage's weights in the compute dtype and one reduction of their fp32 gradients (a
-reduce-scatter over fsdp, then an all-reduce of the shard over data and sequence). Where they
+reduce-scatter over fsdp, then an all-reduce of the shard over data, expert and sequence, the
+routed experts' over data alone). Where they
 are not (`gathered_once` without fsdp in `batch_axes`) the gather is a sharding constraint
 (`whole_over_fsdp`) and XLA reduces the partial sums where the backward makes them (each
 backward cell of the 1F1B family, each tick of gpipe and interleaved). Memory: the stage's

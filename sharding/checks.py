@@ -90,9 +90,9 @@ def accumulation_axes(cfg: RunConfig, sizes: dict[str, int]) -> tuple[str, ...]:
     (TensorParallel.region).
 
     Every pipeline schedule (pipeline/engine.py) runs its M microbatches per device the same
-    way, manual over data, fsdp and (as above) sequence: it holds each stage's weights whole
+    way, manual over data, fsdp, expert and (as above) sequence: it holds each stage's weights whole
     for the step anyway, so its gradients are summed over the schedule and reduced once per
-    step on all of them, `expert` too (fsdp, when > 1, is manual there anyway). MoE regions nest
+    step on all of them (fsdp, when > 1, is manual there anyway, so `expert` may be). MoE regions nest
     in the step's region and in the engine and sum their router statistics over its axes too
     (sharding/expert_parallel.py)."""
     nests = explicit_context(cfg, sizes["sequence"]) is not None and sizes.get("expert", 1) == 1
