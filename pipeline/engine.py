@@ -29,7 +29,7 @@ Per step, on each device:
 
 So the data and fsdp bytes of a pipelined step are those of one reduction whatever M and the
 schedule: 2·4·P'·(N-1)/N over data (P' the device's parameters; N = dp·sp with sequence in the
-region), and under fsdp one all-gather of the compute-dtype weights and one fp32
+region, dp·ep with expert for every weight but the routed experts), and under fsdp one all-gather of the compute-dtype weights and one fp32
 reduce-scatter. Memory: the stage's weights whole over fsdp in the compute dtype and their fp32
 gradients whole, for the step.
 """
