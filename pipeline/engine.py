@@ -23,9 +23,9 @@ Per step, on each device:
   3. reduce the gradients once over the batch axes (an fp32 reduce-scatter over fsdp, then an
      all-reduce of the shard over data, expert and sequence, the routed experts' over data
      alone, on each tensor shard: sharding/accumulation.py), move the chunks' gradients back
-     to where they are stored, and sum the embedding's, final norm's and head's over stage (each nonzero on the stage that
-     uses it: an all-reduce of 2·(V·D + D)·4 bytes); loss and statistics summed over stage,
-     averaged over the batch axes.
+     to where they are stored, and sum the embedding's, final norm's and head's over stage
+     (each nonzero on the stage that uses it: an all-reduce of 2·(V·D + D)·4 bytes); loss and
+     statistics summed over stage, averaged over the batch axes.
 
 So the data and fsdp bytes of a pipelined step are those of one reduction whatever M and the
 schedule: 2·4·P'·(N-1)/N over data (P' the device's parameters; N = dp·sp with sequence in the
@@ -48,8 +48,7 @@ from configs.base import RunConfig
 from model.transformer import compute_params
 from pipeline.stage_weights import chunked, gathered_once, reduced_once, weight_specs
 from pipeline.stages import AXIS, over_stages, stages, with_part
-from sharding.accumulation import AUTOMATIC, FSDP
-from sharding.expert_parallel import AXIS as EXPERT
+from sharding.accumulation import automatic
 from sharding.checks import moe_layers
 from sharding.rules import logical_to_spec
 
@@ -65,12 +64,11 @@ def run_stages(params: nnx.State, batch: dict, cfg: RunConfig, batch_axes: tuple
     V layout) in a region manual over stage and `batch_axes` (module docstring)."""
     p, m_count = stages(), batch["inputs"].shape[0]
     v_count = max(cfg.parallel.virtual_stages, 1)
-    manual = tuple(a for a in (FSDP, EXPERT) if a in batch_axes)  # the batch axes that split weights
-    automatic = tuple(a for a in AUTOMATIC if a not in batch_axes)  # tensor (expert, if > 1, is manual)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    flat_specs = jax.tree.leaves(weight_specs(params, manual), is_leaf=is_spec)  # the body's [V, Lc] chunks
-    splits = jax.tree.leaves(weight_specs(params, automatic, stage=False), is_leaf=is_spec)
-    outer = weight_specs(params, manual, stored=True)  # the stored [X] blocks, laid out in the body
+    # over the batch axes only fsdp (`embed`) and expert (`experts`) split weights
+    flat_specs = jax.tree.leaves(weight_specs(params, batch_axes), is_leaf=is_spec)  # the body's [V, Lc] chunks
+    splits = jax.tree.leaves(weight_specs(params, automatic(batch_axes), stage=False), is_leaf=is_spec)
+    outer = weight_specs(params, batch_axes, stored=True)  # the stored [X] blocks, laid out in the body
 
     def body(local: nnx.State, inputs: jax.Array, targets: jax.Array) -> tuple:
         compute = compute_params(local, cfg.model.compute_dtype)

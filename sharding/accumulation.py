@@ -36,6 +36,12 @@ TENSOR = "tensor"
 AUTOMATIC = ("expert", TENSOR)  # the axes that may split a weight while automatic in a region
 
 
+def automatic(axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The AUTOMATIC axes a region manual over `axes` leaves to XLA: tensor, and expert unless
+    it is one of them."""
+    return tuple(a for a in AUTOMATIC if a not in axes)
+
+
 def _splits(axes: str | tuple[str, ...] | None, axis: str) -> bool:
     return axes is not None and axis in (axes if isinstance(axes, tuple) else (axes,))
 

@@ -88,7 +88,7 @@ from configs.base import RunConfig
 from model.loss import cross_entropy
 from model.moe import no_stats, router_loss
 from model.transformer import compute_params
-from sharding.accumulation import AUTOMATIC, gather as fsdp_gather, reduce as batch_reduce
+from sharding.accumulation import automatic, gather as fsdp_gather, reduce as batch_reduce
 from sharding.rules import logical_to_spec
 from sharding.strategies import Strategies
 
@@ -134,8 +134,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     names = [(v.get_metadata().get("out_sharding") or (None,) * v.ndim, v.shape)
              for v in jax.tree.leaves(params, is_leaf=is_var)]
     specs = [logical_to_spec(n, shape, mesh, within=axes) for n, shape in names]
-    automatic = tuple(a for a in AUTOMATIC if a not in axes)  # tensor; expert unless the region's own
-    splits = [logical_to_spec(n, shape, mesh, within=automatic) for n, shape in names]
+    splits = [logical_to_spec(n, shape, mesh, within=automatic(axes)) for n, shape in names]
     assert len(specs) == len(leaves)
     batch_spec = logical_to_spec((None, "batch", "length"), batch["inputs"].shape, mesh, within=axes)
     n = math.prod(dict(mesh.shape)[a] for a in axes)
