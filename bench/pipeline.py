@@ -22,7 +22,7 @@ Per case, compiled ahead of time, run once, then `--steps` timed steps (median, 
   ideal_s          one_device_s / n (n = the mesh's devices; p on a pp-only mesh)
   measured_bubble  1 - ideal_s / step_s: on n accelerators of their own, the fraction of the
                    step lost to the bubble plus every pipeline overhead (transfers, re-layout,
-                   idle cells that compute on zeros, the head replicated per stage)
+                   idle cells that compute on zeros, the outputs dealt to the heads)
   measured_bubble_min  the same from the fastest step of each (step_min_s): the least disturbed
                    by other processes on a shared machine
   work_ratio       step_s / one_device_s; cpu_work_ratio the same in CPU time;
@@ -44,7 +44,7 @@ the load of other processes stretches: on such a machine measured_bubble is an u
 mixes the bubble, the core sharing and the overheads, NOT the bubble. Nor is any other figure
 here: cpu_work_ratio ~ (CPU all device threads burn) / (the one-device run's), which the load
 moves less, counts the work the devices execute (gpipe's and interleaved's idle cells run the
-layers on zeros: about (M+p-1)/M of the layers, and the head on every stage; a 1F1B-family stage
+layers on zeros: about (M+p-1)/M of the layers; a 1F1B-family stage
 whose cell is idle runs nothing, lax.switch) and also what the threads burn at every tick's
 synchronisation and the pipeline's other overheads (tiny, seq 64, on the 2 shared cores: at pp=4
 1.5 to 2.7 for every schedule and M, where the masked cells alone would give 1.2 to 1.75 for

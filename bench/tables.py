@@ -42,6 +42,9 @@ PROSE_ONLY = {
                                        "quoted in sentences in the planner's memory paragraph",
     "gpipe-head-h100-compiled": "XLA GPU's compiled peak of gpipe and interleaved steps and the estimate before and "
                                 "after their head and weights changed, quoted as ranges in the planner's memory paragraph",
+    "gpipe-head-dealt-h100-compiled": "XLA GPU's compiled peak and stage census of gpipe and interleaved steps before "
+                                      "and after their head was dealt out over the stages, with a CPU cost analysis "
+                                      "and bench.pipeline rounds; README's table of it is written by hand",
     "circular-stash-h100-compiled": "XLA GPU's compiled peak of gpipe and interleaved steps and the estimate before "
                                     "and after their ticks ran in a checkpoint; README's table of it is written by hand",
     "circular-fp32-sum-h100-compiled": "XLA GPU's compiled peak of gpipe and interleaved steps before and after they "

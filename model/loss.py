@@ -16,12 +16,16 @@ import jax
 import jax.numpy as jnp
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, z_loss: float) -> jax.Array:
-    """Mean over [b, L] of CE(logits [b, L, V] fp32, targets [b, L]) + z_loss·logsumexp²."""
+def cross_entropy(logits: jax.Array, targets: jax.Array, z_loss: float,
+                  weights: jax.Array | None = None) -> jax.Array:
+    """Mean over [b, L] of CE(logits [b, L, V] fp32, targets [b, L]) + z_loss·logsumexp², each
+    position's term times `weights` [b, L] where given (0 drops a row: a pipeline's padding,
+    pipeline.circular.head_loss)."""
     log_z = jax.nn.logsumexp(logits, axis=-1)  # [b, L]
     vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
     target = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)  # [b, L]
-    loss = jnp.mean(log_z - target)
+    weighted = (lambda a: a) if weights is None else (lambda a: weights * a)  # noqa: E731
+    loss = jnp.mean(weighted(log_z - target))
     if z_loss:
-        loss += z_loss * jnp.mean(log_z**2)
+        loss += z_loss * jnp.mean(weighted(log_z**2))
     return loss

@@ -31,11 +31,17 @@ and 15.3x the fsdp bytes, tests/test_hlo.py). Where a batch axis is not manual (
 context_impl=gspmd: sharding.checks.accumulation_axes) XLA still reduces over it per tick.
 
 Embedding and head run inside the region on every stage: the batch is embedded at once [M, b,
-L, D] (only stage 0 reads it), and the head and loss run on every stage over the M outputs,
-stage p-1's (the other stages' zeros, their loss masked out: p times the head's work). The
-embedding's gradient is the lookup's transpose from an fp32 table, once per step
-(pipeline.cells.embed_grad); the embedding's, final norm's and head's fp32 gradients, each
-nonzero on one stage, meet over stage in one all-reduce. `mean_loss`, the evaluation step's
+L, D] (only stage 0 reads it), and the M outputs, stage p-1's, are dealt out over the stages
+after the ticks (`dealt`: stage p-1 sends each other stage its C·b·L·D by collective-permute,
+the cotangents come back), so that each stage runs the head and loss on C = ceil(M/p) of
+them. Run on every stage over all M, stage p-1's and the others' zeros, the head had cost
+each stage M heads a step where C do: on 125m gpipe pp=2,dp=4, M = 8, 4 heads' 1.24e12 flops
+per device, 21% of its model flops, and under remat none the logits of all M (XLA's peak
+compiled for H100s 6.04 to 4.52 GiB, pp=4 9.25 to 4.66;
+bench/results/gpipe-head-dealt-h100-compiled.json). The embedding's gradient is the lookup's
+transpose from an fp32 table, once per step (pipeline.cells.embed_grad); the embedding's and
+final norm's fp32 gradients, each nonzero on one stage, and the head's, summed over its C
+microbatches on each, meet over stage in one all-reduce. `mean_loss`, the evaluation step's
 forward, runs the same objective in a region manual over stage alone.
 
 Memory: the fp32 sum of the layers' gradients (`_objective`), the stage's layers in fp32 where
@@ -44,7 +50,7 @@ peak falls in the tick scan's backward; tools/estimate.py's `accumulator`); and 
 every tick's chunk residuals: activation memory grows with M like the
 unpipelined accumulation scan's would if it kept all microbatches, (M·V+p-1) ticks of Lc
 layers, plus [M, b, L, D] of embeddings, outputs and their cotangents, and under remat none the
-logits of all M, [M·b, L, V/t] fp32 (else one microbatch's). A tick runs its chunk in one
+logits of the C microbatches dealt to the stage, [C·b, L, V/t] fp32 (else one microbatch's). A tick runs its chunk in one
 checkpoint whose policy is model.remat.stash_policy, the 1F1B family's (pipeline/cells.py): its
 inputs are the loop-invariant layers [V, Lc, ...] and the chunk number, so what the tick keeps
 is what that policy saves, never the chunk's weights (a dynamic slice of the layers, recomputed
@@ -126,9 +132,9 @@ def _embedded(st: Static, compute: nnx.State, tokens: jax.Array) -> jax.Array:
 def _objective(st: Static, compute: nnx.State, x_all: jax.Array, targets: jax.Array, cfg: RunConfig,
                layers: nnx.State | None = None) -> tuple:
     """A device's objective, its chunks ([V, Lc, ...] blocks of `compute`) run over the
-    timetable's ticks on the embedded batch x_all [M, b, L, D]: on stage p-1 the mean loss of
-    the M microbatches' outputs, on every stage its chunks' router losses; as aux (that loss,
-    0 elsewhere, and the router statistics' sums).
+    timetable's ticks on the embedded batch x_all [M, b, L, D]: on every stage its share of the
+    mean loss of the M microbatches' outputs (the losses of those `dealt` to it, over M) and
+    its chunks' router losses; as aux (that share, and the router statistics' sums).
 
     `layers` (the training step's): the chunks' weights in the compute dtype, compute["blocks"]
     then fp32 zeros of their shape that stand in for them in autodiff (`_fp32_grad`): their
@@ -170,10 +176,30 @@ def _objective(st: Static, compute: nnx.State, x_all: jax.Array, targets: jax.Ar
     start = (buffer(x_all.shape[1:], x_all.dtype), buffer(x_all.shape, x_all.dtype),
              jnp.zeros((), jnp.float32), no_stats(cfg.model))
     (_, outputs, share, stats), _ = lax.scan(tick, start, rows)
-    last = s == p - 1  # the other stages' outputs are NaN buffers: their head runs on zeros
-    loss = head_loss(model, jnp.where(last, outputs, 0), targets, cfg.train.z_loss, head_per_microbatch(cfg.model))
-    loss = jnp.where(last, loss, 0.0)
+    out, mine, real = dealt(outputs, targets, s, p)
+    loss = head_loss(model, out, mine, real, cfg.train.z_loss, head_per_microbatch(cfg.model)) / st.m_count
     return loss + share, (loss, stats)
+
+
+def dealt(outputs: jax.Array, targets: jax.Array, s: jax.Array, p: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The last stage's outputs [M, b, L, D] dealt out over the p stages for the head, C =
+    ceil(M/p) microbatches each (stage s: s·C ... s·C + C - 1, the M padded to p·C with zeros):
+    (its outputs [C, b, L, D], their targets [C, b, L], which of the C are real [C] bool).
+
+    Stage p-1 keeps the last C and sends stage t its C by a collective-permute of one pair (p-1
+    -> t), p - 1 of them; autodiff's transposes send the cotangents back. Each keeps the layout
+    of the tick permutes (under sequence parallelism each tensor rank sends its L/t columns): a
+    reduce-scatter over stage of the padded buffer, the same bytes in one collective, made XLA
+    gather the outputs over tensor first and scatter whole copies. Forward stage p-1 sends
+    (p-1)·C·b·L·D elements, backward every other stage C·b·L·D."""
+    m_count = outputs.shape[0]
+    c = -(-m_count // p)
+    pad = lambda a: jnp.pad(a, [(0, p * c - m_count)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
+    chunks = pad(jnp.where(s == p - 1, outputs, 0)).reshape(p, c, *outputs.shape[1:])  # the NaN buffers never read
+    out = chunks[p - 1]
+    for t in range(p - 1):
+        out = jnp.where(s == t, lax.ppermute(chunks[t], AXIS, [(p - 1, t)]), out)
+    return out, lax.dynamic_slice_in_dim(pad(targets), s * c, c), s * c + jnp.arange(c) < m_count
 
 
 @jax.custom_vjp
@@ -207,25 +233,27 @@ def unmerged(a: jax.Array, m_count: int) -> jax.Array:
     return a.reshape(-1, m_count, *a.shape[1:]).swapaxes(0, 1)
 
 
-def head_loss(model: nnx.Module, out: jax.Array, targets: jax.Array, z_loss: float,
+def head_loss(model: nnx.Module, out: jax.Array, targets: jax.Array, real: jax.Array, z_loss: float,
               per_microbatch: bool) -> jax.Array:
-    """The mean loss of the M microbatches' outputs [M, b, L, D] (the last stage's) and targets
-    [M, b, L].
+    """The sum of the mean losses of the C microbatches' outputs [C, b, L, D] (those `dealt` to
+    this stage) and targets [C, b, L] that are `real` [C] (the padding's count 0).
 
-    Not per_microbatch (remat none: sharding.checks.head_per_microbatch): all M at once, as one
-    batch [b·M, L, D] (b, split over the batch axes, kept major so that the merge moves
-    nothing): the logits of all M are held for the backward, [M·b, L, V/t] fp32, and the head's
-    gradient [D, V/t] comes out of one matmul. (A vmap over M made it M gradients in fp32,
-    summed after: M·V·D·4/t bytes, 7.8 GiB on llama3-8b at M = 4.) per_microbatch (any other
-    policy): one microbatch at a time (a scan), each recomputed in the backward, so that one
-    microbatch's logits are live at a time; the recompute is the head's forward matmul again,
-    2·b·L·D·V/t flops per microbatch (about 2% of llama3-8b's step, 7% of 125m's)."""
+    Not per_microbatch (remat none: sharding.checks.head_per_microbatch): all C at once, as one
+    batch [b·C, L, D] (b, split over the batch axes, kept major so that the merge moves
+    nothing): the logits of all C are held for the backward, [C·b, L, V/t] fp32, and the head's
+    gradient [D, V/t] comes out of one matmul. (A vmap over the microbatches made it one
+    gradient each in fp32, summed after: M·V·D·4/t bytes, 7.8 GiB on llama3-8b at M = 4.)
+    per_microbatch (any other policy): one microbatch at a time (a scan), each recomputed in
+    the backward, so that one microbatch's logits are live at a time; the recompute is the
+    head's forward matmul again, 2·b·L·D·V/t flops per microbatch (about 2% of llama3-8b's
+    step, 7% of 125m's)."""
     if not per_microbatch:
-        return cross_entropy(model.logits(merged(out)), merged(targets), z_loss)
+        rows = merged(jnp.broadcast_to(real[:, None, None], targets.shape).astype(jnp.float32))  # [b·C, L]
+        return out.shape[0] * cross_entropy(model.logits(merged(out)), merged(targets), z_loss, rows)
 
     def one(total: jax.Array, xy: tuple) -> tuple:
-        x, y = xy
-        return total + cross_entropy(model.logits(x), y, z_loss), None
+        x, y, keep = xy
+        return total + jnp.where(keep, cross_entropy(model.logits(x), y, z_loss), 0.0), None
 
-    total, _ = lax.scan(jax.checkpoint(one), jnp.zeros((), jnp.float32), (out, targets))
-    return total / out.shape[0]
+    total, _ = lax.scan(jax.checkpoint(one), jnp.zeros((), jnp.float32), (out, targets, real))
+    return total

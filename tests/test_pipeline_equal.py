@@ -3,7 +3,7 @@
 Loss and every gradient of step 0 against the single-device model of the same depth (fp32;
 tolerances of conftest.assert_same_run). Pipeline buffers start as NaN (pipeline.stages.FILL),
 so a bubble that leaked into the result would fail these tests. The matrix covers p = 2 and
-p = 4 and M = p and M = 2p; the interleaved schedules and zbv with V=2; remat full (and dots) for the
+p = 4 and M = p and M = 2p (and for gpipe M = 1.5p, its heads' share padded); the interleaved schedules and zbv with V=2; remat full (and dots) for the
 1F1B family, gpipe and interleaved (their head a microbatch at a time); sequence parallelism on pp=2,fsdp=2,tp=2 (gpipe with GSPMD TP, 1f1b, zb-h1,
 interleaved with the overlap rings); interleaved-1f1b with GSPMD TP. Five optimizer steps of
 every schedule on pp=2,dp=2,tp=2 (the explicit shard_map TP regions nested in the stage
@@ -32,13 +32,14 @@ def _loss_and_grads(cfg, corpus):
         return jax.device_get((loss, grads))
 
 
-_REFERENCES: dict[int, tuple] = {}
+_REFERENCES: dict[tuple[int, int], tuple] = {}
 
 
-def _reference(layers: int, corpus):
-    if layers not in _REFERENCES:
-        _REFERENCES[layers] = _loss_and_grads(small_config("", f"model.n_layers={layers}"), corpus)
-    return _REFERENCES[layers]
+def _reference(layers: int, batch: int, corpus):
+    if (layers, batch) not in _REFERENCES:
+        _REFERENCES[layers, batch] = _loss_and_grads(
+            small_config("", f"model.n_layers={layers}", f"train.global_batch_size={batch}"), corpus)
+    return _REFERENCES[layers, batch]
 
 
 CASES = {  # id: (mesh, overrides)
@@ -50,6 +51,10 @@ CASES = {  # id: (mesh, overrides)
     "gpipe-pp2-dp2-tp2-m4-full": ("pp=2,dp=2,tp=2", ["parallel.microbatches=4", "model.remat=full"]),
     "interleaved-pp2-dp2-m4-v2-dots": ("pp=2,dp=2", ["parallel.schedule=interleaved", "parallel.virtual_stages=2",
                                                       "parallel.microbatches=4", "model.remat=dots"]),
+    # M not a multiple of p: the outputs dealt to the heads padded (pipeline.circular.dealt),
+    # stage 3 of pp=4 given none of the 6; all at once (remat none) and a scan (full)
+    "gpipe-p4-m6-padded": ("pp=4", ["parallel.microbatches=6", "train.global_batch_size=12"]),
+    "gpipe-p2-m3-full-padded": ("pp=2", ["parallel.microbatches=3", "train.global_batch_size=12", "model.remat=full"]),
     "1f1b-p2-m4": ("pp=2", ["parallel.schedule=1f1b", "parallel.microbatches=4"]),
     "1f1b-p4-m4": ("pp=4", ["parallel.schedule=1f1b", "parallel.microbatches=4"]),
     "1f1b-p2-m2-full": ("pp=2", ["parallel.schedule=1f1b", "parallel.microbatches=2", "model.remat=full"]),
@@ -74,7 +79,8 @@ def test_schedule_equals_single_device(case, corpus):
     mesh, overrides = CASES[case]
     layers = 8 if case in ("interleaved-p4-m4-v2", "interleaved-1f1b-p4-m8-v2", "zbv-p4-m4-full") else 4
     cfg = small_config(mesh, f"model.n_layers={layers}", *overrides)
-    (loss, grads), (ref_loss, ref_grads) = _loss_and_grads(cfg, corpus), _reference(layers, corpus)
+    (loss, grads), (ref_loss, ref_grads) = (_loss_and_grads(cfg, corpus),
+                                            _reference(layers, cfg.train.global_batch_size, corpus))
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-5)
     flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
     assert len(flat_ref) == len(jax.tree.leaves(grads))

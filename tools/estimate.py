@@ -47,9 +47,9 @@ Memory (bytes per device), the terms `memory()` returns:
               full and 0.79 under none; interleaved and 125m (whose peak falls in the head's
               backward, before the tick scan's) kept theirs
   working     the larger of: one layer's backward working set, and the logits [T, V/t] of the
-              head and loss, in the compute dtype and in fp32 (of all M microbatches at once
-              after a gpipe/interleaved pipe under remat none; 1b on an H100: 205,332 bytes per
-              token beside the layers, the logits' 196,608).
+              head and loss, in the compute dtype and in fp32 (after a gpipe/interleaved pipe
+              under remat none of the ceil(M/p) microbatches dealt to the stage at once; 1b on
+              an H100: 205,332 bytes per token beside the layers, the logits' 196,608).
               The working set is the gradients of one layer's 'none' terms (one more layer's
               worth; the larger of a dense and a MoE layer, the dispatch buffers included, and
               under dropless ragged_dot XLA's zero-padded copies, `dense_expert_copies`); under
@@ -127,11 +127,12 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
         saved += 4 * s.k * s.tokens * m.d_model * c  # [M, b, L, D] in, out, cotangents
     else:  # the layer scan under none stacks each layer's residuals and copies them: twice
         saved = (scan_copies if m.scan_layers and m.remat == "none" else 1) * stack_activations(cfg, sizes, m.remat)
-    # gpipe and interleaved: the head of all M at once under remat none, else one microbatch's at a
-    # time in a scan, recomputed in the backward (pipeline.circular.head_loss), whose int32 iota of
-    # vocabulary ids [b, L, V/t] XLA hoists out of the loop beside the logits (125m pp=2,dp=2 full)
+    # gpipe and interleaved: the head of the ceil(M/p) microbatches dealt to the stage at once
+    # under remat none, else one microbatch's at a time in a scan, recomputed in the backward
+    # (pipeline.circular.head_loss), whose int32 iota of vocabulary ids [b, L, V/t] XLA hoists
+    # out of the loop beside the logits (125m pp=2,dp=2 full)
     scanned_head = piped and not stashing and head_per_microbatch(m)
-    heads_at_once = s.k if piped and not stashing and not scanned_head else 1
+    heads_at_once = -(-s.k // sizes["stage"]) if piped and not stashing and not scanned_head else 1
     logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * (4 + c + 4 * scanned_head)
     # context parallel with the xla core: one block piece's fp32 scores, probs and their
     # gradient [b, N/t, L/sp, L/sp] at a time (a flash core tiles them away)

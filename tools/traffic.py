@@ -63,7 +63,8 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           and 2 backward (with sequence parallelism an all-gather and a reduce-scatter for each,
           the same bytes); plus 2 · 2S(t-1)/t per microbatch for the vocab-parallel embedding
           (its lookup's all-reduce forward) and head (its input gradient's all-reduce
-          backward); under sequence parallelism the same bytes, the embedding's reduce-scatter
+          backward; under gpipe and interleaved each stage's head runs C = ceil(M/p)
+          microbatches, `heads`); under sequence parallelism the same bytes, the embedding's reduce-scatter
           forward and all-gather backward, the head's all-gather forward and reduce-scatter
           backward (sharding/tensor_parallel.py); plus, when t does not
           divide K, the all-reduce of the replicated wk, wv gradients (2·D·K·H fp32 per layer).
@@ -113,6 +114,9 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                          (T counts F and B ticks); T·a at p = 2 but on interleaved-1f1b's ring
                          (stage 0 sends only down, stage 1 only up)
             gpipe, interleaved  2T·a: T forward ticks on a ring, autodiff's transpose as many
+                         back; plus the last stage's outputs dealt out to the stages'
+                         heads (C = ceil(M/p) each, pipeline.circular.dealt): stage p-1
+                         sends (p-1)·C·a forward, every other stage its C·a of cotangents
                          back
             every schedule  plus the all-reduce of the gradients of the weights every stage
                          holds (embedding, head, final norm: their fp32 sums, each nonzero on
@@ -201,7 +205,7 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         "fsdp": fsdp,
         "expert": expert_grads + expert(cfg, sizes),
         "sequence": sequence + context(cfg, sizes),
-        "tensor": (layer_runs(cfg, sizes) * layer_tensor + s.k * 2 * 2 * act
+        "tensor": (layer_runs(cfg, sizes) * layer_tensor + (s.k + heads(cfg, sizes)) * 2 * act
                    + embedded_every_tick(cfg, sizes) * 2 * act) * frac["tensor"],
     }
     return {a: v for a, v in volume.items() if sizes[a] > 1}
@@ -214,6 +218,13 @@ def layer_runs(cfg: RunConfig, sizes: dict[str, int]) -> float:
     if circular(cfg, sizes):
         return pipeline_figures(cfg, sizes)["ticks"] / virtual(cfg)
     return shape(cfg, sizes).k
+
+
+def heads(cfg: RunConfig, sizes: dict[str, int]) -> int:
+    """How many microbatches' heads a device runs per step: k, but under gpipe and interleaved
+    ceil(M/p), the M outputs dealt out over the stages, padded (pipeline.circular.dealt)."""
+    k = shape(cfg, sizes).k
+    return -(-k // sizes["stage"]) if circular(cfg, sizes) else k
 
 
 def circular(cfg: RunConfig, sizes: dict[str, int]) -> bool:
@@ -267,6 +278,8 @@ def stage(cfg: RunConfig, sizes: dict[str, int]) -> float:
     ring = virtual(cfg) > 1 and schedule != "zbv" or schedule not in STASHING  # gpipe, interleaved: rings
     # both ways on a ring and in the middle stages, one way at the ends
     sends = [(2 if ring or 0 < d < p - 1 else 1) * ticks * a for d in range(p)]
+    if circular(cfg, sizes):  # the outputs dealt to the stages' heads: p-1 sends each C forward, each its C back
+        sends = [x + heads(cfg, sizes) * a * (p - 1 if d == p - 1 else 1) for d, x in enumerate(sends)]
     replicated = 2 * small_parts(cfg, sizes)[0] + m.d_model  # embedding, head, final norm
     reduced = 2 * 4 * replicated * (p - 1) / p
     return reduced + max(x + y for x, y in zip(sends, layout(cfg, sizes), strict=True))
