@@ -89,7 +89,10 @@ family's stash policy: 0.92-0.99x on 125m under none and full (pp=2 and 4, dp an
 0.83-0.93x under dots (XLA keeping less), 0.62-0.70x on llama3-8b pp=2,fsdp=4
 (bench/results/circular-stash-h100-compiled.json; gpipe-head-h100-compiled.json); since they sum
 the layers' gradients in fp32, with the `accumulator` term, 0.92-1.05x (125m and 1b, pp=2,
-gpipe and interleaved, none and full; bench/results/circular-fp32-sum-h100-compiled.json).
+gpipe and interleaved, none and full; bench/results/circular-fp32-sum-h100-compiled.json); since
+their head runs on the ceil(M/p) microbatches dealt to each stage, 0.91-1.04x (125m and 1b, pp=2
+and 4, M = 6 and 8, none and full; 0.83x on 125m pp=2,dp=2,tp=2 with SP under full;
+bench/results/gpipe-head-dealt-h100-compiled.json).
 tools.search scales each schedule's estimate by a floor (`MEMORY_LOW`).
 
 CPU vs GPU: XLA on CPU computes bf16 matmuls in fp32 and keeps f32 buffers, so compare with a
