@@ -3,8 +3,8 @@
 zb-h1, B and later W: pipeline/split_backward.py) runs its backward from them; the last chunk's B
 first runs the head and loss. A cell is a function of the static `Static`, the stage's compute
 parameters ([V, Lc, ...] blocks), chunk v, the cell's (residuals, stash) slots, its input x [b,
-L, D], output gradient g, the microbatch's targets [b, L] and the carry's `Sent`, and returns the
-next `Sent`. Layouts, slot counts and memory are in one_f_one_b.py's docstring.
+L, D], output gradient g, the microbatch's tokens and targets [b, L] and the carry's `Sent`, and
+returns the next `Sent`; F on the model's first chunk embeds the tokens itself. Layouts, slot counts and memory are in one_f_one_b.py's docstring.
 
 `embed`, `embed_grad`, `router_share`, `Static` and `model_of` serve gpipe and interleaved too
 (pipeline/circular.py).
@@ -39,7 +39,7 @@ from model.moe import router_loss
 from model.remat import stashed
 from model.transformer import Transformer
 from pipeline.split_backward import split_vjp
-from pipeline.stages import with_part
+from pipeline.stages import AXIS, with_part
 from pipeline.tables import BACKWARD, FORWARD, WEIGHT
 from pipeline.tick_program import BACKWARD_LAST, NAMES, SCOPE
 from sharding.checks import moe_layers
@@ -174,7 +174,7 @@ def _outside(local: nnx.State) -> dict:
 
 # The cells, one per Program.branch but IDLE: (static, the stage's compute parameters, chunk v,
 # the cell's (residuals, stash) slots, input x [b, L, D], output gradient g, the microbatch's
-# targets [b, L], what the carry holds) -> what the carry holds next.
+# tokens and targets [b, L], what the carry holds) -> what the carry holds next.
 
 
 def _put(buffers: tuple, slot: jax.Array, values: tuple) -> tuple:
@@ -187,23 +187,28 @@ def _pullback_leaves(st: Static, local: nnx.State, v: jax.Array, kept: Any) -> l
     return [params[i] if i >= 0 else next(kept) for i in st.layout.params_at]
 
 
-def _forward(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, target: jax.Array,
-             out: Sent) -> Sent:
+def _forward(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, tokens: jax.Array,
+             target: jax.Array, out: Sent) -> Sent:
+    """F: chunk v's layers under vjp on x, on the model's first chunk (stage 0, v = 0) on the
+    embedding of `tokens` instead (`embed`: here, in the F cell, one lookup per microbatch and
+    chunk, where outside the switch every stage looked up every tick)."""
+    first = (lax.axis_index(AXIS) == 0) & (v == 0)
+    x = jnp.where(first, embed(st, local, tokens, local["embed"]), x)
     y, residuals, stats, layout = _vjp(st, model_of(st, local), chunk_of(local, v), x)
     assert layout.params_at == st.layout.params_at, "the chunk's vjp closure changed between traces"
     return out._replace(send_f=y, residuals=_put(out.residuals, at[0], residuals),
                         stats=jax.tree.map(jnp.add, out.stats, stats))
 
 
-def _backward(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, target: jax.Array,
-              out: Sent) -> Sent:
+def _backward(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, tokens: jax.Array,
+              target: jax.Array, out: Sent) -> Sent:
     leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
     d_layers, dx = jax.tree.unflatten(st.layout.treedef, leaves)((g, jnp.ones((), jnp.float32)))  # router share: as is
     return out._replace(send_b=dx, grads=_acc(out.grads, v, d_layers))
 
 
 def _backward_last(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
-                   target: jax.Array, out: Sent) -> Sent:
+                   tokens: jax.Array, target: jax.Array, out: Sent) -> Sent:
     """B of the last chunk: x is the chunk's output (its F left it in the input slot); the head
     and loss, then the chunk's vjp from its residuals."""
     lm, d_rest, dy = _head(st, local, x, target)
@@ -213,15 +218,15 @@ def _backward_last(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax
 
 
 def _backward_input(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
-                    target: jax.Array, out: Sent) -> Sent:
+                    tokens: jax.Array, target: jax.Array, out: Sent) -> Sent:
     """Split B: the input gradient only; what W needs of it goes to the stash slot."""
     leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
     dx, stash = st.split[0](leaves, (g, jnp.ones((), jnp.float32)))
     return out._replace(send_b=dx, stash=_put(out.stash, at[1], stash))
 
 
-def _weight(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, target: jax.Array,
-            out: Sent) -> Sent:
+def _weight(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array, tokens: jax.Array,
+            target: jax.Array, out: Sent) -> Sent:
     """Split W: the chunk's weight gradient from its residuals and B's stash."""
     leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
     d_layers = st.split[1](leaves, tuple(a[at[1]] for a in out.stash))
@@ -229,7 +234,7 @@ def _weight(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array,
 
 
 def _backward_input_last(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
-                         target: jax.Array, out: Sent) -> Sent:
+                         tokens: jax.Array, target: jax.Array, out: Sent) -> Sent:
     """Split B of the last chunk: the head and loss on its output x (forward and backward at
     once: their small weight gradients here), then the chunk's input gradient."""
     lm, d_rest, dy = _head(st, local, x, target)
@@ -250,7 +255,7 @@ GROUPS = (((FORWARD,), ("send_f", "residuals", "stats")),
 
 def run_cell(cells: dict, kinds: set[int], kind: jax.Array, args: tuple, out: Sent) -> Sent:
     """The cell `kind` (`cells[kind]`, each partial in Static; nothing for IDLE) on args (the
-    stage's compute parameters, v, slots, x, g, target) and the carry's `out`, as one
+    stage's compute parameters, v, slots, x, g, tokens, target) and the carry's `out`, as one
     lax.switch per group of `GROUPS` with a kind in `kinds` (the program's), each cell under its
     named scope (pipeline.tick_program.SCOPE, for the census): a group's switch
     takes and returns the fields it writes, its first branch (any other kind) returns them as

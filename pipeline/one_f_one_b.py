@@ -25,7 +25,7 @@ pipeline/tick_program.py; the cells are pipeline/cells.py):
      0 into chunk 1 and back, stays on the device: `Program.keep_f`, `keep_b`); two
      collective-permutes of b·L·D per tick; an arriving value is written to its slot of
      `inputs` (forward) or `inbox` (gradient);
-  2. input: stage 0 chunk 0 embeds microbatch m's tokens, the others read their `inputs` slot;
+  2. input: the cell's `inputs` slot (F on stage 0 chunk 0 embeds microbatch m's tokens instead);
   3. the cell of `CELLS` (`SPLIT_CELLS` for zb-h1 and zbv), functions of the stage's parameters, chunk
      v, the cell's slots, the input x, the gradient g, the microbatch's targets and the carry's
      `Sent`, run by `cells.run_cell` (a `lax.switch` per group of cells that write the same
@@ -70,18 +70,22 @@ The region, and what happens before and after the ticks (the weights cast, laid 
 gathered over fsdp once per step, the gradients reduced over the batch axes once), is
 pipeline/engine.py's, shared with gpipe and interleaved.
 
-The embedding (2 and 4) runs outside the switch, on every stage every tick: the devices of
-different stages take different branches, so a branch may hold only collectives whose devices
-are all in one stage. GSPMD's partition of the embedding's scatter-add under sequence
-parallelism is a collective-permute over all devices, which would wait forever for the stages
-that took another branch (the tensor-parallel all-reduces, all-gathers and reduce-scatters
-inside the stage's layers stay within a stage). The cost is a [b, L, D] gather and scatter-add
-per tick on the stages that do not need them (the scatter-add in place: autodiff of the bf16
-lookup filled, converted and added a whole [V, D] table), and under tensor parallelism the
-vocab-parallel lookup's all-reduce: T - M more than M (tools.traffic.embedded_every_tick). The
-head's collectives (the vocab split over tensor) stay within the last stage. tp_overlap's rings
-are collective-permutes too, hence refused with this family (sharding/checks.py), and so is the
-context-parallel ring.
+The embedding's lookup (2) runs in the F cell, on every chunk, its result selected on stage 0's
+chunk 0 (pipeline.cells._forward): V·M lookups a stage, each under tensor parallelism with the
+vocab-parallel lookup's all-reduce within the stage. Outside the switch, on every stage in every
+tick, it had run T of them: the tensor bytes of 125m 1f1b on pp=2,dp=2,tp=2 at M = 8 fell
+to 0.954x, zbv's to 0.868x, 1b interleaved-1f1b's on pp=4,tp=2 to 0.893x
+(bench/results/embedding-in-f-cell-h100-compiled.json). The lookup's backward (4) stays
+outside the switch, in every tick: the devices of different stages take different branches, so
+a branch may hold only collectives whose devices are all in one stage, and GSPMD's partition of
+the embedding's scatter-add under sequence parallelism is a collective-permute over all
+devices, which would wait forever for the stages that took another branch (the tensor-parallel
+all-reduces, all-gathers and reduce-scatters of the forward lookup and inside the stage's layers
+stay within a stage). Its cost is a [b, L, D] scatter-add per tick on the stages that do not
+need it (in place: autodiff of the bf16 lookup filled, converted and added a whole [V, D]
+table). The head's collectives (the vocab split over tensor) stay within the last stage.
+tp_overlap's rings are collective-permutes too, hence refused with this family
+(sharding/checks.py), and so is the context-parallel ring.
 """
 
 from __future__ import annotations
@@ -96,7 +100,7 @@ from jax import lax
 
 from configs.base import RunConfig
 from model.moe import no_stats
-from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed, embed_grad, replaced, residual_layout, run_cell
+from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed_grad, replaced, residual_layout, run_cell
 from pipeline.engine import run_stages
 from pipeline.stages import AXIS, buffer, stages, with_part
 from pipeline.tables import BACKWARD
@@ -145,12 +149,11 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
             kind, m, v, xs, gs, rs, ss, kf, kb, *slots = (a[s] for a in row)
             inbuf, inbox, out = carry
             inbuf, inbox = _receive(inbuf, inbox, out, slots, pairs, arrivals)
-            first = (s == 0) & (v == 0)
-            x = jnp.where(first, embed(stc, compute, inputs[m], compute["embed"]), inbuf[xs])
-            out = run_cell(cells, kinds, kind, (compute, v, (rs, ss), x, inbox[gs], targets[m]), out)
+            out = run_cell(cells, kinds, kind, (compute, v, (rs, ss), inbuf[xs], inbox[gs], inputs[m], targets[m]), out)
             inbuf = _put(inbuf, kf, out.send_f)  # the last chunk's output for its B; zbv's turn
             if prog.used("keep_b"):
                 inbox = _put(inbox, kb, out.send_b)  # zbv's turn: chunk 1's input gradient feeds chunk 0's B
+            first = (s == 0) & (v == 0)
             d_embedded = jnp.where(first & (kind == BACKWARD), out.send_b, jnp.zeros_like(out.send_b))
             table = embed_grad(stc, compute, inputs[m], d_embedded, out.grads["embed"])
             out = out._replace(grads=replaced(out.grads, {"embed": table}))

@@ -79,8 +79,8 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           all-gathers the column regions' inputs (Megatron's choice too: [B, L/T, D] kept, not
           [B, L, D]), r = 1. The census of the compiled tiny step on dp=2,tp=4 agrees within
           0.1% for each policy, with and without SP (tests/test_hlo.py). The 1F1B
-          family's tick program also embeds on every stage in every tick, T - k lookups'
-          all-reduces more than k (`embedded_every_tick`). The census of tiny on pp=2,tp=2
+          family's tick program embeds in every F cell, V·k lookups, and runs the lookup's
+          backward in every tick, T (`extra_embeddings`). The census of tiny on pp=2,tp=2
           agrees within 1% with and without SP and remat full (tests/test_pipeline.py: 1f1b,
           zb-h1 and zbv; interleaved-1f1b measured alike; the census counts a cell's
           collectives per cell run: pipeline.tick_program.cell_shares). gpipe and interleaved
@@ -206,7 +206,7 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         "expert": expert_grads + expert(cfg, sizes),
         "sequence": sequence + context(cfg, sizes),
         "tensor": (layer_runs(cfg, sizes) * layer_tensor + (s.k + heads(cfg, sizes)) * 2 * act
-                   + embedded_every_tick(cfg, sizes) * 2 * act) * frac["tensor"],
+                   + extra_embeddings(cfg, sizes) * act) * frac["tensor"],
     }
     return {a: v for a, v in volume.items() if sizes[a] > 1}
 
@@ -232,13 +232,21 @@ def circular(cfg: RunConfig, sizes: dict[str, int]) -> bool:
     return sizes["stage"] > 1 and cfg.parallel.schedule not in STASHING
 
 
-def embedded_every_tick(cfg: RunConfig, sizes: dict[str, int]) -> float:
-    """Embeddings beyond the k microbatches' that the 1F1B family's tick program runs: every
-    stage embeds in every tick, outside its cells' switch (pipeline/one_f_one_b.py), T - k of
-    them with the vocab-parallel lookup's all-reduce over tensor; none elsewhere."""
+def extra_embeddings(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """The vocab-parallel lookups' tensor collectives beyond the k microbatches' that the 1F1B
+    family's tick program runs, in units of S(t-1)/t (the module docstring's 2 per embedding:
+    without sequence parallelism the forward's all-reduce, 2, and no backward collective; with
+    it the forward's reduce-scatter, 1, and the backward's all-gather, 1). Every F cell embeds,
+    selected on stage 0's chunk 0 (pipeline.cells._forward): V·k forwards on each stage, (V-1)·k
+    more; the backward runs outside the cells' switch, in all T ticks: T - k more. None
+    elsewhere."""
     if sizes["stage"] == 1 or cfg.parallel.schedule not in STASHING:
         return 0.0
-    return pipeline_figures(cfg, sizes)["ticks"] - shape(cfg, sizes).k
+    k = shape(cfg, sizes).k
+    forwards = (virtual(cfg) - 1) * k
+    if not cfg.parallel.sequence_parallel:
+        return 2 * forwards
+    return forwards + pipeline_figures(cfg, sizes)["ticks"] - k
 
 
 def small_parts(cfg: RunConfig, sizes: dict[str, int]) -> tuple[float, float, float]:
