@@ -370,13 +370,16 @@ def test_1f1b_cells_hold_no_collective_across_stages(tp_sp_1f1b):
     """The devices of different stages run different 1f1b cells (lax.switch) in the same tick,
     so a collective inside a cell may only group devices of one stage, and no collective-permute
     (XLA runs one over all devices): with tp and sequence parallelism on, the census of the
-    compiled step finds none inside the cells (the embedding runs outside them)."""
+    compiled step finds none inside the cells: the F cell's embedding lookup reduce-scatters
+    within the stage, and the lookup's backward runs outside them (its scatter-add's
+    collective-permute, pipeline/one_f_one_b.py)."""
     from tools.hlo import census
 
     _, compiled, mesh = tp_sp_1f1b
     ops = census(compiled.as_text(), dict(mesh.shape))
     cells = [c for c in ops if "/cond/" in c.op_name]
     assert {c.kind for c in cells} >= {"all-gather", "reduce-scatter"}  # SP's, per stage
+    assert [c for c in cells if "pipeline_cell_F/embedding" in c.op_name and c.kind == "reduce-scatter"]
     assert not [c for c in cells if c.kind == "collective-permute" or "stage" in c.axes]
 
 
