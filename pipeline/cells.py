@@ -4,7 +4,8 @@ zb-h1, B and later W: pipeline/split_backward.py) runs its backward from them; t
 first runs the head and loss. A cell is a function of the static `Static`, the stage's compute
 parameters ([V, Lc, ...] blocks), chunk v, the cell's (residuals, stash) slots, its input x [b,
 L, D], output gradient g, the microbatch's tokens and targets [b, L] and the carry's `Sent`, and
-returns the next `Sent`; F on the model's first chunk embeds the tokens itself. Layouts, slot counts and memory are in one_f_one_b.py's docstring.
+returns the next `Sent`; F on the model's first chunk embeds the tokens itself. Layouts, slot
+counts and memory are in one_f_one_b.py's docstring.
 
 `embed`, `embed_grad`, `router_share`, `Static` and `model_of` serve gpipe and interleaved too
 (pipeline/circular.py).

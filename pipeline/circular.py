@@ -50,8 +50,8 @@ peak falls in the tick scan's backward; tools/estimate.py's `accumulator`); and 
 every tick's chunk residuals: activation memory grows with M like the
 unpipelined accumulation scan's would if it kept all microbatches, (M·V+p-1) ticks of Lc
 layers, plus [M, b, L, D] of embeddings, outputs and their cotangents, and under remat none the
-logits of the C microbatches dealt to the stage, [C·b, L, V/t] fp32 (else one microbatch's). A tick runs its chunk in one
-checkpoint whose policy is model.remat.stash_policy, the 1F1B family's (pipeline/cells.py): its
+logits of the C microbatches dealt to the stage, [C·b, L, V/t] fp32 (else one microbatch's).
+A tick runs its chunk in one checkpoint whose policy is model.remat.stash_policy, the 1F1B family's (pipeline/cells.py): its
 inputs are the loop-invariant layers [V, Lc, ...] and the chunk number, so what the tick keeps
 is what that policy saves, never the chunk's weights (a dynamic slice of the layers, recomputed
 in the backward), and under remat none not the cheap elementwise outputs either. Picked by the

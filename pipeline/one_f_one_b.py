@@ -27,7 +27,7 @@ pipeline/tick_program.py; the cells are pipeline/cells.py):
      `inputs` (forward) or `inbox` (gradient);
   2. input: the cell's `inputs` slot (F on stage 0 chunk 0 embeds microbatch m's tokens instead);
   3. the cell of `CELLS` (`SPLIT_CELLS` for zb-h1 and zbv), functions of the stage's parameters, chunk
-     v, the cell's slots, the input x, the gradient g, the microbatch's targets and the carry's
+     v, the cell's slots, the input x, the gradient g, the microbatch's tokens and targets, the carry's
      `Sent`, run by `cells.run_cell` (a `lax.switch` per group of cells that write the same
      fields, so that no switch passes a slot buffer through; cells.py's docstring says why):
      F      run chunk v's layers under `jax.vjp`, send the output, keep the vjp's residuals in
