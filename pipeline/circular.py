@@ -85,7 +85,7 @@ from pipeline.engine import run_stages
 from pipeline.stage_weights import chunked, weight_specs
 from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
 from pipeline.tables import IDLE, cells, timetable
-from sharding.checks import head_per_microbatch
+from sharding.checks import dealt_heads, head_per_microbatch
 
 
 def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig,
@@ -193,7 +193,7 @@ def dealt(outputs: jax.Array, targets: jax.Array, s: jax.Array, p: int) -> tuple
     gather the outputs over tensor first and scatter whole copies. Forward stage p-1 sends
     (p-1)·C·b·L·D elements, backward every other stage C·b·L·D."""
     m_count = outputs.shape[0]
-    c = -(-m_count // p)
+    c = dealt_heads(m_count, p)
     pad = lambda a: jnp.pad(a, [(0, p * c - m_count)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
     chunks = pad(jnp.where(s == p - 1, outputs, 0)).reshape(p, c, *outputs.shape[1:])  # the NaN buffers never read
     out = chunks[p - 1]

@@ -206,6 +206,13 @@ def head_per_microbatch(m: ModelConfig) -> bool:
     return m.remat != "none"
 
 
+def dealt_heads(m_count: int, p: int) -> int:
+    """C, the microbatches whose head each of p stages runs under gpipe and interleaved: the M
+    outputs dealt out over the stages, ceil(M/p), padded (pipeline.circular.dealt). The memory
+    estimate and the traffic contract read the same rule."""
+    return -(-m_count // p)
+
+
 def moe_layers(m: ModelConfig) -> int:
     """How many of the X layers are MoE: the last of each group of moe_every; 0 when dense."""
     return m.n_layers // m.moe_every if m.n_experts else 0

@@ -106,7 +106,7 @@ the CUDA context and NCCL buffers (about 1-2 GiB per GPU): keep a margin.
 from __future__ import annotations
 
 from configs.base import RunConfig
-from sharding.checks import accumulation_axes, explicit_context, head_per_microbatch
+from sharding.checks import accumulation_axes, dealt_heads, explicit_context, head_per_microbatch
 from tools.activations import chunk_residuals, dense_expert_copies, layer_activations, stack_activations, zb_stash
 from tools.pipeline_figures import SPLIT, STASHING, pipeline_figures
 from tools.shape import DTYPE_BYTES, core, local_layer_params, local_params, shape
@@ -135,7 +135,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
     # (pipeline.circular.head_loss), whose int32 iota of vocabulary ids [b, L, V/t] XLA hoists
     # out of the loop beside the logits (125m pp=2,dp=2 full)
     scanned_head = piped and not stashing and head_per_microbatch(m)
-    heads_at_once = -(-s.k // sizes["stage"]) if piped and not stashing and not scanned_head else 1
+    heads_at_once = dealt_heads(s.k, sizes["stage"]) if piped and not stashing and not scanned_head else 1
     logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * (4 + c + 4 * scanned_head)
     # context parallel with the xla core: one block piece's fp32 scores, probs and their
     # gradient [b, N/t, L/sp, L/sp] at a time (a flash core tiles them away)

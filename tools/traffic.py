@@ -151,7 +151,7 @@ import math
 
 from configs.base import RunConfig
 from pipeline.layout import leaving
-from sharding.checks import accumulation_axes
+from sharding.checks import accumulation_axes, dealt_heads
 from sharding.mesh import AXES
 from tools.pipeline_figures import STASHING, pipeline_figures, virtual
 from tools.shape import DTYPE_BYTES, dispatch_rows, local_param_parts, shape
@@ -224,7 +224,7 @@ def heads(cfg: RunConfig, sizes: dict[str, int]) -> int:
     """How many microbatches' heads a device runs per step: k, but under gpipe and interleaved
     ceil(M/p), the M outputs dealt out over the stages, padded (pipeline.circular.dealt)."""
     k = shape(cfg, sizes).k
-    return -(-k // sizes["stage"]) if circular(cfg, sizes) else k
+    return dealt_heads(k, sizes["stage"]) if circular(cfg, sizes) else k
 
 
 def circular(cfg: RunConfig, sizes: dict[str, int]) -> bool:
