@@ -74,7 +74,8 @@ def llama3_70b() -> RunConfig:
         ),
         train=TrainConfig(seq_len=8192, global_batch_size=512, lr=1.5e-4, warmup_steps=2000, steps=10000),
         data=DataConfig(source="synthetic"),
-        # The planner's pick for 512 H100s (README): pp=2,dp=16,fsdp=2,tp=8 with 8 microbatches of 1f1b.
+        # Set for a pipeline on the layout README plans for 512 H100s, pp=2,dp=16,fsdp=2,tp=8: 1f1b, 8
+        # microbatches (tests/test_plan.py checks it fits); `tools.plan --search` ranks FSDP meshes first.
         parallel=ParallelConfig(schedule="1f1b", microbatches=8),
     )
 

@@ -5,6 +5,7 @@ forms, and the command line that prints and draws them (the tables: pipeline/tab
   python -m pipeline.schedule --schedule all --stages 4 --microbatches 8
   python -m pipeline.schedule --schedule zb-h1 --stages 4 --microbatches 8 --png zb.png
   python -m pipeline.schedule --schedule zbv --stages 4 --microbatches 8
+  python -m pipeline.schedule --schedule 1f1b --stages 4 --microbatches 8 --head 0.77
 
 Weighted time (`weighted`, costs per cell kind; default F = 1, B = 2, W = 1 unsplit, B = W = 1
 split; B = 3 where 1f1b recomputes the stage forward in B, `costs`). gpipe and interleaved are
@@ -27,24 +28,33 @@ weighed with their mirrored backward (`with_backward`). busy = a stage's cost su
                 (p-1)/(6M+p-1): p-1 idle half-stage cells per stage, half of zb-h1's idle time. The tick program's
                 lock-step time is what this engine pays; the asynchronous one what an engine
                 whose stages run free (MPMD, point-to-point sends) would.
+Head (`costs(head=h)`, 0 by default): the final norm, head and loss of one microbatch, forward and
+backward, in chunk forwards (`tools.pipeline_figures.cell_costs` takes it from the FLOPs: 0.77 for
+1b on pp=4). The 1F1B family runs it first in the last chunk's B (`head_cell`), on one stage, so
+in lock-step each tick holding such a B lasts h longer on every stage. gpipe and interleaved deal
+the M outputs out, ceil(M/p) to each stage (pipeline.circular.dealt), and run those heads
+between the ticks and their mirrored backward: h·ceil(M/p) on every stage, M·h/p of it busy.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 from configs.parser import Parser
-from pipeline.tables import (SCHEDULES, Op, Table, bubble, needs, split, timetable, v_shape, virtual_stages,
+from pipeline.tables import (SCHEDULES, Op, Table, bubble, needs, route, split, timetable, v_shape, virtual_stages,
                              with_backward)
+from sharding.checks import dealt_heads
 
 
-def costs(split_backward: bool = False, recompute: bool = False) -> dict[str, float]:
+def costs(split_backward: bool = False, recompute: bool = False, head: float = 0.0) -> dict[str, float]:
     """Cell costs in forwards: F 1, B 2 (input and weight gradients) or, split, B 1 and W 1;
-    recompute adds the forward that B reruns (1f1b with model.remat=full)."""
+    recompute adds the forward that B reruns (1f1b with model.remat=full); head: the final norm,
+    head and loss of one microbatch, forward and backward (module docstring, Head)."""
     b = (1 if split_backward else 2) + (1 if recompute else 0)
-    return {"F": 1, "B": b, "W": 1}
+    return {"F": 1, "B": b, "W": 1, "head": head}
 
 
 class Weighted(NamedTuple):
@@ -54,18 +64,46 @@ class Weighted(NamedTuple):
     async_bubble: float
 
 
+def head_cell(op: Op, stage: int, stages: int, virtual: int, vee: bool) -> bool:
+    """Whether `op` on `stage` runs the head and loss first: the B of the model's last chunk
+    (stage p-1's chunk V-1; zbv's stage 0 chunk 1), whose F output goes nowhere else."""
+    return op.kind == "B" and route("F", stage, op.chunk, stages, virtual, vee) is None
+
+
+def _microbatches(table: Table) -> int:
+    return 1 + max(c.microbatch for row in table for c in row if c is not None)
+
+
+def _dealt(table: Table) -> int:
+    """gpipe and interleaved (forward-only tables): the heads each stage runs between the ticks
+    and their mirrored backward, ceil(M/p) (sharding.checks.dealt_heads); else 0."""
+    return 0 if with_backward(table) is table else dealt_heads(_microbatches(table), len(table[0]))
+
+
+def _cost_of(table: Table, cost: dict[str, float]) -> Callable[[int, Op], float]:
+    """(stage, op) -> the cell's weighted cost: its kind's, plus `head` on the 1F1B family's head
+    cell (gpipe and interleaved run their heads apart: `_dealt`)."""
+    p, v_count, vee = len(table[0]), virtual_stages(table), v_shape(table)
+    head = 0.0 if _dealt(table) else cost.get("head", 0.0)
+    return lambda s, op: cost[op.kind] + (head if head and head_cell(op, s, p, v_count, vee) else 0.0)
+
+
 def timeline(table: Table, cost: dict[str, float] | None = None) -> list[tuple[int, Op, float, float]]:
     """(stage, op, start, end) of every cell run asynchronously: each stage runs its cells in table
-    order back to back, each as soon as the cells it needs ended (weighted time)."""
-    table = with_backward(table)
+    order back to back, each as soon as the cells it needs ended (weighted time). gpipe's and
+    interleaved's backward starts once every forward and the heads dealt to the stages ended."""
     cost = cost or costs(split(table))
+    dealt, forward_ticks, cost_of = _dealt(table), len(table), _cost_of(table, cost)
+    table = with_backward(table)
     p, v_count, vee = len(table[0]), virtual_stages(table), v_shape(table)
-    free, end, spans = [0.0] * p, {}, []
-    for row in table:  # a cell's dependencies sit at earlier ticks
+    free, end, spans, heads_end = [0.0] * p, {}, [], 0.0
+    for t, row in enumerate(table):  # a cell's dependencies sit at earlier ticks
+        if dealt and t == forward_ticks:  # the heads: after every forward, before any backward
+            heads_end = max(free) + dealt * cost.get("head", 0.0)
         for s, op in enumerate(row):
             if op is not None:
-                start = max([free[s]] + [end[d] for d in needs(op, s, p, v_count, vee)])
-                free[s] = end[(op.kind, op.microbatch, op.chunk, s)] = start + cost[op.kind]
+                start = max([free[s], heads_end] + [end[d] for d in needs(op, s, p, v_count, vee)])
+                free[s] = end[(op.kind, op.microbatch, op.chunk, s)] = start + cost_of(s, op)
                 spans.append((s, op, start, free[s]))
     return spans
 
@@ -73,11 +111,13 @@ def timeline(table: Table, cost: dict[str, float] | None = None) -> list[tuple[i
 def weighted(table: Table, cost: dict[str, float] | None = None) -> Weighted:
     """Lock-step and asynchronous weighted time and bubble (module docstring); cost defaults to
     `costs(split(table))`."""
-    table = with_backward(table)
-    cost = cost or costs(split(table))
-    p = len(table[0])
-    busy = sum(cost[c.kind] for row in table for c in row if c is not None) / p
-    time = sum(max((cost[c.kind] for c in row if c is not None), default=0) for row in table)
+    dealt, whole = _dealt(table), with_backward(table)
+    cost = cost or costs(split(whole))
+    cost_of, p, head = _cost_of(table, cost), len(whole[0]), cost.get("head", 0.0)
+    # gpipe, interleaved: every stage runs ceil(M/p) heads at once, M of them real
+    heads, real_heads = dealt * head, (_microbatches(table) / p * head if dealt else 0.0)
+    busy = sum(cost_of(s, c) for row in whole for s, c in enumerate(row) if c is not None) / p + real_heads
+    time = sum(max((cost_of(s, c) for s, c in enumerate(row) if c is not None), default=0) for row in whole) + heads
     async_time = max(end for *_, end in timeline(table, cost))
     return Weighted(time, 1 - busy / time, async_time, 1 - busy / async_time)
 
@@ -119,7 +159,7 @@ def summary(schedule: str, table: Table, stages: int, microbatches: int, virtual
     w = weighted(table, cost)
     form, value = closed_form(schedule, stages, microbatches, virtual)
     idle = sum(c is None for row in table for c in row) // stages
-    used = " ".join(f"{k}={cost[k]:g}" for k in ("F", "B", "W") if k != "W" or split(table))
+    used = _used(table, cost)
     return (f"{schedule}: {len(table)} ticks, bubble {bubble(table):.4f} ({idle} idle ticks per stage); "
             f"weighted ({used}) lock-step {w.bubble:.4f}, asynchronous {w.async_bubble:.4f}; "
             f"closed form {form} = {value:.4f}; in flight {in_flight(table)}")
@@ -163,11 +203,17 @@ def main(argv: list[str]) -> int:
                         help="V, for interleaved and interleaved-1f1b")
     parser.add_argument("--recompute", action="store_true",
                         help="B reruns the stage forward (1f1b with model.remat=full): B costs one more")
+    parser.add_argument("--head", type=float, default=0.0,
+                        help="the head and loss of one microbatch, forward and backward, in chunk forwards "
+                             "(module docstring, Head; 0.77 for 1b on pp=4): default 0, left out")
     parser.add_argument("--png", type=Path, help="draw the timetable (asynchronous weighted time) to this PNG")
     args = parser.parse_args(argv)
     p, m, v = args.stages, args.microbatches, args.virtual_stages
     if p < 1 or m < 1 or v < 1:
         return _error(f"--stages ({p}), --microbatches ({m}) and --virtual-stages ({v}) must be >= 1")
+    if not 0 <= args.head < float("inf"):
+        return _error(f"--head {args.head}: the head's cost is a finite number of chunk forwards >= 0, "
+                      "e.g. --head 0.77")
     if args.png:  # checked, its folder made, before anything is printed
         if args.png.suffix.lower() != ".png":  # matplotlib refuses another suffix, adds .png to none
             return _error(f"--png {args.png} is not a .png name; name the picture to write, e.g. "
@@ -186,7 +232,7 @@ def main(argv: list[str]) -> int:
             except ValueError as e:
                 print(f"{schedule}: n/a ({e})")
                 continue
-            print(summary(schedule, table, p, m, v, costs(split(table), args.recompute)))
+            print(summary(schedule, table, p, m, v, costs(split(table), args.recompute, args.head)))
         return 0
     if args.schedule == "interleaved" and m % p:
         return _error(f"interleaved needs --microbatches divisible by --stages ({p})")
@@ -194,7 +240,7 @@ def main(argv: list[str]) -> int:
         table = timetable(args.schedule, p, m, v)
     except ValueError as e:
         return _error(str(e))
-    cost = costs(split(table), args.recompute)
+    cost = costs(split(table), args.recompute, args.head)
     print(format_table(table))
     print(summary(args.schedule, table, p, m, v, cost))
     if args.png:
@@ -203,7 +249,7 @@ def main(argv: list[str]) -> int:
         except ImportError:
             return _error("--png needs matplotlib: pip install 'meshtrain[profile]'")
         w = weighted(table, cost)
-        used = " ".join(f"{k}={cost[k]:g}" for k in "FBW" if k != "W" or split(table))
+        used = _used(table, cost)
         try:
             draw(table, args.png, f"{args.schedule} p={p} M={m}" + (f" V={v}" if virtual_stages(table) > 1 else "")
                  + f": asynchronous time ({used}), bubble {w.async_bubble:.3f}", cost)
@@ -211,6 +257,12 @@ def main(argv: list[str]) -> int:
             return _error(f"--png {args.png}: cannot write it ({e.strerror or e}); choose another --png")
         print(f"wrote {args.png}")
     return 0
+
+
+def _used(table: Table, cost: dict[str, float]) -> str:
+    """The costs that weigh the table, as the CLI prints them: F, B, W where split, the head where counted."""
+    kinds = ("F", "B", "W", "head") if split(table) else ("F", "B", "head")
+    return " ".join(f"{k}={cost[k]:g}" for k in kinds if k != "head" or cost.get(k))
 
 
 def _error(message: str) -> int:

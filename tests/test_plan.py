@@ -130,10 +130,13 @@ def test_estimate_terms_follow_the_mesh():
         piped = apply_overrides(cfg, [f"parallel.microbatches={k}", f"parallel.schedule={schedule}",
                                       f"parallel.virtual_stages={v}"])
         t = roofline.step_time(piped, one | {"stage": 4, "data": 2}, roofline.GPUS["h100"])
-        if schedule == "1f1b":  # lock-step, F = 1, B = 3 (remat=full): 2M·B + (p-1)(F+B) - (B-F)
-            assert t["bubble"] == pytest.approx(1 - 4 * k / (6 * k + 3 * 4 - 2))
-        else:  # the mirrored backward's ticks last as long as the forward's: the tick bubble
-            assert t["bubble"] == pytest.approx(3 / (v * k + 3))
+        h = pipeline_figures.cell_costs(piped, one | {"stage": 4})["head"]  # the head, in chunk forwards
+        if schedule == "1f1b":  # lock-step, F = 1, B = 3 (remat=full): 2M·B + (p-1)(F+B) - (B-F), and
+            # the head in stage 3's M B cells, each its tick's longest
+            assert t["bubble"] == pytest.approx(1 - (4 * k + k * h / 4) / (6 * k + 3 * 4 - 2 + k * h))
+        else:  # the mirrored backward's ticks last as long as the forward's: the tick bubble, beside
+            # the M/4 heads each stage runs between them
+            assert t["bubble"] == pytest.approx(1 - (4 * v * k + k * h / 4) / (4 * (v * k + 3) + k / 4 * h))
     assert t["overlap_s"] <= t["no_overlap_s"]
 
 
@@ -159,8 +162,8 @@ def test_estimate_bubble_and_stash_come_from_the_timetable(schedule, v, remat):
     cfg = _piped(schedule, v, m, remat)
     table = timetable(schedule, 4, m, v)
     b = (1 if schedule == "zb-h1" else 2) + (remat == "full")  # remat full: each layer's forward again in B
-    cost = {"F": 1, "B": b, "W": 1}
-    assert pipeline_figures.cell_costs(cfg, sizes) == cost
+    cost = pipeline_figures.cell_costs(cfg, sizes)
+    assert {k: cost[k] for k in "FBW"} == {"F": 1, "B": b, "W": 1} and cost["head"] > 0
     bubble = roofline.step_time(cfg, sizes, roofline.GPUS["h100"])["bubble"]
     assert bubble == pytest.approx(weighted(table, cost).bubble)
     s, mem = shape(cfg, sizes), estimate.memory(cfg, sizes)
@@ -181,8 +184,41 @@ def test_estimate_bubble_and_stash_come_from_the_timetable(schedule, v, remat):
         assert chunk == pytest.approx(s.layers / v * act if remat == "full" else stack / v - s.layers / v * s.tokens * (2 * 4096 + 14336) * 2 + act)
         zb = peak * zb_stash(cfg, sizes) if schedule == "zb-h1" else 0
         assert mem["saved activations"] == pytest.approx(peak * chunk + 3 * act + zb)
-    if schedule == "zb-h1" and remat == "none":
-        assert bubble == pytest.approx(3 / (3 * m + 3))  # (p-1)/(3M+p-1)
+    if schedule == "zb-h1" and remat == "none":  # (p-1)/(3M+p-1) without the head; its M cells on stage p-1 add M·h
+        assert weighted(table, {**cost, "head": 0.0}).bubble == pytest.approx(3 / (3 * m + 3))
+        assert bubble == pytest.approx(1 - (3 * m + m * cost["head"] / 4) / (3 * m + 3 + m * cost["head"]))
+
+
+def test_head_cost_is_the_compiled_flops_ratio():
+    """cell_costs' head (the final norm, head and loss, forward and backward, in chunk forwards) is
+    what XLA counts: value_and_grad of the loss on the last chunk's output against the layers'
+    forward (unrolled: XLA's cost analysis counts a loop body once), 1.2% here (norms and softmax)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from model.loss import cross_entropy
+    from model.transformer import Transformer
+
+    cfg = apply_overrides(small_config(), ["model.vocab_size=4096", "model.d_model=128", "model.n_layers=4",
+                                           "model.d_ff=512", "model.n_heads=4", "model.n_kv_heads=2",
+                                           "model.scan_layers=false", "train.seq_len=32", "parallel.schedule=1f1b"])
+    graphdef, state = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    y, target = jnp.ones((2, 32, 128)), jnp.zeros((2, 32), jnp.int32)
+
+    def head(state, y):
+        return cross_entropy(nnx.merge(graphdef, state).logits(y), target, 0.0)
+
+    def layers(state, x):
+        model = nnx.merge(graphdef, state)
+        return model.run_layers(x, nnx.state(model.blocks))[0]
+
+    def flops(f, *args):
+        return jax.jit(f).lower(*args).compile().cost_analysis()["flops"]
+
+    chunk = flops(layers, state, y) / 2  # pp=2: half the layers a chunk
+    compiled = flops(jax.value_and_grad(head, argnums=(0, 1)), state, y) / chunk
+    assert pipeline_figures.cell_costs(cfg, {"stage": 2})["head"] == pytest.approx(compiled, rel=0.015)
 
 
 def test_search_ranks_every_schedule_and_runs_the_fastest():

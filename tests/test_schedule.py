@@ -173,7 +173,41 @@ def test_1f1b_family_shares_the_placer_and_cells():
     assert {int(k) for k in kind.flat} == {IDLE, FORWARD, BACKWARD, WEIGHT}
     assert (IDLE, FORWARD, BACKWARD, WEIGHT) == (0, 1, 2, 3)
     assert split(timetable("zb-h1", 2, 2)) and not split(timetable("1f1b", 2, 2))
-    assert costs() == {"F": 1, "B": 2, "W": 1} and costs(True) == {"F": 1, "B": 1, "W": 1}
+    assert costs() == {"F": 1, "B": 2, "W": 1, "head": 0.0} and costs(True) == {"F": 1, "B": 1, "W": 1, "head": 0.0}
+
+
+@pytest.mark.parametrize("schedule, p, m", CASES)
+def test_the_head_weighs_on_its_cells(schedule, p, m):
+    """The head (forward and backward of the last chunk's output, h forwards): the 1F1B family
+    runs it in its last chunk's B, one stage's M cells, each the longest of its tick, so lock-step
+    time grows by M·h; gpipe and interleaved run ceil(M/p) heads on every stage between the ticks
+    and the backward, M of them real."""
+    table, h = _table(schedule, p, m), 0.77
+    plain, headed = weighted(table, costs(split(table))), weighted(table, costs(split(table), head=h))
+    busy = 3 * m * _v(schedule)  # F + B (+ W) per stage, in chunk costs
+    assert plain.time * (1 - plain.bubble) == pytest.approx(busy)
+    assert headed.time * (1 - headed.bubble) == pytest.approx(busy + m * h / p)
+    if schedule in ("gpipe", "interleaved"):
+        dealt = -(-m // p)
+        assert headed.time == pytest.approx(plain.time + dealt * h)
+        assert headed.async_time == pytest.approx(plain.async_time + dealt * h)
+    else:
+        assert headed.time == pytest.approx(plain.time + m * h)
+        assert plain.async_time + h <= headed.async_time <= plain.async_time + m * h + 1e-9
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1", "zbv"])
+def test_head_cells_are_the_tick_programs_b_last(schedule):
+    """schedule.head_cell names the cells the tick program runs as B_last (pipeline/tick_program.py)."""
+    from pipeline.schedule import head_cell
+    from pipeline.tick_program import BACKWARD_LAST, program
+
+    p, m = 4, 8
+    table, prog = _table(schedule, p, m), program(schedule, p, m, V)
+    marked = {(t, s) for t, row in enumerate(table) for s, op in enumerate(row)
+              if op is not None and head_cell(op, s, p, _v(schedule), v_shape(table))}
+    assert len(marked) == m
+    assert marked == {(int(t), int(s)) for t, s in zip(*(prog.branch == BACKWARD_LAST).nonzero())}
 
 
 @pytest.mark.parametrize("schedule, p, m, v", [
@@ -223,6 +257,8 @@ def test_cli_prints_the_table_and_its_figures():
             "asynchronous 0.1111; closed form (p-1)/(3M+p-1) = 0.1111; in flight [4, 4, 4, 4]") in out.stdout
     out = _cli("--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--recompute")
     assert "weighted (F=1 B=3) lock-step 0.4483, asynchronous 0.2727" in out.stdout  # 1 - 8·4/(6·8+4·4-6)
+    out = _cli("--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--head", "0.77")
+    assert "weighted (F=1 B=2 head=0.77) lock-step 0.4467" in out.stdout  # 1 - (24 + 8·0.77/4)/(40 + 8·0.77)
 
 
 def test_cli_compares_every_schedule():
@@ -250,6 +286,8 @@ def test_cli_draws_a_png(tmp_path):
     (["--stages", "0"], "must be >= 1"),
     (["--microbatches", "-1"], "must be >= 1"),
     (["--schedule", "pipedream"], "invalid choice"),
+    (["--head", "-1"], "--head -1.0: the head's cost is a finite number of chunk forwards >= 0"),
+    (["--head", "nan"], "--head nan:"),
     (["--schedule", "all", "--png", "x.png"], "draws one schedule"),
     (["--schedule", "1f1b", "--png", "x.txt"], "x.txt is not a .png name; name the picture to write, e.g. x.png"),
     (["--schedule", "1f1b", "--png", "timetable"], "e.g. timetable.png"),  # matplotlib would write timetable.png

@@ -15,6 +15,7 @@ from configs.base import RunConfig
 from pipeline.schedule import in_flight, weighted
 from pipeline.tables import timetable
 from sharding.checks import CHUNKED, ONE_F_ONE_B, microbatches
+from training.metrics import flops_per_token
 
 SPLIT = ("zb-h1", "zbv")  # B split into B and W (pipeline/split_backward.py)
 STASHING = ONE_F_ONE_B  # per-stage vjp cells (pipeline/one_f_one_b.py): residuals stashed
@@ -26,11 +27,18 @@ def virtual(cfg: RunConfig) -> int:
 
 
 def cell_costs(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
-    """The schedule's cell costs in forwards (tools/traffic.py's docstring, stage): F 1, B 2 (split: B 1, W 1),
-    B + 1 under model.remat=full (each layer recomputed once)."""
+    """The schedule's cell costs in forwards of a chunk (tools/traffic.py's docstring, stage): F 1,
+    B 2 (split: B 1, W 1), B + 1 under model.remat=full (each layer recomputed once); head: the
+    final norm, head and loss of one microbatch, forward and backward (pipeline/schedule.py, Head),
+    from the FLOPs: 3 · 2·D·V over a chunk's forward per token (training.metrics: its layers'
+    matmuls and attention core, 1/(p·V) of the model's). 1b on pp=4: 0.77, 125m on pp=2: 1.6,
+    llama3-70b's 1f1b on pp=2: 0.085. The memory-bound passes over the fp32 logits are not counted."""
     split = cfg.parallel.schedule in SPLIT
     b = (1 if split else 2) + (cfg.model.remat == "full")
-    return {"F": 1, "B": b, "W": 1}
+    m = cfg.model
+    head_forward = 2 * m.d_model * m.vocab_size
+    chunk_forward = (flops_per_token(m, cfg.train.seq_len) - 3 * head_forward) / 3 / (sizes["stage"] * virtual(cfg))
+    return {"F": 1, "B": b, "W": 1, "head": 3 * head_forward / chunk_forward}
 
 
 @functools.lru_cache(maxsize=4096)

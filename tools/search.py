@@ -11,7 +11,8 @@ every axis (tools/traffic.link_bandwidth). For
 each, the microbatch is the largest that fits the GPU's memory (fewest microbatches: least
 per-microbatch overhead); under a pipeline, every schedule of SCHEDULES is ranked, each with the
 microbatch count (at least pp) of its shortest fitting step, its bubble the lock-step weighted
-bubble of its table (tools/estimate.py), and the mesh runs the fastest. gpipe's
+bubble of its table with the head's cells counted (tools/pipeline_figures.py), and the mesh runs
+the fastest. gpipe's
 and interleaved's memory estimate runs up to 2x low against XLA (tools/estimate.py): they fit
 only if twice their estimate does. A mesh for which not even one sequence per microbatch fits
 is rejected, never ranked. The rest are ranked by the estimated step time with communication overlapped

@@ -137,7 +137,10 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           model.remat=full (the layers' forward recomputed). gpipe
           (p-1)/(M+p-1), interleaved (p-1)/(V·M+p-1); 1f1b 1 - M(F+B)/(2M·B + (p-1)(F+B) - (B-F))
           (its F ticks last a B); zb-h1 (p-1)/(3M+p-1) (units), zbv (p-1)/(6M+p-1) (half-stage
-          units); interleaved-1f1b from its table
+          units); interleaved-1f1b from its table. These are without the head: cell_costs
+          counts its forward and backward too (h chunk forwards), in the 1F1B family's M B
+          cells on one stage (+M·h of lock-step time) and gpipe's and interleaved's ceil(M/p)
+          heads a stage (pipeline/schedule.py, Head)
 Links: each axis's bytes / its link: NVLink 450 GB/s per GPU when the axis and the axes inside
 it fit in one node of 8 GPUs, InfiniBand 50 GB/s per GPU (400 Gb/s NIC per GPU) otherwise.
 With measured links (`tools.plan --bandwidth`, read by tools/bandwidth.py) an axis they cover
