@@ -14,7 +14,7 @@ import functools
 from configs.base import RunConfig
 from pipeline.schedule import in_flight, weighted
 from pipeline.tables import timetable
-from sharding.checks import CHUNKED, ONE_F_ONE_B, microbatches
+from sharding.checks import CHUNKED, ONE_F_ONE_B, head_per_microbatch, microbatches
 from training.metrics import flops_per_token
 
 SPLIT = ("zb-h1", "zbv")  # B split into B and W (pipeline/split_backward.py)
@@ -32,13 +32,17 @@ def cell_costs(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     final norm, head and loss of one microbatch, forward and backward (pipeline/schedule.py, Head),
     from the FLOPs: 3 · 2·D·V over a chunk's forward per token (training.metrics: its layers'
     matmuls and attention core, 1/(p·V) of the model's). 1b on pp=4: 0.77, 125m on pp=2: 1.6,
-    llama3-70b's 1f1b on pp=2: 0.085. The memory-bound passes over the fp32 logits are not counted."""
+    llama3-70b's 1f1b on pp=2: 0.085; gpipe and interleaved under a remat policy 4/3 of it (their
+    head scanned a microbatch at a time, its forward recomputed in the backward:
+    sharding.checks.head_per_microbatch). The memory-bound passes over the fp32 logits are not
+    counted."""
     split = cfg.parallel.schedule in SPLIT
     b = (1 if split else 2) + (cfg.model.remat == "full")
     m = cfg.model
     head_forward = 2 * m.d_model * m.vocab_size
     chunk_forward = (flops_per_token(m, cfg.train.seq_len) - 3 * head_forward) / 3 / (sizes["stage"] * virtual(cfg))
-    return {"F": 1, "B": b, "W": 1, "head": 3 * head_forward / chunk_forward}
+    passes = 4 if cfg.parallel.schedule not in STASHING and head_per_microbatch(m) else 3
+    return {"F": 1, "B": b, "W": 1, "head": passes * head_forward / chunk_forward}
 
 
 @functools.lru_cache(maxsize=4096)
