@@ -34,7 +34,9 @@ pipeline/tick_program.py; the cells are pipeline/cells.py):
             a `residuals` slot until B (the last chunk's output waits in its input slot)
      B      the vjp from the kept residuals, cotangent g: chunk v's gradients (fp32, summed in
             the carry) and dx, sent to s-1; on the last chunk first the head and loss (scaled
-            1/M), forward and backward, give its cotangent
+            1/M), forward and backward, give its cotangent: those M cells, on one stage, are
+            the longest of their ticks by the head's cost (0.77 chunk forwards for 1b on
+            pp=4; the planner counts it: pipeline/schedule.py, Head)
      split (zb-h1, zbv; pipeline/split_backward.py): B computes dx only and leaves in a `stash`
             slot what W needs (each matmul's output cotangent); W, a later tick, the weight
             gradients from the residuals and the stash. All weight-gradient matmuls stay in W
