@@ -505,6 +505,9 @@ def test_dry_run_compiles_a_pipelined_step():
     assert xla["memory"]["peak"] > 0 and xla["flops_per_device"] > 0
     assert any(r["axes"] == "stage" and r["kind"] == "collective-permute" for r in xla["census"])
     assert "stage" in report["communication"]
+    t = report["time"]  # 1f1b: the head's M cells on stage 1 lengthen their ticks
+    assert t["bubble"] > t["bubble_without_head"] > 0
+    assert f"bubble {100 * t['bubble']:.0f}% ({100 * t['bubble_without_head']:.0f}% without the head's cells" in format_plan(report)
 
 
 @pytest.mark.parametrize("preset, mesh", [("llama3-8b", "fsdp=8"), ("llama3-8b", "dp=8,tp=8"),

@@ -53,11 +53,13 @@ def _table_figures(schedule: str, p: int, m: int, v: int, cost: tuple[tuple[str,
 
 def pipeline_figures(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     """From the schedule's table (pipeline.schedule): the lock-step weighted bubble with
-    `cell_costs`, stage 0's in-flight peak ((microbatch, chunk) pairs) and the ticks; no pipeline:
-    0, 1, 1."""
+    `cell_costs`, the same without the head (`bubble_without_head`), stage 0's in-flight peak
+    ((microbatch, chunk) pairs) and the ticks; no pipeline: 0, 0, 1, 1."""
     p = sizes["stage"]
     if p == 1:
-        return {"bubble": 0.0, "in_flight": 1, "ticks": 1}
-    cost = tuple(sorted(cell_costs(cfg, sizes).items()))
-    bubble, peak, ticks = _table_figures(cfg.parallel.schedule, p, microbatches(cfg, p), virtual(cfg), cost)
-    return {"bubble": bubble, "in_flight": peak, "ticks": ticks}
+        return {"bubble": 0.0, "bubble_without_head": 0.0, "in_flight": 1, "ticks": 1}
+    costs = cell_costs(cfg, sizes)
+    shape = (cfg.parallel.schedule, p, microbatches(cfg, p), virtual(cfg))
+    bubble, peak, ticks = _table_figures(*shape, tuple(sorted(costs.items())))
+    headless = _table_figures(*shape, tuple(sorted((costs | {"head": 0.0}).items())))[0]
+    return {"bubble": bubble, "bubble_without_head": headless, "in_flight": peak, "ticks": ticks}

@@ -129,7 +129,8 @@ def format_plan(report: dict) -> str:
     lines += [f"  rates: {report['rates']}",
               f"  compute {t['compute_s'] * 1e3:.0f} ms (matmuls {t['matmul_s'] * 1e3:.0f}, attention "
               f"{t['attention_s'] * 1e3:.0f}, memory-bound {t['memory_s'] * 1e3:.0f}); communication {comm}; "
-              f"bubble {100 * t['bubble']:.0f}%",
+              f"bubble {100 * t['bubble']:.0f}%" + (f" ({100 * t['bubble_without_head']:.0f}% without the head's "
+                                                     "cells: pipeline/schedule.py, Head)" if t["bubble"] else ""),
               f"  step time {t['no_overlap_s']:.2f} s not overlapped, {t['overlap_s']:.2f} s overlapped; "
               f"MFU {100 * t['mfu_no_overlap']:.1f}% / {100 * t['mfu_overlap']:.1f}%"]
     if report["above_best_mfu"]:

@@ -147,10 +147,12 @@ def step_time(cfg: RunConfig, sizes: dict[str, int], gpu: GPU,
                "memory_s": memory_bound_bytes(cfg, sizes) / gpu.copy_bandwidth}
     compute = sum(kernels.values())
     comm = {a: comm_time(sizes, a, v, links) for a, v in communication(cfg, sizes).items()}
-    bubble = pipeline_figures(cfg, sizes)["bubble"]
+    figures = pipeline_figures(cfg, sizes)
+    bubble = figures["bubble"]
     serial = (compute + sum(comm.values())) / (1 - bubble)
     overlapped = max(compute, *comm.values()) / (1 - bubble) if comm else compute / (1 - bubble)
     mfu = {name: f["model_per_device"] / (gpu.peak_flops * t) for name, t in
            (("no_overlap", serial), ("overlap", overlapped))}
-    return {"compute_s": compute, **kernels, "comm_s": comm, "bubble": bubble, "no_overlap_s": serial,
+    return {"compute_s": compute, **kernels, "comm_s": comm, "bubble": bubble,
+            "bubble_without_head": figures["bubble_without_head"], "no_overlap_s": serial,
             "overlap_s": overlapped, "mfu_no_overlap": mfu["no_overlap"], "mfu_overlap": mfu["overlap"]}
