@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from configs.parser import Parser
-from pipeline.tables import (SCHEDULES, Op, Table, bubble, needs, route, split, timetable, v_shape, virtual_stages,
-                             with_backward)
+from pipeline.tables import (SCHEDULES, Op, Table, bubble, forward_only, needs, route, split, timetable, v_shape,
+                             virtual_stages, with_backward)
 from sharding.checks import dealt_heads
 
 
@@ -77,7 +77,7 @@ def _microbatches(table: Table) -> int:
 def _dealt(table: Table) -> int:
     """gpipe and interleaved (forward-only tables): the heads each stage runs between the ticks
     and their mirrored backward, ceil(M/p) (sharding.checks.dealt_heads); else 0."""
-    return 0 if with_backward(table) is table else dealt_heads(_microbatches(table), len(table[0]))
+    return dealt_heads(_microbatches(table), len(table[0])) if forward_only(table) else 0
 
 
 def _cost_of(table: Table, cost: dict[str, float]) -> Callable[[int, Op], float]:

@@ -320,10 +320,15 @@ def virtual_stages(table: Table) -> int:
     return 1 + max(c.chunk for row in table for c in row if c is not None)
 
 
+def forward_only(table: Table) -> bool:
+    """Whether the table holds only F cells (gpipe, interleaved: autodiff mirrors the backward)."""
+    return all(c is None or c.kind == "F" for row in table for c in row)
+
+
 def with_backward(table: Table) -> Table:
     """A forward-only table (gpipe, interleaved) followed by its backward, the mirror image:
     B(m, v) on s at tick T + (T-1-t) for F(m, v) on s at tick t. Other tables unchanged."""
-    if any(c is not None and c.kind != "F" for row in table for c in row):
+    if not forward_only(table):
         return table
     return table + [[None if c is None else Op("B", c.microbatch, c.chunk) for c in row] for row in table[::-1]]
 

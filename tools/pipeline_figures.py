@@ -47,8 +47,10 @@ def cell_costs(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
 
 @functools.lru_cache(maxsize=4096)
 def _table_figures(schedule: str, p: int, m: int, v: int, cost: tuple[tuple[str, float], ...]) -> tuple:
-    table = timetable(schedule, p, m, v)
-    return weighted(table, dict(cost)).bubble, in_flight(table)[0], len(table)
+    """(bubble with `cost`, the same with the head at 0, stage 0's in-flight peak, ticks): one table built."""
+    table, cost = timetable(schedule, p, m, v), dict(cost)
+    return (weighted(table, cost).bubble, weighted(table, cost | {"head": 0.0}).bubble, in_flight(table)[0],
+            len(table))
 
 
 def pipeline_figures(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
@@ -58,8 +60,6 @@ def pipeline_figures(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     p = sizes["stage"]
     if p == 1:
         return {"bubble": 0.0, "bubble_without_head": 0.0, "in_flight": 1, "ticks": 1}
-    costs = cell_costs(cfg, sizes)
-    shape = (cfg.parallel.schedule, p, microbatches(cfg, p), virtual(cfg))
-    bubble, peak, ticks = _table_figures(*shape, tuple(sorted(costs.items())))
-    headless = _table_figures(*shape, tuple(sorted((costs | {"head": 0.0}).items())))[0]
+    cost = tuple(sorted(cell_costs(cfg, sizes).items()))
+    bubble, headless, peak, ticks = _table_figures(cfg.parallel.schedule, p, microbatches(cfg, p), virtual(cfg), cost)
     return {"bubble": bubble, "bubble_without_head": headless, "in_flight": peak, "ticks": ticks}
