@@ -85,7 +85,8 @@ def _cost_of(table: Table, cost: dict[str, float]) -> Callable[[int, Op], float]
     cell (gpipe and interleaved run their heads apart: `_dealt`)."""
     p, v_count, vee = len(table[0]), virtual_stages(table), v_shape(table)
     head = 0.0 if _dealt(table) else cost.get("head", 0.0)
-    return lambda s, op: cost[op.kind] + (head if head and head_cell(op, s, p, v_count, vee) else 0.0)
+    at = {(s, v) for s in range(p) for v in range(v_count) if head_cell(Op("B", 0, v), s, p, v_count, vee)}
+    return lambda s, op: cost[op.kind] + (head if op.kind == "B" and (s, op.chunk) in at else 0.0)
 
 
 def timeline(table: Table, cost: dict[str, float] | None = None) -> list[tuple[int, Op, float, float]]:
@@ -108,16 +109,29 @@ def timeline(table: Table, cost: dict[str, float] | None = None) -> list[tuple[i
     return spans
 
 
-def weighted(table: Table, cost: dict[str, float] | None = None) -> Weighted:
-    """Lock-step and asynchronous weighted time and bubble (module docstring); cost defaults to
-    `costs(split(table))`."""
-    dealt, whole = _dealt(table), with_backward(table)
-    cost = cost or costs(split(whole))
-    cost_of, p, head = _cost_of(table, cost), len(whole[0]), cost.get("head", 0.0)
-    # gpipe, interleaved: every stage runs ceil(M/p) heads at once, M of them real
+def _lockstep(table: Table, cost: dict[str, float]) -> tuple[float, float]:
+    """(busy, lock-step time): a stage's mean cost sum, and the sum over ticks of the most
+    expensive cell; gpipe and interleaved add their heads, ceil(M/p) on every stage at once, M
+    of them real."""
+    dealt, whole, head = _dealt(table), with_backward(table), cost.get("head", 0.0)
+    cost_of, p = _cost_of(table, cost), len(whole[0])
     heads, real_heads = dealt * head, (_microbatches(table) / p * head if dealt else 0.0)
     busy = sum(cost_of(s, c) for row in whole for s, c in enumerate(row) if c is not None) / p + real_heads
     time = sum(max((cost_of(s, c) for s, c in enumerate(row) if c is not None), default=0) for row in whole) + heads
+    return busy, time
+
+
+def lockstep_bubble(table: Table, cost: dict[str, float]) -> float:
+    """`weighted(table, cost).bubble` without the asynchronous timeline (what the planner reads)."""
+    busy, time = _lockstep(table, cost)
+    return 1 - busy / time
+
+
+def weighted(table: Table, cost: dict[str, float] | None = None) -> Weighted:
+    """Lock-step and asynchronous weighted time and bubble (module docstring); cost defaults to
+    `costs(split(table))`."""
+    cost = cost or costs(split(with_backward(table)))
+    busy, time = _lockstep(table, cost)
     async_time = max(end for *_, end in timeline(table, cost))
     return Weighted(time, 1 - busy / time, async_time, 1 - busy / async_time)
 

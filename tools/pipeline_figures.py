@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from configs.base import RunConfig
-from pipeline.schedule import in_flight, weighted
+from pipeline.schedule import in_flight, lockstep_bubble
 from pipeline.tables import timetable
 from sharding.checks import CHUNKED, ONE_F_ONE_B, head_per_microbatch, microbatches
 from training.metrics import flops_per_token
@@ -49,8 +49,7 @@ def cell_costs(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
 def _table_figures(schedule: str, p: int, m: int, v: int, cost: tuple[tuple[str, float], ...]) -> tuple:
     """(bubble with `cost`, the same with the head at 0, stage 0's in-flight peak, ticks): one table built."""
     table, cost = timetable(schedule, p, m, v), dict(cost)
-    return (weighted(table, cost).bubble, weighted(table, cost | {"head": 0.0}).bubble, in_flight(table)[0],
-            len(table))
+    return lockstep_bubble(table, cost), lockstep_bubble(table, cost | {"head": 0.0}), in_flight(table)[0], len(table)
 
 
 def pipeline_figures(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
