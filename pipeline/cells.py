@@ -293,9 +293,9 @@ def embed_grad(st: Static, compute: nnx.State, tokens: jax.Array, d: jax.Array, 
     """acc (the embedding's fp32 gradient, its [V, D] table) + the lookup's for cotangent d [b,
     L, D]: the transpose of `embed` from a table in fp32, so that the scatter-add is fp32 from
     the start and XLA writes it into acc in place (add(acc, scatter(0, ...)) folds to
-    scatter(acc, ...)), b·L·D elements a tick. From the compute-dtype table it zero-filled a
-    [V, D] table, converted it and added it to acc: about 12·V·D bytes of memory traffic every
-    tick on every stage. Where the lookup's region all-reduces the table's gradient every tick
+    scatter(acc, ...)), b·L·D elements a run. From the compute-dtype table it zero-filled a
+    [V, D] table, converted it and added it to acc: about 12·V·D bytes of memory traffic a run
+    on every stage. Where the lookup's region all-reduces the table's gradient at each run
     (sharding.vocab_parallel.take_grad_reduced) nothing folds past the all-reduce, and the
     transpose stays in the compute dtype, which the all-reduce then moves."""
     dtype = st.dtype if take_grad_reduced() else jnp.float32

@@ -41,8 +41,10 @@ pipeline/tick_program.py; the cells are pipeline/cells.py):
             slot what W needs (each matmul's output cotangent); W, a later tick, the weight
             gradients from the residuals and the stash. All weight-gradient matmuls stay in W
             (B + W hold the unsplit B's matmuls, none twice)
-  4. embedding backward: the table's gradient from stage 0 chunk 0's dx (zero elsewhere),
-     scattered into the fp32 accumulator in place (cells.embed_grad).
+  4. embedding backward, at the M ticks whose stage 0 runs chunk 0's B (tick_program.embeds_back):
+     the table's gradient from that dx (zero on the other stages), scattered into the fp32
+     accumulator in place (cells.embed_grad), on every device under one `lax.cond` whose
+     predicate is the tick's, the same on every stage.
 
 Residuals and the remat policy (model.remat): a chunk runs as one jax.checkpoint whose policy is
 model.remat.stash_policy, so the residuals are what it saves, the parameters excepted (re-supplied
@@ -78,14 +80,16 @@ vocab-parallel lookup's all-reduce within the stage. Outside the switch, on ever
 tick, it had run T of them: the tensor bytes of 125m 1f1b on pp=2,dp=2,tp=2 at M = 8 fell
 to 0.954x, zbv's to 0.868x, 1b interleaved-1f1b's on pp=4,tp=2 to 0.893x
 (bench/results/embedding-in-f-cell-h100-compiled.json). The lookup's backward (4) stays
-outside the switch, in every tick: the devices of different stages take different branches, so
-a branch may hold only collectives whose devices are all in one stage, and GSPMD's partition of
-the embedding's scatter-add under sequence parallelism is a collective-permute over all
-devices, which would wait forever for the stages that took another branch (the tensor-parallel
-all-reduces, all-gathers and reduce-scatters of the forward lookup and inside the stage's layers
-stay within a stage). Its cost is a [b, L, D] scatter-add per tick on the stages that do not
-need it (in place: autodiff of the bf16 lookup filled, converted and added a whole [V, D]
-table). The head's collectives (the vocab split over tensor) stay within the last stage.
+outside the switch: the devices of different stages take different branches, so a branch may
+hold only collectives whose devices are all in one stage, and the backward's may span the
+stages (GSPMD's partition of the scatter-add under sequence parallelism has been a
+collective-permute over all devices; where the lookup's region leaves a batch axis to XLA,
+sharding.vocab_parallel.take_grad_reduced, an all-reduce of the table's gradient). Its own
+conditional runs it where every device takes the same branch, at M of the T ticks: the others
+skip it (until 2026-12-02 it ran every tick: T scatter-adds of [b, L, D] a stage, T - M of them
+on zeros, each with its collective; tiny's tensor bytes under SP on pp=2,tp=2 fell to 0.80x for
+zbv, and under context_impl=gspmd on pp=2,sp=2,tp=2 1f1b's sequence bytes to 0.77x). The head's
+collectives (the vocab split over tensor) stay within the last stage.
 tp_overlap's rings are collective-permutes too, hence refused with this family
 (sharding/checks.py), and so is the context-parallel ring.
 """
@@ -105,8 +109,7 @@ from model.moe import no_stats
 from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed_grad, replaced, residual_layout, run_cell
 from pipeline.engine import run_stages
 from pipeline.stages import AXIS, buffer, stages, with_part
-from pipeline.tables import BACKWARD
-from pipeline.tick_program import Program, cell_shares, program
+from pipeline.tick_program import EMBED_BACK, SCOPE, Program, cell_shares, embeds_back, program
 from sharding.checks import ONE_F_ONE_B, microbatches
 
 
@@ -148,6 +151,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         kinds = {int(k) for k in np.unique(prog.branch)}
 
         def tick(carry, row):
+            back, row = row
             kind, m, v, xs, gs, rs, ss, kf, kb, *slots = (a[s] for a in row)
             inbuf, inbox, out = carry
             inbuf, inbox = _receive(inbuf, inbox, out, slots, pairs, arrivals)
@@ -155,9 +159,13 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
             inbuf = _put(inbuf, kf, out.send_f)  # the last chunk's output for its B; zbv's turn
             if prog.used("keep_b"):
                 inbox = _put(inbox, kb, out.send_b)  # zbv's turn: chunk 1's input gradient feeds chunk 0's B
-            first = (s == 0) & (v == 0)
-            d_embedded = jnp.where(first & (kind == BACKWARD), out.send_b, jnp.zeros_like(out.send_b))
-            table = embed_grad(stc, compute, inputs[m], d_embedded, out.grads["embed"])
+            d_embedded = jnp.where(s == 0, out.send_b, jnp.zeros_like(out.send_b))  # stage 0's B of chunk 0
+
+            def embedding_backward(acc):
+                with jax.named_scope(SCOPE + EMBED_BACK):
+                    return embed_grad(stc, compute, inputs[m], d_embedded, acc)
+
+            table = lax.cond(back, embedding_backward, lambda acc: acc, out.grads["embed"])
             out = out._replace(grads=replaced(out.grads, {"embed": table}))
             if prog.v_shape:  # chunk 1 of the V sends its forward to s-1 and its gradient to s+1
                 out = out._replace(send_f=jnp.where(v == 1, out.send_b, out.send_f),
@@ -167,7 +175,8 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         rows = tuple(jnp.asarray(a) for a in (prog.branch, prog.microbatch, prog.chunk, prog.x_slot, prog.g_slot,
                                               prog.r_slot, prog.s_slot, prog.keep_f, prog.keep_b,
                                               *(getattr(prog, field) for _, _, field in arrivals)))
-        (_, _, out), _ = lax.scan(tick, _start(prog, act, compute, residuals, stash, cfg), rows)
+        (_, _, out), _ = lax.scan(tick, _start(prog, act, compute, residuals, stash, cfg),
+                                  (jnp.asarray(embeds_back(prog)), rows))
         return out.loss, out.grads, out.stats
 
     return run_stages(params, batch, cfg, batch_axes, prog.v_shape, run)

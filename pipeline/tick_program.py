@@ -20,6 +20,7 @@ BACKWARD_LAST = WEIGHT + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, WE
 # in its collectives' op_name: the census counts them per cell run, not per tick (`cell_shares`)
 SCOPE = "pipeline_cell_"
 NAMES = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W", BACKWARD_LAST: "B_last"}
+EMBED_BACK = "embed_back"  # the embedding's backward, at the ticks of `embeds_back`, under SCOPE + this
 
 
 class Program(NamedTuple):
@@ -132,12 +133,21 @@ def program(schedule: str, p: int, m_count: int, v_count: int = 1) -> Program:
     return Program(branch, micro, chunk, **arrays, **sizes, split=split, v_shape=vee)
 
 
+def embeds_back(prog: Program) -> np.ndarray:
+    """[ticks] bool, the same for every stage: the ticks whose stage 0 runs the B of chunk 0, the
+    model's first, whose input gradient is the embedding's cotangent (M of them)."""
+    return (prog.branch[:, 0] == BACKWARD) & (prog.chunk[:, 0] == 0)
+
+
 def cell_shares(prog: Program, mesh_shape: dict[str, int], axis: str = "stage") -> dict[str, dict[int, float]]:
     """tools.hlo.census's `taken`: for each cell's scope, the share of the ticks each device (by
     its position in the mesh's flat order, on the mesh of `mesh_shape`) runs it. The switch that
-    holds a cell's collectives runs every tick; the cell only on its stage's ticks."""
+    holds a cell's collectives runs every tick; the cell only on its stage's ticks. Every device
+    runs the embedding's backward (EMBED_BACK) at the ticks of `embeds_back`."""
     shape = tuple(mesh_shape.values())
     stage = np.unravel_index(np.arange(math.prod(shape)), shape)[list(mesh_shape).index(axis)]
     ticks = len(prog.branch)
-    return {SCOPE + name: {int(d): float(np.sum(prog.branch[:, s] == k)) / ticks for d, s in enumerate(stage)}
-            for k, name in NAMES.items()}
+    shares = {SCOPE + name: {int(d): float(np.sum(prog.branch[:, s] == k)) / ticks for d, s in enumerate(stage)}
+              for k, name in NAMES.items()}
+    back = float(np.sum(embeds_back(prog))) / ticks
+    return shares | {SCOPE + EMBED_BACK: dict.fromkeys(range(len(stage)), back)}

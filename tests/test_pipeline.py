@@ -178,10 +178,11 @@ def test_1f1b_stash_holds_at_most_p_microbatches(temp_memory):
 def _cells(jaxpr):
     """The 1f1b program's cell switches (pipeline.cells.run_cell: a cond per group of GROUPS
     present, its first branch the pass-through), found as the jaxpr level holding conds of 2
-    (F) then 3 (B, B of the last chunk) and, zb-h1, 2 (W) branches."""
+    (F) then 3 (B, B of the last chunk) and, zb-h1, 2 (W) branches, then the embedding
+    backward's cond (2: the pass-through, then the lookup's transpose)."""
     conds = [eqn.params["branches"] for eqn in jaxpr.eqns if eqn.primitive.name == "cond"]
-    if [len(b) for b in conds] in ([2, 3], [2, 3, 2]):
-        return conds
+    if [len(b) for b in conds] in ([2, 3, 2], [2, 3, 2, 2]):
+        return conds[:-1]
     for eqn in jaxpr.eqns:
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else [value]:
@@ -322,10 +323,15 @@ def test_stage_census_is_the_tick_program_contract(schedule, v, mesh):
     its 1/t of them; and the tensor bytes are traffic's, counting each
     cell's collectives per run of the cell (without the cells' shares, as if every branch of
     their switch ran every tick, the census reads 1.5-2x), with the chunk's whole recompute
-    under remat full (2 layers a chunk) and the embedding in every tick; gpipe's layers run
-    in every tick, idle ones on zeros, T/V = M + 1 times (traffic.layer_runs; counted M times,
-    the census read 1.21x; now 1.01x: the vocab-parallel loss's fp32 max and sum all-reduces,
-    which the contract leaves out, are 1.0% of this small case's tensor bytes, hence its 1.5%)."""
+    under remat full (2 layers a chunk), the embedding's lookup in every F cell and its backward
+    at stage 0's M chunk-0 B ticks (in every tick until 2026-12-02: zbv's census under SP
+    read 1.25x today's); gpipe's layers run in every tick, idle ones on zeros, T/V = M + 1 times
+    (traffic.layer_runs; counted M times, the census read 1.21x; now 1.01x). The contract
+    leaves out XLA's all-reduces of fp32 vectors: the vocab-parallel loss's max and sums
+    ([b, L] per head) and, under sequence parallelism, the norms' scale gradients ([D] per
+    layer run). They are about 1/D of the activations' bytes: 1.0-1.2% of gpipe's and the SP
+    cases' tensor bytes at this case's D = 64, hence 1.5% there; the census never reads below
+    the contract."""
     from tools import traffic
     from tools.shape import DTYPE_BYTES, local_layer_params
     from pipeline.layout import SCOPE
@@ -343,8 +349,9 @@ def test_stage_census_is_the_tick_program_contract(schedule, v, mesh):
     sizes = mesh_sizes(cfg)
     if sizes["tensor"] > 1:
         tensor = per_device([c for c in ops if c.axes == ("tensor",)])
-        loss_share = 0.015 if schedule == "gpipe" else 0.01  # docstring
-        assert tensor == pytest.approx(traffic.communication(cfg, sizes)["tensor"], rel=loss_share)
+        contract = traffic.communication(cfg, sizes)["tensor"]
+        small = 0.015 if schedule == "gpipe" or "sp" in options else 0.01  # docstring: the fp32 vectors left out
+        assert contract <= tensor == pytest.approx(contract, rel=small)
         if schedule in ONE_F_ONE_B:  # cells in a switch
             every_branch = census(compiled.as_text(), dict(mesh.shape))
             assert per_device([c for c in every_branch if c.axes == ("tensor",)]) > 1.5 * tensor
@@ -384,13 +391,14 @@ def test_1f1b_cells_hold_no_collective_across_stages(tp_sp_1f1b):
 
 
 def test_1f1b_embedding_gradient_is_scattered_in_place(tp_sp_1f1b):
-    """Every stage runs the embedding's backward every tick (pipeline/one_f_one_b.py says why),
-    so it must cost the tick's b·L·D rows, not the table: the lookup's transpose from an fp32
-    table (pipeline.cells.embed_grad) scatters into the fp32 accumulator in place, and no
-    [V/T, D] table is filled, converted or added inside the tick loop. The vjp of the bf16
-    lookup did all three every tick. A value inside a fusion is not held unless it is the
-    fusion's result: the F cell's lookup gathers its rows from the table converted in the
-    gather's fusion (XLA CPU computes bf16 in fp32), element by element."""
+    """Every stage runs the embedding's backward at the M ticks of stage 0's chunk-0 B cells
+    (pipeline/one_f_one_b.py says why), so it must cost the tick's b·L·D rows, not the table:
+    the lookup's transpose from an fp32 table (pipeline.cells.embed_grad) scatters into the
+    fp32 accumulator in place, and no [V/T, D] table is filled, converted, added or copied
+    inside the tick loop (the conditional that runs it passes the accumulator through). The
+    vjp of the bf16 lookup filled, converted and added every tick. A value inside a fusion is
+    not held unless it is the fusion's result: the F cell's lookup gathers its rows from the
+    table converted in the gather's fusion (XLA CPU computes bf16 in fp32), element by element."""
     import re
 
     from tools.hlo_text import INSTRUCTION, computation_runs
@@ -404,7 +412,7 @@ def test_1f1b_embedding_gradient_is_scattered_in_place(tp_sp_1f1b):
                if (m := INSTRUCTION.match(line)) and table in m.group(2)
                and (comp not in fused or line.lstrip().startswith("ROOT"))]
     ops = {m.group(3) for m in in_loop}
-    assert ops and not {"broadcast", "convert", "add"} & ops, sorted(ops)
+    assert "conditional" in ops and not {"broadcast", "convert", "add", "copy"} & ops, sorted(ops)
 
 
 @pytest.mark.parametrize(

@@ -320,5 +320,25 @@ def test_cell_shares_count_each_cell_on_its_own_stage():
     assert shares[SCOPE + "B"] == {0: 0.4, 1: 0.4, 2: 0.0, 3: 0.0}
     assert shares[SCOPE + "B_last"] == {0: 0.0, 1: 0.0, 2: 0.4, 3: 0.4}
     assert shares[SCOPE + "W"] == dict.fromkeys(range(4), 0.0)
+    assert shares[SCOPE + "embed_back"] == dict.fromkeys(range(4), 0.4)  # stage 0's B ticks, on every device
     split = cell_shares(program("zb-h1", 2, 4), {"data": 1, "stage": 2})  # 13 ticks; stage the second axis
     assert split[SCOPE + "W"] == dict.fromkeys(range(2), 4 / 13)
+    assert split[SCOPE + "embed_back"] == dict.fromkeys(range(2), 4 / 13)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1", "zbv"])
+def test_the_embedding_backward_runs_at_stage_0s_first_chunk_b_ticks(schedule):
+    """pipeline.tick_program.embeds_back: M ticks, one per microbatch, each the tick whose stage
+    0 runs the B of the model's first chunk (v = 0) for that microbatch, never that of another
+    chunk (interleaved-1f1b's and zbv's stage 0 hold two)."""
+    from pipeline.tables import BACKWARD
+    from pipeline.tick_program import embeds_back, program
+
+    p, m = 4, 8
+    prog = program(schedule, p, m, _v(schedule))
+    ticks = embeds_back(prog).nonzero()[0]
+    assert len(ticks) == m and sorted(prog.microbatch[ticks, 0]) == list(range(m))
+    assert (prog.branch[ticks, 0] == BACKWARD).all() and (prog.chunk[ticks, 0] == 0).all()
+    others = (prog.branch[:, 0] == BACKWARD) & ~embeds_back(prog)
+    # interleaved-1f1b's stage 0 runs chunk 1's B too; zbv's other chunk there is the last (B_last)
+    assert (prog.chunk[others, 0] != 0).all() and others.any() == (schedule == "interleaved-1f1b")

@@ -79,8 +79,8 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           all-gathers the column regions' inputs (Megatron's choice too: [B, L/T, D] kept, not
           [B, L, D]), r = 1. The census of the compiled tiny step on dp=2,tp=4 agrees within
           0.1% for each policy, with and without SP (tests/test_hlo.py). The 1F1B
-          family's tick program embeds in every F cell, V·k lookups, and runs the lookup's
-          backward in every tick, T (`extra_embeddings`). The census of tiny on pp=2,tp=2
+          family's tick program embeds in every F cell, V·k lookups (`extra_embeddings`), and
+          runs the lookup's backward k times, at stage 0's chunk-0 B ticks. The census of tiny on pp=2,tp=2
           agrees within 1% with and without SP and remat full (tests/test_pipeline.py: 1f1b,
           zb-h1 and zbv; interleaved-1f1b measured alike; the census counts a cell's
           collectives per cell run: pipeline.tick_program.cell_shares). gpipe and interleaved
@@ -241,15 +241,12 @@ def extra_embeddings(cfg: RunConfig, sizes: dict[str, int]) -> float:
     without sequence parallelism the forward's all-reduce, 2, and no backward collective; with
     it the forward's reduce-scatter, 1, and the backward's all-gather, 1). Every F cell embeds,
     selected on stage 0's chunk 0 (pipeline.cells._forward): V·k forwards on each stage, (V-1)·k
-    more; the backward runs outside the cells' switch, in all T ticks: T - k more. None
-    elsewhere."""
+    more. The backward runs k times, at the ticks of stage 0's chunk-0 B cells
+    (pipeline.tick_program.embeds_back). None elsewhere."""
     if sizes["stage"] == 1 or cfg.parallel.schedule not in STASHING:
         return 0.0
-    k = shape(cfg, sizes).k
-    forwards = (virtual(cfg) - 1) * k
-    if not cfg.parallel.sequence_parallel:
-        return 2 * forwards
-    return forwards + pipeline_figures(cfg, sizes)["ticks"] - k
+    forwards = (virtual(cfg) - 1) * shape(cfg, sizes).k
+    return forwards * (1 if cfg.parallel.sequence_parallel else 2)
 
 
 def small_parts(cfg: RunConfig, sizes: dict[str, int]) -> tuple[float, float, float]:
