@@ -13,8 +13,9 @@ checked before jax starts (a bad one is one `error:` line).
 Per case, compiled ahead of time, run once, then `--steps` timed steps (median, `step_s`;
 `step_cpu_s` the process's CPU time over the step, all threads):
   bubble           the timetable's idle cells (pipeline.tables.bubble); ticks its length
-  lockstep_bubble  the timetable weighted by cell cost (F 1, B 2, split B = W = 1;
-  async_bubble     pipeline.schedule.weighted): lock-step = what this SPMD tick program
+  lockstep_bubble  the timetable weighted by cell cost (F 1, B 2, split B = W = 1, and the
+  async_bubble     head's cells: tools.pipeline_figures.cell_costs, as the planner weighs them;
+                   pipeline.schedule.weighted): lock-step = what this SPMD tick program
                    pays, asynchronous = stages running free
   one_device_s     the reference: the same work (model, global batch, the same M microbatches
                    as gradient accumulation, train.micro_batch_size = batch/M) on a mesh of ONE
@@ -213,10 +214,11 @@ def timetable_figures(cfg: RunConfig) -> dict:
     """The table's bubble and ticks, and its weighted bubbles."""
     from pipeline import schedule as tables
     from sharding.checks import microbatches
+    from tools.pipeline_figures import cell_costs
 
     par = cfg.parallel
     table = tables.timetable(par.schedule, par.stage, microbatches(cfg, par.stage), par.virtual_stages)
-    cost = tables.costs(tables.split(table), recompute=cfg.model.remat == "full")  # F 1, B 2 (3 recomputing)
+    cost = cell_costs(cfg, {"stage": par.stage})  # F 1, B 2 (3 recomputing), the head from the FLOPs
     w = tables.weighted(table, cost)
     return {"bubble": tables.bubble(table), "ticks": len(table), "lockstep_bubble": w.bubble,
             "async_bubble": w.async_bubble, "costs": cost}
