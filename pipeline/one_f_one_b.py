@@ -159,14 +159,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
             inbuf = _put(inbuf, kf, out.send_f)  # the last chunk's output for its B; zbv's turn
             if prog.used("keep_b"):
                 inbox = _put(inbox, kb, out.send_b)  # zbv's turn: chunk 1's input gradient feeds chunk 0's B
-            d_embedded = jnp.where(s == 0, out.send_b, jnp.zeros_like(out.send_b))  # stage 0's B of chunk 0
-
-            def embedding_backward(acc):
-                with jax.named_scope(SCOPE + EMBED_BACK):
-                    return embed_grad(stc, compute, inputs[m], d_embedded, acc)
-
-            table = lax.cond(back, embedding_backward, lambda acc: acc, out.grads["embed"])
-            out = out._replace(grads=replaced(out.grads, {"embed": table}))
+            out = _embedding_backward(stc, compute, inputs[m], out, back, s == 0)
             if prog.v_shape:  # chunk 1 of the V sends its forward to s-1 and its gradient to s+1
                 out = out._replace(send_f=jnp.where(v == 1, out.send_b, out.send_f),
                                    send_b=jnp.where(v == 1, out.send_f, out.send_b))
@@ -180,6 +173,22 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         return out.loss, out.grads, out.stats
 
     return run_stages(params, batch, cfg, batch_axes, prog.v_shape, run)
+
+
+def _embedding_backward(st: Static, compute: nnx.State, tokens: jax.Array, out: Sent, back: jax.Array,
+                        first: jax.Array) -> Sent:
+    """Step 4 of the tick: where `back` (the tick's, the same on every device: tick_program.embeds_back)
+    the embedding's gradient of `tokens` from the input gradient the B cell sent on stage 0
+    (`first`; zeros on the others), under a lax.cond whose operand and result are the fp32 table
+    gradient alone, which the other ticks pass through."""
+    d = jnp.where(first, out.send_b, jnp.zeros_like(out.send_b))
+
+    def run(acc: nnx.State) -> nnx.State:
+        with jax.named_scope(SCOPE + EMBED_BACK):
+            return embed_grad(st, compute, tokens, d, acc)
+
+    table = lax.cond(back, run, lambda acc: acc, out.grads["embed"])
+    return out._replace(grads=replaced(out.grads, {"embed": table}))
 
 
 def _start(prog: Program, act: jax.ShapeDtypeStruct, compute: nnx.State, residuals: tuple, stash: tuple,

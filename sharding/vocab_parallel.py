@@ -70,8 +70,8 @@ def _take_region_axes() -> tuple[str, ...]:
 def take_grad_reduced() -> bool:
     """Whether the transpose of `vocab_parallel_take` all-reduces the table's gradient: its
     region is manual over a batch or sequence axis of size > 1 that the context leaves to XLA,
-    over which the table is replicated (a pipeline engine not manual over them: expert,
-    sequence under context_impl=gspmd)."""
+    over which the table is replicated (no region around it, or one that leaves such an axis
+    to XLA: the pipelines' engine leaves sequence under context_impl=gspmd)."""
     if axis_size(AXIS) == 1:
         return False
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
