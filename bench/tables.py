@@ -50,6 +50,9 @@ PROSE_ONLY = {
     "embedding-backward-m-ticks-h100-compiled": "XLA GPU's tensor and sequence census of 1F1B-family steps before "
                                                 "and after their embedding backward left the ticks that do not need "
                                                 "it, quoted in one sentence of ratios",
+    "pipeline-permutes-moving-ticks-h100-compiled": "XLA GPU's stage census of 1F1B-family steps before and after "
+                                                    "their permutes left the ticks that move nothing, quoted in one "
+                                                    "sentence of ratios",
     "circular-stash-h100-compiled": "XLA GPU's compiled peak of gpipe and interleaved steps and the estimate before "
                                     "and after their ticks ran in a checkpoint; README's table of it is written by hand",
     "circular-fp32-sum-h100-compiled": "XLA GPU's compiled peak of gpipe and interleaved steps before and after they "

@@ -23,8 +23,11 @@ pipeline/tick_program.py; the cells are pipeline/cells.py):
      (with V > 1 both are rings: stage p-1's chunk v feeds stage 0's chunk v+1, and back; zbv's
      chunk 1 sends its forward to s-1 and its gradient to s+1, and its turn at stage p-1, chunk
      0 into chunk 1 and back, stays on the device: `Program.keep_f`, `keep_b`); two
-     collective-permutes of b·L·D per tick; an arriving value is written to its slot of
-     `inputs` (forward) or `inbox` (gradient);
+     collective-permutes of b·L·D, each under a `lax.cond` of the tick's (the same on every
+     device: tick_program.moves) that runs it only where some stage receives by it (the
+     warm-up sends no gradient back, the cool-down no forward on; at p = 2 each runs M of the
+     T ticks); an arriving value is written to its slot of `inputs` (forward) or `inbox`
+     (gradient);
   2. input: the cell's `inputs` slot (F on stage 0 chunk 0 embeds microbatch m's tokens instead);
   3. the cell of `CELLS` (`SPLIT_CELLS` for zb-h1 and zbv), functions of the stage's parameters, chunk
      v, the cell's slots, the input x, the gradient g, the microbatch's tokens and targets, the carry's
@@ -109,7 +112,7 @@ from model.moe import no_stats
 from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed_grad, replaced, residual_layout, run_cell
 from pipeline.engine import run_stages
 from pipeline.stages import AXIS, buffer, stages, with_part
-from pipeline.tick_program import EMBED_BACK, SCOPE, Program, cell_shares, embeds_back, program
+from pipeline.tick_program import EMBED_BACK, PERMUTE, SCOPE, Program, cell_shares, embeds_back, moves, program
 from sharding.checks import ONE_F_ONE_B, microbatches
 
 
@@ -151,10 +154,10 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         kinds = {int(k) for k in np.unique(prog.branch)}
 
         def tick(carry, row):
-            back, row = row
+            (back, moving), row = row
             kind, m, v, xs, gs, rs, ss, kf, kb, *slots = (a[s] for a in row)
             inbuf, inbox, out = carry
-            inbuf, inbox = _receive(inbuf, inbox, out, slots, pairs, arrivals)
+            inbuf, inbox = _receive(inbuf, inbox, out, slots, pairs, arrivals, moving)
             out = run_cell(cells, kinds, kind, (compute, v, (rs, ss), inbuf[xs], inbox[gs], inputs[m], targets[m]), out)
             inbuf = _put(inbuf, kf, out.send_f)  # the last chunk's output for its B; zbv's turn
             if prog.used("keep_b"):
@@ -169,7 +172,8 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
                                               prog.r_slot, prog.s_slot, prog.keep_f, prog.keep_b,
                                               *(getattr(prog, field) for _, _, field in arrivals)))
         (_, _, out), _ = lax.scan(tick, _start(prog, act, compute, residuals, stash, cfg),
-                                  (jnp.asarray(embeds_back(prog)), rows))
+                                  ((jnp.asarray(embeds_back(prog)), {w: jnp.asarray(a) for w, a in moves(prog).items()}),
+                                   rows))
         return out.loss, out.grads, out.stats
 
     return run_stages(params, batch, cfg, batch_axes, prog.v_shape, run)
@@ -215,12 +219,21 @@ def _links(prog: Program, p: int, v_count: int) -> tuple[dict[str, list], list[t
 
 
 def _receive(inbuf: jax.Array, inbox: jax.Array, out: Sent, slots: list, pairs: dict[str, list],
-             arrivals: list[tuple[str, str, str]]) -> tuple[jax.Array, jax.Array]:
+             arrivals: list[tuple[str, str, str]], moving: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Step 1 of the tick: last tick's `Sent.send_f` over the down permute, `send_b` over the up
-    one (only those the program uses), each arrival written to its slot (`slots`, in the order
-    of `arrivals`) of `inputs` or `inbox`."""
+    one (only those the program uses), each at the ticks of `moving` (the tick's
+    tick_program.moves, the same on every device; at the others the lax.cond passes the sent
+    value through, which no slot reads), each arrival written to its slot (`slots`, in the
+    order of `arrivals`) of `inputs` or `inbox`."""
     buffers, sent = {"inputs": inbuf, "inbox": inbox}, {"down": out.send_f, "up": out.send_b}
-    received = {way: lax.ppermute(sent[way], AXIS, pairs[way]) for way in pairs if any(w == way for w, *_ in arrivals)}
+
+    def permute(way: str) -> jax.Array:
+        def run(x: jax.Array) -> jax.Array:
+            with jax.named_scope(SCOPE + PERMUTE + way):
+                return lax.ppermute(x, AXIS, pairs[way])
+        return lax.cond(moving[way], run, lambda x: x, sent[way])
+
+    received = {way: permute(way) for way in pairs if any(w == way for w, *_ in arrivals)}
     for (way, name, _), slot in zip(arrivals, slots, strict=True):
         buffers[name] = _put(buffers[name], slot, received[way])
     return buffers["inputs"], buffers["inbox"]

@@ -21,6 +21,7 @@ BACKWARD_LAST = WEIGHT + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, WE
 SCOPE = "pipeline_cell_"
 NAMES = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W", BACKWARD_LAST: "B_last"}
 EMBED_BACK = "embed_back"  # the embedding's backward, at the ticks of `embeds_back`, under SCOPE + this
+PERMUTE = "permute_"  # the two permutes, at the ticks of `moves`, under SCOPE + this + "down" or "up"
 
 
 class Program(NamedTuple):
@@ -139,15 +140,26 @@ def embeds_back(prog: Program) -> np.ndarray:
     return (prog.branch[:, 0] == BACKWARD) & (prog.chunk[:, 0] == 0)
 
 
+def moves(prog: Program) -> dict[str, np.ndarray]:
+    """{"down", "up"}: [ticks] bool, the same for every stage: the ticks at which some stage
+    receives a value over that permute (an arrival slot of it >= 0). At the others no stage
+    reads what it would carry (the warm-up sends no gradient back, the cool-down no forward on),
+    and the engine skips it."""
+    return {way: ((getattr(prog, f"{way}_input") >= 0) | (getattr(prog, f"{way}_grad") >= 0)).any(axis=1)
+            for way in ("down", "up")}
+
+
 def cell_shares(prog: Program, mesh_shape: dict[str, int], axis: str = "stage") -> dict[str, dict[int, float]]:
     """tools.hlo.census's `taken`: for each cell's scope, the share of the ticks each device (by
     its position in the mesh's flat order, on the mesh of `mesh_shape`) runs it. The switch that
     holds a cell's collectives runs every tick; the cell only on its stage's ticks. Every device
-    runs the embedding's backward (EMBED_BACK) at the ticks of `embeds_back`."""
+    runs the embedding's backward (EMBED_BACK) at the ticks of `embeds_back`, and each permute
+    (PERMUTE) at the ticks of `moves`."""
     shape = tuple(mesh_shape.values())
     stage = np.unravel_index(np.arange(math.prod(shape)), shape)[list(mesh_shape).index(axis)]
     ticks = len(prog.branch)
     shares = {SCOPE + name: {int(d): float(np.sum(prog.branch[:, s] == k)) / ticks for d, s in enumerate(stage)}
               for k, name in NAMES.items()}
-    back = float(np.sum(embeds_back(prog))) / ticks
-    return shares | {SCOPE + EMBED_BACK: dict.fromkeys(range(len(stage)), back)}
+    every = {EMBED_BACK: embeds_back(prog)} | {PERMUTE + way: run for way, run in moves(prog).items()}
+    return shares | {SCOPE + name: dict.fromkeys(range(len(stage)), float(np.sum(run)) / ticks)
+                     for name, run in every.items()}

@@ -5,6 +5,7 @@ tests/test_pipeline_equal.py. Pipeline buffers start as NaN (pipeline.stages.FIL
 import dataclasses
 import functools
 import math
+import re
 
 import jax
 import numpy as np
@@ -177,12 +178,13 @@ def test_1f1b_stash_holds_at_most_p_microbatches(temp_memory):
 
 def _cells(jaxpr):
     """The 1f1b program's cell switches (pipeline.cells.run_cell: a cond per group of GROUPS
-    present, its first branch the pass-through), found as the jaxpr level holding conds of 2
-    (F) then 3 (B, B of the last chunk) and, zb-h1, 2 (W) branches, then the embedding
-    backward's cond (2: the pass-through, then the lookup's transpose)."""
+    present, its first branch the pass-through), found as the jaxpr level holding the two
+    permutes' conds (2 branches each: the pass-through, the permute), then conds of 2 (F) then 3
+    (B, B of the last chunk) and, zb-h1, 2 (W) branches, then the embedding backward's cond (2:
+    the pass-through, then the lookup's transpose)."""
     conds = [eqn.params["branches"] for eqn in jaxpr.eqns if eqn.primitive.name == "cond"]
-    if [len(b) for b in conds] in ([2, 3, 2], [2, 3, 2, 2]):
-        return conds[:-1]
+    if [len(b) for b in conds] in ([2, 2, 2, 3, 2], [2, 2, 2, 3, 2, 2]):
+        return conds[2:-1]
     for eqn in jaxpr.eqns:
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else [value]:
@@ -286,24 +288,27 @@ def test_circular_keeps_no_weights_per_tick_nor_head_gradient_per_microbatch(sch
 def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_memory):
     """pp=2 at M = 4, 8, 16: the ticks permute [b, L, D] (b = 2 sequences per microbatch), no
     stacked weight is gathered over stage, and the bytes over stage are tools.traffic.stage's
-    exactly: 2T permutes of a microbatch for the T ticks of the table (bubble ticks included),
-    under gpipe the M/2 outputs dealt to stage 0's head and their cotangents back
-    (pipeline.circular.dealt), and the all-reduce of the replicated embedding, head and norm
-    gradients (pipeline/engine.py)."""
+    exactly: under gpipe 2T permutes of a microbatch for the T ticks of the table (bubble
+    ticks included) and the M/2 outputs dealt to stage 0's head and their cotangents back
+    (pipeline.circular.dealt); under 1f1b a permute at each tick that some stage receives by
+    it (pipeline.tick_program.moves: M each way at p = 2, of the 2M + 2 ticks); and the
+    all-reduce of the replicated embedding, head and norm gradients (pipeline/engine.py)."""
     from tools import traffic
-    from tools.hlo import census
+    from tools.hlo import compiled_census
 
     for m in (4, 8, 16):
         (compiled, mesh) = temp_memory[1][schedule, m]
-        ops = census(compiled.as_text(), dict(mesh.shape))
+        cfg = small_config("pp=2", f"parallel.schedule={schedule}", f"parallel.microbatches={m}",
+                           f"train.global_batch_size={2 * m}")
+        ops = compiled_census(compiled, cfg, mesh)
         permutes = [c for c in ops if c.kind == "collective-permute" and c.axes == ("stage",)]
         dealt = m // 2 * 2 * 32 * 64 if schedule == "gpipe" else None
         assert permutes and all(c.elements in (2 * 32 * 64, dealt) for c in permutes if "ppermute" in c.op_name)
         assert schedule != "gpipe" or sum(c.elements == dealt for c in permutes) == 2  # there and back
         assert not [c for c in ops if c.kind == "all-gather" and "stage" in c.axes]
-        cfg = small_config("pp=2", f"parallel.schedule={schedule}", f"parallel.microbatches={m}",
-                           f"train.global_batch_size={2 * m}")
         assert stage_bytes(ops) == pytest.approx(traffic.stage(cfg, mesh_sizes(cfg)), rel=1e-3), m
+        if schedule == "1f1b":
+            assert traffic.permute_ticks(cfg, mesh_sizes(cfg)) == (m, m)
 
 
 @pytest.mark.parametrize("schedule, v, mesh", [
@@ -378,13 +383,16 @@ def test_1f1b_cells_hold_no_collective_across_stages(tp_sp_1f1b):
     so a collective inside a cell may only group devices of one stage, and no collective-permute
     (XLA runs one over all devices): with tp and sequence parallelism on, the census of the
     compiled step finds none inside the cells: the F cell's embedding lookup reduce-scatters
-    within the stage, and the lookup's backward runs outside them (its scatter-add's
-    collective-permute, pipeline/one_f_one_b.py)."""
+    within the stage, and the lookup's backward and the ticks' permutes run outside them, in
+    conditionals of their own that every device takes alike (pipeline/one_f_one_b.py)."""
+    from pipeline.tick_program import NAMES, SCOPE
     from tools.hlo import census
 
     _, compiled, mesh = tp_sp_1f1b
     ops = census(compiled.as_text(), dict(mesh.shape))
-    cells = [c for c in ops if "/cond/" in c.op_name]
+    in_cell = re.compile(f"/{SCOPE}({'|'.join(NAMES.values())})/")
+    cells = [c for c in ops if in_cell.search(c.op_name)]
+    assert [c for c in ops if c.kind == "collective-permute" and "/cond/" in c.op_name]  # the permutes' own
     assert {c.kind for c in cells} >= {"all-gather", "reduce-scatter"}  # SP's, per stage
     assert [c for c in cells if "pipeline_cell_F/embedding" in c.op_name and c.kind == "reduce-scatter"]
     assert not [c for c in cells if c.kind == "collective-permute" or "stage" in c.axes]

@@ -5,6 +5,7 @@ prints them, draws them and answers bad input with one error line. Pure Python, 
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import ROOT
@@ -324,6 +325,29 @@ def test_cell_shares_count_each_cell_on_its_own_stage():
     split = cell_shares(program("zb-h1", 2, 4), {"data": 1, "stage": 2})  # 13 ticks; stage the second axis
     assert split[SCOPE + "W"] == dict.fromkeys(range(2), 4 / 13)
     assert split[SCOPE + "embed_back"] == dict.fromkeys(range(2), 4 / 13)
+    assert shares[SCOPE + "permute_down"] == shares[SCOPE + "permute_up"] == dict.fromkeys(range(4), 0.4)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1", "zbv"])
+def test_the_permutes_run_at_the_ticks_some_stage_receives_by_them(schedule):
+    """pipeline.tick_program.moves: a permute runs at a tick exactly when some stage has an
+    arrival slot of it. At p = 2 without a ring that is M ticks each way (one forward and one
+    gradient per microbatch cross the one boundary; zbv: 2M, both chunks' values cross it); at
+    p = 4 the warm-up and cool-down ticks skip one way."""
+    from pipeline.tick_program import moves, program
+
+    for p, m in ((2, 4), (4, 8)):
+        prog = program(schedule, p, m, _v(schedule))
+        runs = moves(prog)
+        for way in ("down", "up"):
+            slots = np.stack([getattr(prog, f"{way}_input"), getattr(prog, f"{way}_grad")])
+            assert (runs[way] == (slots >= 0).any(axis=(0, 2))).all()
+        ticks = len(prog.branch)
+        if p == 2 and schedule != "interleaved-1f1b":
+            per = 2 * m if schedule == "zbv" else m
+            assert (runs["down"].sum(), runs["up"].sum()) == (per, per) and ticks > per
+        else:
+            assert 0 < runs["down"].sum() < ticks and 0 < runs["up"].sum() < ticks
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1", "zbv"])

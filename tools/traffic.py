@@ -110,9 +110,11 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           schedule's table,
           counted for the stage that sends the most (tools.hlo.per_device: a permute down the
           stages has no sender on the last, one up none on the first):
-            1F1B family  2T·a: each tick sends its activation on and its cotangent back
-                         (T counts F and B ticks); T·a at p = 2 but on interleaved-1f1b's ring
-                         (stage 0 sends only down, stage 1 only up)
+            1F1B family  (T_down + T_up)·a: each permute runs at the ticks at which some
+                         stage receives by it (`permute_ticks`, pipeline.tick_program.moves;
+                         T_down, T_up <= T, the table's ticks): the activations on, the
+                         cotangents back; max(T_down, T_up)·a at p = 2 but on
+                         interleaved-1f1b's ring (stage 0 sends only down, stage 1 only up)
             gpipe, interleaved  2T·a: T forward ticks on a ring, autodiff's transpose as many
                          back; plus the last stage's outputs dealt out to the stages'
                          heads (C = ceil(M/p) each, pipeline.circular.dealt): stage p-1
@@ -128,9 +130,10 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           The census of tiny on pp=2 and pp=4 equals it within a scalar's bytes for every
           schedule (tests/test_pipeline.py).
           The contract of DESIGN.md (one permute per microbatch and boundary, 2k·a) is what
-          must travel: gpipe with M ≫ p comes close to it; the 1F1B family sends twice it
-          (T ≈ 2M, and every tick permutes both buffers, since in one tick some stages run F
-          and others B).
+          must travel: gpipe with M ≫ p comes close to it; the 1F1B family at p = 2 sends it
+          (M each way), at p > 2 more (in one steady tick some stages run F and others B, and
+          a permute moves a buffer between every pair: 1f1b at p = 4, M = 8 moves down at 15
+          and up at 17 of its 22 ticks; before 2026-12-02 at every tick, 2T).
           The bubble is the lock-step weighted bubble of the schedule's table
           (pipeline.schedule.weighted: every tick lasts as long as its most expensive cell) with
           `pipeline_figures.cell_costs`: F = 1, B = 2, or split (zb-h1, zbv) B = 1 and W = 1; B one more under
@@ -150,11 +153,13 @@ nccl-tests counts them.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from configs.base import RunConfig
 from pipeline.layout import leaving
-from sharding.checks import accumulation_axes, dealt_heads
+from pipeline.tick_program import moves, program
+from sharding.checks import accumulation_axes, dealt_heads, microbatches
 from sharding.mesh import AXES
 from tools.pipeline_figures import STASHING, pipeline_figures, virtual
 from tools.shape import DTYPE_BYTES, dispatch_rows, local_param_parts, shape
@@ -284,13 +289,28 @@ def stage(cfg: RunConfig, sizes: dict[str, int]) -> float:
     a = s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype] / split
     schedule, ticks = cfg.parallel.schedule, pipeline_figures(cfg, sizes)["ticks"]
     ring = virtual(cfg) > 1 and schedule != "zbv" or schedule not in STASHING  # gpipe, interleaved: rings
-    # both ways on a ring and in the middle stages, one way at the ends
-    sends = [(2 if ring or 0 < d < p - 1 else 1) * ticks * a for d in range(p)]
+    # the ticks each permute moves: every tick under gpipe and interleaved, the 1F1B family's `moves`
+    down, up = permute_ticks(cfg, sizes) if schedule in STASHING else (ticks, ticks)
+    # down from every stage but the last, up from every stage but the first; both from each on a ring
+    sends = [((ring or d < p - 1) * down + (ring or d > 0) * up) * a for d in range(p)]
     if circular(cfg, sizes):  # the outputs dealt to the stages' heads: p-1 sends each C forward, each its C back
         sends = [x + heads(cfg, sizes) * a * (p - 1 if d == p - 1 else 1) for d, x in enumerate(sends)]
     replicated = 2 * small_parts(cfg, sizes)[0] + m.d_model  # embedding, head, final norm
     reduced = 2 * 4 * replicated * (p - 1) / p
     return reduced + max(x + y for x, y in zip(sends, layout(cfg, sizes), strict=True))
+
+
+def permute_ticks(cfg: RunConfig, sizes: dict[str, int]) -> tuple[int, int]:
+    """The ticks at which the 1F1B family's tick program runs its down and its up permute
+    (pipeline.tick_program.moves: those at which some stage receives over it)."""
+    p = sizes["stage"]
+    return _permute_ticks(cfg.parallel.schedule, p, microbatches(cfg, p), virtual(cfg))
+
+
+@functools.lru_cache(maxsize=1024)
+def _permute_ticks(schedule: str, p: int, m: int, v: int) -> tuple[int, int]:
+    runs = moves(program(schedule, p, m, v))
+    return int(runs["down"].sum()), int(runs["up"].sum())
 
 
 def layout(cfg: RunConfig, sizes: dict[str, int]) -> list[float]:
