@@ -112,7 +112,7 @@ from model.moe import no_stats
 from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed_grad, replaced, residual_layout, run_cell
 from pipeline.engine import run_stages
 from pipeline.stages import AXIS, buffer, stages, with_part
-from pipeline.tick_program import EMBED_BACK, PERMUTE, SCOPE, Program, cell_shares, embeds_back, moves, program
+from pipeline.tick_program import EMBED_BACK, PERMUTE, SCOPE, Program, cell_shares, embeds_back, program
 from sharding.checks import ONE_F_ONE_B, microbatches
 
 
@@ -172,7 +172,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
                                               prog.r_slot, prog.s_slot, prog.keep_f, prog.keep_b,
                                               *(getattr(prog, field) for _, _, field in arrivals)))
         (_, _, out), _ = lax.scan(tick, _start(prog, act, compute, residuals, stash, cfg),
-                                  ((jnp.asarray(embeds_back(prog)), {w: jnp.asarray(a) for w, a in moves(prog).items()}),
+                                  ((jnp.asarray(embeds_back(prog)), {w: jnp.asarray(a) for w, a in prog.moving.items()}),
                                    rows))
         return out.loss, out.grads, out.stats
 
@@ -222,7 +222,7 @@ def _receive(inbuf: jax.Array, inbox: jax.Array, out: Sent, slots: list, pairs: 
              arrivals: list[tuple[str, str, str]], moving: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Step 1 of the tick: last tick's `Sent.send_f` over the down permute, `send_b` over the up
     one (only those the program uses), each at the ticks of `moving` (the tick's
-    tick_program.moves, the same on every device; at the others the lax.cond passes the sent
+    Program.moving, the same on every device; at the others the lax.cond passes the sent
     value through, which no slot reads), each arrival written to its slot (`slots`, in the
     order of `arrivals`) of `inputs` or `inbox`."""
     buffers, sent = {"inputs": inbuf, "inbox": inbox}, {"down": out.send_f, "up": out.send_b}

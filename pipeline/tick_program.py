@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pipeline.tables import BACKWARD, FORWARD, WEIGHT, cells, route, timetable, v_shape, virtual_stages
+from pipeline.tables import BACKWARD, FORWARD, WEIGHT, Cells, Table, cells, route, timetable, v_shape, virtual_stages
 
 BACKWARD_LAST = WEIGHT + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, WEIGHT, and B of the last chunk
 # Each cell runs under the named scope SCOPE + its name (pipeline.cells.run_cell), which XLA keeps
@@ -51,6 +51,7 @@ class Program(NamedTuple):
     stash: int
     split: bool  # the table splits B (input gradient) and W (weight gradient): zb-h1, zbv
     v_shape: bool  # zbv's V: chunk 1's values travel the other way (tables.route)
+    moving: dict[str, np.ndarray]  # `moves`: {"down", "up"} [ticks] bool, the ticks each permute runs
 
     def used(self, field: str) -> bool:
         """Whether any tick uses the slot array `field` (a permute or handoff the engine can skip)."""
@@ -81,9 +82,8 @@ def program(schedule: str, p: int, m_count: int, v_count: int = 1) -> Program:
     kind, micro, chunk = cells(table)
     vee, v_count = v_shape(table), virtual_stages(table)
     ticks, split = len(kind), bool((kind == WEIGHT).any())
-    sends = {FORWARD: "F", BACKWARD: "B"}
-    to = lambda k, s, v: route(sends[k], s, v, p, v_count, vee)  # noqa: E731  (stage, chunk) or None
-    down = lambda k, v: (k == FORWARD) == (not vee or v == 0)  # noqa: E731  the permute s -> s+1 carries it
+    to = lambda k, s, v: route(SENDS[k], s, v, p, v_count, vee)  # noqa: E731  (stage, chunk) or None
+    arriving = _arrivals(table)
     branch = kind.copy()
     arrays = {name: np.full((ticks, p), -1, np.int32)
               for name in ("down_input", "down_grad", "up_input", "up_grad", "keep_f", "keep_b")}
@@ -92,16 +92,11 @@ def program(schedule: str, p: int, m_count: int, v_count: int = 1) -> Program:
     for s in range(p):
         slots = {name: _Slots() for name in sizes}
         for t in range(ticks):
-            if t > 0:  # what the neighbours sent last tick, over the permute each value takes
-                for src, way in (((s - 1) % p, "down"), ((s + 1) % p, "up")):
-                    k, m, v = kind[t - 1, src], micro[t - 1, src], chunk[t - 1, src]
-                    if k in sends and src != s and down(k, v) == (way == "down") and (dest := to(k, src, v)) \
-                            and dest[0] == s:
-                        forward = k == FORWARD
-                        slot = slots["inputs" if forward else "inbox"].take((m, dest[1]))
-                        arrays[f"{way}_{'input' if forward else 'grad'}"][t, s] = slot
+            for way, forward, arrived in arriving.get((t, s), ()):  # what the neighbours sent last tick
+                slot = slots["inputs" if forward else "inbox"].take(arrived)
+                arrays[f"{way}_{'input' if forward else 'grad'}"][t, s] = slot
             k, item = kind[t, s], (micro[t, s], chunk[t, s])
-            dest = to(k, s, item[1]) if k in sends else None
+            dest = to(k, s, item[1]) if k in SENDS else None
             if k == FORWARD:
                 if (s, item[1]) == (0, 0):  # stage 0 chunk 0 embeds its input
                     arrays["x_slot"][t, s] = 0
@@ -131,7 +126,51 @@ def program(schedule: str, p: int, m_count: int, v_count: int = 1) -> Program:
         assert not any(b.held for b in slots.values()), f"stage {s} ends holding values"
         for name, b in slots.items():
             sizes[name] = max(sizes[name], b.most)
-    return Program(branch, micro, chunk, **arrays, **sizes, split=split, v_shape=vee)
+    return Program(branch, micro, chunk, **arrays, **sizes, split=split, v_shape=vee, moving=moves(table))
+
+
+SENDS = {FORWARD: "F", BACKWARD: "B"}  # the cells whose output a neighbour may receive (tables.route)
+WAYS = {1: "down", 2: "up"}  # `_ways`' codes
+
+
+def _ways(table: Table) -> tuple[np.ndarray, Cells, dict]:
+    """The permute each cell's output takes to another stage, [ticks, p] int8 (0 none: idle, W,
+    the ends of the model, zbv's turn at stage p-1 that stays on the stage; 1 "down", s -> s+1;
+    2 "up", s+1 -> s; tables.route), the table's cells, and {(kind, stage, chunk): the route's
+    (stage, chunk)}."""
+    cell = cells(table)
+    vee, v_count, p = v_shape(table), virtual_stages(table), cell.kind.shape[1]
+    way, dest = np.zeros((WEIGHT + 1, p, v_count), np.int8), {}
+    for k in SENDS:
+        for s in range(p):
+            for v in range(v_count):
+                to = route(SENDS[k], s, v, p, v_count, vee)
+                if to is not None and to[0] != s:
+                    way[k, s, v], dest[k, s, v] = 1 if (k == FORWARD) == (not vee or v == 0) else 2, to
+    return way[cell.kind, np.arange(p), cell.chunk], cell, dest
+
+
+def _arrivals(table: Table) -> dict[tuple[int, int], list[tuple[str, bool, tuple[int, int]]]]:
+    """{(t, s): [(permute, forward, (microbatch, chunk on s))]}: the values stage s receives at
+    tick t, each sent by a neighbour's F (forward) or B at t - 1 over the permute its route
+    takes (`_ways`), down first."""
+    ways, cell, dest = _ways(table)
+    found: dict[tuple[int, int], list] = {}
+    for t, src in np.argwhere(ways[:-1]).tolist():
+        k, v = int(cell.kind[t, src]), int(cell.chunk[t, src])
+        to = dest[k, src, v]
+        arrived = (int(cell.microbatch[t, src]), to[1])
+        found.setdefault((t + 1, to[0]), []).append((WAYS[ways[t, src]], k == FORWARD, arrived))
+    return {key: sorted(values) for key, values in found.items()}
+
+
+def moves(table: Table) -> dict[str, np.ndarray]:
+    """{"down", "up"}: [ticks] bool, the same for every stage: the ticks at which some stage
+    receives a value over that permute, the ticks after some cell sent one by it (`_ways`;
+    `Program.moving`). At the others no stage reads what it would carry (the warm-up sends no
+    gradient back, the cool-down no forward on), and the engine skips it."""
+    ways = _ways(table)[0]
+    return {name: np.concatenate([[False], (ways[:-1] == code).any(axis=1)]) for code, name in WAYS.items()}
 
 
 def embeds_back(prog: Program) -> np.ndarray:
@@ -140,26 +179,17 @@ def embeds_back(prog: Program) -> np.ndarray:
     return (prog.branch[:, 0] == BACKWARD) & (prog.chunk[:, 0] == 0)
 
 
-def moves(prog: Program) -> dict[str, np.ndarray]:
-    """{"down", "up"}: [ticks] bool, the same for every stage: the ticks at which some stage
-    receives a value over that permute (an arrival slot of it >= 0). At the others no stage
-    reads what it would carry (the warm-up sends no gradient back, the cool-down no forward on),
-    and the engine skips it."""
-    return {way: ((getattr(prog, f"{way}_input") >= 0) | (getattr(prog, f"{way}_grad") >= 0)).any(axis=1)
-            for way in ("down", "up")}
-
-
 def cell_shares(prog: Program, mesh_shape: dict[str, int], axis: str = "stage") -> dict[str, dict[int, float]]:
     """tools.hlo.census's `taken`: for each cell's scope, the share of the ticks each device (by
     its position in the mesh's flat order, on the mesh of `mesh_shape`) runs it. The switch that
     holds a cell's collectives runs every tick; the cell only on its stage's ticks. Every device
     runs the embedding's backward (EMBED_BACK) at the ticks of `embeds_back`, and each permute
-    (PERMUTE) at the ticks of `moves`."""
+    (PERMUTE) at the ticks of `Program.moving`."""
     shape = tuple(mesh_shape.values())
     stage = np.unravel_index(np.arange(math.prod(shape)), shape)[list(mesh_shape).index(axis)]
     ticks = len(prog.branch)
     shares = {SCOPE + name: {int(d): float(np.sum(prog.branch[:, s] == k)) / ticks for d, s in enumerate(stage)}
               for k, name in NAMES.items()}
-    every = {EMBED_BACK: embeds_back(prog)} | {PERMUTE + way: run for way, run in moves(prog).items()}
+    every = {EMBED_BACK: embeds_back(prog)} | {PERMUTE + way: run for way, run in prog.moving.items()}
     return shares | {SCOPE + name: dict.fromkeys(range(len(stage)), float(np.sum(run)) / ticks)
                      for name, run in every.items()}

@@ -295,6 +295,7 @@ def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_
     all-reduce of the replicated embedding, head and norm gradients (pipeline/engine.py)."""
     from tools import traffic
     from tools.hlo import compiled_census
+    from tools.pipeline_figures import pipeline_figures
 
     for m in (4, 8, 16):
         (compiled, mesh) = temp_memory[1][schedule, m]
@@ -308,7 +309,7 @@ def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_
         assert not [c for c in ops if c.kind == "all-gather" and "stage" in c.axes]
         assert stage_bytes(ops) == pytest.approx(traffic.stage(cfg, mesh_sizes(cfg)), rel=1e-3), m
         if schedule == "1f1b":
-            assert traffic.permute_ticks(cfg, mesh_sizes(cfg)) == (m, m)
+            assert pipeline_figures(cfg, mesh_sizes(cfg))["permute_ticks"] == (m, m)
 
 
 @pytest.mark.parametrize("schedule, v, mesh", [

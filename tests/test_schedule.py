@@ -330,18 +330,19 @@ def test_cell_shares_count_each_cell_on_its_own_stage():
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1", "zbv"])
 def test_the_permutes_run_at_the_ticks_some_stage_receives_by_them(schedule):
-    """pipeline.tick_program.moves: a permute runs at a tick exactly when some stage has an
-    arrival slot of it. At p = 2 without a ring that is M ticks each way (one forward and one
-    gradient per microbatch cross the one boundary; zbv: 2M, both chunks' values cross it); at
-    p = 4 the warm-up and cool-down ticks skip one way."""
+    """pipeline.tick_program.moves (from the table, as tools.traffic reads it) and the program's
+    `moving`: a permute runs at a tick exactly when some stage has an arrival slot of it. At p =
+    2 without a ring that is M ticks each way (one forward and one gradient per microbatch cross
+    the one boundary; zbv: 2M, both chunks' values cross it); at p = 4 the warm-up and
+    cool-down ticks skip one way."""
     from pipeline.tick_program import moves, program
 
     for p, m in ((2, 4), (4, 8)):
         prog = program(schedule, p, m, _v(schedule))
-        runs = moves(prog)
+        runs = moves(timetable(schedule, p, m, _v(schedule)))
         for way in ("down", "up"):
             slots = np.stack([getattr(prog, f"{way}_input"), getattr(prog, f"{way}_grad")])
-            assert (runs[way] == (slots >= 0).any(axis=(0, 2))).all()
+            assert (runs[way] == (slots >= 0).any(axis=(0, 2))).all() and (prog.moving[way] == runs[way]).all()
         ticks = len(prog.branch)
         if p == 2 and schedule != "interleaved-1f1b":
             per = 2 * m if schedule == "zbv" else m

@@ -1,6 +1,7 @@
 """A pipeline schedule's figures for the planner: the cell costs, and from the schedule's
 timetable (pipeline/tables.py, weighed by pipeline/schedule.py) the lock-step bubble, stage 0's
-in-flight peak of (microbatch, chunk) pairs and the ticks. Pure arithmetic on the config, the
+in-flight peak of (microbatch, chunk) pairs, the ticks and the ticks the 1F1B family's permutes
+run. Pure arithmetic on the config, the
 tables cached by their arguments: tools.search weighs mixtral-8x7b's meshes on 64 GPUs, 204 tables up
 to M = 1024, in 13 s on one core.
 tools/estimate.py (the residual slots in flight), tools/traffic.py (the stage's bytes) and
@@ -14,6 +15,7 @@ import functools
 from configs.base import RunConfig
 from pipeline.schedule import in_flight, lockstep_bubble
 from pipeline.tables import timetable
+from pipeline.tick_program import moves
 from sharding.checks import CHUNKED, ONE_F_ONE_B, head_per_microbatch, microbatches
 from training.metrics import flops_per_token
 
@@ -47,18 +49,26 @@ def cell_costs(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
 
 @functools.lru_cache(maxsize=4096)
 def _table_figures(schedule: str, p: int, m: int, v: int, cost: tuple[tuple[str, float], ...]) -> tuple:
-    """(bubble with `cost`, the same with the head at 0, stage 0's in-flight peak, ticks): one table built."""
+    """(bubble with `cost`, the same with the head at 0, stage 0's in-flight peak, ticks, the ticks
+    each of the 1F1B family's permutes runs, down and up: pipeline.tick_program.moves; the
+    ticks both for gpipe and interleaved): one table built."""
     table, cost = timetable(schedule, p, m, v), dict(cost)
-    return lockstep_bubble(table, cost), lockstep_bubble(table, cost | {"head": 0.0}), in_flight(table)[0], len(table)
+    runs = moves(table) if schedule in STASHING else None
+    permutes = (int(runs["down"].sum()), int(runs["up"].sum())) if runs else (len(table), len(table))
+    return (lockstep_bubble(table, cost), lockstep_bubble(table, cost | {"head": 0.0}), in_flight(table)[0], len(table),
+            permutes)
 
 
 def pipeline_figures(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     """From the schedule's table (pipeline.schedule): the lock-step weighted bubble with
     `cell_costs`, the same without the head (`bubble_without_head`), stage 0's in-flight peak
-    ((microbatch, chunk) pairs) and the ticks; no pipeline: 0, 0, 1, 1."""
+    ((microbatch, chunk) pairs), the ticks, and the ticks each permute runs (`permute_ticks`,
+    down and up); no pipeline: 0, 0, 1, 1, (0, 0)."""
     p = sizes["stage"]
     if p == 1:
-        return {"bubble": 0.0, "bubble_without_head": 0.0, "in_flight": 1, "ticks": 1}
+        return {"bubble": 0.0, "bubble_without_head": 0.0, "in_flight": 1, "ticks": 1, "permute_ticks": (0, 0)}
     cost = tuple(sorted(cell_costs(cfg, sizes).items()))
-    bubble, headless, peak, ticks = _table_figures(cfg.parallel.schedule, p, microbatches(cfg, p), virtual(cfg), cost)
-    return {"bubble": bubble, "bubble_without_head": headless, "in_flight": peak, "ticks": ticks}
+    bubble, headless, peak, ticks, permutes = _table_figures(cfg.parallel.schedule, p, microbatches(cfg, p),
+                                                              virtual(cfg), cost)
+    return {"bubble": bubble, "bubble_without_head": headless, "in_flight": peak, "ticks": ticks,
+            "permute_ticks": permutes}

@@ -111,7 +111,8 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           counted for the stage that sends the most (tools.hlo.per_device: a permute down the
           stages has no sender on the last, one up none on the first):
             1F1B family  (T_down + T_up)·a: each permute runs at the ticks at which some
-                         stage receives by it (`permute_ticks`, pipeline.tick_program.moves;
+                         stage receives by it (pipeline_figures' `permute_ticks`,
+                         pipeline.tick_program.moves;
                          T_down, T_up <= T, the table's ticks): the activations on, the
                          cotangents back; max(T_down, T_up)·a at p = 2 but on
                          interleaved-1f1b's ring (stage 0 sends only down, stage 1 only up)
@@ -153,13 +154,11 @@ nccl-tests counts them.
 
 from __future__ import annotations
 
-import functools
 import math
 
 from configs.base import RunConfig
 from pipeline.layout import leaving
-from pipeline.tick_program import moves, program
-from sharding.checks import accumulation_axes, dealt_heads, microbatches
+from sharding.checks import accumulation_axes, dealt_heads
 from sharding.mesh import AXES
 from tools.pipeline_figures import STASHING, pipeline_figures, virtual
 from tools.shape import DTYPE_BYTES, dispatch_rows, local_param_parts, shape
@@ -287,10 +286,10 @@ def stage(cfg: RunConfig, sizes: dict[str, int]) -> float:
         return 0.0
     split = sizes["tensor"] if cfg.parallel.sequence_parallel else 1  # else every tensor rank sends its copy
     a = s.tokens * m.d_model * DTYPE_BYTES[m.compute_dtype] / split
-    schedule, ticks = cfg.parallel.schedule, pipeline_figures(cfg, sizes)["ticks"]
+    schedule = cfg.parallel.schedule
     ring = virtual(cfg) > 1 and schedule != "zbv" or schedule not in STASHING  # gpipe, interleaved: rings
     # the ticks each permute moves: every tick under gpipe and interleaved, the 1F1B family's `moves`
-    down, up = permute_ticks(cfg, sizes) if schedule in STASHING else (ticks, ticks)
+    down, up = pipeline_figures(cfg, sizes)["permute_ticks"]
     # down from every stage but the last, up from every stage but the first; both from each on a ring
     sends = [((ring or d < p - 1) * down + (ring or d > 0) * up) * a for d in range(p)]
     if circular(cfg, sizes):  # the outputs dealt to the stages' heads: p-1 sends each C forward, each its C back
@@ -298,19 +297,6 @@ def stage(cfg: RunConfig, sizes: dict[str, int]) -> float:
     replicated = 2 * small_parts(cfg, sizes)[0] + m.d_model  # embedding, head, final norm
     reduced = 2 * 4 * replicated * (p - 1) / p
     return reduced + max(x + y for x, y in zip(sends, layout(cfg, sizes), strict=True))
-
-
-def permute_ticks(cfg: RunConfig, sizes: dict[str, int]) -> tuple[int, int]:
-    """The ticks at which the 1F1B family's tick program runs its down and its up permute
-    (pipeline.tick_program.moves: those at which some stage receives over it)."""
-    p = sizes["stage"]
-    return _permute_ticks(cfg.parallel.schedule, p, microbatches(cfg, p), virtual(cfg))
-
-
-@functools.lru_cache(maxsize=1024)
-def _permute_ticks(schedule: str, p: int, m: int, v: int) -> tuple[int, int]:
-    runs = moves(program(schedule, p, m, v))
-    return int(runs["down"].sum()), int(runs["up"].sum())
 
 
 def layout(cfg: RunConfig, sizes: dict[str, int]) -> list[float]:
