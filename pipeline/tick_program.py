@@ -79,11 +79,12 @@ def program(schedule: str, p: int, m_count: int, v_count: int = 1) -> Program:
     """The tick program of a 1F1B-family schedule: the table's cells, what arrives where, and
     the slot of every value in the stage's buffers (assigned on the host, checked here)."""
     table = timetable(schedule, p, m_count, v_count)
-    kind, micro, chunk = cells(table)
+    ways, cell, dest = _ways(table)
+    kind, micro, chunk = cell
     vee, v_count = v_shape(table), virtual_stages(table)
     ticks, split = len(kind), bool((kind == WEIGHT).any())
     to = lambda k, s, v: route(SENDS[k], s, v, p, v_count, vee)  # noqa: E731  (stage, chunk) or None
-    arriving = _arrivals(table)
+    arriving = _arrivals(ways, cell, dest)
     branch = kind.copy()
     arrays = {name: np.full((ticks, p), -1, np.int32)
               for name in ("down_input", "down_grad", "up_input", "up_grad", "keep_f", "keep_b")}
@@ -126,7 +127,7 @@ def program(schedule: str, p: int, m_count: int, v_count: int = 1) -> Program:
         assert not any(b.held for b in slots.values()), f"stage {s} ends holding values"
         for name, b in slots.items():
             sizes[name] = max(sizes[name], b.most)
-    return Program(branch, micro, chunk, **arrays, **sizes, split=split, v_shape=vee, moving=moves(table))
+    return Program(branch, micro, chunk, **arrays, **sizes, split=split, v_shape=vee, moving=_moving(ways))
 
 
 SENDS = {FORWARD: "F", BACKWARD: "B"}  # the cells whose output a neighbour may receive (tables.route)
@@ -150,11 +151,10 @@ def _ways(table: Table) -> tuple[np.ndarray, Cells, dict]:
     return way[cell.kind, np.arange(p), cell.chunk], cell, dest
 
 
-def _arrivals(table: Table) -> dict[tuple[int, int], list[tuple[str, bool, tuple[int, int]]]]:
+def _arrivals(ways: np.ndarray, cell: Cells, dest: dict) -> dict[tuple[int, int], list[tuple[str, bool, tuple]]]:
     """{(t, s): [(permute, forward, (microbatch, chunk on s))]}: the values stage s receives at
     tick t, each sent by a neighbour's F (forward) or B at t - 1 over the permute its route
-    takes (`_ways`), down first."""
-    ways, cell, dest = _ways(table)
+    takes (`_ways`' three results), down first."""
     found: dict[tuple[int, int], list] = {}
     for t, src in np.argwhere(ways[:-1]).tolist():
         k, v = int(cell.kind[t, src]), int(cell.chunk[t, src])
@@ -169,7 +169,10 @@ def moves(table: Table) -> dict[str, np.ndarray]:
     receives a value over that permute, the ticks after some cell sent one by it (`_ways`;
     `Program.moving`). At the others no stage reads what it would carry (the warm-up sends no
     gradient back, the cool-down no forward on), and the engine skips it."""
-    ways = _ways(table)[0]
+    return _moving(_ways(table)[0])
+
+
+def _moving(ways: np.ndarray) -> dict[str, np.ndarray]:
     return {name: np.concatenate([[False], (ways[:-1] == code).any(axis=1)]) for code, name in WAYS.items()}
 
 
