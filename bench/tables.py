@@ -53,6 +53,9 @@ PROSE_ONLY = {
     "pipeline-permutes-moving-ticks-h100-compiled": "XLA GPU's stage census of 1F1B-family steps before and after "
                                                     "their permutes left the ticks that move nothing, quoted in one "
                                                     "sentence of ratios",
+    "tables-over-stage-h100-compiled": "XLA GPU's compiled peak and census of pipelined steps before and after the "
+                                       "embedding and head were split over stage, and the estimate; README's table "
+                                       "of it is written by hand",
     "circular-stash-h100-compiled": "XLA GPU's compiled peak of gpipe and interleaved steps and the estimate before "
                                     "and after their ticks ran in a checkpoint; README's table of it is written by hand",
     "circular-fp32-sum-h100-compiled": "XLA GPU's compiled peak of gpipe and interleaved steps before and after they "

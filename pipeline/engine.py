@@ -14,18 +14,21 @@ context-parallel attention regions nest in this one).
 Per step, on each device:
   1. cast the stage's parameters to the compute dtype, lay its layers out as the [V, Lc, ...]
      chunks it runs (pipeline/layout.py: chunks stored on another stage move once, by
-     collective-permute) and gather them whole over fsdp (by hand on each tensor shard where
-     fsdp is manual, else a sharding constraint: pipeline/stage_weights.py);
+     collective-permute) and gather them whole over fsdp, and the embedding and head, each
+     stage storing 1/p of them, over stage (by hand on each tensor shard:
+     pipeline/stage_weights.py);
   2. `run` the schedule (pipeline/circular.py, pipeline/one_f_one_b.py): the mean loss of the
      device's rows (nonzero on the stage that computes it), the fp32 gradients of every
      parameter summed over the device's microbatches, and the router statistics summed over
      the stage's MoE layers and microbatches;
   3. reduce the gradients once over the batch axes (an fp32 reduce-scatter over fsdp, then an
      all-reduce of the shard over data, expert and sequence, the routed experts' over data
-     alone, on each tensor shard: sharding/accumulation.py), move the chunks' gradients back
-     to where they are stored, and sum the embedding's, final norm's and head's over stage
-     (each nonzero on the stage that uses it: an all-reduce of 2·(V·D + D)·4 bytes); loss and
-     statistics summed over stage, averaged over the batch axes.
+     alone, on each tensor shard: sharding/accumulation.py), the embedding's and head's (each
+     nonzero on the stage that uses it) summed over stage between the two by a
+     reduce-scatter into each stage's 1/p of them (pipeline/stage_weights.py); move the
+     chunks' gradients back to where they are stored, and sum the final norm's over stage (an
+     all-reduce of 2·D·4 bytes); loss and statistics summed over stage, averaged over the
+     batch axes.
 
 So the data and fsdp bytes of a pipelined step are those of one reduction whatever M and the
 schedule: 2·4·P'·(N-1)/N over data (P' the device's parameters; N = dp·sp with sequence in the
@@ -46,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from configs.base import RunConfig
 from model.transformer import compute_params
-from pipeline.stage_weights import chunked, gathered_once, reduced_once, weight_specs
+from pipeline.stage_weights import chunked, gathered_once, over_stage, reduced_once, weight_specs
 from pipeline.stages import AXIS, over_stages, stages, with_part
 from sharding.accumulation import automatic
 from sharding.checks import moe_layers
@@ -66,19 +69,22 @@ def run_stages(params: nnx.State, batch: dict, cfg: RunConfig, batch_axes: tuple
     v_count = max(cfg.parallel.virtual_stages, 1)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     # over the batch axes only fsdp (`embed`) and expert (`experts`) split weights
-    flat_specs = jax.tree.leaves(weight_specs(params, batch_axes), is_leaf=is_spec)  # the body's [V, Lc] chunks
-    splits = jax.tree.leaves(weight_specs(params, automatic(batch_axes), stage=False), is_leaf=is_spec)
-    outer = weight_specs(params, batch_axes, stored=True)  # the stored [X] blocks, laid out in the body
+    manual = (*batch_axes, AXIS)
+    flat_specs = jax.tree.leaves(weight_specs(params, manual), is_leaf=is_spec)  # the body's [V, Lc] chunks
+    splits = jax.tree.leaves(weight_specs(params, automatic(batch_axes)), is_leaf=is_spec)
+    outer = weight_specs(params, manual, stored=True)  # the stored [X] blocks, laid out in the body
 
     def body(local: nnx.State, inputs: jax.Array, targets: jax.Array) -> tuple:
         compute = compute_params(local, cfg.model.compute_dtype)
-        compute = gathered_once(chunked(compute, p, v_count, vee), flat_specs, splits, batch_axes)
+        compute = gathered_once(chunked(compute, p, v_count, vee), flat_specs, splits)
         loss, grads, stats = run(compute, inputs, targets)
         n = math.prod(lax.axis_size(a) for a in batch_axes)
         over_batch = (lambda a: lax.psum(a, batch_axes) / n) if batch_axes else (lambda a: a)  # noqa: E731
-        grads = reduced_once(grads, flat_specs, splits, batch_axes)  # once per step
+        grads = reduced_once(grads, flat_specs, splits, batch_axes)  # once per step; embedding, head over stage
         grads = chunked(grads, p, v_count, vee, back=True)
-        summed = jax.tree.map(lambda a: lax.psum(a, AXIS), grads)  # embedding, norm, head
+        leaves, treedef = jax.tree.flatten(grads)  # the final norm (and a table stage does not split): summed
+        summed = treedef.unflatten([g if over_stage(spec) else lax.psum(g, AXIS)
+                                    for g, spec in zip(leaves, flat_specs, strict=True)])
         stats = {name: over_batch(lax.psum(a, AXIS)) / (m_count * moe_layers(cfg.model)) for name, a in stats.items()}
         return over_batch(lax.psum(loss, AXIS)), with_part(summed, "blocks", grads["blocks"]), stats
 

@@ -8,12 +8,12 @@ the model's chunk v·p + s (layers (v·p + s)·Lc ... + Lc - 1), or in zbv's V (
 chunks s and 2p-1-s. V = 1 runs the stored layout (no data moves); V > 1 lays the stage's cast
 layers out inside the engine every step, each chunk stored elsewhere moving once by
 collective-permute, and their fp32 gradients back (pipeline/layout.py; tools.traffic.layout). The
-embedding, final norm and head are replicated over stage and used by the first chunk (stage 0
-chunk 0: embedding) and the last (head and loss: stage p-1 chunk V-1, zbv's stage 0 chunk 1)
+embedding, final norm and head are whole on every stage for the step (the embedding and head
+stored 1/p a stage, gathered once: pipeline/stage_weights.py) and used by the first chunk (stage
+0 chunk 0: embedding) and the last (head and loss: stage p-1 chunk V-1, zbv's stage 0 chunk 1)
 inside the schedule: the backward of microbatch 0 starts before microbatch M-1 has entered, so
 each microbatch's loss is computed where its forward ends and its cotangent starts there. Their
-gradients are summed over stage once per step (an all-reduce of the embedding, norm and head:
-2·(V·D+D)(p-1)/p elements per device).
+gradients are summed over stage once per step (pipeline/engine.py).
 
 Tick program (one `lax.scan` over the ticks of pipeline/tables.py's table; every device runs
 it and picks its own cell with `lax.axis_index`; the buffer slots are assigned on the host,

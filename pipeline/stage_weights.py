@@ -1,25 +1,30 @@
 """A stage's weights in every schedule's region (pipeline/engine.py), once per step: laid
-out in the chunks the stage runs, whole over fsdp for the step's ticks, and the summed gradients
-reduced back to each device's shard.
+out in the chunks the stage runs, whole over fsdp (the embedding and head whole over stage too)
+for the step's ticks, and the summed gradients reduced back to each device's shard.
 
 Layout: the stage's blocks are stored [X/p, ...] (X layers over p stages) and run as [V, Lc, ...]
 chunks (`chunked`: pipeline/layout.py; V > 1 moves the chunks stored elsewhere by
-collective-permute, and their gradients back). The embedding, norm and head keep their stored
-layout.
+collective-permute, and their gradients back). The embedding [V, D] and head [D, V] are stored
+with D split over fsdp and then stage (sharding/rules.py; where fsdp·p divides D): every stage
+runs them, whole, but each stores 1/p of them and of their fp32 master weights, AdamW moments and
+gradients, and updates that 1/p. The final norm [D] is stored whole on every stage.
 
-Under fsdp the stage's compute-dtype weights are gathered once per step, before the tick scan,
-and the gradients accumulate whole: ZeRO-1 style within the step (the fp32 master weights and
-AdamW moments stay split). With the batch axes manual in the engine (`batch_axes`, data, fsdp
-and expert where > 1: sharding.checks.accumulation_axes) the gather is by hand, on each tensor
-shard, and the summed gradients are reduced once per step (`gathered_once`, `reduced_once`,
-with sharding/accumulation.py's gather and reduce): per step, whatever M, one all-gather of the
-stage's weights in the compute dtype and one reduction of their fp32 gradients (a
-reduce-scatter over fsdp, then an all-reduce of the shard over data, expert and sequence, the
-routed experts' over data alone). Where they
-are not (`gathered_once` without fsdp in `batch_axes`) the gather is a sharding constraint
-(`whole_over_fsdp`) and XLA reduces the partial sums where the backward makes them (each
-backward cell of the 1F1B family, each tick of gpipe and interleaved). Memory: the stage's
-weights whole over fsdp in the compute dtype, and their fp32 gradients whole, for the step.
+Per step, whatever M, the gathers and reductions are by hand (`gathered_once`, `reduced_once`,
+sharding/accumulation.py's gather and reduce, on each tensor or expert shard; the batch axes
+data, fsdp and expert where > 1 are manual in the engine: sharding.checks.accumulation_axes):
+one all-gather of the stage's weights over fsdp in the compute dtype, the embedding's and
+head's over stage first; one reduction of their fp32 gradients: a reduce-scatter over fsdp, the
+embedding's and head's then over stage, then an all-reduce of the shard over data, expert and
+sequence (the routed experts' over data alone). Axes the engine leaves automatic (sequence under
+context_impl=gspmd) XLA reduces where the backward makes the partial sums (each backward cell
+of the 1F1B family, each tick of gpipe and interleaved).
+
+Bytes over stage per step for the embedding and head (X = 2·V·D/(f·t) elements a device before
+the split): an all-gather of X·c·(p-1)/p and a reduce-scatter of X·4·(p-1)/p, where an
+all-reduce of the whole fp32 gradients moved 2·4·X·(p-1)/p (0.75x at c = 2); their all-reduce
+over the other batch axes moves 1/p of what it did. Memory: the stage's weights whole over fsdp
+(and the tables over stage) in the compute dtype, and their fp32 gradients whole, for the step;
+outside it the tables' stored parameters, optimizer state and gradients are 1/p.
 """
 
 from __future__ import annotations
@@ -34,62 +39,55 @@ from jax.sharding import PartitionSpec as P
 from pipeline.layout import lay_out
 from pipeline.stages import AXIS, with_part
 from sharding.accumulation import FSDP, gather, reduce
-from sharding.rules import constrain, logical_to_spec
+from sharding.rules import logical_to_spec
+
+OVER = (FSDP, AXIS)  # the manual axes a weight is gathered over for the step, and reduced back to
 
 
-def whole_over_fsdp(tree: nnx.State) -> nnx.State:
-    """The parameter-shaped tree with FSDP's split of the weights (their `embed` dimension over
-    fsdp) undone by a sharding constraint: gathered once per step, whole on every fsdp device
-    for the step's ticks (tensor and stage splits kept)."""
-    variables = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    leaves, treedef = jax.tree.flatten(tree)
-    out = []
-    for var, a in zip(variables, leaves, strict=True):
-        names = tuple(var.get_metadata().get("out_sharding") or ())
-        names = (None,) * (a.ndim - len(names)) + tuple(None if n in ("embed", "layers") else n for n in names)
-        out.append(constrain(a, names))
-    return treedef.unflatten(out)
-
-
-def weight_specs(params: nnx.State, within: tuple[str, ...], stored: bool = False, stage: bool = True) -> nnx.State:
-    """Each weight's spec over the mesh axes `within`: the blocks' [V, X/V, ...] chunks, X/V over
-    stage (`stage`), as the body holds them after `chunked` (`stored`: the [X, ...] stack as
-    stored, the engine's in_spec). With fsdp (manual here) its fsdp split (the `embed`
+def weight_specs(params: nnx.State, within: tuple[str, ...], stored: bool = False) -> nnx.State:
+    """Each weight's spec over the mesh axes `within`: the blocks' [V, Lc, ...] chunks as the
+    body holds them after `chunked`, each device's own (`stored`: the [X, ...] stack as stored,
+    X over stage, the engine's in_spec). With fsdp (manual here) its fsdp split (the `embed`
     dimension), each device then holding its shard, and with expert the experts' split; with
-    tensor (automatic here) its split, which sharding.accumulation's gather and reduce keep;
-    everything else replicated."""
+    stage among `within` the embedding's and head's split over it (their `embed` dimension after
+    fsdp: sharding/rules.py); with tensor (automatic here) its split, which
+    sharding.accumulation's gather and reduce keep; everything else replicated."""
     mesh = jax.sharding.get_abstract_mesh()
 
     def spec(var: nnx.Variable, block: bool) -> P:
         names = tuple(var.get_metadata().get("out_sharding") or (None,) * var.ndim)
         split = tuple(logical_to_spec(names, var.shape, mesh, within=within)) if within else ()
         split = (split + (None,) * var.ndim)[:var.ndim]
-        layers = AXIS if stage else None
-        return P(*((layers,) if stored else (None, layers)), *split[1:]) if block else P(*split)
+        return P(*((AXIS,) if stored else (None, None)), *split[1:]) if block else P(*split)
 
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     return with_part(jax.tree.map(lambda v: spec(v, False), params, is_leaf=is_var), "blocks",
                      jax.tree.map(lambda v: spec(v, True), params["blocks"], is_leaf=is_var))
 
 
-def gathered_once(tree: nnx.State, flat_specs: list[P], splits: list[P], batch_axes: tuple[str, ...]) -> nnx.State:
-    """The stage's weights whole over fsdp, once per step: gathered by hand where fsdp is manual
-    in the engine (on each tensor or expert shard: `splits`), else by a sharding constraint (XLA's
-    gather)."""
-    if FSDP not in batch_axes:
-        return whole_over_fsdp(tree)
+def gathered_once(tree: nnx.State, flat_specs: list[P], splits: list[P]) -> nnx.State:
+    """The stage's weights whole over fsdp, and the embedding and head whole over stage, once per
+    step: gathered by hand (on each tensor or expert shard: `splits`), over stage first (its
+    split is the minor one)."""
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten([gather(spec, a, t) for spec, a, t in zip(flat_specs, leaves, splits, strict=True)])
+    return treedef.unflatten([gather(spec, a, t, OVER) for spec, a, t in zip(flat_specs, leaves, splits, strict=True)])
 
 
 def reduced_once(grads: nnx.State, flat_specs: list[P], splits: list[P], batch_axes: tuple[str, ...]) -> nnx.State:
-    """The summed gradients -> their shard of the mean over the batch axes, once per step."""
-    if not batch_axes:
-        return grads
+    """The summed gradients -> their shard of the mean over the batch axes, once per step, the
+    embedding's and head's summed over stage into each device's shard of them too (a
+    reduce-scatter over fsdp, then one over stage, then the all-reduce over the other batch
+    axes); the final norm's is summed over stage by the engine."""
     n = math.prod(lax.axis_size(a) for a in batch_axes)
     leaves, treedef = jax.tree.flatten(grads)
-    return treedef.unflatten([reduce(g, spec, batch_axes, t) / n
+    return treedef.unflatten([reduce(g, spec, batch_axes, t, OVER) / n
                               for spec, g, t in zip(flat_specs, leaves, splits, strict=True)])
+
+
+def over_stage(spec: P) -> bool:
+    """Whether a weight of the body's spec `spec` is split over stage (the embedding and head:
+    `gathered_once`, `reduced_once`)."""
+    return any(AXIS in ((d,) if isinstance(d, str) else d or ()) for d in spec)
 
 
 def chunked(tree: nnx.State, p: int, v_count: int, vee: bool, back: bool = False) -> nnx.State:

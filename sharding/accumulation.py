@@ -55,28 +55,36 @@ def _on_shard(fn: Callable[[jax.Array], jax.Array], x: jax.Array, split: P) -> j
     return jax.shard_map(fn, in_specs=split, out_specs=split, axis_names=axes, check_vma=False)(x)
 
 
-def gather(spec: P, w: jax.Array, split: P = P()) -> jax.Array:
-    """w whole over fsdp: an all-gather of each dimension that `spec` splits over fsdp (on each
-    tensor or expert shard where `split`, w's spec over those axes, splits it)."""
+def _over(axes: str | tuple[str, ...] | None, over: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes of one dimension's spec entry that are among `over`, major first."""
+    return tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a in over)
+
+
+def gather(spec: P, w: jax.Array, split: P = P(), over: tuple[str, ...] = (FSDP,)) -> jax.Array:
+    """w whole over fsdp (and the other axes of `over`, pipeline/stage_weights.py's stage): an
+    all-gather per axis of `over` that `spec` splits a dimension over, the minor axis first (on
+    each tensor or expert shard where `split`, w's spec over those axes, splits it)."""
     def whole(w: jax.Array) -> jax.Array:
         for dim, axes in enumerate(spec):
-            if _splits(axes, FSDP):
-                w = jax.lax.all_gather(w, FSDP, axis=dim, tiled=True)
+            for axis in reversed(_over(axes, over)):
+                w = jax.lax.all_gather(w, axis, axis=dim, tiled=True)
         return w
 
     return _on_shard(whole, w, split)
 
 
-def reduce(g: jax.Array, spec: P, axes: tuple[str, ...], split: P = P()) -> jax.Array:
-    """A device's summed gradient of a whole (fsdp-gathered) weight -> its shard of the sum over
-    the batch `axes`: a reduce-scatter over fsdp where `spec` splits the weight over it, then an
-    all-reduce of the (smaller) shard over the axes that `spec` does not split it over (an
-    expert's weights, split over a manual `expert`, are each device's own: summed over the
-    others only), on each tensor or expert shard, as `gather`."""
+def reduce(g: jax.Array, spec: P, axes: tuple[str, ...], split: P = P(),
+           over: tuple[str, ...] = (FSDP,)) -> jax.Array:
+    """A device's summed gradient of a whole (gathered) weight -> its shard of the sum over
+    the batch `axes` (and over the other axes of `over`): a reduce-scatter per axis of `over`
+    that `spec` splits the weight over, the major axis first, then an all-reduce of the (smaller)
+    shard over the axes that `spec` does not split it over (an expert's weights, split over a
+    manual `expert`, are each device's own: summed over the others only), on each tensor or
+    expert shard, as `gather`."""
     def shard(g: jax.Array) -> jax.Array:
         for dim, dim_axes in enumerate(spec):
-            if _splits(dim_axes, FSDP):
-                g = jax.lax.psum_scatter(g, FSDP, scatter_dimension=dim, tiled=True)
+            for axis in _over(dim_axes, over):
+                g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
         rest = tuple(a for a in axes if not any(_splits(d, a) for d in spec))
         return jax.lax.psum(g, rest) if rest else g
 

@@ -12,7 +12,12 @@ each lands on the mesh. A parallelism strategy is a change of this table, not of
                           it is one more data axis (gradients reduced over it).
   experts -> expert       E of the MoE layers' expert weights [E, D, F]: each device of the
                           expert axis holds E/ep experts (sharding/expert_parallel.py).
-  embed -> fsdp           ZeRO-3: parameters, gradients and optimizer state all 1/N per device.
+  embed -> (fsdp, stage)  ZeRO-3: parameters, gradients and optimizer state all 1/N per device.
+                          Pipelined, the weights outside the stacked layers (embedding, head)
+                          are split over stage too, after fsdp: every stage uses them whole
+                          in the step (pipeline/engine.py gathers them once), but each stores,
+                          and updates, 1/p of them. A block weight's `layers` dimension comes
+                          first and takes stage, so its `embed` gets fsdp alone (below).
   heads, kv_heads, mlp, vocab -> tensor
                           Megatron-style TP through GSPMD: column/row-parallel matmuls, XLA
                           inserts the all-reduces (2 forward + 2 backward per layer).
@@ -23,9 +28,12 @@ each lands on the mesh. A parallelism strategy is a change of this table, not of
   layers -> stage         the stacked layers [X, ...] are split in p contiguous blocks of X/p:
                           stage s holds its own layers and never gathers the others (pipeline/).
 
-Mesh axes of size 1 drop out of every spec. A dimension that the mesh does not divide is an
-error naming the dimension, except kv_heads: with fewer KV heads than the tensor axis they are
-replicated (each device keeps all K heads; their weights are small under GQA).
+Mesh axes of size 1 drop out of every spec, and so does an axis that an earlier dimension of
+the array took (a mesh axis splits one dimension at most). A dimension that the mesh does not
+divide is an error naming the dimension, except kv_heads: with fewer KV heads than the tensor
+axis they are replicated (each device keeps all K heads; their weights are small under GQA); and
+`embed`'s stage, which is left out where fsdp·stage does not divide D (the tables then stored
+whole over stage, as before 2026-12-02).
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "experts": ("expert",),
     "length": ("sequence",),
     "sp_length": ("sequence", "tensor"),
-    "embed": ("fsdp",),
+    "embed": ("fsdp", "stage"),
     "act_embed": (),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
@@ -57,6 +65,8 @@ RULES: dict[str, tuple[str, ...]] = {
 
 # Dimensions replicated, instead of refused, when the mesh does not divide them.
 REPLICATE_IF_INDIVISIBLE = {"kv_heads"}
+# Mesh axes a dimension takes only where they divide it with the others (left out, not refused).
+OPTIONAL = {"embed": ("stage",)}
 
 # The config field behind each logical dimension, named in divisibility errors.
 FIELD = {
@@ -74,9 +84,11 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh,
     `within`: use only these mesh axes (e.g. the manual axes of a shard_map); default all.
     """
     sizes = {a: n for a, n in dict(mesh.shape).items() if within is None or a in within}
-    spec = []
+    spec, taken = [], set()
     for name, dim in zip(names, shape):
-        axes = tuple(a for a in RULES[name] if sizes.get(a, 1) > 1) if name else ()
+        axes = tuple(a for a in RULES[name] if sizes.get(a, 1) > 1 and a not in taken) if name else ()
+        if dim % math.prod(sizes[a] for a in axes):
+            axes = tuple(a for a in axes if a not in OPTIONAL.get(name, ()))
         split = math.prod(sizes[a] for a in axes)
         if dim % split:
             if name in REPLICATE_IF_INDIVISIBLE:
@@ -86,6 +98,7 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh,
                     f"{FIELD.get(name, name)}: dimension {name!r} of size {dim} is not divisible "
                     f"by the mesh axes {'x'.join(axes)} = {split}; change it or the --mesh"
                 )
+        taken.update(axes)
         spec.append(axes[0] if len(axes) == 1 else (axes or None))
     return P(*spec)
 

@@ -321,7 +321,8 @@ def test_pipeline_gathers_and_reduces_once_per_step(schedule):
     stage's weights over fsdp once, sums its gradients over the whole schedule, reduce-scatters
     them over fsdp once and all-reduces the shard over data once: every collective on those axes
     runs once per step, the same bytes at both M, equal to `tools.traffic.communication` (the
-    stage's parameters: the embedding, norm and head replicated over stage, 2 of the 4 layers;
+    stage's parameters: the embedding and head 1/p of them a stage but gathered over fsdp whole
+    over stage, the norm whole, 2 of the 4 layers;
     interleaved's and zbv's chunks laid out from the fsdp shards, over stage only). gpipe and
     interleaved, autodiff's transpose of their tick scan under XLA, had reduced the layers'
     gradients in every tick and gathered the weights over fsdp in every use: gpipe moved 4.3x

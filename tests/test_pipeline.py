@@ -287,12 +287,14 @@ def test_circular_keeps_no_weights_per_tick_nor_head_gradient_per_microbatch(sch
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_memory):
     """pp=2 at M = 4, 8, 16: the ticks permute [b, L, D] (b = 2 sequences per microbatch), no
-    stacked weight is gathered over stage, and the bytes over stage are tools.traffic.stage's
+    stacked weight is gathered over stage (the embedding and head, stored 1/p a stage, are: once
+    each, pipeline/stage_weights.py), and the bytes over stage are tools.traffic.stage's
     exactly: under gpipe 2T permutes of a microbatch for the T ticks of the table (bubble
     ticks included) and the M/2 outputs dealt to stage 0's head and their cotangents back
     (pipeline.circular.dealt); under 1f1b a permute at each tick that some stage receives by
     it (pipeline.tick_program.moves: M each way at p = 2, of the 2M + 2 ticks); and the
-    all-reduce of the replicated embedding, head and norm gradients (pipeline/engine.py)."""
+    embedding and head gathered, their gradients reduce-scattered, the norm's all-reduced
+    (pipeline/engine.py)."""
     from tools import traffic
     from tools.hlo import compiled_census
     from tools.pipeline_figures import pipeline_figures
@@ -306,7 +308,10 @@ def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_
         dealt = m // 2 * 2 * 32 * 64 if schedule == "gpipe" else None
         assert permutes and all(c.elements in (2 * 32 * 64, dealt) for c in permutes if "ppermute" in c.op_name)
         assert schedule != "gpipe" or sum(c.elements == dealt for c in permutes) == 2  # there and back
-        assert not [c for c in ops if c.kind == "all-gather" and "stage" in c.axes]
+        tables = cfg.model.vocab_size * cfg.model.d_model
+        gathers = [(c.elements, c.trips) for c in ops if c.kind == "all-gather" and "stage" in c.axes]
+        scatters = [(c.elements, c.trips) for c in ops if c.kind == "reduce-scatter" and "stage" in c.axes]
+        assert gathers == scatters == [(tables, 1)] * 2, (gathers, scatters)
         assert stage_bytes(ops) == pytest.approx(traffic.stage(cfg, mesh_sizes(cfg)), rel=1e-3), m
         if schedule == "1f1b":
             assert pipeline_figures(cfg, mesh_sizes(cfg))["permute_ticks"] == (m, m)

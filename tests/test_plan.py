@@ -100,6 +100,29 @@ def test_a_dry_run_on_cpu_compiles_the_core_that_runs_there():
     assert report["attention"] == report["xla"]["attention"] == "xla" and "not judged" not in report["verdict"]
 
 
+@pytest.mark.parametrize("mesh", ["pp=2,fsdp=2,tp=2", "pp=4,dp=2", "pp=8", "dp=2,fsdp=2,tp=2"])
+def test_local_params_are_the_stored_shards(mesh):
+    """tools.shape.local_params, the planner's P_local, is what a device stores: the sum of its
+    shards of every parameter under sharding.rules (pipelined, the embedding and head 1/p a
+    stage)."""
+    import jax
+    from flax import nnx
+
+    from model.transformer import Transformer
+    from sharding.rules import param_shardings
+    from tools.shape import table_split
+
+    cfg = small_config(mesh, "model.n_layers=8")
+    params = nnx.state(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
+    shardings = param_shardings(params, build_mesh(cfg.parallel))
+    stored = sum(math.prod(sh.shard_shape(a.shape)) for a, sh in zip(jax.tree.leaves(params), jax.tree.leaves(shardings),
+                                                                   strict=True))
+    sizes = mesh_sizes(cfg)
+    assert stored == local_params(cfg, sizes)
+    assert table_split(cfg, sizes) == sizes["stage"]
+    assert table_split(apply_overrides(cfg, ["model.d_model=36"]), sizes | {"stage": 8, "fsdp": 1}) == 1
+
+
 def test_estimate_terms_follow_the_mesh():
     cfg = get_preset("llama3-8b")
     one = dict(zip(AXES, (1, 1, 1, 1, 1, 1)))

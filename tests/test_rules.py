@@ -20,7 +20,7 @@ from sharding.mesh import build_mesh, parse_mesh
 from sharding.rules import logical_to_spec, param_shardings
 
 GOLDEN = Path(__file__).parent / "golden_shardings.json"
-GOLDEN_MESHES = ["dp=2,fsdp=2,tp=2", "fsdp=2,tp=4"]
+GOLDEN_MESHES = ["dp=2,fsdp=2,tp=2", "fsdp=2,tp=4", "pp=2,fsdp=2,tp=2"]
 
 
 def spec_table(mesh_spec: str) -> dict[str, str]:
@@ -49,6 +49,26 @@ def test_golden_table_says_what_the_design_says():
     # tiny has 2 kv heads: split over tp=2, replicated (not refused) over tp=4.
     assert t["['blocks']['attn']['wk']"] == str(P(None, "fsdp", "tensor", None))
     assert spec_table("fsdp=2,tp=4")["['blocks']['attn']['wk']"] == str(P(None, "fsdp", None, None))
+
+
+def test_pipelined_tables_are_split_over_stage_after_fsdp():
+    """Pipelined, the embedding's and head's D is split over fsdp and then stage (each stage
+    stores 1/p of the weights every stage uses: pipeline/stage_weights.py); a block weight's
+    `layers` takes stage first, so its `embed` keeps fsdp alone; the final norm stays whole."""
+    t = spec_table("pp=2,fsdp=2,tp=2")
+    assert t["['embed']['table']"] == str(P("tensor", ("fsdp", "stage")))
+    assert t["['head']"] == str(P(("fsdp", "stage"), "tensor"))
+    assert t["['blocks']['attn']['wq']"] == str(P("stage", "fsdp", "tensor", None))
+    assert t["['blocks']['mlp']['w_down']"] == str(P("stage", "tensor", "fsdp"))
+    assert t["['final_norm']['scale']"] == str(P(None))
+
+
+@pytest.mark.parametrize("mesh, spec", [("pp=8", P(None, None)), ("pp=2,fsdp=4", P(None, "fsdp")),
+                                        ("pp=2,dp=2,fsdp=2", P(None, ("fsdp", "stage")))])
+def test_stage_leaves_a_table_it_does_not_divide(mesh, spec):
+    """D = 36: fsdp·stage must divide it for the stage split; where it does not, the table is
+    stored whole over stage (not refused), fsdp's split kept."""
+    assert logical_to_spec(("vocab", "embed"), (64, 36), build_mesh(parse_mesh(mesh))) == spec
 
 
 def test_size_one_axes_drop_out():

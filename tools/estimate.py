@@ -6,7 +6,9 @@ rank hundreds of meshes in a second. Letters and the per-device shape: tools/sha
 layer and a pipeline chunk keep for backward, term by term: tools/activations.py.
 
 Memory (bytes per device), the terms `memory()` returns:
-  params      P_local · bytes(param_dtype)            P_local = P / (fsdp·tp·pp), norms whole;
+  params      P_local · bytes(param_dtype)            P_local = P / (fsdp·tp·pp), norms whole
+                                                       (the embedding and head split by pp
+                                                       too where fsdp·pp divides D);
                                                        the routed experts (3·E·D·F_e per MoE
                                                        layer) / (ep·fsdp·tp), the router [D, E]
                                                        / fsdp, shared experts as a dense MLP
@@ -20,6 +22,10 @@ Memory (bytes per device), the terms `memory()` returns:
               weights whole over fsdp in the compute dtype and a whole fp32 gradient
               accumulator: P_local·(fsdp-1)·(c + 4) (the embedding and head among them, so
               not `gathered` too: llama3-8b fsdp=4,tp=2 had read 0.71x XLA's peak)
+  tables      pipelined, the embedding and head stored 1/pp a stage (tools.shape.table_split):
+              gathered whole over stage for the step in the compute dtype, with their whole fp32
+              gradient sums, 2·V·D/t·(pp-1)/pp·(c + 4) (pipeline/stage_weights.py); backward
+              phase only (reduce-scattered before the update)
   cast        the 1F1B family: the device's own weights in the compute dtype, P_local·c, cast
               once per step before the tick loop and held through it (pipeline/one_f_one_b.py;
               under fsdp `gathered once` is the rest); backward phase only
@@ -62,7 +68,7 @@ Memory (bytes per device), the terms `memory()` returns:
               tiles them away).
 
 Peak = params + optimizer + gradients + gathered + gathered once + accumulator
-       + max(update, cast + saved + working):
+       + max(update, tables + cast + saved + working):
 the optimizer phase and the backward phase do not overlap in time. Against the 1b step measured
 on one H100 (unrolled, remat none, 4 to 20 sequences a microbatch, k = 1 to 4): 1.03-1.11x
 (bench/results/batch-1b-*.json; tests/test_calibration.py), and 1.02-1.06x XLA's static peak of
@@ -109,7 +115,7 @@ from configs.base import RunConfig
 from sharding.checks import accumulation_axes, dealt_heads, explicit_context, head_per_microbatch
 from tools.activations import chunk_residuals, dense_expert_copies, layer_activations, stack_activations, zb_stash
 from tools.pipeline_figures import SPLIT, STASHING, pipeline_figures
-from tools.shape import DTYPE_BYTES, core, local_layer_params, local_params, shape
+from tools.shape import DTYPE_BYTES, core, local_layer_params, local_params, shape, table_split
 
 
 def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[str, float]:
@@ -154,6 +160,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
         # parallel.fsdp_gather_once: the weights whole in the compute dtype and the whole fp32
         # gradient accumulator, for the step (training/step.py)
         "gathered once": p_local * (sizes["fsdp"] - 1) * (c + 4) if once else 0.0,
+        "tables": 2 * m.vocab_size * m.d_model / sizes["tensor"] * (1 - 1 / table_split(cfg, sizes)) * (c + 4),
         "cast": p_local * c if stashing else 0.0,
         "accumulator": p_local * 4 if s.k > 1 and not piped else (tick_sum if piped and not stashing else 0.0),
         "update": p_local * 4 if sizes["fsdp"] == 1 else 0.0,
@@ -162,5 +169,5 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
                        head_grad),
     }
     fixed = sum(terms[n] for n in ("params", "optimizer", "gradients", "gathered", "gathered once", "accumulator"))
-    terms["peak"] = fixed + max(terms["update"], terms["cast"] + saved + terms["working"])
+    terms["peak"] = fixed + max(terms["update"], terms["tables"] + terms["cast"] + saved + terms["working"])
     return terms

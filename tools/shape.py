@@ -60,12 +60,20 @@ def core(cfg: RunConfig, sizes: dict[str, int]) -> str:
     return choose_core(m.attention, "gpu", (9, 0), m.compute_dtype, m.head_dim, context)
 
 
+def table_split(cfg: RunConfig, sizes: dict[str, int]) -> int:
+    """How many ways stage splits the embedding and head as stored (their D after fsdp:
+    sharding/rules.py): p where fsdp·p divides D, else 1."""
+    p = sizes["stage"]
+    return p if cfg.model.d_model % (sizes["fsdp"] * p) == 0 else 1
+
+
 def local_param_parts(cfg: RunConfig, sizes: dict[str, int]) -> tuple[float, float]:
     """(non-expert, expert) parameters held by one device: weights split by fsdp (D) and tensor
     (heads, F, V); kv weights replicated over tensor when t does not divide K; norms replicated;
-    layers by stage. A MoE layer has no dense MLP: its router [D, E] split by fsdp, its shared
-    experts [D, n_shared·F_e] as a dense MLP, and (the second figure) its routed experts
-    [E, D, F_e] split by ep (E), fsdp (D) and tensor (F_e)."""
+    layers by stage, the embedding and head by stage too (`table_split`). A MoE layer has no
+    dense MLP: its router [D, E] split by fsdp, its shared experts [D, n_shared·F_e] as a dense
+    MLP, and (the second figure) its routed experts [E, D, F_e] split by ep (E), fsdp (D) and
+    tensor (F_e)."""
     m, fsdp, tp, ep = cfg.model, sizes["fsdp"], sizes["tensor"], sizes.get("expert", 1)
     d, h, fe = m.d_model, m.head_dim, expert_d_ff(m)
     kv_split = tp if m.n_kv_heads % tp == 0 else 1
@@ -73,7 +81,8 @@ def local_param_parts(cfg: RunConfig, sizes: dict[str, int]) -> tuple[float, flo
     dense = attention + 3 * d * m.d_ff / (fsdp * tp)
     moe = attention + d * m.n_experts / fsdp + 3 * d * m.n_shared_experts * fe / (fsdp * tp)
     s = shape(cfg, sizes)
-    non_expert = (s.layers - s.moe) * dense + s.moe * moe + 2 * m.vocab_size * d / (fsdp * tp) + d
+    tables = 2 * m.vocab_size * d / (fsdp * tp * table_split(cfg, sizes))
+    non_expert = (s.layers - s.moe) * dense + s.moe * moe + tables + d
     return non_expert, s.moe * m.n_experts * 3 * d * fe / (ep * fsdp * tp)
 
 
@@ -83,10 +92,11 @@ def local_params(cfg: RunConfig, sizes: dict[str, int]) -> float:
 
 
 def local_layer_params(cfg: RunConfig, sizes: dict[str, int]) -> float:
-    """The device's layers' parameters (`local_params` less the vocab-split embedding and head
-    and the final norm)."""
+    """The device's layers' parameters (`local_params` less the embedding and head and the final
+    norm)."""
     m = cfg.model
-    return local_params(cfg, sizes) - 2 * m.vocab_size * m.d_model / (sizes["fsdp"] * sizes["tensor"]) - m.d_model
+    tables = 2 * m.vocab_size * m.d_model / (sizes["fsdp"] * sizes["tensor"] * table_split(cfg, sizes))
+    return local_params(cfg, sizes) - tables - m.d_model
 
 
 def dispatch_rows(cfg: RunConfig, sizes: dict[str, int]) -> int:

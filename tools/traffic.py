@@ -8,7 +8,8 @@ differ), the contract of DESIGN.md, in the bytes XLA GPU
 moves (the census of `tools.plan --compile-for-gpu`; XLA CPU widens bf16 and moves fp32, so
 its census is compared at model.compute_dtype=float32, where the two agree):
   gradients: a reduction once per step moves the fp32 sum of the k microbatches, G = 4·P'
-          (P' the parameters of this device's shard); a reduction per microbatch moves each as
+          (P' the parameters of this device's shard; pipelined, the embedding's and head's
+          1/p of them where fsdp·p divides D: tools.shape.table_split); a reduction per microbatch moves each as
           the backward leaves it, G_c = c·(P' - h - n - r) + 4·(h + n + r): the layers' and the
           embedding's gradients in the compute dtype (bf16 matmuls, a bf16 scatter-add), the
           head's and the routers' (their matmuls make fp32 logits) and the norms' in fp32;
@@ -43,7 +44,9 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     in the compute dtype once per step, the fp32 gradient sum
                                     reduce-scattered once (norms all-reduced); so too under
                                     every pipeline schedule (pipeline/engine.py), manual over
-                                    fsdp (the device's E/ep experts included). Under remat with
+                                    fsdp (the device's E/ep experts included), the embedding
+                                    and head, stored 1/p a stage, first gathered whole over
+                                    stage (2h of P'·f, not 2h/p). Under remat with
                                     explicit TP the layers gather inside their checkpoint
                                     (sharding.tensor_parallel.TensorParallel.gather_in_checkpoint):
                                     unrolled, XLA merges each microbatch's forward and
@@ -121,9 +124,12 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                          heads (C = ceil(M/p) each, pipeline.circular.dealt): stage p-1
                          sends (p-1)·C·a forward, every other stage its C·a of cotangents
                          back
-            every schedule  plus the all-reduce of the gradients of the weights every stage
-                         holds (embedding, head, final norm: their fp32 sums, each nonzero on
-                         the stage that uses it; pipeline/engine.py), 2·4·(2h + D)·(p-1)/p
+            every schedule  plus the weights every stage uses whole: the embedding and head,
+                         stored 1/p a stage (pipeline/stage_weights.py), gathered in the
+                         compute dtype and their fp32 sums (each nonzero on the stage that
+                         uses it) reduce-scattered, (c + 4)·2h·(p-1)/p, and the final norm's
+                         fp32 sum all-reduced, 2·4·D·(p-1)/p (where fsdp·p does not divide D
+                         the tables are stored whole, their sums all-reduced: 2·4·(2h + D)·(p-1)/p)
             V > 1        plus the layers laid out from the stored split every step
                          (`layout`, pipeline/layout.py): the chunks stored on the device that
                          run elsewhere (of V, P_l/V each, P_l the stage's layer weights) leave
@@ -161,7 +167,7 @@ from pipeline.layout import leaving
 from sharding.checks import accumulation_axes, dealt_heads
 from sharding.mesh import AXES
 from tools.pipeline_figures import STASHING, pipeline_figures, virtual
-from tools.shape import DTYPE_BYTES, dispatch_rows, local_param_parts, shape
+from tools.shape import DTYPE_BYTES, dispatch_rows, local_param_parts, shape, table_split
 
 NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8
 # r per remat policy, (plain TP, sequence parallelism): the tensor all-reduces a layer's backward
@@ -201,8 +207,9 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         once = 2 * 4 * (own - experts) * (n - 1) / n
         data = 2 * 4 * experts * frac["data"] + (once if sizes["data"] > 1 else 0.0)
         expert_grads = 0.0 if sizes["data"] > 1 else once
-    if "fsdp" in local:  # gathered whole once per step, the fp32 sum reduce-scattered once
-        fsdp = ((c + 4) * (own - norms) * f + 8 * norms) * frac["fsdp"]
+    if "fsdp" in local:  # gathered whole once per step, the fp32 sum reduce-scattered once; the
+        # embedding and head gathered over stage first (2h a device), reduce-scattered over stage after
+        fsdp = ((c + 4) * (own - norms + 2 * head * (1 - 1 / table_split(cfg, sizes))) * f + 8 * norms) * frac["fsdp"]
     else:  # ZeRO-3 per microbatch: the layers' weights gathered twice, embedding and head once
         layers = own - norms - 2 * head
         fsdp = s.k * ((3 * c * (layers + head) + 4 * head) * f + 8 * norms) * frac["fsdp"]
@@ -272,7 +279,7 @@ def per_microbatch_reductions(cfg: RunConfig, sizes: dict[str, int], own: float,
     batch or scan take the M microbatches at once)."""
     s, c = shape(cfg, sizes), DTYPE_BYTES[cfg.model.compute_dtype]
     head, norms, routers = small_parts(cfg, sizes)
-    layers = c * (own - 2 * head - norms - routers) + 4 * routers  # one microbatch's, experts included
+    layers = c * (own - 2 * head / table_split(cfg, sizes) - norms - routers) + 4 * routers  # experts included
     trips = layer_runs(cfg, sizes)
     once = 1 if circular(cfg, sizes) else s.k
     return trips * layers + once * (4 * head + c * head + 4 * norms), trips * c * experts
@@ -294,8 +301,11 @@ def stage(cfg: RunConfig, sizes: dict[str, int]) -> float:
     sends = [((ring or d < p - 1) * down + (ring or d > 0) * up) * a for d in range(p)]
     if circular(cfg, sizes):  # the outputs dealt to the stages' heads: p-1 sends each C forward, each its C back
         sends = [x + heads(cfg, sizes) * a * (p - 1 if d == p - 1 else 1) for d, x in enumerate(sends)]
-    replicated = 2 * small_parts(cfg, sizes)[0] + m.d_model  # embedding, head, final norm
-    reduced = 2 * 4 * replicated * (p - 1) / p
+    tables = 2 * small_parts(cfg, sizes)[0]  # embedding and head, 2h: stored 1/p a stage where split
+    if table_split(cfg, sizes) > 1:  # gathered in the compute dtype, reduce-scattered in fp32
+        reduced = (DTYPE_BYTES[m.compute_dtype] + 4) * tables * (p - 1) / p + 2 * 4 * m.d_model * (p - 1) / p
+    else:  # the fp32 sums all-reduced, the final norm's too
+        reduced = 2 * 4 * (tables + m.d_model) * (p - 1) / p
     return reduced + max(x + y for x, y in zip(sends, layout(cfg, sizes), strict=True))
 
 
@@ -305,8 +315,8 @@ def layout(cfg: RunConfig, sizes: dict[str, int]) -> list[float]:
     dtype, and as many chunks' fp32 gradients come back from it (pipeline/engine.py). All 0 at
     V = 1."""
     m, p, v = cfg.model, sizes["stage"], virtual(cfg)
-    head, _, _ = small_parts(cfg, sizes)
-    layers = sum(local_param_parts(cfg, sizes)) - 2 * head - m.d_model  # less embedding, head, final norm
+    tables = 2 * small_parts(cfg, sizes)[0] / table_split(cfg, sizes)
+    layers = sum(local_param_parts(cfg, sizes)) - tables - m.d_model  # less embedding, head, final norm
     c = DTYPE_BYTES[m.compute_dtype]
     chunk = layers / v * (c + 4)
     return [n * chunk for n in leaving(p, v, vee=cfg.parallel.schedule == "zbv")]
