@@ -56,6 +56,8 @@ PROSE_ONLY = {
     "tables-over-stage-h100-compiled": "XLA GPU's compiled peak and census of pipelined steps before and after the "
                                        "embedding and head were split over stage, and the estimate; README's table "
                                        "of it is written by hand",
+    "eval-region-h100-compiled": "XLA GPU's census and temp bytes of the pipelined evaluation step before and after "
+                                 "it ran in the training step's region; README quotes its ratios in prose",
     "circular-stash-h100-compiled": "XLA GPU's compiled peak of gpipe and interleaved steps and the estimate before "
                                     "and after their ticks ran in a checkpoint; README's table of it is written by hand",
     "circular-fp32-sum-h100-compiled": "XLA GPU's compiled peak of gpipe and interleaved steps before and after they "

@@ -41,8 +41,9 @@ compiled for H100s 6.04 to 4.52 GiB, pp=4 9.25 to 4.66;
 bench/results/gpipe-head-dealt-h100-compiled.json). The embedding's gradient is the lookup's
 transpose from an fp32 table, once per step (pipeline.cells.embed_grad); the embedding's and
 final norm's fp32 gradients, each nonzero on one stage, and the head's, summed over its C
-microbatches on each, meet over stage in one all-reduce. `mean_loss`, the evaluation step's
-forward, runs the same objective in a region manual over stage alone.
+microbatches on each, are summed over stage by the engine. `mean_loss`, the evaluation step's
+forward, runs the same objective in the same region (pipeline.engine.forward_stages: the
+weights gathered once over fsdp, the tables over stage, in the compute dtype).
 
 Memory: the fp32 sum of the layers' gradients (`_objective`), the stage's layers in fp32 where
 the bf16 sum had held them in bf16 (XLA's peak on 1b gpipe pp=2,dp=4: +0.8-0.9 GiB, where the
@@ -73,17 +74,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from configs.base import RunConfig
 from model.loss import cross_entropy
 from model.moe import no_stats
 from model.remat import stashed
-from model.transformer import compute_params
 from pipeline.cells import Static, embed, embed_grad, model_of, router_share
-from pipeline.engine import run_stages
-from pipeline.stage_weights import chunked, weight_specs
-from pipeline.stages import AXIS, buffer, over_stages, stages, with_part
+from pipeline.engine import forward_stages, run_stages
+from pipeline.stages import AXIS, buffer, stages, with_part
 from pipeline.tables import IDLE, cells, timetable
 from sharding.checks import dealt_heads, head_per_microbatch
 
@@ -107,17 +105,16 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     return run_stages(params, batch, cfg, batch_axes, False, run)
 
 
-def mean_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig) -> jax.Array:
-    """The mean loss of the [M, b, L] batch, forward only (the evaluation step), in a region
-    manual over stage alone."""
-    p, v_count, st = stages(), max(cfg.parallel.virtual_stages, 1), _static(graphdef, cfg, batch)
+def mean_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig,
+              batch_axes: tuple[str, ...] = ()) -> jax.Array:
+    """The mean loss of the [M, b, L] batch, forward only (the evaluation step), in
+    pipeline.engine's region (manual over stage and `batch_axes`, the weights gathered once)."""
+    st = _static(graphdef, cfg, batch)
 
-    def body(local: nnx.State, inputs: jax.Array, targets: jax.Array) -> jax.Array:
-        compute = chunked(compute_params(local, st.dtype), p, v_count, False)
-        return lax.psum(_objective(st, compute, _embedded(st, compute, merged(inputs)), targets, cfg)[1][0], AXIS)
+    def forward(compute: nnx.State, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+        return _objective(st, compute, _embedded(st, compute, merged(inputs)), targets, cfg)[1][0]
 
-    specs = weight_specs(params, (), stored=True)
-    return over_stages(body, (specs, P(), P()), P())(params, batch["inputs"], batch["targets"])
+    return forward_stages(params, batch, cfg, batch_axes, forward)
 
 
 def _static(graphdef: nnx.GraphDef, cfg: RunConfig, batch: dict) -> Static:

@@ -30,6 +30,10 @@ Per step, on each device:
      all-reduce of 2·D·4 bytes); loss and statistics summed over stage, averaged over the
      batch axes.
 
+The evaluation step (`forward_stages`: gpipe's forward, pipeline.circular.mean_loss) runs in
+the same region after step 1, then sums the loss over stage and averages it over the batch
+axes: its weights too are gathered once, in the compute dtype.
+
 So the data and fsdp bytes of a pipelined step are those of one reduction whatever M and the
 schedule: 2·4·P'·(N-1)/N over data (P' the device's parameters; N = dp·sp with sequence in the
 region, dp·ep with expert for every weight but the routed experts), and under fsdp one all-gather of the compute-dtype weights and one fp32
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 from flax import nnx
@@ -60,6 +65,36 @@ from sharding.rules import logical_to_spec
 Schedule = Callable[[nnx.State, jax.Array, jax.Array], tuple[jax.Array, nnx.State, dict]]
 
 
+class _Region(NamedTuple):
+    """The specs of a step's region: the body's weights (`flat`, the [V, Lc, ...] chunks), their
+    splits over the automatic axes (`splits`), the stored parameters (`outer`, the in_spec) and
+    the batch's rows (`rows`)."""
+
+    flat: list[P]
+    splits: list[P]
+    outer: nnx.State
+    rows: P
+
+
+def _region(params: nnx.State, batch: dict, batch_axes: tuple[str, ...]) -> _Region:
+    """The specs of a region manual over stage and `batch_axes` (over the batch axes only fsdp,
+    `embed`, and expert, `experts`, split weights)."""
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    manual = (*batch_axes, AXIS)
+    rows = logical_to_spec((None, "batch", "length"), batch["inputs"].shape, jax.sharding.get_abstract_mesh(),
+                           within=batch_axes)  # [M, b, L]: each device its b rows (its L/sp columns)
+    return _Region(jax.tree.leaves(weight_specs(params, manual), is_leaf=is_spec),
+                  jax.tree.leaves(weight_specs(params, automatic(batch_axes)), is_leaf=is_spec),
+                  weight_specs(params, manual, stored=True), rows)
+
+
+def _compute(local: nnx.State, specs: _Region, cfg: RunConfig, vee: bool) -> nnx.State:
+    """Step 1 (module docstring): the device's stored parameters cast to the compute dtype, laid
+    out as the chunks it runs and gathered whole over fsdp (the tables over stage too)."""
+    compute = compute_params(local, cfg.model.compute_dtype)
+    return gathered_once(chunked(compute, stages(), max(cfg.parallel.virtual_stages, 1), vee), specs.flat, specs.splits)
+
+
 def run_stages(params: nnx.State, batch: dict, cfg: RunConfig, batch_axes: tuple[str, ...], vee: bool,
                run: Schedule) -> tuple[jax.Array, nnx.State, dict]:
     """Mean loss, fp32 gradients (as stored) and router statistics (means per MoE layer and
@@ -67,28 +102,41 @@ def run_stages(params: nnx.State, batch: dict, cfg: RunConfig, batch_axes: tuple
     V layout) in a region manual over stage and `batch_axes` (module docstring)."""
     p, m_count = stages(), batch["inputs"].shape[0]
     v_count = max(cfg.parallel.virtual_stages, 1)
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    # over the batch axes only fsdp (`embed`) and expert (`experts`) split weights
-    manual = (*batch_axes, AXIS)
-    flat_specs = jax.tree.leaves(weight_specs(params, manual), is_leaf=is_spec)  # the body's [V, Lc] chunks
-    splits = jax.tree.leaves(weight_specs(params, automatic(batch_axes)), is_leaf=is_spec)
-    outer = weight_specs(params, manual, stored=True)  # the stored [X] blocks, laid out in the body
+    specs = _region(params, batch, batch_axes)
 
     def body(local: nnx.State, inputs: jax.Array, targets: jax.Array) -> tuple:
-        compute = compute_params(local, cfg.model.compute_dtype)
-        compute = gathered_once(chunked(compute, p, v_count, vee), flat_specs, splits)
-        loss, grads, stats = run(compute, inputs, targets)
-        n = math.prod(lax.axis_size(a) for a in batch_axes)
-        over_batch = (lambda a: lax.psum(a, batch_axes) / n) if batch_axes else (lambda a: a)  # noqa: E731
-        grads = reduced_once(grads, flat_specs, splits, batch_axes)  # once per step; embedding, head over stage
+        loss, grads, stats = run(_compute(local, specs, cfg, vee), inputs, targets)
+        over_batch = _over_batch(batch_axes)
+        grads = reduced_once(grads, specs.flat, specs.splits, batch_axes)  # once per step; embedding, head over stage
         grads = chunked(grads, p, v_count, vee, back=True)
         leaves, treedef = jax.tree.flatten(grads)  # the final norm (and a table stage does not split): summed
         summed = treedef.unflatten([g if over_stage(spec) else lax.psum(g, AXIS)
-                                    for g, spec in zip(leaves, flat_specs, strict=True)])
+                                    for g, spec in zip(leaves, specs.flat, strict=True)])
         stats = {name: over_batch(lax.psum(a, AXIS)) / (m_count * moe_layers(cfg.model)) for name, a in stats.items()}
         return over_batch(lax.psum(loss, AXIS)), with_part(summed, "blocks", grads["blocks"]), stats
 
-    rows = logical_to_spec((None, "batch", "length"), batch["inputs"].shape, jax.sharding.get_abstract_mesh(),
-                           within=batch_axes)  # [M, b, L]: each device its b rows (its L/sp columns)
-    return over_stages(body, (outer, rows, rows), (P(), outer, P()), batch_axes)(params, batch["inputs"],
-                                                                                batch["targets"])
+    return over_stages(body, (specs.outer, specs.rows, specs.rows), (P(), specs.outer, P()), batch_axes)(
+        params, batch["inputs"], batch["targets"])
+
+
+def forward_stages(params: nnx.State, batch: dict, cfg: RunConfig, batch_axes: tuple[str, ...],
+                   forward: Callable[[nnx.State, jax.Array, jax.Array], jax.Array]) -> jax.Array:
+    """The mean loss of the [M, b, L] batch, forward only (the evaluation step): `forward`
+    (compute, inputs, targets) -> the device's share of it, on run_stages's region and weights
+    (gathered once, in the compute dtype), without a gradient."""
+    specs = _region(params, batch, batch_axes)
+
+    def body(local: nnx.State, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+        loss = forward(_compute(local, specs, cfg, False), inputs, targets)
+        return _over_batch(batch_axes)(lax.psum(loss, AXIS))
+
+    return over_stages(body, (specs.outer, specs.rows, specs.rows), P(), batch_axes)(params, batch["inputs"],
+                                                                                     batch["targets"])
+
+
+def _over_batch(batch_axes: tuple[str, ...]) -> Callable[[jax.Array], jax.Array]:
+    """A device's value -> its mean over the batch axes (inside the region)."""
+    if not batch_axes:
+        return lambda a: a
+    n = math.prod(lax.axis_size(axis) for axis in batch_axes)
+    return lambda a: lax.psum(a, batch_axes) / n

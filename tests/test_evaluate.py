@@ -42,7 +42,8 @@ def test_eval_figures_and_repeat(single):
         assert evaluate(job.eval_fn, job.state.params, job.eval_batches, 2, "tokens")["eval_bpb"] is None
 
 
-@pytest.mark.parametrize("mesh, schedule", [("fsdp=2,tp=2", "gpipe"), ("pp=2,dp=2", "gpipe"), ("pp=2,dp=2", "1f1b")])
+@pytest.mark.parametrize("mesh, schedule", [("fsdp=2,tp=2", "gpipe"), ("pp=2,dp=2", "gpipe"), ("pp=2,dp=2", "1f1b"),
+                                              ("pp=2,fsdp=2", "zb-h1"), ("pp=2,sp=2", "gpipe")])
 def test_eval_loss_same_on_every_mesh(mesh, schedule, single, corpus):
     """Within conftest.assert_same_run's loss tolerance (fp32 compute; reduction order only).
     pp=2 runs the GPipe forward of pipeline/circular.py (the batch as 2 microbatches), whatever

@@ -123,8 +123,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     reduced once per step (`Strategies.accumulation`, the module docstring); () leaves the
     reductions to XLA. `gather_once`: fsdp's weights gathered before the loop, not per microbatch.
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    axes = () if mesh.empty else tuple(a for a in accumulation if dict(mesh.shape).get(a, 1) > 1)
+    mesh, axes = jax.sharding.get_abstract_mesh(), _sized(accumulation)
     if schedule:
         return pipeline.loss_and_grads(params, graphdef, batch, cfg, axes)
     if not axes:
@@ -190,6 +189,12 @@ def _accumulate(weights, graphdef: nnx.GraphDef, batch: dict, cfg: RunConfig, tr
     return jax.tree.map(lambda t: t / k, totals)
 
 
+def _sized(axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of the accumulation `axes` the mesh in context gives more than one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return () if mesh.empty else tuple(a for a in axes if dict(mesh.shape).get(a, 1) > 1)
+
+
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr: optax.Schedule,
                     cfg: RunConfig, strategies: Strategies) -> Callable:
     """(state, batch) -> (state, metrics); jit it with the state's shardings."""
@@ -220,7 +225,7 @@ def make_eval_step(graphdef: nnx.GraphDef, cfg: RunConfig, strategies: Strategie
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, z_loss=0.0))
     if strategies.schedule:
         gpipe = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, schedule="gpipe", virtual_stages=1))
-        return lambda params, batch: mean_loss(params, graphdef, batch, gpipe)
+        return lambda params, batch: mean_loss(params, graphdef, batch, gpipe, _sized(strategies.accumulation))
 
     def eval_step(params: nnx.State, batch: dict) -> jax.Array:
         def micro(total, microbatch):
