@@ -56,6 +56,9 @@ PROSE_ONLY = {
     "tables-over-stage-h100-compiled": "XLA GPU's compiled peak and census of pipelined steps before and after the "
                                        "embedding and head were split over stage, and the estimate; README's table "
                                        "of it is written by hand",
+    "head-over-stages-h100-compiled": "XLA GPU's census, peak and the planner's bubble and step of 1F1B-family "
+                                      "steps before and after their head ran over the stages; README quotes its "
+                                      "ratios in prose",
     "eval-region-h100-compiled": "XLA GPU's census and temp bytes of the pipelined evaluation step before and after "
                                  "it ran in the training step's region; README quotes its ratios in prose",
     "circular-stash-h100-compiled": "XLA GPU's compiled peak of gpipe and interleaved steps and the estimate before "

@@ -1,17 +1,17 @@
-"""The cells of the 1F1B family's tick program (pipeline/one_f_one_b.py), one per
-`Program.branch`: F runs a chunk under `jax.vjp` and keeps its residuals in a slot; B (or, for
-zb-h1, B and later W: pipeline/split_backward.py) runs its backward from them; the last chunk's B
-first runs the head and loss. A cell is a function of the static `Static`, the stage's compute
-parameters ([V, Lc, ...] blocks), chunk v, the cell's (residuals, stash) slots, its input x [b,
-L, D], output gradient g, the microbatch's tokens and targets [b, L] and the carry's `Sent`, and
-returns the next `Sent`; F on the model's first chunk embeds the tokens itself. Layouts, slot
-counts and memory are in one_f_one_b.py's docstring.
+"""The cells of the 1F1B family's tick program (pipeline/one_f_one_b.py), one per `Program.branch`:
+F runs a chunk under `jax.vjp` and keeps its residuals in a slot; B (or, for zb-h1, B and later
+W: pipeline/split_backward.py) runs its backward from them (the last chunk's B from the
+cotangent of the head, which runs outside the cells: pipeline/head.py). A cell is a function of
+the static `Static`, the stage's compute parameters ([V, Lc, ...] blocks), chunk v, the cell's
+(residuals, stash) slots, its input x [b, L, D], output gradient g, the microbatch's tokens and
+targets [b, L] and the carry's `Sent`, and returns the next `Sent`; F on the model's first chunk
+embeds the tokens itself. Layouts, slot counts and memory are in one_f_one_b.py's docstring.
 
 `embed`, `embed_grad`, `router_share`, `Static` and `model_of` serve gpipe and interleaved too
 (pipeline/circular.py).
 
 `run_cell` runs a tick's cell as one `lax.switch` per group of cells that write the same fields
-of `Sent` (F; B and the last chunk's B; W), whose operand and result are those fields alone:
+of `Sent` (F; B; W), whose operand and result are those fields alone:
 the other fields, the slot buffers the group only reads among them, go in as operands that no
 branch returns. With the buffers passed through one switch over all cells, XLA GPU's
 latency-hiding scheduler copied them: under explicit tensor parallelism (the all-reduces inside
@@ -35,14 +35,13 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from configs.base import ModelConfig
-from model.loss import cross_entropy
 from model.moe import router_loss
 from model.remat import stashed
 from model.transformer import Transformer
 from pipeline.split_backward import split_vjp
 from pipeline.stages import AXIS, with_part
 from pipeline.tables import BACKWARD, FORWARD, WEIGHT
-from pipeline.tick_program import BACKWARD_LAST, NAMES, SCOPE
+from pipeline.tick_program import NAMES, SCOPE
 from sharding.checks import moe_layers
 from sharding.vocab_parallel import take_grad_reduced
 
@@ -77,7 +76,7 @@ class Sent(NamedTuple):
     send_f: jax.Array  # [b, L, D] the stage's output, for s+1 at the next tick (zbv's chunk 1: its input gradient)
     send_b: jax.Array  # [b, L, D] the gradient of the stage's input, for s-1 at the next tick (zbv's chunk 1: its output)
     grads: nnx.State  # fp32 gradients of the stage's parameters ([V, Lc, ...] blocks), summed so far
-    loss: jax.Array  # the loss summed so far (stage p-1)
+    loss: jax.Array  # the loss summed so far (on the head stage: pipeline/head.py)
     stats: dict  # the router statistics of the stage's MoE layers, summed over its B cells so far
     residuals: tuple  # the residuals [slots, ...] (F writes its slot, B or W reads it)
     stash: tuple  # split backward: what W needs of B [slots, ...] (B writes its slot, W reads it)
@@ -101,17 +100,6 @@ def _chunk(st: Static, model: Transformer, layers: nnx.State, x: jax.Array) -> t
         return (y, router_share(st, stats)), stats
 
     return stashed(run, st.model.remat)(layers, x)
-
-
-def _head(st: Static, local: nnx.State, y: jax.Array, target: jax.Array) -> tuple[jax.Array, dict, jax.Array]:
-    """Final norm, head and loss of one microbatch on the last chunk's output y [b, L, D] (target
-    [b, L]), scaled 1/M, forward and backward at once: (the scaled loss, the gradients of the
-    parameters outside the blocks, dy)."""
-    def loss(outside, y):
-        return cross_entropy(model_of(st, replaced(local, outside)).logits(y), target, st.z_loss) / st.m_count
-
-    lm, (d_rest, dy) = jax.value_and_grad(loss, argnums=(0, 1))(_outside(local), y)
-    return lm, d_rest, dy
 
 
 def _vjp(st: Static, model: Transformer, layers: nnx.State, x: jax.Array) -> tuple:
@@ -151,14 +139,10 @@ def chunk_of(local: nnx.State, v: jax.Array) -> nnx.State:
     return jax.tree.map(lambda a: a[v], local["blocks"])
 
 
-def _acc(grads: nnx.State, v: jax.Array, d_layers: nnx.State | None, d_rest: dict | None = None) -> nnx.State:
-    """grads + chunk v's layer gradients (and those of the parameters outside the blocks,
-    d_rest {name: part}: the head's and final norm's), in fp32."""
-    add = lambda a, d: a + d.astype(a.dtype)  # noqa: E731
-    parts = {name: jax.tree.map(add, grads[name], part) for name, part in (d_rest or {}).items()}
-    if d_layers is not None:
-        parts["blocks"] = jax.tree.map(lambda a, d: a.at[v].add(d.astype(a.dtype)), grads["blocks"], d_layers)
-    return replaced(grads, parts)
+def _acc(grads: nnx.State, v: jax.Array, d_layers: nnx.State) -> nnx.State:
+    """grads + chunk v's layer gradients, in fp32."""
+    add = lambda a, d: a.at[v].add(d.astype(a.dtype))  # noqa: E731
+    return with_part(grads, "blocks", jax.tree.map(add, grads["blocks"], d_layers))
 
 
 def replaced(tree: nnx.State, parts: dict) -> nnx.State:
@@ -166,11 +150,6 @@ def replaced(tree: nnx.State, parts: dict) -> nnx.State:
     for name, part in parts.items():
         tree = with_part(tree, name, part)
     return tree
-
-
-def _outside(local: nnx.State) -> dict:
-    """The parameters outside the blocks {name: part}: embedding, final norm, head."""
-    return {name: local[name] for name in local if name != "blocks"}
 
 
 # The cells, one per Program.branch but IDLE: (static, the stage's compute parameters, chunk v,
@@ -208,16 +187,6 @@ def _backward(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Arra
     return out._replace(send_b=dx, grads=_acc(out.grads, v, d_layers))
 
 
-def _backward_last(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
-                   tokens: jax.Array, target: jax.Array, out: Sent) -> Sent:
-    """B of the last chunk: x is the chunk's output (its F left it in the input slot); the head
-    and loss, then the chunk's vjp from its residuals."""
-    lm, d_rest, dy = _head(st, local, x, target)
-    leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
-    d_layers, dx = jax.tree.unflatten(st.layout.treedef, leaves)((dy, jnp.ones((), jnp.float32)))
-    return out._replace(send_b=dx, grads=_acc(out.grads, v, d_layers, d_rest), loss=out.loss + lm)
-
-
 def _backward_input(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
                     tokens: jax.Array, target: jax.Array, out: Sent) -> Sent:
     """Split B: the input gradient only; what W needs of it goes to the stash slot."""
@@ -234,23 +203,12 @@ def _weight(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array,
     return out._replace(grads=_acc(out.grads, v, d_layers))
 
 
-def _backward_input_last(st: Static, local: nnx.State, v: jax.Array, at: tuple, x: jax.Array, g: jax.Array,
-                         tokens: jax.Array, target: jax.Array, out: Sent) -> Sent:
-    """Split B of the last chunk: the head and loss on its output x (forward and backward at
-    once: their small weight gradients here), then the chunk's input gradient."""
-    lm, d_rest, dy = _head(st, local, x, target)
-    leaves = _pullback_leaves(st, local, v, (a[at[0]] for a in out.residuals))
-    dx, stash = st.split[0](leaves, (dy, jnp.ones((), jnp.float32)))
-    return out._replace(send_b=dx, grads=_acc(out.grads, v, None, d_rest), loss=out.loss + lm,
-                        stash=_put(out.stash, at[1], stash))
-
-
 # Program.branch -> cell, unsplit and split (zb-h1); IDLE runs none
-CELLS = {FORWARD: _forward, BACKWARD: _backward, BACKWARD_LAST: _backward_last}
-SPLIT_CELLS = {FORWARD: _forward, BACKWARD: _backward_input, WEIGHT: _weight, BACKWARD_LAST: _backward_input_last}
+CELLS = {FORWARD: _forward, BACKWARD: _backward}
+SPLIT_CELLS = {FORWARD: _forward, BACKWARD: _backward_input, WEIGHT: _weight}
 # The groups of cells `run_cell` runs as one switch each, and the fields of Sent they write
 GROUPS = (((FORWARD,), ("send_f", "residuals", "stats")),
-          ((BACKWARD, BACKWARD_LAST), ("send_b", "grads", "loss", "stash")),
+          ((BACKWARD,), ("send_b", "grads", "stash")),
           ((WEIGHT,), ("grads",)))
 
 

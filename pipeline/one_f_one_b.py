@@ -9,11 +9,12 @@ chunks s and 2p-1-s. V = 1 runs the stored layout (no data moves); V > 1 lays th
 layers out inside the engine every step, each chunk stored elsewhere moving once by
 collective-permute, and their fp32 gradients back (pipeline/layout.py; tools.traffic.layout). The
 embedding, final norm and head are whole on every stage for the step (the embedding and head
-stored 1/p a stage, gathered once: pipeline/stage_weights.py) and used by the first chunk (stage
-0 chunk 0: embedding) and the last (head and loss: stage p-1 chunk V-1, zbv's stage 0 chunk 1)
-inside the schedule: the backward of microbatch 0 starts before microbatch M-1 has entered, so
-each microbatch's loss is computed where its forward ends and its cotangent starts there. Their
-gradients are summed over stage once per step (pipeline/engine.py).
+stored 1/p a stage, gathered once: pipeline/stage_weights.py) and used inside the schedule: the
+embedding by the first chunk (stage 0 chunk 0), the head and loss by every stage at the ticks
+whose head stage (p-1, chunk V-1; zbv's stage 0, chunk 1) runs the model's last chunk's B, each
+stage on its slice of the vocabulary (pipeline/head.py): the backward of microbatch 0 starts
+before microbatch M-1 has entered, so each microbatch's loss is computed at the tick its
+cotangent starts. Their gradients are summed over stage once per step (pipeline/engine.py).
 
 Tick program (one `lax.scan` over the ticks of pipeline/tables.py's table; every device runs
 it and picks its own cell with `lax.axis_index`; the buffer slots are assigned on the host,
@@ -28,23 +29,28 @@ pipeline/tick_program.py; the cells are pipeline/cells.py):
      warm-up sends no gradient back, the cool-down no forward on; at p = 2 each runs M of the
      T ticks); an arriving value is written to its slot of `inputs` (forward) or `inbox`
      (gradient);
-  2. input: the cell's `inputs` slot (F on stage 0 chunk 0 embeds microbatch m's tokens instead);
-  3. the cell of `CELLS` (`SPLIT_CELLS` for zb-h1 and zbv), functions of the stage's parameters, chunk
+  2. head, at the M ticks whose head stage runs the last chunk's B (tick_program.heads): the
+     final norm, head and loss of that microbatch, forward and backward, on every stage under
+     one `lax.cond` whose predicate is the tick's, the vocabulary split over the stages (the
+     head stage's chunk output broadcast over stage; the loss's statistics and the head's input
+     gradient summed over stage: pipeline/head.py). Its input gradient is that B's cotangent.
+     On the head stage alone, those M cells were the longest of their ticks by the head's
+     cost, and in lock-step every stage waited (0.77 chunk forwards for 1b on pp=4: zb-h1's
+     bubble 0.230, now 0.105; pipeline/schedule.py, Head);
+  3. input: the cell's `inputs` slot (F on stage 0 chunk 0 embeds microbatch m's tokens instead);
+  4. the cell of `CELLS` (`SPLIT_CELLS` for zb-h1 and zbv), functions of the stage's parameters, chunk
      v, the cell's slots, the input x, the gradient g, the microbatch's tokens and targets, the carry's
      `Sent`, run by `cells.run_cell` (a `lax.switch` per group of cells that write the same
      fields, so that no switch passes a slot buffer through; cells.py's docstring says why):
      F      run chunk v's layers under `jax.vjp`, send the output, keep the vjp's residuals in
             a `residuals` slot until B (the last chunk's output waits in its input slot)
-     B      the vjp from the kept residuals, cotangent g: chunk v's gradients (fp32, summed in
-            the carry) and dx, sent to s-1; on the last chunk first the head and loss (scaled
-            1/M), forward and backward, give its cotangent: those M cells, on one stage, are
-            the longest of their ticks by the head's cost (0.77 chunk forwards for 1b on
-            pp=4; the planner counts it: pipeline/schedule.py, Head)
+     B      the vjp from the kept residuals, cotangent g (on the last chunk, step 2's): chunk
+            v's gradients (fp32, summed in the carry) and dx, sent to s-1
      split (zb-h1, zbv; pipeline/split_backward.py): B computes dx only and leaves in a `stash`
             slot what W needs (each matmul's output cotangent); W, a later tick, the weight
             gradients from the residuals and the stash. All weight-gradient matmuls stay in W
             (B + W hold the unsplit B's matmuls, none twice)
-  4. embedding backward, at the M ticks whose stage 0 runs chunk 0's B (tick_program.embeds_back):
+  5. embedding backward, at the M ticks whose stage 0 runs chunk 0's B (tick_program.embeds_back):
      the table's gradient from that dx (zero on the other stages), scattered into the fp32
      accumulator in place (cells.embed_grad), on every device under one `lax.cond` whose
      predicate is the tick's, the same on every stage.
@@ -77,12 +83,12 @@ The region, and what happens before and after the ticks (the weights cast, laid 
 gathered over fsdp once per step, the gradients reduced over the batch axes once), is
 pipeline/engine.py's, shared with gpipe and interleaved.
 
-The embedding's lookup (2) runs in the F cell, on every chunk, its result selected on stage 0's
+The embedding's lookup (3) runs in the F cell, on every chunk, its result selected on stage 0's
 chunk 0 (pipeline.cells._forward): V·M lookups a stage, each under tensor parallelism with the
 vocab-parallel lookup's all-reduce within the stage. Outside the switch, on every stage in every
 tick, it had run T of them: the tensor bytes of 125m 1f1b on pp=2,dp=2,tp=2 at M = 8 fell
 to 0.954x, zbv's to 0.868x, 1b interleaved-1f1b's on pp=4,tp=2 to 0.893x
-(bench/results/embedding-in-f-cell-h100-compiled.json). The lookup's backward (4) stays
+(bench/results/embedding-in-f-cell-h100-compiled.json). The lookup's backward (5) stays
 outside the switch: the devices of different stages take different branches, so a branch may
 hold only collectives whose devices are all in one stage, and the backward's may span the
 stages (GSPMD's partition of the scatter-add under sequence parallelism has been a
@@ -91,8 +97,8 @@ sharding.vocab_parallel.take_grad_reduced, an all-reduce of the table's gradient
 conditional runs it where every device takes the same branch, at M of the T ticks: the others
 skip it (until 2026-12-02 it ran every tick: T scatter-adds of [b, L, D] a stage, T - M of them
 on zeros, each with its collective; tiny's tensor bytes under SP on pp=2,tp=2 fell to 0.80x for
-zbv, and under context_impl=gspmd on pp=2,sp=2,tp=2 1f1b's sequence bytes to 0.77x). The head's
-collectives (the vocab split over tensor) stay within the last stage.
+zbv, and under context_impl=gspmd on pp=2,sp=2,tp=2 1f1b's sequence bytes to 0.77x). The head
+(2) is outside the switch for the same reason: its collectives span the stages.
 tp_overlap's rings are collective-permutes too, hence refused with this family
 (sharding/checks.py), and so is the context-parallel ring.
 """
@@ -109,10 +115,11 @@ from jax import lax
 
 from configs.base import RunConfig
 from model.moe import no_stats
-from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed_grad, replaced, residual_layout, run_cell
+from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed_grad, model_of, replaced, residual_layout, run_cell
 from pipeline.engine import run_stages
+from pipeline.head import add_head_grad, head_loss
 from pipeline.stages import AXIS, buffer, stages, with_part
-from pipeline.tick_program import EMBED_BACK, PERMUTE, SCOPE, Program, cell_shares, embeds_back, program
+from pipeline.tick_program import EMBED_BACK, HEAD, PERMUTE, SCOPE, Program, cell_shares, embeds_back, heads, program
 from sharding.checks import ONE_F_ONE_B, microbatches
 
 
@@ -145,6 +152,8 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
     prog = program(cfg.parallel.schedule, p, m_count, v_count)
     st = Static(graphdef, cfg.model, jnp.dtype(cfg.model.compute_dtype), cfg.train.z_loss, m_count, prog.split)
     pairs, arrivals = _links(prog, p, v_count)
+    head_stage = int(np.flatnonzero(prog.head.any(axis=0))[0])
+    head_m = prog.microbatch[:, head_stage] * heads(prog)  # [ticks] the microbatch whose head runs (0 elsewhere)
 
     def run(compute, inputs, targets):
         s = lax.axis_index(AXIS)
@@ -154,11 +163,12 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
         kinds = {int(k) for k in np.unique(prog.branch)}
 
         def tick(carry, row):
-            (back, moving), row = row
-            kind, m, v, xs, gs, rs, ss, kf, kb, *slots = (a[s] for a in row)
+            (back, head_at, head_m, moving), row = row
+            kind, m, v, here, xs, gs, rs, ss, kf, kb, *slots = (a[s] for a in row)
             inbuf, inbox, out = carry
             inbuf, inbox = _receive(inbuf, inbox, out, slots, pairs, arrivals, moving)
-            out = run_cell(cells, kinds, kind, (compute, v, (rs, ss), inbuf[xs], inbox[gs], inputs[m], targets[m]), out)
+            out, g = _head(stc, compute, inbuf[xs], targets[head_m], inbox[gs], out, head_at, here, head_stage)
+            out = run_cell(cells, kinds, kind, (compute, v, (rs, ss), inbuf[xs], g, inputs[m], targets[m]), out)
             inbuf = _put(inbuf, kf, out.send_f)  # the last chunk's output for its B; zbv's turn
             if prog.used("keep_b"):
                 inbox = _put(inbox, kb, out.send_b)  # zbv's turn: chunk 1's input gradient feeds chunk 0's B
@@ -168,20 +178,42 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
                                    send_b=jnp.where(v == 1, out.send_f, out.send_b))
             return (inbuf, inbox, out), None
 
-        rows = tuple(jnp.asarray(a) for a in (prog.branch, prog.microbatch, prog.chunk, prog.x_slot, prog.g_slot,
+        rows = tuple(jnp.asarray(a) for a in (prog.branch, prog.microbatch, prog.chunk, prog.head, prog.x_slot,
+                                              prog.g_slot,
                                               prog.r_slot, prog.s_slot, prog.keep_f, prog.keep_b,
                                               *(getattr(prog, field) for _, _, field in arrivals)))
         (_, _, out), _ = lax.scan(tick, _start(prog, act, compute, residuals, stash, cfg),
-                                  ((jnp.asarray(embeds_back(prog)), {w: jnp.asarray(a) for w, a in prog.moving.items()}),
-                                   rows))
+                                  ((jnp.asarray(embeds_back(prog)), jnp.asarray(heads(prog)), jnp.asarray(head_m),
+                                    {w: jnp.asarray(a) for w, a in prog.moving.items()}), rows))
         return out.loss, out.grads, out.stats
 
     return run_stages(params, batch, cfg, batch_axes, prog.v_shape, run)
 
 
+def _head(st: Static, compute: nnx.State, y: jax.Array, target: jax.Array, g: jax.Array, out: Sent,
+          at: jax.Array, here: jax.Array, head_stage: int) -> tuple[Sent, jax.Array]:
+    """Step 2 of the tick: where `at` (the tick's, the same on every device: tick_program.heads)
+    the head over the stages (pipeline/head.py) on y, the head stage's last chunk output, and
+    target, that microbatch's; (out with the loss and the head's and final norm's fp32
+    gradients added, the cell's output gradient: the head's input gradient where `here`, the
+    head stage's cell, else g). Under one lax.cond whose operands and results are the loss and
+    those gradients, which the other ticks pass through."""
+    def run(acc: tuple) -> tuple:
+        loss, head, norm = acc
+        with jax.named_scope(SCOPE + HEAD):
+            lm, d, dy = head_loss(partial(model_of, st), compute, y, target, st.z_loss, st.m_count, head_stage)
+        norm = jax.tree.map(lambda a, b: a + b.astype(a.dtype), norm, d["final_norm"])
+        return loss + lm, add_head_grad(head, d["head"]), norm, dy
+
+    acc = (out.loss, out.grads["head"], out.grads["final_norm"])
+    loss, head, norm, dy = lax.cond(at, run, lambda acc: (*acc, jnp.zeros_like(g)), acc)
+    return (out._replace(loss=loss, grads=replaced(out.grads, {"head": head, "final_norm": norm})),
+            jnp.where(here, dy, g))
+
+
 def _embedding_backward(st: Static, compute: nnx.State, tokens: jax.Array, out: Sent, back: jax.Array,
                         first: jax.Array) -> Sent:
-    """Step 4 of the tick: where `back` (the tick's, the same on every device: tick_program.embeds_back)
+    """Step 5 of the tick: where `back` (the tick's, the same on every device: tick_program.embeds_back)
     the embedding's gradient of `tokens` from the input gradient the B cell sent on stage 0
     (`first`; zeros on the others), under a lax.cond whose operand and result are the fp32 table
     gradient alone, which the other ticks pass through."""

@@ -30,10 +30,15 @@ weighed with their mirrored backward (`with_backward`). busy = a stage's cost su
                 whose stages run free (MPMD, point-to-point sends) would.
 Head (`costs(head=h)`, 0 by default): the final norm, head and loss of one microbatch, forward and
 backward, in chunk forwards (`tools.pipeline_figures.cell_costs` takes it from the FLOPs: 0.77 for
-1b on pp=4). The 1F1B family runs it first in the last chunk's B (`head_cell`), on one stage, so
-in lock-step each tick holding such a B lasts h longer on every stage. gpipe and interleaved deal
-the M outputs out, ceil(M/p) to each stage (pipeline.circular.dealt), and run those heads
-between the ticks and their mirrored backward: h·ceil(M/p) on every stage, M·h/p of it busy.
+1b on pp=4). The 1F1B family's tick program runs it over the stages (pipeline/head.py) at each
+tick whose head stage runs the last chunk's B (`head_cell`), its vocabulary split p ways: in
+lock-step each of those M ticks lasts h/p longer, all of it busy (its collectives not counted);
+on the head stage alone every stage waited h at each (zb-h1's lock-step bubble for 1b on pp=4 at
+M = 8: 0.230, now 0.105; the step 1.23x the headless one in forwards, now 1.06x). The
+asynchronous timeline keeps the head in its stage's B cell, where an engine whose stages run
+free would run it. gpipe and interleaved deal the M outputs out,
+ceil(M/p) to each stage (pipeline.circular.dealt), and run those heads between the ticks and
+their mirrored backward: h·ceil(M/p) on every stage, M·h/p of it busy.
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ def _dealt(table: Table) -> int:
 
 def _cost_of(table: Table, cost: dict[str, float]) -> Callable[[int, Op], float]:
     """(stage, op) -> the cell's weighted cost: its kind's, plus `head` on the 1F1B family's head
-    cell (gpipe and interleaved run their heads apart: `_dealt`)."""
+    cell in the asynchronous timeline (gpipe and interleaved run their heads apart: `_dealt`)."""
     p, v_count, vee = len(table[0]), virtual_stages(table), v_shape(table)
     head = 0.0 if _dealt(table) else cost.get("head", 0.0)
     at = {(s, v) for s in range(p) for v in range(v_count) if head_cell(Op("B", 0, v), s, p, v_count, vee)}
@@ -112,10 +117,11 @@ def timeline(table: Table, cost: dict[str, float] | None = None) -> list[tuple[i
 def _lockstep(table: Table, cost: dict[str, float]) -> tuple[float, float]:
     """(busy, lock-step time): a stage's mean cost sum, and the sum over ticks of the most
     expensive cell; gpipe and interleaved add their heads, ceil(M/p) on every stage at once, M
-    of them real."""
+    of them real; the 1F1B family its M heads over the stages, each h/p on every stage."""
     dealt, whole, head = _dealt(table), with_backward(table), cost.get("head", 0.0)
-    cost_of, p = _cost_of(table, cost), len(whole[0])
-    heads, real_heads = dealt * head, (_microbatches(table) / p * head if dealt else 0.0)
+    cost_of, p = _cost_of(table, cost | {"head": 0.0}), len(whole[0])
+    heads = dealt * head if dealt else _microbatches(table) * head / p
+    real_heads = _microbatches(table) / p * head
     busy = sum(cost_of(s, c) for row in whole for s, c in enumerate(row) if c is not None) / p + real_heads
     time = sum(max((cost_of(s, c) for s, c in enumerate(row) if c is not None), default=0) for row in whole) + heads
     return busy, time

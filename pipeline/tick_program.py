@@ -15,11 +15,11 @@ import numpy as np
 
 from pipeline.tables import BACKWARD, FORWARD, WEIGHT, Cells, Table, cells, route, timetable, v_shape, virtual_stages
 
-BACKWARD_LAST = WEIGHT + 1  # the cells: the table's IDLE, FORWARD, BACKWARD, WEIGHT, and B of the last chunk
 # Each cell runs under the named scope SCOPE + its name (pipeline.cells.run_cell), which XLA keeps
 # in its collectives' op_name: the census counts them per cell run, not per tick (`cell_shares`)
 SCOPE = "pipeline_cell_"
-NAMES = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W", BACKWARD_LAST: "B_last"}
+NAMES = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
+HEAD = "head"  # the head over the stages (pipeline/head.py), at the ticks of `heads`, under SCOPE + this
 EMBED_BACK = "embed_back"  # the embedding's backward, at the ticks of `embeds_back`, under SCOPE + this
 PERMUTE = "permute_"  # the two permutes, at the ticks of `moves`, under SCOPE + this + "down" or "up"
 
@@ -32,13 +32,14 @@ class Program(NamedTuple):
     way, hence a slot for each permute and buffer."""
 
     branch: np.ndarray  # the cell, an index into CELLS
+    head: np.ndarray  # bool: the cell is the model's last chunk's B, its cotangent the head's (pipeline/head.py)
     microbatch: np.ndarray  # the cell's microbatch (0 when idle)
     chunk: np.ndarray  # the cell's chunk v (0 when idle)
     down_input: np.ndarray  # `inputs` slot for a forward value arriving from s-1, -1 none
     down_grad: np.ndarray  # `inbox` slot for a gradient arriving from s-1 (zbv), -1 none
     up_input: np.ndarray  # `inputs` slot for a forward value arriving from s+1 (zbv), -1 none
     up_grad: np.ndarray  # `inbox` slot for a gradient arriving from s+1, -1 none
-    x_slot: np.ndarray  # `inputs` slot of the cell's input (F, the last chunk's B)
+    x_slot: np.ndarray  # `inputs` slot of the cell's input (F; the last chunk's B: its output, the head's input)
     g_slot: np.ndarray  # `inbox` slot of the cell's output gradient (B)
     r_slot: np.ndarray  # `residuals` slot the F writes and its B (split: its W) reads
     s_slot: np.ndarray  # split backward: `stash` slot the B writes and its W reads
@@ -85,7 +86,7 @@ def program(schedule: str, p: int, m_count: int, v_count: int = 1) -> Program:
     ticks, split = len(kind), bool((kind == WEIGHT).any())
     to = lambda k, s, v: route(SENDS[k], s, v, p, v_count, vee)  # noqa: E731  (stage, chunk) or None
     arriving = _arrivals(ways, cell, dest)
-    branch = kind.copy()
+    head = np.zeros((ticks, p), bool)
     arrays = {name: np.full((ticks, p), -1, np.int32)
               for name in ("down_input", "down_grad", "up_input", "up_grad", "keep_f", "keep_b")}
     arrays |= {name: np.zeros((ticks, p), np.int32) for name in ("x_slot", "g_slot", "r_slot", "s_slot")}
@@ -109,8 +110,8 @@ def program(schedule: str, p: int, m_count: int, v_count: int = 1) -> Program:
                     arrays["keep_f"][t, s] = slots["inputs"].take((item[0], dest[1]))
                 arrays["r_slot"][t, s] = slots["residuals"].take(item)
             elif k == BACKWARD:
-                if to(FORWARD, s, item[1]) is None:  # the last chunk: head and loss first
-                    branch[t, s] = BACKWARD_LAST
+                if to(FORWARD, s, item[1]) is None:  # the last chunk: the head's cotangent
+                    head[t, s] = True
                     arrays["x_slot"][t, s] = slots["inputs"].free(item)
                 else:
                     arrays["g_slot"][t, s] = slots["inbox"].free(item)
@@ -127,7 +128,7 @@ def program(schedule: str, p: int, m_count: int, v_count: int = 1) -> Program:
         assert not any(b.held for b in slots.values()), f"stage {s} ends holding values"
         for name, b in slots.items():
             sizes[name] = max(sizes[name], b.most)
-    return Program(branch, micro, chunk, **arrays, **sizes, split=split, v_shape=vee, moving=_moving(ways))
+    return Program(kind, head, micro, chunk, **arrays, **sizes, split=split, v_shape=vee, moving=_moving(ways))
 
 
 SENDS = {FORWARD: "F", BACKWARD: "B"}  # the cells whose output a neighbour may receive (tables.route)
@@ -182,17 +183,24 @@ def embeds_back(prog: Program) -> np.ndarray:
     return (prog.branch[:, 0] == BACKWARD) & (prog.chunk[:, 0] == 0)
 
 
+def heads(prog: Program) -> np.ndarray:
+    """[ticks] bool, the same for every stage: the ticks whose head stage runs the model's last
+    chunk's B, at which every stage runs the head over the stages first (M of them)."""
+    return prog.head.any(axis=1)
+
+
 def cell_shares(prog: Program, mesh_shape: dict[str, int], axis: str = "stage") -> dict[str, dict[int, float]]:
     """tools.hlo.census's `taken`: for each cell's scope, the share of the ticks each device (by
     its position in the mesh's flat order, on the mesh of `mesh_shape`) runs it. The switch that
     holds a cell's collectives runs every tick; the cell only on its stage's ticks. Every device
-    runs the embedding's backward (EMBED_BACK) at the ticks of `embeds_back`, and each permute
-    (PERMUTE) at the ticks of `Program.moving`."""
+    runs the head (HEAD) at the ticks of `heads`, the embedding's backward (EMBED_BACK) at those
+    of `embeds_back`, and each permute (PERMUTE) at those of `Program.moving`."""
     shape = tuple(mesh_shape.values())
     stage = np.unravel_index(np.arange(math.prod(shape)), shape)[list(mesh_shape).index(axis)]
     ticks = len(prog.branch)
     shares = {SCOPE + name: {int(d): float(np.sum(prog.branch[:, s] == k)) / ticks for d, s in enumerate(stage)}
               for k, name in NAMES.items()}
-    every = {EMBED_BACK: embeds_back(prog)} | {PERMUTE + way: run for way, run in prog.moving.items()}
+    every = {HEAD: heads(prog), EMBED_BACK: embeds_back(prog)}
+    every |= {PERMUTE + way: run for way, run in prog.moving.items()}
     return shares | {SCOPE + name: dict.fromkeys(range(len(stage)), float(np.sum(run)) / ticks)
                      for name, run in every.items()}

@@ -19,6 +19,8 @@ is also the head on one device and under tp_impl=gspmd.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -78,10 +80,11 @@ def take_grad_reduced() -> bool:
     return any(sizes[a] > 1 for a in _take_region_axes() if a != AXIS)
 
 
-def vocab_parallel_logits(tp: TensorParallel, x: jax.Array, head: jax.Array) -> jax.Array:
+def vocab_parallel_logits(tp: TensorParallel, x: jax.Array, head: jax.Array, dx_dtype: DTypeLike | None = None
+                          ) -> jax.Array:
     """x [B, L, D] ([B, L/T, D] under SP) @ head [D, V] ('embed', 'vocab') -> fp32 logits
     [B, L, V], V split over tensor where `tp` runs its regions with shard_map (else one
-    `head_matmul` that GSPMD partitions).
+    `head_matmul` that GSPMD partitions); `dx_dtype`: head_matmul's.
 
     Under fsdp the head is gathered before the region, forward only, in the compute dtype
     (pinned to its fsdp split first, so that GSPMD casts the shard rather than gathering fp32):
@@ -92,19 +95,19 @@ def vocab_parallel_logits(tp: TensorParallel, x: jax.Array, head: jax.Array) -> 
     (bench/results/head-gather-fsdp-tp-h100-compiled.json)."""
     mesh, size = jax.sharding.get_abstract_mesh(), axis_size(AXIS)
     if tp.impl == "gspmd" or size == 1:
-        return head_matmul(x, head)
+        return head_matmul(x, head, dx_dtype)
     manual = tp.manual_axes()
     ops = Sharded(size, tp.sequence_parallel, tp.overlap)
     x_spec = logical_to_spec(tp.activation_names, x.shape, mesh, within=manual)
     w_spec = logical_to_spec(("embed", "vocab"), head.shape, mesh, within=(AXIS,))
     head = gathered_forward_only(constrain(head, ("embed", "vocab")), w_spec)  # FSDP's gather (docstring)
     out_spec = logical_to_spec(("batch", "length", "vocab"), (*x.shape[:2], head.shape[1]), mesh, within=manual)
-    body = jax.shard_map(lambda x, w: ops.column(x, lambda x: head_matmul(x, w)),
+    body = jax.shard_map(lambda x, w: ops.column(x, lambda x: head_matmul(x, w, dx_dtype)),
                          in_specs=(x_spec, w_spec), out_specs=out_spec, axis_names=set(manual))
     return body(x, head)
 
 
-def head_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+def head_matmul(x: jax.Array, w: jax.Array, dx_dtype: DTypeLike | None = None) -> jax.Array:
     """x [B, L, D] @ head [D, V] -> fp32 logits [B, L, V], both operands in the compute dtype.
     The backward takes the logits' gradient g in the compute dtype, as every other activation's,
     so that its two matmuls run in it with fp32 accumulation: dx = g·Wᵀ [B, L, D] and dW = xᵀ·g
@@ -114,23 +117,25 @@ def head_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     strided pass over V·D elements, 20% of a dp=8 step's op time). In fp32 compute this is
     autodiff's backward up to the order of dW's sums. Inside a shard_map each operand is first
     made varying over the manual axes the other varies over, as the einsum would, so that the
-    rule's gradients have their operands' types and autodiff transposes that step as before."""
-    return _head_matmul(varying_as(x, w), varying_as(w, x))
+    rule's gradients have their operands' types and autodiff transposes that step as before.
+    `dx_dtype` (default x's): the dtype dx leaves its fp32 accumulation in, fp32 where dx is a
+    partial sum that others complete (pipeline/head.py)."""
+    return _head_matmul(varying_as(x, w), varying_as(w, x), None if dx_dtype is None else jnp.dtype(dx_dtype))
 
 
-@jax.custom_vjp
-def _head_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _head_matmul(x: jax.Array, w: jax.Array, dx_dtype: jnp.dtype | None) -> jax.Array:
     return jnp.einsum("bld,dv->blv", x, w, preferred_element_type=jnp.float32)
 
 
-def _head_forward(x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple]:
-    return _head_matmul(x, w), (x, w)
+def _head_forward(x: jax.Array, w: jax.Array, dx_dtype: jnp.dtype | None) -> tuple[jax.Array, tuple]:
+    return _head_matmul(x, w, dx_dtype), (x, w)
 
 
-def _head_backward(saved: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _head_backward(dx_dtype: jnp.dtype | None, saved: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     x, w = saved
     g = g.astype(x.dtype)
-    dx = jnp.einsum("blv,dv->bld", g, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    dx = jnp.einsum("blv,dv->bld", g, w, preferred_element_type=jnp.float32).astype(dx_dtype or x.dtype)
     dw = jnp.einsum("bld,blv->dv", x, g, preferred_element_type=jnp.float32).astype(w.dtype)
     return dx, dw
 

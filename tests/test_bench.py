@@ -57,14 +57,14 @@ def test_pipeline_benchmark_measures_the_bubble_of_every_schedule(tmp_path):
     rows = {r["schedule"]: r for r in record["schedules"]}
     assert list(rows) == ["gpipe", "interleaved", "zb-h1"] and all(r["microbatches"] == 2 and r["stages"] == 2 for r in rows.values())
     assert rows["interleaved"]["bubble"] < rows["gpipe"]["bubble"]
-    zb = rows["zb-h1"]  # (p-1)/(3M+p-1); lock-step the same table with the head's cells weighed in
+    zb = rows["zb-h1"]  # (p-1)/(3M+p-1); lock-step the same table with the heads over the stages weighed in
     assert zb["bubble"] == pytest.approx(1 / 7)
     cfg = RunConfig.from_dict(record["config"])
     assert zb["costs"] == cell_costs(cfg, {"stage": 2}) and zb["costs"]["head"] > 0
     table = timetable("zb-h1", 2, 2)
     assert zb["lockstep_bubble"] == pytest.approx(lockstep_bubble(table, zb["costs"]))
     assert lockstep_bubble(table, zb["costs"] | {"head": 0}) == pytest.approx(1 / 7)
-    assert zb["lockstep_bubble"] > 1 / 7 + 0.01
+    assert zb["lockstep_bubble"] < 1 / 7  # the same idle ticks, the head's busy work added to every stage
     for r in rows.values():
         assert r["temp_bytes"] > 0 and r["step_s"] > 0 and r["compile_s"] > 0
         assert r["one_device_s"] == ref["step_s"] and r["ideal_s"] == ref["step_s"] / 2

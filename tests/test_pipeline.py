@@ -177,13 +177,14 @@ def test_1f1b_stash_holds_at_most_p_microbatches(temp_memory):
 
 
 def _cells(jaxpr):
-    """The 1f1b program's cell switches (pipeline.cells.run_cell: a cond per group of GROUPS
-    present, its first branch the pass-through), found as the jaxpr level holding the two
-    permutes' conds (2 branches each: the pass-through, the permute), then conds of 2 (F) then 3
-    (B, B of the last chunk) and, zb-h1, 2 (W) branches, then the embedding backward's cond (2:
-    the pass-through, then the lookup's transpose)."""
+    """The 1f1b program's cell switches, found as the jaxpr level holding the two permutes'
+    conds (2 branches each: the pass-through, the permute), then the head's cond
+    (pipeline/head.py, at the head ticks on every stage), the cells' conds (pipeline.cells.run_cell:
+    one per group of GROUPS present, its first branch the pass-through): F, B and, zb-h1, W; then
+    the embedding backward's cond (the pass-through, then the lookup's transpose). All have 2
+    branches."""
     conds = [eqn.params["branches"] for eqn in jaxpr.eqns if eqn.primitive.name == "cond"]
-    if [len(b) for b in conds] in ([2, 2, 2, 3, 2], [2, 2, 2, 3, 2, 2]):
+    if [len(b) for b in conds] in ([2] * 6, [2] * 7):
         return conds[2:-1]
     for eqn in jaxpr.eqns:
         for value in eqn.params.values():
@@ -196,7 +197,7 @@ def _cells(jaxpr):
 
 def _cell_dots(schedule: str, remat: str, mesh: str = "pp=2") -> tuple:
     """Matmuls in the schedule's cells: (the most in any switch's pass-through branch, F, B, W
-    (None without one), B of the last chunk)."""
+    (None without one), the head)."""
     cfg = small_config(mesh, f"parallel.schedule={schedule}", f"model.remat={remat}")
     mesh = build_mesh(cfg.parallel, _devices(cfg))
     job = build(cfg, mesh)
@@ -204,9 +205,9 @@ def _cell_dots(schedule: str, remat: str, mesh: str = "pp=2") -> tuple:
         jaxpr = jax.make_jaxpr(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
                                                  schedule=schedule))(job.state.params, batch=job.batches(0))
     switches = [[count_prims(branch) for branch in branches] for branches in _cells(jaxpr.jaxpr)]
-    (keep_f, forward), (keep_b, backward, last), *w = switches
+    (keep_h, head), (keep_f, forward), (keep_b, backward), *w = switches
     weight = w[0][1] if w else None
-    return max(keep_f, keep_b, *(b[0] for b in w)), forward, backward, weight, last
+    return max(keep_h, keep_f, keep_b, *(b[0] for b in w)), forward, backward, weight, head
 
 
 @pytest.mark.parametrize("remat", ["none", "dots", "full"])
@@ -218,12 +219,11 @@ def test_1f1b_backward_recomputes_no_forward_unless_remat_full(remat):
     checkpoint keeps the layers' inputs, model.remat.stash_policy): 3 per forward matmul, less
     the one whose result only the discarded forward uses (the chunk recomputed whole, then each
     layer again, took 35).
-    The last chunk's B runs the head and loss forward and backward (3 matmuls), then the same
-    backward as any B."""
-    idle, forward, backward, weight, last = _cell_dots("1f1b", remat)
-    assert (idle, forward, weight) == (0, 9, None)  # one layer: q, k, v, o, q·k, p·v, gate, up, down
+    The head's cell, on every stage at the last chunk's B ticks, runs the head and loss forward
+    and backward on its vocabulary slice: 3 matmuls (logits, dh, dW)."""
+    idle, forward, backward, weight, head = _cell_dots("1f1b", remat)
+    assert (idle, forward, weight, head) == (0, 9, None, 3)  # a layer: q, k, v, o, q·k, p·v, gate, up, down
     assert backward == {"none": 18, "dots": 20, "full": 26}[remat]
-    assert last == 3 + backward
 
 
 @pytest.mark.parametrize("mesh, remat", [("pp=2", "none"), ("pp=2", "full"), ("pp=2,tp=2", "none"),
@@ -231,15 +231,14 @@ def test_1f1b_backward_recomputes_no_forward_unless_remat_full(remat):
 def test_zb_h1_splits_the_backward_without_repeating_work(mesh, remat):
     """zb-h1's B cell holds only the input-gradient chain and its W cell only the 7 weight
     matmuls (q, k, v, o, gate, up, down): together the unsplit B's matmuls, none twice
-    (pipeline/split_backward.py); remat full recomputes each layer's forward in B. The last
-    chunk's B runs the head and loss forward and backward (3 matmuls), then the chain. Under
+    (pipeline/split_backward.py); remat full recomputes each layer's forward in B. The head's
+    cell runs the head and loss forward and backward (3 matmuls). Under
     explicit TP the matmuls sit in shard_map regions, split in two as well
     (pipeline/split_map.py): kept whole, W held none (B 18, W 0)."""
-    idle, forward, backward, weight, last = _cell_dots("zb-h1", remat, mesh)
+    idle, forward, backward, weight, head = _cell_dots("zb-h1", remat, mesh)
     unsplit = {"none": 18, "full": 26}[remat]
-    assert (idle, forward, weight) == (0, 9, 7)
+    assert (idle, forward, weight, head) == (0, 9, 7, 3)
     assert backward + weight == unsplit
-    assert last == 3 + backward
 
 
 def stage_bytes(ops) -> float:

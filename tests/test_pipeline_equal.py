@@ -2,7 +2,8 @@
 
 Loss and every gradient of step 0 against the single-device model of the same depth (fp32;
 tolerances of conftest.assert_same_run). Pipeline buffers start as NaN (pipeline.stages.FILL),
-so a bubble that leaked into the result would fail these tests. The matrix covers p = 2 and
+so a bubble that leaked into the result would fail these tests. The 1F1B family's head over the
+stages runs where p divides the vocabulary's rows and where it does not (vocab 258). The matrix covers p = 2 and
 p = 4 and M = p and M = 2p (and for gpipe M = 1.5p, its heads' share padded); the interleaved schedules and zbv with V=2; remat full (and dots) for the
 1F1B family, gpipe and interleaved (their head a microbatch at a time); sequence parallelism on pp=2,fsdp=2,tp=2 (gpipe with GSPMD TP, 1f1b, zb-h1,
 interleaved with the overlap rings); interleaved-1f1b with GSPMD TP. Five optimizer steps of
@@ -35,11 +36,12 @@ def _loss_and_grads(cfg, corpus):
 _REFERENCES: dict[tuple[int, int], tuple] = {}
 
 
-def _reference(layers: int, batch: int, corpus):
-    if (layers, batch) not in _REFERENCES:
-        _REFERENCES[layers, batch] = _loss_and_grads(
-            small_config("", f"model.n_layers={layers}", f"train.global_batch_size={batch}"), corpus)
-    return _REFERENCES[layers, batch]
+def _reference(layers: int, batch: int, corpus, vocab: int = 256):
+    if (layers, batch, vocab) not in _REFERENCES:
+        _REFERENCES[layers, batch, vocab] = _loss_and_grads(
+            small_config("", f"model.n_layers={layers}", f"train.global_batch_size={batch}",
+                         f"model.vocab_size={vocab}"), corpus)
+    return _REFERENCES[layers, batch, vocab]
 
 
 CASES = {  # id: (mesh, overrides)
@@ -70,6 +72,12 @@ CASES = {  # id: (mesh, overrides)
     "zbv-p2-m4": ("pp=2", ["parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.microbatches=4"]),
     "zbv-pp2-fsdp2-tp2-sp": ("pp=2,fsdp=2,tp=2", ["parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.sequence_parallel=true"]),
     "zbv-p4-m4-full": ("pp=4", ["parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.microbatches=4", "model.remat=full"]),
+    # the head over the stages (pipeline/head.py) where p does not divide a tensor rank's 129 or
+    # the 258 rows: stage 3 takes columns stage 2 takes too, counted on stage 2 alone
+    "1f1b-pp4-tp2-m4-vocab258": ("pp=4,tp=2", ["parallel.schedule=1f1b", "parallel.microbatches=4",
+                                               "model.vocab_size=258"]),
+    "zbv-p4-m4-vocab258": ("pp=4", ["parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.microbatches=4",
+                                    "model.vocab_size=258"]),
     "interleaved-pp2-fsdp2-tp2-sp-overlap": ("pp=2,fsdp=2,tp=2", ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=true"]),
 }
 
@@ -77,10 +85,11 @@ CASES = {  # id: (mesh, overrides)
 @pytest.mark.parametrize("case", CASES)
 def test_schedule_equals_single_device(case, corpus):
     mesh, overrides = CASES[case]
-    layers = 8 if case in ("interleaved-p4-m4-v2", "interleaved-1f1b-p4-m8-v2", "zbv-p4-m4-full") else 4
+    eight = ("interleaved-p4-m4-v2", "interleaved-1f1b-p4-m8-v2", "zbv-p4-m4-full", "zbv-p4-m4-vocab258")
+    layers = 8 if case in eight else 4
     cfg = small_config(mesh, f"model.n_layers={layers}", *overrides)
-    (loss, grads), (ref_loss, ref_grads) = (_loss_and_grads(cfg, corpus),
-                                            _reference(layers, cfg.train.global_batch_size, corpus))
+    loss, grads = _loss_and_grads(cfg, corpus)
+    ref_loss, ref_grads = _reference(layers, cfg.train.global_batch_size, corpus, cfg.model.vocab_size)
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-5)
     flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
     assert len(flat_ref) == len(jax.tree.leaves(grads))

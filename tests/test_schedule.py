@@ -180,9 +180,10 @@ def test_1f1b_family_shares_the_placer_and_cells():
 @pytest.mark.parametrize("schedule, p, m", CASES)
 def test_the_head_weighs_on_its_cells(schedule, p, m):
     """The head (forward and backward of the last chunk's output, h forwards): the 1F1B family
-    runs it in its last chunk's B, one stage's M cells, each the longest of its tick, so lock-step
-    time grows by M·h; gpipe and interleaved run ceil(M/p) heads on every stage between the ticks
-    and the backward, M of them real."""
+    runs it over the stages at its last chunk's B ticks, h/p on every stage at each of M, so
+    lock-step time grows by M·h/p, all of it busy (asynchronously it stays in the one stage's B
+    cells); gpipe and interleaved run ceil(M/p) heads on every stage between the ticks and the
+    backward, M of them real."""
     table, h = _table(schedule, p, m), 0.77
     plain, headed = weighted(table, costs(split(table))), weighted(table, costs(split(table), head=h))
     busy = 3 * m * _v(schedule)  # F + B (+ W) per stage, in chunk costs
@@ -193,22 +194,25 @@ def test_the_head_weighs_on_its_cells(schedule, p, m):
         assert headed.time == pytest.approx(plain.time + dealt * h)
         assert headed.async_time == pytest.approx(plain.async_time + dealt * h)
     else:
-        assert headed.time == pytest.approx(plain.time + m * h)
+        assert headed.time == pytest.approx(plain.time + m * h / p)
+        assert headed.time - busy - m * h / p == pytest.approx(plain.time - busy)  # the idle time unchanged
         assert plain.async_time + h <= headed.async_time <= plain.async_time + m * h + 1e-9
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1", "zbv"])
-def test_head_cells_are_the_tick_programs_b_last(schedule):
-    """schedule.head_cell names the cells the tick program runs as B_last (pipeline/tick_program.py)."""
+def test_head_cells_are_the_tick_programs_head_cells(schedule):
+    """schedule.head_cell names the cells the tick program gives the head's cotangent
+    (pipeline/tick_program.py's Program.head), all on one stage, at M distinct ticks (`heads`)."""
     from pipeline.schedule import head_cell
-    from pipeline.tick_program import BACKWARD_LAST, program
+    from pipeline.tick_program import heads, program
 
     p, m = 4, 8
     table, prog = _table(schedule, p, m), program(schedule, p, m, V)
     marked = {(t, s) for t, row in enumerate(table) for s, op in enumerate(row)
               if op is not None and head_cell(op, s, p, _v(schedule), v_shape(table))}
     assert len(marked) == m
-    assert marked == {(int(t), int(s)) for t, s in zip(*(prog.branch == BACKWARD_LAST).nonzero())}
+    assert marked == {(int(t), int(s)) for t, s in zip(*prog.head.nonzero())}
+    assert len({s for _, s in marked}) == 1 and heads(prog).sum() == m
 
 
 @pytest.mark.parametrize("schedule, p, m, v", [
@@ -259,7 +263,7 @@ def test_cli_prints_the_table_and_its_figures():
     out = _cli("--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--recompute")
     assert "weighted (F=1 B=3) lock-step 0.4483, asynchronous 0.2727" in out.stdout  # 1 - 8·4/(6·8+4·4-6)
     out = _cli("--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--head", "0.77")
-    assert "weighted (F=1 B=2 head=0.77) lock-step 0.4467" in out.stdout  # 1 - (24 + 8·0.77/4)/(40 + 8·0.77)
+    assert "weighted (F=1 B=2 head=0.77) lock-step 0.3852" in out.stdout  # 1 - (24 + 8·0.77/4)/(40 + 8·0.77/4)
 
 
 def test_cli_compares_every_schedule():
@@ -312,14 +316,15 @@ def test_cli_png_without_matplotlib(tmp_path):
 
 def test_cell_shares_count_each_cell_on_its_own_stage():
     """The census's shares of a cell per device (pipeline.tick_program.cell_shares): pp=2,tp=2 1f1b
-    at M = 4, 10 ticks: both stages run 4 F; stage 0 (devices 0, 1) 4 B, stage 1 (devices 2, 3)
-    4 B of the last chunk instead; no W. zb-h1 adds M Ws on every stage."""
+    at M = 4, 10 ticks: both stages run 4 F and 4 B; no W; every device the head over the
+    stages at stage 1's 4 B ticks and the embedding's backward at stage 0's. zb-h1 adds M Ws on
+    every stage."""
     from pipeline.tick_program import SCOPE, cell_shares, program
 
     shares = cell_shares(program("1f1b", 2, 4), {"stage": 2, "tensor": 2})
     assert shares[SCOPE + "F"] == dict.fromkeys(range(4), 0.4)
-    assert shares[SCOPE + "B"] == {0: 0.4, 1: 0.4, 2: 0.0, 3: 0.0}
-    assert shares[SCOPE + "B_last"] == {0: 0.0, 1: 0.0, 2: 0.4, 3: 0.4}
+    assert shares[SCOPE + "B"] == dict.fromkeys(range(4), 0.4)
+    assert shares[SCOPE + "head"] == dict.fromkeys(range(4), 0.4)
     assert shares[SCOPE + "W"] == dict.fromkeys(range(4), 0.0)
     assert shares[SCOPE + "embed_back"] == dict.fromkeys(range(4), 0.4)  # stage 0's B ticks, on every device
     split = cell_shares(program("zb-h1", 2, 4), {"data": 1, "stage": 2})  # 13 ticks; stage the second axis
@@ -365,5 +370,6 @@ def test_the_embedding_backward_runs_at_stage_0s_first_chunk_b_ticks(schedule):
     assert len(ticks) == m and sorted(prog.microbatch[ticks, 0]) == list(range(m))
     assert (prog.branch[ticks, 0] == BACKWARD).all() and (prog.chunk[ticks, 0] == 0).all()
     others = (prog.branch[:, 0] == BACKWARD) & ~embeds_back(prog)
-    # interleaved-1f1b's stage 0 runs chunk 1's B too; zbv's other chunk there is the last (B_last)
-    assert (prog.chunk[others, 0] != 0).all() and others.any() == (schedule == "interleaved-1f1b")
+    # interleaved-1f1b's and zbv's stage 0 run chunk 1's B too (zbv's the last chunk's, the head's cotangent)
+    assert (prog.chunk[others, 0] != 0).all() and others.any() == (schedule in ("interleaved-1f1b", "zbv"))
+    assert prog.head[others, 0].any() == (schedule == "zbv")

@@ -54,15 +54,18 @@ Memory (bytes per device), the terms `memory()` returns:
               backward, before the tick scan's) kept theirs
   working     the larger of: one layer's backward working set, and the logits [T, V/t] of the
               head and loss, in the compute dtype and in fp32 (after a gpipe/interleaved pipe
-              under remat none of the ceil(M/p) microbatches dealt to the stage at once; 1b on
-              an H100: 205,332 bytes per token beside the layers, the logits' 196,608).
+              under remat none of the ceil(M/p) microbatches dealt to the stage at once; in the
+              1F1B family [T, V/(t·p)], the stage's slice of the vocabulary: pipeline/head.py;
+              1b on an H100: 205,332 bytes per token beside the layers, the logits' 196,608).
               The working set is the gradients of one layer's 'none' terms (one more layer's
               worth; the larger of a dense and a MoE layer, the dispatch buffers included, and
               under dropless ragged_dot XLA's zero-padded copies, `dense_expert_copies`); under
               remat it is twice that, the layer's forward being recomputed first. Under the
-              1F1B family at least the head's fp32 gradient V·D/t·4: the last stage's B
-              computes it per microbatch beside the accumulator it is added to (1.05 GB on
-              llama3-8b at t = 2, XLA's largest temporary there). Under context parallelism
+              1F1B family at least the head's fp32 gradient V·D/t·4 (1.05 GB on llama3-8b at
+              t = 2, XLA's largest temporary there when the last stage computed it whole per
+              microbatch; every stage now computes its V/p columns and adds them in place, but
+              compiled for H100s, llama3-8b pp=4,tp=2, XLA's peak fell 0.53 GiB, not the 0.74
+              of that slice: bench/results/head-over-stages-h100-compiled.json). Under context parallelism
               with the xla core, plus one block piece's fp32 scores, probs and their gradient,
               3·b·N/t·(L/sp)² · 4 (the ring's pieces are at most L/sp square; a flash core
               tiles them away).
@@ -142,7 +145,8 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
     # out of the loop beside the logits (125m pp=2,dp=2 full)
     scanned_head = piped and not stashing and head_per_microbatch(m)
     heads_at_once = dealt_heads(s.k, sizes["stage"]) if piped and not stashing and not scanned_head else 1
-    logits = heads_at_once * s.tokens * m.vocab_size / sizes["tensor"] * (4 + c + 4 * scanned_head)
+    vocab = m.vocab_size / sizes["tensor"] / (sizes["stage"] if stashing else 1)  # the 1F1B family's: pipeline/head.py
+    logits = heads_at_once * s.tokens * vocab * (4 + c + 4 * scanned_head)
     # context parallel with the xla core: one block piece's fp32 scores, probs and their
     # gradient [b, N/t, L/sp, L/sp] at a time (a flash core tiles them away)
     blockwise_xla = explicit_context(cfg, sizes["sequence"]) is not None and core(cfg, sizes) == "xla"

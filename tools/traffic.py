@@ -67,7 +67,10 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           the same bytes); plus 2 · 2S(t-1)/t per microbatch for the vocab-parallel embedding
           (its lookup's all-reduce forward) and head (its input gradient's all-reduce
           backward; under gpipe and interleaved each stage's head runs C = ceil(M/p)
-          microbatches, `heads`); under sequence parallelism the same bytes, the embedding's reduce-scatter
+          microbatches, `heads`; in the 1F1B family every stage runs all k heads on its slice
+          of the vocabulary, the input gradient summed in fp32: `head_dx`, pipeline/head.py;
+          compiled for H100s, XLA folds that all-reduce over tensor and the one over stage
+          after it into one over both, which moves less: see stage); under sequence parallelism the same bytes, the embedding's reduce-scatter
           forward and all-gather backward, the head's all-gather forward and reduce-scatter
           backward (sharding/tensor_parallel.py); plus, when t does not
           divide K, the all-reduce of the replicated wk, wv gradients (2·D·K·H fp32 per layer).
@@ -118,7 +121,17 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                          pipeline.tick_program.moves;
                          T_down, T_up <= T, the table's ticks): the activations on, the
                          cotangents back; max(T_down, T_up)·a at p = 2 but on
-                         interleaved-1f1b's ring (stage 0 sends only down, stage 1 only up)
+                         interleaved-1f1b's ring (stage 0 sends only down, stage 1 only up);
+                         plus, on every stage, the head over the stages (pipeline/head.py)
+                         at each of the k head ticks: all-reduces of the chunk output
+                         broadcast, a, of the head's input gradient in fp32, a·4/c, and of
+                         the [b, L] max and [2, b, L] sums of the loss in fp32 (T = b·L/sp
+                         tokens), 2·(a + a·4/c + 12·T)·(p-1)/p. Compiled for H100s without
+                         sequence parallelism, XLA folds the input gradient's all-reduce over
+                         tensor and this one into one over both axes ("stage+tensor" in the
+                         census), which moves less: llama3-8b pp=4,tp=2 0.951x the contract's
+                         stage and tensor bytes (XLA CPU keeps the two, as counted here;
+                         bench/results/head-over-stages-h100-compiled.json)
             gpipe, interleaved  2T·a: T forward ticks on a ring, autodiff's transpose as many
                          back; plus the last stage's outputs dealt out to the stages'
                          heads (C = ceil(M/p) each, pipeline.circular.dealt): stage p-1
@@ -148,9 +161,10 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           (p-1)/(M+p-1), interleaved (p-1)/(V·M+p-1); 1f1b 1 - M(F+B)/(2M·B + (p-1)(F+B) - (B-F))
           (its F ticks last a B); zb-h1 (p-1)/(3M+p-1) (units), zbv (p-1)/(6M+p-1) (half-stage
           units); interleaved-1f1b from its table. These are without the head: cell_costs
-          counts its forward and backward too (h chunk forwards), in the 1F1B family's M B
-          cells on one stage (+M·h of lock-step time) and gpipe's and interleaved's ceil(M/p)
-          heads a stage (pipeline/schedule.py, Head)
+          counts its forward and backward too (h chunk forwards), in the 1F1B family split
+          over the stages at its M head ticks (+M·h/p of lock-step time and of every stage's
+          work) and gpipe's and interleaved's ceil(M/p) heads a stage (pipeline/schedule.py,
+          Head)
 Links: each axis's bytes / its link: NVLink 450 GB/s per GPU when the axis and the axes inside
 it fit in one node of 8 GPUs, InfiniBand 50 GB/s per GPU (400 Gb/s NIC per GPU) otherwise.
 With measured links (`tools.plan --bandwidth`, read by tools/bandwidth.py) an axis they cover
@@ -219,7 +233,7 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         "fsdp": fsdp,
         "expert": expert_grads + expert(cfg, sizes),
         "sequence": sequence + context(cfg, sizes),
-        "tensor": (layer_runs(cfg, sizes) * layer_tensor + (s.k + heads(cfg, sizes)) * 2 * act
+        "tensor": (layer_runs(cfg, sizes) * layer_tensor + (s.k + heads(cfg, sizes) * head_dx(cfg, sizes)) * 2 * act
                    + extra_embeddings(cfg, sizes) * act) * frac["tensor"],
     }
     return {a: v for a, v in volume.items() if sizes[a] > 1}
@@ -239,6 +253,17 @@ def heads(cfg: RunConfig, sizes: dict[str, int]) -> int:
     ceil(M/p), the M outputs dealt out over the stages, padded (pipeline.circular.dealt)."""
     k = shape(cfg, sizes).k
     return dealt_heads(k, sizes["stage"]) if circular(cfg, sizes) else k
+
+
+def head_dx(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """The head's tensor bytes per microbatch in units of 2S(t-1)/t: 1, but in the 1F1B family's
+    head over the stages, whose input gradient is summed in fp32 (a partial sum over stage too:
+    pipeline/head.py), 4/c for its all-reduce, and under sequence parallelism (1 + 4/c)/2: the
+    forward's all-gather in the compute dtype, the backward's reduce-scatter in fp32."""
+    if sizes["stage"] == 1 or circular(cfg, sizes):
+        return 1.0
+    wide = 4 / DTYPE_BYTES[cfg.model.compute_dtype]
+    return (1 + wide) / 2 if cfg.parallel.sequence_parallel else wide
 
 
 def circular(cfg: RunConfig, sizes: dict[str, int]) -> bool:
@@ -301,6 +326,11 @@ def stage(cfg: RunConfig, sizes: dict[str, int]) -> float:
     sends = [((ring or d < p - 1) * down + (ring or d > 0) * up) * a for d in range(p)]
     if circular(cfg, sizes):  # the outputs dealt to the stages' heads: p-1 sends each C forward, each its C back
         sends = [x + heads(cfg, sizes) * a * (p - 1 if d == p - 1 else 1) for d, x in enumerate(sends)]
+    if not circular(cfg, sizes):  # the 1F1B family's head over the stages, every stage at each of k head ticks:
+        # the chunk output broadcast (c), dh summed (fp32), the [b, L] max and [2, b, L] sums (fp32)
+        statistics = 3 * 4 * s.tokens
+        sends = [x + heads(cfg, sizes) * 2 * (a * (1 + 4 / DTYPE_BYTES[m.compute_dtype]) + statistics) * (p - 1) / p
+                 for x in sends]
     tables = 2 * small_parts(cfg, sizes)[0]  # embedding and head, 2h: stored 1/p a stage where split
     if table_split(cfg, sizes) > 1:  # gathered in the compute dtype, reduce-scattered in fp32
         reduced = (DTYPE_BYTES[m.compute_dtype] + 4) * tables * (p - 1) / p + 2 * 4 * m.d_model * (p - 1) / p
