@@ -120,13 +120,18 @@ def test_pipelined_training_equals_single_device(schedule, reference, reference4
 def test_gpipe_sums_layer_gradients_in_fp32_as_1f1b(corpus):
     """In bf16 every schedule computes a tick's layer gradients in the bf16 matmuls; gpipe sums
     them over the ticks in fp32, as the 1F1B family's accumulators do (pipeline.circular's
-    `_objective`), so at M = 16 the two schedules' layer gradients agree to 1e-5 (the norm of the
+    `_objective`), so at M = 16 the two schedules' layer gradients agree to 1e-3 (the norm of the
     difference over the norm). Summed in bf16 (the tick scan's transpose in the weights' dtype)
-    gpipe's differed from 1f1b's by 4.3e-3 (2.4e-3 at M = 4, 3.1e-3 at M = 8)."""
+    gpipe's differ from 1f1b's by 4.3e-3 (2.4e-3 at M = 4, 3.1e-3 at M = 8; 3.9e-3 to 4.5e-3 per
+    weight on jax 0.12, 2026-12-06). In fp32 they differ only where the head's input gradient
+    (1f1b: its vocabulary columns summed over stage, pipeline/head.py; gpipe: one matmul) rounds
+    to a different bf16 value: 0 on jax 0.10.2; on jax 0.12 below 1e-5 on the machines before,
+    8.7e-5 (at most 2.3e-4 per weight) on an AVX2-only 2-core one (2026-12-06), where the same
+    packages' XLA CPU rounds some of those matmul outputs the other way."""
     blocks = {}
     for schedule in ("gpipe", "1f1b"):
         cfg = small_config("pp=2", f"parallel.schedule={schedule}", "parallel.microbatches=16",
                            "train.global_batch_size=32", "model.compute_dtype=bfloat16")
         blocks[schedule] = np.concatenate([np.ravel(g) for g in jax.tree.leaves(_loss_and_grads(cfg, corpus)[1]["blocks"])])
     gpipe, one_f = blocks["gpipe"], blocks["1f1b"]
-    assert np.linalg.norm(gpipe - one_f) / np.linalg.norm(one_f) < 1e-5
+    assert np.linalg.norm(gpipe - one_f) / np.linalg.norm(one_f) < 1e-3
