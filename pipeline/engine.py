@@ -16,7 +16,8 @@ Per step, on each device:
      chunks it runs (pipeline/layout.py: chunks stored on another stage move once, by
      collective-permute) and gather them whole over fsdp, and the embedding and head, each
      stage storing 1/p of them, over stage (by hand on each tensor shard:
-     pipeline/stage_weights.py);
+     pipeline/stage_weights.py; the 1F1B family's head only as the stage's vocabulary
+     columns, `columns`: pipeline/head.py);
   2. `run` the schedule (pipeline/circular.py, pipeline/one_f_one_b.py): the mean loss of the
      device's rows (nonzero on the stage that computes it), the fp32 gradients of every
      parameter summed over the device's microbatches, and the router statistics summed over
@@ -54,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 
 from configs.base import RunConfig
 from model.transformer import compute_params
-from pipeline.stage_weights import chunked, gathered_once, over_stage, reduced_once, weight_specs
+from pipeline.stage_weights import chunked, gathered_once, heads_of, over_stage, reduced_once, weight_specs
 from pipeline.stages import AXIS, over_stages, stages, with_part
 from sharding.accumulation import automatic
 from sharding.checks import moe_layers
@@ -67,47 +68,54 @@ Schedule = Callable[[nnx.State, jax.Array, jax.Array], tuple[jax.Array, nnx.Stat
 
 class _Region(NamedTuple):
     """The specs of a step's region: the body's weights (`flat`, the [V, Lc, ...] chunks), their
-    splits over the automatic axes (`splits`), the stored parameters (`outer`, the in_spec) and
-    the batch's rows (`rows`)."""
+    splits over the automatic axes (`splits`), the stored parameters (`outer`, the in_spec), the
+    batch's rows (`rows`) and which leaves are the head's, run as the stage's columns of it
+    (`heads`: the 1F1B family, pipeline/head.py)."""
 
     flat: list[P]
     splits: list[P]
     outer: nnx.State
     rows: P
+    heads: list[bool]
 
 
-def _region(params: nnx.State, batch: dict, batch_axes: tuple[str, ...]) -> _Region:
+def _region(params: nnx.State, batch: dict, batch_axes: tuple[str, ...], columns: bool) -> _Region:
     """The specs of a region manual over stage and `batch_axes` (over the batch axes only fsdp,
-    `embed`, and expert, `experts`, split weights)."""
+    `embed`, and expert, `experts`, split weights); `columns`: the head as the stage's columns."""
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     manual = (*batch_axes, AXIS)
     rows = logical_to_spec((None, "batch", "length"), batch["inputs"].shape, jax.sharding.get_abstract_mesh(),
                            within=batch_axes)  # [M, b, L]: each device its b rows (its L/sp columns)
     return _Region(jax.tree.leaves(weight_specs(params, manual), is_leaf=is_spec),
                   jax.tree.leaves(weight_specs(params, automatic(batch_axes)), is_leaf=is_spec),
-                  weight_specs(params, manual, stored=True), rows)
+                  weight_specs(params, manual, stored=True), rows,
+                  heads_of(params) if columns else [False] * len(jax.tree.leaves(params)))
 
 
 def _compute(local: nnx.State, specs: _Region, cfg: RunConfig, vee: bool) -> nnx.State:
     """Step 1 (module docstring): the device's stored parameters cast to the compute dtype, laid
     out as the chunks it runs and gathered whole over fsdp (the tables over stage too)."""
     compute = compute_params(local, cfg.model.compute_dtype)
-    return gathered_once(chunked(compute, stages(), max(cfg.parallel.virtual_stages, 1), vee), specs.flat, specs.splits)
+    return gathered_once(chunked(compute, stages(), max(cfg.parallel.virtual_stages, 1), vee), specs.flat, specs.splits,
+                         specs.heads)
 
 
 def run_stages(params: nnx.State, batch: dict, cfg: RunConfig, batch_axes: tuple[str, ...], vee: bool,
-               run: Schedule) -> tuple[jax.Array, nnx.State, dict]:
+               run: Schedule, columns: bool = False) -> tuple[jax.Array, nnx.State, dict]:
     """Mean loss, fp32 gradients (as stored) and router statistics (means per MoE layer and
     microbatch) of the [M, b, L] batch, the schedule `run` on each stage's chunks (`vee`: zbv's
-    V layout) in a region manual over stage and `batch_axes` (module docstring)."""
+    V layout) in a region manual over stage and `batch_axes` (module docstring); `columns`:
+    `run` takes the head as the stage's columns of it, and gives their gradient (the 1F1B
+    family's head over the stages, pipeline/head.py)."""
     p, m_count = stages(), batch["inputs"].shape[0]
     v_count = max(cfg.parallel.virtual_stages, 1)
-    specs = _region(params, batch, batch_axes)
+    specs = _region(params, batch, batch_axes, columns)
 
     def body(local: nnx.State, inputs: jax.Array, targets: jax.Array) -> tuple:
         loss, grads, stats = run(_compute(local, specs, cfg, vee), inputs, targets)
         over_batch = _over_batch(batch_axes)
-        grads = reduced_once(grads, specs.flat, specs.splits, batch_axes)  # once per step; embedding, head over stage
+        grads = reduced_once(grads, specs.flat, specs.splits, batch_axes, specs.heads,  # once per step; embedding,
+                             cfg.model.vocab_size)  # head over stage
         grads = chunked(grads, p, v_count, vee, back=True)
         leaves, treedef = jax.tree.flatten(grads)  # the final norm (and a table stage does not split): summed
         summed = treedef.unflatten([g if over_stage(spec) else lax.psum(g, AXIS)
@@ -124,7 +132,7 @@ def forward_stages(params: nnx.State, batch: dict, cfg: RunConfig, batch_axes: t
     """The mean loss of the [M, b, L] batch, forward only (the evaluation step): `forward`
     (compute, inputs, targets) -> the device's share of it, on run_stages's region and weights
     (gathered once, in the compute dtype), without a gradient."""
-    specs = _region(params, batch, batch_axes)
+    specs = _region(params, batch, batch_axes, False)
 
     def body(local: nnx.State, inputs: jax.Array, targets: jax.Array) -> jax.Array:
         loss = forward(_compute(local, specs, cfg, False), inputs, targets)

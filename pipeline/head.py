@@ -7,11 +7,17 @@ On one stage the head is the longest cell of its M ticks, and in lock-step every
 for it: for 1b on pp=4 (head 0.77 chunk forwards) zb-h1's lock-step bubble rose from 0.111 to
 0.230. Split over the stages, each tick holding a head pays 1/p of it on every stage.
 
-Layout, with t tensor ranks and p stages: the head [D, V] is whole over stage for the step
-(pipeline/stage_weights.py) and split over tensor, rank r holding the vocabulary rows r·V/t ...
-(r+1)·V/t - 1; stage s takes q = ceil(V/(t·p)) of each rank's V/t, from min(s·q, V/t - q)
-(`_start`), and the columns below s·q, which stage s-1 takes too where p does not divide V/t,
-count on s-1 alone (`valid`). No data moves for it: each tensor rank slices its own rows.
+Layout, with t tensor ranks and p stages: the head [D, V] is split over tensor, rank r holding
+the vocabulary columns r·V/t ... (r+1)·V/t - 1, and for the step each stage holds only its
+columns of them [D, t·q] (pipeline/stage_weights.py), q = ceil(V/(t·p)) of each rank's V/t from
+min(s·q, V/t - q) (`_start`); the columns below s·q, which stage s-1 holds too where p does not
+divide V/t, count on s-1 alone (`valid`). Stored with D split over stage (sharding/rules.py) and
+p dividing V/t, the columns come by an all-to-all over stage (`exchanges`) and the gradient of
+the stage's columns goes back by another, where the whole head was gathered and its zero-padded
+gradient reduce-scattered: 1/p of those bytes over stage, and of the head's over fsdp, and of
+its compute-dtype copy and fp32 gradient for the step. Otherwise each stage slices its columns
+from the whole head (`stage_columns`) and pads its gradient to the whole for the sum over stage
+(`whole`).
 
 Per head tick, on every stage (a = b·L·D elements of the microbatch's activations, c the
 compute dtype's bytes; [b, L] statistics in fp32):
@@ -32,7 +38,8 @@ So 2 all-reduces of a and two of [b, L] over stage a microbatch, beside the tick
 The collectives are explicit: the engine's region is unchecked (pipeline/stages.py), so autodiff
 through a psum would transpose it to another psum, not to the identity.
 The loss counts on the head stage alone (the engine sums it over stage). Memory: the logits and
-their gradient [b, L, V/(t·p)] fp32, 1/p of what the head stage held.
+their gradient [b, L, V/(t·p)] fp32, 1/p of what the head stage held; the head's columns and
+their fp32 gradient for the step [D, V/(t·p)] a device, 1/p of the whole head's.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from pipeline.stages import AXIS, stages, with_part
 from sharding.rules import axis_size, constrain
@@ -56,22 +64,43 @@ def _start(s: jax.Array, per_rank: int, p: int) -> tuple[jax.Array, int]:
     return jnp.minimum(s * q, per_rank - q), q
 
 
+def exchanges(spec: P, vocab: int) -> bool:
+    """Whether the stage's columns of the head stored as `spec` (over the region's manual axes)
+    come by all-to-all over stage: stage splits its D (its first dimension) and divides V/t."""
+    first = spec[0] if len(spec) else None
+    return AXIS in ((first,) if isinstance(first, str) else first or ()) and vocab // axis_size(TENSOR) % stages() == 0
+
+
+def stage_columns(head: jax.Array) -> jax.Array:
+    """The whole head [D, V] (split over tensor) -> the stage's columns [D, t·q] of it."""
+    d, v = head.shape
+    t = axis_size(TENSOR)
+    start, q = _start(lax.axis_index(AXIS), v // t, stages())
+    return lax.dynamic_slice_in_dim(head.reshape(d, t, v // t), start, q, axis=2).reshape(d, t * q)
+
+
+def whole(g: jax.Array, vocab: int) -> jax.Array:
+    """The gradient of the stage's columns [D, t·q] -> the whole head's [D, V], zero elsewhere."""
+    d, t = g.shape[0], axis_size(TENSOR)
+    start, q = _start(lax.axis_index(AXIS), vocab // t, stages())
+    zeros = jnp.zeros((d, t, vocab // t), g.dtype)
+    return lax.dynamic_update_slice_in_dim(zeros, g.reshape(d, t, q), start, axis=2).reshape(d, vocab)
+
+
 def head_loss(model_of, local: nnx.State, y: jax.Array, target: jax.Array, z_loss: float, m_count: int,
-              head_stage: int) -> tuple[jax.Array, dict, jax.Array]:
+              head_stage: int, vocab: int) -> tuple[jax.Array, dict, jax.Array]:
     """Final norm, head and loss of one microbatch over the stages, forward and backward (module
-    docstring): y [b, L, D] the model's last chunk's output on `head_stage` (any value on the
+    docstring): `local["head"]` the stage's columns [D, t·q] of the V = `vocab` (split over
+    tensor), y [b, L, D] the model's last chunk's output on `head_stage` (any value on the
     others), target [b, L]. Returns (the loss scaled 1/M; the gradients {"final_norm": its,
-    both on the head stage, 0 elsewhere, "head": [D, V] zero but for the stage's
-    columns' [D, t·q], for `add_head_grad`}; dy [b, L, D], the same on every stage).
-    `model_of(local)` is the model."""
+    both on the head stage, 0 elsewhere, "head": the stage's columns' [D, t·q]}; dy [b, L, D],
+    the same on every stage). `model_of(local)` is the model."""
     s, p, t = lax.axis_index(AXIS), stages(), axis_size(TENSOR)
     y = lax.psum(jnp.where(s == head_stage, y, jnp.zeros_like(y)), AXIS)  # the broadcast
-    d, v = local["head"].shape
-    start, q = _start(s, v // t, p)
-    head = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a.reshape(d, t, v // t), start, q, axis=2).reshape(d, t * q),
-                        local["head"])
+    start, q = _start(s, vocab // t, p)
+    head = local["head"]
     column = jnp.arange(t * q)
-    ids = column // q * (v // t) + start + column % q  # the vocabulary id of each of the stage's columns
+    ids = column // q * (vocab // t) + start + column % q  # the vocabulary id of each of the stage's columns
     valid = start + column % q >= s * q  # not also stage s-1's
 
     def normed(norm, y):
@@ -98,16 +127,3 @@ def head_loss(model_of, local: nnx.State, y: jax.Array, target: jax.Array, z_los
     mine = lambda a: jnp.where(s == head_stage, a, jnp.zeros_like(a))  # noqa: E731  (the same on every stage)
     return mine(loss), {"final_norm": jax.tree.map(mine, d_norm), "head": d_head}, dy
 
-
-def add_head_grad(acc: nnx.Param, d_head: nnx.Param) -> nnx.Param:
-    """acc (the head's fp32 gradient [D, V]) + the stage's columns' d_head [D, t·q], in place."""
-    s, p, t = lax.axis_index(AXIS), stages(), axis_size(TENSOR)
-
-    def add(acc: jax.Array, d_head: jax.Array) -> jax.Array:
-        d, v = acc.shape
-        start, q = _start(s, v // t, p)
-        blocked = acc.reshape(d, t, v // t)
-        mine = lax.dynamic_slice_in_dim(blocked, start, q, axis=2) + d_head.reshape(d, t, q).astype(acc.dtype)
-        return lax.dynamic_update_slice_in_dim(blocked, mine, start, axis=2).reshape(d, v)
-
-    return jax.tree.map(add, acc, d_head)

@@ -8,8 +8,9 @@ the model's chunk v·p + s (layers (v·p + s)·Lc ... + Lc - 1), or in zbv's V (
 chunks s and 2p-1-s. V = 1 runs the stored layout (no data moves); V > 1 lays the stage's cast
 layers out inside the engine every step, each chunk stored elsewhere moving once by
 collective-permute, and their fp32 gradients back (pipeline/layout.py; tools.traffic.layout). The
-embedding, final norm and head are whole on every stage for the step (the embedding and head
-stored 1/p a stage, gathered once: pipeline/stage_weights.py) and used inside the schedule: the
+embedding and final norm are whole on every stage for the step, the head as the stage's columns
+of the vocabulary (the embedding and head stored 1/p a stage, the embedding gathered once, the
+head's columns exchanged: pipeline/stage_weights.py) and used inside the schedule: the
 embedding by the first chunk (stage 0 chunk 0), the head and loss by every stage at the ticks
 whose head stage (p-1, chunk V-1; zbv's stage 0, chunk 1) runs the model's last chunk's B, each
 stage on its slice of the vocabulary (pipeline/head.py): the backward of microbatch 0 starts
@@ -117,7 +118,7 @@ from configs.base import RunConfig
 from model.moe import no_stats
 from pipeline.cells import CELLS, SPLIT_CELLS, Sent, Static, embed_grad, model_of, replaced, residual_layout, run_cell
 from pipeline.engine import run_stages
-from pipeline.head import add_head_grad, head_loss
+from pipeline.head import head_loss
 from pipeline.stages import AXIS, buffer, stages, with_part
 from pipeline.tick_program import EMBED_BACK, HEAD, PERMUTE, SCOPE, Program, cell_shares, embeds_back, heads, program
 from sharding.checks import ONE_F_ONE_B, microbatches
@@ -187,7 +188,7 @@ def loss_and_grads(params: nnx.State, graphdef: nnx.GraphDef, batch: dict, cfg: 
                                     {w: jnp.asarray(a) for w, a in prog.moving.items()}), rows))
         return out.loss, out.grads, out.stats
 
-    return run_stages(params, batch, cfg, batch_axes, prog.v_shape, run)
+    return run_stages(params, batch, cfg, batch_axes, prog.v_shape, run, columns=True)
 
 
 def _head(st: Static, compute: nnx.State, y: jax.Array, target: jax.Array, g: jax.Array, out: Sent,
@@ -201,9 +202,11 @@ def _head(st: Static, compute: nnx.State, y: jax.Array, target: jax.Array, g: ja
     def run(acc: tuple) -> tuple:
         loss, head, norm = acc
         with jax.named_scope(SCOPE + HEAD):
-            lm, d, dy = head_loss(partial(model_of, st), compute, y, target, st.z_loss, st.m_count, head_stage)
-        norm = jax.tree.map(lambda a, b: a + b.astype(a.dtype), norm, d["final_norm"])
-        return loss + lm, add_head_grad(head, d["head"]), norm, dy
+            lm, d, dy = head_loss(partial(model_of, st), compute, y, target, st.z_loss, st.m_count, head_stage,
+                                  st.model.vocab_size)
+        head, norm = (jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, d[name])
+                      for acc, name in ((head, "head"), (norm, "final_norm")))
+        return loss + lm, head, norm, dy
 
     acc = (out.loss, out.grads["head"], out.grads["final_norm"])
     loss, head, norm, dy = lax.cond(at, run, lambda acc: (*acc, jnp.zeros_like(g)), acc)

@@ -25,6 +25,14 @@ all-reduce of the whole fp32 gradients moved 2·4·X·(p-1)/p (0.75x at c = 2); 
 over the other batch axes moves 1/p of what it did. Memory: the stage's weights whole over fsdp
 (and the tables over stage) in the compute dtype, and their fp32 gradients whole, for the step;
 outside it the tables' stored parameters, optimizer state and gradients are 1/p.
+
+The 1F1B family's head (`heads`, `head_columns`) is the exception: every stage runs it on its
+own columns of the vocabulary (pipeline/head.py), so it takes only those [D, V/(t·p)] for the
+step, by an all-to-all over stage that trades the stored D split for one of each tensor rank's
+V/t (where p divides V/t; then the all-gather over fsdp), and their fp32 gradient goes back by
+the reverse all-to-all, without a sum over stage, each stage's columns its own: the head's
+bytes over stage (c + 4)·(X/2p)·(p-1)/p, 1/p of its gather's and reduce-scatter's, its bytes
+over fsdp 1/p too, and so its compute-dtype copy and fp32 gradient for the step.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from pipeline.head import exchanges, stage_columns, whole
 from pipeline.layout import lay_out
 from pipeline.stages import AXIS, with_part
 from sharding.accumulation import FSDP, gather, reduce
@@ -65,23 +74,50 @@ def weight_specs(params: nnx.State, within: tuple[str, ...], stored: bool = Fals
                      jax.tree.map(lambda v: spec(v, True), params["blocks"], is_leaf=is_var))
 
 
-def gathered_once(tree: nnx.State, flat_specs: list[P], splits: list[P]) -> nnx.State:
+def gathered_once(tree: nnx.State, flat_specs: list[P], splits: list[P], heads: list[bool]) -> nnx.State:
     """The stage's weights whole over fsdp, and the embedding and head whole over stage, once per
     step: gathered by hand (on each tensor or expert shard: `splits`), over stage first (its
-    split is the minor one)."""
+    split is the minor one). The leaves marked in `heads` (the 1F1B family's head) are instead
+    the stage's columns of the head, whole over fsdp (`head_columns`)."""
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten([gather(spec, a, t, OVER) for spec, a, t in zip(flat_specs, leaves, splits, strict=True)])
+    return treedef.unflatten([head_columns(spec, a, t) if h else gather(spec, a, t, OVER)
+                              for spec, a, t, h in zip(flat_specs, leaves, splits, heads, strict=True)])
 
 
-def reduced_once(grads: nnx.State, flat_specs: list[P], splits: list[P], batch_axes: tuple[str, ...]) -> nnx.State:
+def reduced_once(grads: nnx.State, flat_specs: list[P], splits: list[P], batch_axes: tuple[str, ...],
+                 heads: list[bool], vocab: int) -> nnx.State:
     """The summed gradients -> their shard of the mean over the batch axes, once per step, the
     embedding's and head's summed over stage into each device's shard of them too (a
     reduce-scatter over fsdp, then one over stage, then the all-reduce over the other batch
-    axes); the final norm's is summed over stage by the engine."""
+    axes); the final norm's is summed over stage by the engine. The leaves marked in `heads`
+    are the gradients of the stage's columns of the V = `vocab` head (`head_columns`)."""
     n = math.prod(lax.axis_size(a) for a in batch_axes)
     leaves, treedef = jax.tree.flatten(grads)
-    return treedef.unflatten([reduce(g, spec, batch_axes, t, OVER) / n
-                              for spec, g, t in zip(flat_specs, leaves, splits, strict=True)])
+
+    def one(spec: P, g: jax.Array, t: P, h: bool) -> jax.Array:
+        if not h:
+            return reduce(g, spec, batch_axes, t, OVER)
+        if exchanges(spec, vocab):  # the columns back by all-to-all over stage, no sum: each stage's own
+            return reduce(g, spec, batch_axes, t, OVER, exchange=(AXIS, 1))
+        return reduce(whole(g, vocab), spec, batch_axes, t, OVER)
+
+    return treedef.unflatten([one(*leaf) / n for leaf in zip(flat_specs, leaves, splits, heads, strict=True)])
+
+
+def head_columns(spec: P, w: jax.Array, split: P) -> jax.Array:
+    """The head as stored (`spec`; its D split over fsdp, and stage where sharding/rules.py
+    could, V over tensor: `split`) -> the stage's columns [D, t·q] (pipeline/head.py), whole
+    over fsdp: by an all-to-all over stage where `exchanges` (its D's stage split traded for
+    V/t's), else sliced from the whole head."""
+    if exchanges(spec, w.shape[1]):
+        return gather(spec, w, split, OVER, exchange=(AXIS, 1))
+    return stage_columns(gather(spec, w, split, OVER))
+
+
+def heads_of(params: nnx.State) -> list[bool]:
+    """Per leaf of `params`, whether it is the head's."""
+    return jax.tree.leaves(with_part(jax.tree.map(lambda _: False, params), "head",
+                                     jax.tree.map(lambda _: True, params["head"])))
 
 
 def over_stage(spec: P) -> bool:

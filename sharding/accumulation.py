@@ -60,31 +60,43 @@ def _over(axes: str | tuple[str, ...] | None, over: tuple[str, ...]) -> tuple[st
     return tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a in over)
 
 
-def gather(spec: P, w: jax.Array, split: P = P(), over: tuple[str, ...] = (FSDP,)) -> jax.Array:
+def gather(spec: P, w: jax.Array, split: P = P(), over: tuple[str, ...] = (FSDP,),
+           exchange: tuple[str, int] | None = None) -> jax.Array:
     """w whole over fsdp (and the other axes of `over`, pipeline/stage_weights.py's stage): an
     all-gather per axis of `over` that `spec` splits a dimension over, the minor axis first (on
-    each tensor or expert shard where `split`, w's spec over those axes, splits it)."""
+    each tensor or expert shard where `split`, w's spec over those axes, splits it).
+    `exchange` (axis, dim): that axis's split moves to dimension dim instead, by an all-to-all
+    (S·(N-1)/N of the shard where the all-gather received N-1 shards): each device then holds
+    1/N of dim, whole along the other (the 1F1B family's head: pipeline/head.py)."""
     def whole(w: jax.Array) -> jax.Array:
         for dim, axes in enumerate(spec):
             for axis in reversed(_over(axes, over)):
-                w = jax.lax.all_gather(w, axis, axis=dim, tiled=True)
+                if exchange is not None and axis == exchange[0]:
+                    w = jax.lax.all_to_all(w, axis, split_axis=exchange[1], concat_axis=dim, tiled=True)
+                else:
+                    w = jax.lax.all_gather(w, axis, axis=dim, tiled=True)
         return w
 
     return _on_shard(whole, w, split)
 
 
 def reduce(g: jax.Array, spec: P, axes: tuple[str, ...], split: P = P(),
-           over: tuple[str, ...] = (FSDP,)) -> jax.Array:
+           over: tuple[str, ...] = (FSDP,), exchange: tuple[str, int] | None = None) -> jax.Array:
     """A device's summed gradient of a whole (gathered) weight -> its shard of the sum over
     the batch `axes` (and over the other axes of `over`): a reduce-scatter per axis of `over`
     that `spec` splits the weight over, the major axis first, then an all-reduce of the (smaller)
     shard over the axes that `spec` does not split it over (an expert's weights, split over a
     manual `expert`, are each device's own: summed over the others only), on each tensor or
-    expert shard, as `gather`."""
+    expert shard, as `gather`. `exchange` (axis, dim), as `gather`'s: g is the device's 1/N of
+    dim, whole along the stored dimension, and no other device's gradient covers it (the head's
+    columns), so that axis moves it back by an all-to-all, without a sum."""
     def shard(g: jax.Array) -> jax.Array:
         for dim, dim_axes in enumerate(spec):
             for axis in _over(dim_axes, over):
-                g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+                if exchange is not None and axis == exchange[0]:
+                    g = jax.lax.all_to_all(g, axis, split_axis=dim, concat_axis=exchange[1], tiled=True)
+                else:
+                    g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
         rest = tuple(a for a in axes if not any(_splits(d, a) for d in spec))
         return jax.lax.psum(g, rest) if rest else g
 

@@ -15,7 +15,8 @@ each lands on the mesh. A parallelism strategy is a change of this table, not of
   embed -> (fsdp, stage)  ZeRO-3: parameters, gradients and optimizer state all 1/N per device.
                           Pipelined, the weights outside the stacked layers (embedding, head)
                           are split over stage too, after fsdp: every stage uses them whole
-                          in the step (pipeline/engine.py gathers them once), but each stores,
+                          in the step (pipeline/engine.py gathers them once; the 1F1B family's
+                          head only its vocabulary columns: pipeline/head.py), but each stores,
                           and updates, 1/p of them. A block weight's `layers` dimension comes
                           first and takes stage, so its `embed` gets fsdp alone (below).
   heads, kv_heads, mlp, vocab -> tensor

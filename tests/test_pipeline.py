@@ -287,7 +287,8 @@ def test_circular_keeps_no_weights_per_tick_nor_head_gradient_per_microbatch(sch
 def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_memory):
     """pp=2 at M = 4, 8, 16: the ticks permute [b, L, D] (b = 2 sequences per microbatch), no
     stacked weight is gathered over stage (the embedding and head, stored 1/p a stage, are: once
-    each, pipeline/stage_weights.py), and the bytes over stage are tools.traffic.stage's
+    each, pipeline/stage_weights.py; under 1f1b the head as each stage's vocabulary columns, by
+    an all-to-all there and one back: pipeline/head.py), and the bytes over stage are tools.traffic.stage's
     exactly: under gpipe 2T permutes of a microbatch for the T ticks of the table (bubble
     ticks included) and the M/2 outputs dealt to stage 0's head and their cotangents back
     (pipeline.circular.dealt); under 1f1b a permute at each tick that some stage receives by
@@ -310,7 +311,10 @@ def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_
         tables = cfg.model.vocab_size * cfg.model.d_model
         gathers = [(c.elements, c.trips) for c in ops if c.kind == "all-gather" and "stage" in c.axes]
         scatters = [(c.elements, c.trips) for c in ops if c.kind == "reduce-scatter" and "stage" in c.axes]
-        assert gathers == scatters == [(tables, 1)] * 2, (gathers, scatters)
+        exchanged = [(c.elements, c.trips) for c in ops if c.kind == "all-to-all" and "stage" in c.axes]
+        whole = 2 if schedule == "gpipe" else 1  # 1f1b: the embedding whole, the head's columns exchanged
+        assert gathers == scatters == [(tables, 1)] * whole, (gathers, scatters)
+        assert exchanged == [(tables // 2, 1)] * (2 - whole) * 2, exchanged
         assert stage_bytes(ops) == pytest.approx(traffic.stage(cfg, mesh_sizes(cfg)), rel=1e-3), m
         if schedule == "1f1b":
             assert pipeline_figures(cfg, mesh_sizes(cfg))["permute_ticks"] == (m, m)
@@ -328,7 +332,8 @@ def test_stage_census_is_the_tick_program_contract(schedule, v, mesh):
     split every step by collective-permutes before and after the ticks (pipeline/layout.py,
     traffic.layout): of the stage's 2 chunks 1 leaves it at p = 2, 2 at p = 4 (interleaved's
     stage 0 keeps chunk 0, stage 3 chunk 7; zbv's stage 0 chunk 0), in the compute dtype, and
-    their fp32 gradients come back; no all-to-all (XLA's own re-lay moved 1.75x the device's fp32 layer weights each way at p = 4).
+    their fp32 gradients come back; no all-to-all (XLA's own re-lay moved 1.75x the device's fp32 layer weights each way at p = 4)
+    but, in the 1F1B family, the two of the head's columns (pipeline/head.py: its stored 1/p there, its gradient's back).
     Under tp=2 every tensor rank sends its copy of the activations, under sequence parallelism
     its 1/t of them; and the tensor bytes are traffic's, counting each
     cell's collectives per run of the cell (without the cells' shares, as if every branch of
@@ -366,7 +371,9 @@ def test_stage_census_is_the_tick_program_contract(schedule, v, mesh):
             every_branch = census(compiled.as_text(), dict(mesh.shape))
             assert per_device([c for c in every_branch if c.axes == ("tensor",)]) > 1.5 * tensor
     assert stage_bytes(ops) == pytest.approx(traffic.stage(cfg, sizes), rel=1e-3)
-    assert not [c for c in ops if c.axes == ("stage",) and c.kind == "all-to-all"]
+    exchanged = [c.elements for c in ops if c.axes == ("stage",) and c.kind == "all-to-all"]
+    head = cfg.model.vocab_size * cfg.model.d_model // (sizes["tensor"] * sizes["stage"])  # a device's stored 1/p
+    assert exchanged == [head] * 2 * (schedule in ONE_F_ONE_B), exchanged
     c = DTYPE_BYTES[cfg.model.compute_dtype]
     layers = local_layer_params(cfg, sizes)  # 2 of 2p
     laid_out = per_device([op for op in ops if SCOPE in op.op_name])

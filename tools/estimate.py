@@ -25,7 +25,9 @@ Memory (bytes per device), the terms `memory()` returns:
   tables      pipelined, the embedding and head stored 1/pp a stage (tools.shape.table_split):
               gathered whole over stage for the step in the compute dtype, with their whole fp32
               gradient sums, 2·V·D/t·(pp-1)/pp·(c + 4) (pipeline/stage_weights.py); backward
-              phase only (reduce-scattered before the update)
+              phase only (reduce-scattered before the update); in the 1F1B family where pp
+              divides V/t (tools.shape.head_columns) the embedding's alone, each stage taking
+              only its columns of the head, the 1/pp it stores
   cast        the 1F1B family: the device's own weights in the compute dtype, P_local·c, cast
               once per step before the tick loop and held through it (pipeline/one_f_one_b.py;
               under fsdp `gathered once` is the rest); backward phase only
@@ -61,11 +63,9 @@ Memory (bytes per device), the terms `memory()` returns:
               worth; the larger of a dense and a MoE layer, the dispatch buffers included, and
               under dropless ragged_dot XLA's zero-padded copies, `dense_expert_copies`); under
               remat it is twice that, the layer's forward being recomputed first. Under the
-              1F1B family at least the head's fp32 gradient V·D/t·4 (1.05 GB on llama3-8b at
-              t = 2, XLA's largest temporary there when the last stage computed it whole per
-              microbatch; every stage now computes its V/p columns and adds them in place, but
-              compiled for H100s, llama3-8b pp=4,tp=2, XLA's peak fell 0.53 GiB, not the 0.74
-              of that slice: bench/results/head-over-stages-h100-compiled.json). Under context parallelism
+              1F1B family at least the fp32 gradient of the stage's columns of the head,
+              V·D/(t·pp)·4 (the whole head's, 1.05 GB on llama3-8b at t = 2, was XLA's largest
+              temporary there when the last stage computed it per microbatch). Under context parallelism
               with the xla core, plus one block piece's fp32 scores, probs and their gradient,
               3·b·N/t·(L/sp)² · 4 (the ring's pieces are at most L/sp square; a flash core
               tiles them away).
@@ -118,7 +118,7 @@ from configs.base import RunConfig
 from sharding.checks import accumulation_axes, dealt_heads, explicit_context, head_per_microbatch
 from tools.activations import chunk_residuals, dense_expert_copies, layer_activations, stack_activations, zb_stash
 from tools.pipeline_figures import SPLIT, STASHING, pipeline_figures
-from tools.shape import DTYPE_BYTES, core, local_layer_params, local_params, shape, table_split
+from tools.shape import DTYPE_BYTES, core, head_columns, local_layer_params, local_params, shape, table_split
 
 
 def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[str, float]:
@@ -155,7 +155,8 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
     layer = max(layer_activations(cfg, sizes, "none", moe) for moe in kinds)
     once = "fsdp" in accumulation_axes(cfg, sizes)  # the weights gathered whole for the step
     tick_sum = local_layer_params(cfg, sizes) * sizes["fsdp"] * 4  # gpipe, interleaved: the ticks' fp32 sum
-    head_grad = m.vocab_size * m.d_model / sizes["tensor"] * 4 if stashing else 0.0
+    head_grad = m.vocab_size * m.d_model / sizes["tensor"] / sizes["stage"] * 4 if stashing else 0.0  # its columns'
+    whole_tables = 2 - (1 - 1 / sizes["stage"]) * head_columns(cfg, sizes)  # the head's columns alone: pipeline/head.py
     terms = {
         "params": p_local * param_b,
         "optimizer": 2 * p_local * param_b,
@@ -164,7 +165,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
         # parallel.fsdp_gather_once: the weights whole in the compute dtype and the whole fp32
         # gradient accumulator, for the step (training/step.py)
         "gathered once": p_local * (sizes["fsdp"] - 1) * (c + 4) if once else 0.0,
-        "tables": 2 * m.vocab_size * m.d_model / sizes["tensor"] * (1 - 1 / table_split(cfg, sizes)) * (c + 4),
+        "tables": (whole_tables - 2 / table_split(cfg, sizes)) * m.vocab_size * m.d_model / sizes["tensor"] * (c + 4),
         "cast": p_local * c if stashing else 0.0,
         "accumulator": p_local * 4 if s.k > 1 and not piped else (tick_sum if piped and not stashing else 0.0),
         "update": p_local * 4 if sizes["fsdp"] == 1 else 0.0,

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from configs.base import RunConfig
-from sharding.checks import batch_ranks, expert_d_ff, explicit_context, microbatches, moe_layers
+from sharding.checks import ONE_F_ONE_B, batch_ranks, expert_d_ff, explicit_context, microbatches, moe_layers
 from sharding.cores import choose_core
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -65,6 +65,15 @@ def table_split(cfg: RunConfig, sizes: dict[str, int]) -> int:
     sharding/rules.py): p where fsdp·p divides D, else 1."""
     p = sizes["stage"]
     return p if cfg.model.d_model % (sizes["fsdp"] * p) == 0 else 1
+
+
+def head_columns(cfg: RunConfig, sizes: dict[str, int]) -> bool:
+    """Whether each stage holds only its columns [D, V/(t·p)] of the head for the step, the
+    1F1B family's head over the stages, by an all-to-all over stage (pipeline/head.py): under
+    that family, where the head is stored split over stage (`table_split`) and p divides V/t."""
+    p = sizes["stage"]
+    return (p > 1 and cfg.parallel.schedule in ONE_F_ONE_B and table_split(cfg, sizes) > 1
+            and cfg.model.vocab_size // sizes["tensor"] % p == 0)
 
 
 def local_param_parts(cfg: RunConfig, sizes: dict[str, int]) -> tuple[float, float]:
