@@ -59,6 +59,9 @@ PROSE_ONLY = {
     "head-over-stages-h100-compiled": "XLA GPU's census, peak and the planner's bubble and step of 1F1B-family "
                                       "steps before and after their head ran over the stages; README quotes its "
                                       "ratios in prose",
+    "head-columns-h100-compiled": "XLA GPU's compiled peak and census of 1F1B-family steps before and after each "
+                                  "stage took only its columns of the head, and the estimate; README's table of it "
+                                  "is written by hand",
     "eval-region-h100-compiled": "XLA GPU's census and temp bytes of the pipelined evaluation step before and after "
                                  "it ran in the training step's region; README quotes its ratios in prose",
     "circular-stash-h100-compiled": "XLA GPU's compiled peak of gpipe and interleaved steps and the estimate before "
