@@ -26,7 +26,7 @@ Memory (bytes per device), the terms `memory()` returns:
               gathered whole over stage for the step in the compute dtype, with their whole fp32
               gradient sums, 2·V·D/t·(pp-1)/pp·(c + 4) (pipeline/stage_weights.py); backward
               phase only (reduce-scattered before the update); in the 1F1B family where pp
-              divides V/t (tools.shape.head_columns) the embedding's alone, each stage taking
+              divides V/t (tools.shape.held_tables) the embedding's alone, each stage taking
               only its columns of the head, the 1/pp it stores
   cast        the 1F1B family: the device's own weights in the compute dtype, P_local·c, cast
               once per step before the tick loop and held through it (pipeline/one_f_one_b.py;
@@ -118,7 +118,7 @@ from configs.base import RunConfig
 from sharding.checks import accumulation_axes, dealt_heads, explicit_context, head_per_microbatch
 from tools.activations import chunk_residuals, dense_expert_copies, layer_activations, stack_activations, zb_stash
 from tools.pipeline_figures import SPLIT, STASHING, pipeline_figures
-from tools.shape import DTYPE_BYTES, core, head_columns, local_layer_params, local_params, shape, table_split
+from tools.shape import DTYPE_BYTES, core, held_tables, local_layer_params, local_params, shape, table_split
 
 
 def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[str, float]:
@@ -156,7 +156,6 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
     once = "fsdp" in accumulation_axes(cfg, sizes)  # the weights gathered whole for the step
     tick_sum = local_layer_params(cfg, sizes) * sizes["fsdp"] * 4  # gpipe, interleaved: the ticks' fp32 sum
     head_grad = m.vocab_size * m.d_model / sizes["tensor"] / sizes["stage"] * 4 if stashing else 0.0  # its columns'
-    whole_tables = 2 - (1 - 1 / sizes["stage"]) * head_columns(cfg, sizes)  # the head's columns alone: pipeline/head.py
     terms = {
         "params": p_local * param_b,
         "optimizer": 2 * p_local * param_b,
@@ -165,7 +164,8 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
         # parallel.fsdp_gather_once: the weights whole in the compute dtype and the whole fp32
         # gradient accumulator, for the step (training/step.py)
         "gathered once": p_local * (sizes["fsdp"] - 1) * (c + 4) if once else 0.0,
-        "tables": (whole_tables - 2 / table_split(cfg, sizes)) * m.vocab_size * m.d_model / sizes["tensor"] * (c + 4),
+        "tables": (held_tables(cfg, sizes) - 2 / table_split(cfg, sizes)) * m.vocab_size * m.d_model / sizes["tensor"]
+        * (c + 4),
         "cast": p_local * c if stashing else 0.0,
         "accumulator": p_local * 4 if s.k > 1 and not piped else (tick_sum if piped and not stashing else 0.0),
         "update": p_local * 4 if sizes["fsdp"] == 1 else 0.0,

@@ -67,13 +67,15 @@ def table_split(cfg: RunConfig, sizes: dict[str, int]) -> int:
     return p if cfg.model.d_model % (sizes["fsdp"] * p) == 0 else 1
 
 
-def head_columns(cfg: RunConfig, sizes: dict[str, int]) -> bool:
-    """Whether each stage holds only its columns [D, V/(t·p)] of the head for the step, the
-    1F1B family's head over the stages, by an all-to-all over stage (pipeline/head.py): under
-    that family, where the head is stored split over stage (`table_split`) and p divides V/t."""
+def held_tables(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """The embedding and head a device holds for the step, in heads (V·D/t a tensor rank): 2
+    whole, but 1 + 1/p where each stage holds only its columns [D, V/(t·p)] of the head, by an
+    all-to-all over stage (pipeline/head.py): under the 1F1B family, where the head is stored
+    split over stage (`table_split`) and p divides V/t."""
     p = sizes["stage"]
-    return (p > 1 and cfg.parallel.schedule in ONE_F_ONE_B and table_split(cfg, sizes) > 1
-            and cfg.model.vocab_size // sizes["tensor"] % p == 0)
+    columns = (p > 1 and cfg.parallel.schedule in ONE_F_ONE_B and table_split(cfg, sizes) > 1
+               and cfg.model.vocab_size // sizes["tensor"] % p == 0)
+    return 2 - (1 - 1 / p) * columns
 
 
 def local_param_parts(cfg: RunConfig, sizes: dict[str, int]) -> tuple[float, float]:

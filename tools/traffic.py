@@ -47,7 +47,7 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     fsdp (the device's E/ep experts included), the embedding
                                     and head, stored 1/p a stage, first gathered whole over
                                     stage (2h of P'·f, not 2h/p; in the 1F1B family the head's
-                                    columns alone where tools.shape.head_columns: h + h/p).
+                                    columns alone where tools.shape.held_tables: h + h/p).
                                     Under remat with
                                     explicit TP the layers gather inside their checkpoint
                                     (sharding.tensor_parallel.TensorParallel.gather_in_checkpoint):
@@ -145,7 +145,7 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                          uses it) reduce-scattered, (c + 4)·2h·(p-1)/p, and the final norm's
                          fp32 sum all-reduced, 2·4·D·(p-1)/p (where fsdp·p does not divide D
                          the tables are stored whole, their sums all-reduced: 2·4·(2h + D)·(p-1)/p);
-                         in the 1F1B family where p divides V/t (tools.shape.head_columns) each
+                         in the 1F1B family where p divides V/t (tools.shape.held_tables) each
                          stage takes only its columns of the head, by all-to-all over stage,
                          and sends their gradient back by another: (c + 4)·(h + h/p)·(p-1)/p
             V > 1        plus the layers laid out from the stored split every step
@@ -186,7 +186,7 @@ from pipeline.layout import leaving
 from sharding.checks import accumulation_axes, dealt_heads
 from sharding.mesh import AXES
 from tools.pipeline_figures import STASHING, pipeline_figures, virtual
-from tools.shape import DTYPE_BYTES, dispatch_rows, head_columns, local_param_parts, shape, table_split
+from tools.shape import DTYPE_BYTES, dispatch_rows, held_tables, local_param_parts, shape, table_split
 
 NVLINK, INFINIBAND, GPUS_PER_NODE = 450e9, 50e9, 8
 # r per remat policy, (plain TP, sequence parallelism): the tensor all-reduces a layer's backward
@@ -229,8 +229,8 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     if "fsdp" in local:  # gathered whole once per step, the fp32 sum reduce-scattered once; the
         # embedding and head gathered over stage first (2h a device), reduce-scattered over stage after;
         # the head's columns alone (h/p) where they come by all-to-all over stage (pipeline/head.py)
-        tables = 2 * head - head * (1 - 1 / sizes["stage"]) * head_columns(cfg, sizes)
-        fsdp = ((c + 4) * (own - norms - 2 * head / table_split(cfg, sizes) + tables) * f + 8 * norms) * frac["fsdp"]
+        tables = (held_tables(cfg, sizes) - 2 / table_split(cfg, sizes)) * head  # beyond the stored ones
+        fsdp = ((c + 4) * (own - norms + tables) * f + 8 * norms) * frac["fsdp"]
     else:  # ZeRO-3 per microbatch: the layers' weights gathered twice, embedding and head once
         layers = own - norms - 2 * head
         fsdp = s.k * ((3 * c * (layers + head) + 4 * head) * f + 8 * norms) * frac["fsdp"]
@@ -341,7 +341,7 @@ def stage(cfg: RunConfig, sizes: dict[str, int]) -> float:
     h = small_parts(cfg, sizes)[0]  # embedding and head, 2h: stored 1/p a stage where split
     if table_split(cfg, sizes) > 1:  # gathered in the compute dtype, reduce-scattered in fp32; the head's
         # columns by all-to-all over stage, forward and back, each of 1/p of the stored h/p (pipeline/head.py)
-        tables = 2 * h - h * (1 - 1 / p) * head_columns(cfg, sizes)
+        tables = held_tables(cfg, sizes) * h
         reduced = (DTYPE_BYTES[m.compute_dtype] + 4) * tables * (p - 1) / p + 2 * 4 * m.d_model * (p - 1) / p
     else:  # the fp32 sums all-reduced, the final norm's too
         reduced = 2 * 4 * (2 * h + m.d_model) * (p - 1) / p
