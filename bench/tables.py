@@ -40,6 +40,8 @@ PROSE_ONLY = {
     "expert-matmul-mixtral-h100-compiled": "deviceless compiles: README's table of it is written by hand, with the prose",
     "remat-full-dp-lhs-h100-compiled": "XLA GPU's compiled peak of 125m under remat full beside a data axis, "
                                        "quoted in sentences in the planner's memory paragraph",
+    "lhs-off-h100-compiled": "XLA GPU's compiled peak with its latency-hiding scheduler on, off and limited, beside "
+                             "the estimate: README's table of it is written by hand, with the prose",
     "gpipe-head-h100-compiled": "XLA GPU's compiled peak of gpipe and interleaved steps and the estimate before and "
                                 "after their head and weights changed, quoted as ranges in the planner's memory paragraph",
     "gpipe-head-dealt-h100-compiled": "XLA GPU's compiled peak and stage census of gpipe and interleaved steps before "

@@ -29,9 +29,9 @@ from tools.bandwidth import load
 from tools.oom import advice
 from tools.plan import main as plan_main
 from tools.plan import run_search, xla_figures
-from tools.plan_report import format_plan, plan
+from tools.plan_report import format_plan, plan, scheduler_note
 from tools.search import meshes, search
-from tools.shape import local_layer_params, local_params, shape
+from tools.shape import GiB, local_layer_params, local_params, shape
 
 # 125m scanned: unrolled (its preset's default) at fp32 compute, XLA CPU keeps one more copy of
 # the layers' parameters, their slices (dp=8: 3126 MiB against the scan's 2802, +324 MiB = the
@@ -638,3 +638,32 @@ def test_bad_bandwidth_file_is_one_error_line(tmp_path, content, message):
                      "--bandwidth", str(path))
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert out.stderr.startswith(f"error: --bandwidth {path}: ") and message in out.stderr
+
+
+def test_the_scheduler_note_says_whose_memory_the_excess_is():
+    """The verdict's sentence on a second compile without XLA's latency-hiding scheduler
+    (tools/plan.py): where that peak is within 5% of the compiled one, the excess over the
+    estimate is not the scheduler's; where lower, it names what the scheduler holds."""
+    xla = {"memory": {"peak": 12 * GiB}, "lhs_off": {"peak": 11.8 * GiB}}
+    assert scheduler_note(xla, 10 * GiB) == ("XLA's peak without its latency-hiding scheduler is 11.8 GiB too "
+                                             "(1.18x the estimate): not the scheduler's")
+    xla["lhs_off"]["peak"] = 9.5 * GiB
+    assert scheduler_note(xla, 10 * GiB) == ("XLA's latency-hiding scheduler holds 2.5 GiB to overlap collectives; "
+                                             "without it (XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=false) "
+                                             "XLA's peak is 9.5 GiB (0.95x the estimate)")
+
+
+@pytest.mark.parametrize("off, remedy", [
+    (60, "; XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=false fits, without the scheduler's overlap"),
+    (78, "; XLA's compile needs more than the estimate: lower --set train.micro_batch_size"),
+])
+def test_where_only_the_schedulers_peak_is_over_the_plan_says_to_turn_it_off(off, remedy):
+    """An H100 compile whose peak (80 GiB) is over the GPU's 74.5 while the estimate fits: where
+    the compile without XLA's latency-hiding scheduler fits (60 GiB), the verdict names the flag
+    that turns it off; where that too is over (78), a smaller micro batch."""
+    cfg = get_preset("1b")
+    xla = {"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3", "attention": "cudnn", "census": [],
+           "flops_per_device": None, "memory": {"peak": 80 * GiB}, "lhs_off": {"peak": off * GiB}}
+    report = plan(cfg, mesh_sizes(cfg), roofline.GPUS["h100"], xla)
+    assert report["memory"]["peak"] < roofline.GPUS["h100"].memory and not report["fits"]
+    assert report["verdict"].endswith(remedy), report["verdict"]

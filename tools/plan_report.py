@@ -15,6 +15,7 @@ from tools.bandwidth import Measured
 from tools.oom import remedy
 from tools.shape import GiB, core as device_core
 
+LHS_OFF_FLAG = "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=false"
 
 
 def links_of(cfg: RunConfig, measured: Measured | None) -> traffic.Links | None:
@@ -47,8 +48,12 @@ def plan(cfg: RunConfig, sizes: dict[str, int], gpu: roofline.GPU, xla: dict | N
     verdict = (f"{'fits' if fits else 'does NOT fit'} on {gpu.name} ({mem['peak'] / GiB:.1f} GiB estimated"
                f"{xla_text}, of {gpu.memory / GiB:.1f} GiB); memory dominated by {max(terms, key=terms.get)}; "
                f"step time dominated by {max(costs, key=costs.get)}")
+    if judged and "lhs_off" in xla:
+        verdict += f"; {scheduler_note(xla, mem['peak'])}"
     if not fits:  # the estimate's remedy; or XLA's compile alone is over (the estimate fits)
         verdict += (f"; {remedy(cfg, sizes, gpu)}" if mem["peak"] > gpu.memory else
+                    f"; {LHS_OFF_FLAG} fits, without the scheduler's overlap"
+                    if xla.get("lhs_off", {}).get("peak", math.inf) <= gpu.memory else
                     "; XLA's compile needs more than the estimate: lower --set train.micro_batch_size")
     if core == "xla" and time["memory_s"] > time["matmul_s"]:
         fix = ("--set model.compute_dtype=bfloat16: in float32 model.attention=auto takes xla"
@@ -71,6 +76,21 @@ def not_judged(cfg: RunConfig, sizes: dict[str, int], xla: dict) -> list[str]:
     return ([f"{xla['platform']}'s fp32 buffers of a bf16 program"] * (xla["platform"] != "gpu" and
                                                                      cfg.model.compute_dtype != "float32")
             + [f"its {xla['attention']} core where the GPU takes {core}"] * (xla["attention"] != core))
+
+
+def scheduler_note(xla: dict, estimated: float) -> str:
+    """What XLA's peak is without its latency-hiding scheduler (`lhs_off`, tools/plan.py), and
+    so how much of it the scheduler holds: gathers and recomputed forwards it starts early to
+    overlap collectives, their results held, up to its memory limit (XLA GPU: 95% of 80% of the
+    GPU's memory, less the step's inputs and outputs). A tighter limit does not bring it down
+    to the peak without it (README, Plan a run: 1.01-1.24x that peak with the limit just above
+    it, compiled for H100s)."""
+    off, peak = xla["lhs_off"]["peak"], xla["memory"]["peak"]
+    if off > 0.95 * peak:
+        return (f"XLA's peak without its latency-hiding scheduler is {off / GiB:.1f} GiB too "
+                f"({off / estimated:.2f}x the estimate): not the scheduler's")
+    return (f"XLA's latency-hiding scheduler holds {(peak - off) / GiB:.1f} GiB to overlap collectives; "
+            f"without it ({LHS_OFF_FLAG}) XLA's peak is {off / GiB:.1f} GiB ({off / estimated:.2f}x the estimate)")
 
 
 def census_note(cfg: RunConfig, xla: dict | None) -> str:
@@ -106,6 +126,8 @@ def format_plan(report: dict) -> str:
     for k in ("argument", "output", "alias", "temp"):
         if k in xmem:
             lines.append(f"  {'  XLA ' + k:<28}{'':>12}{xmem[k] / GiB:>10.2f} G")
+    if xla and "lhs_off" in xla:
+        lines.append(f"  {'  XLA peak, LHS off':<28}{'':>12}{xla['lhs_off']['peak'] / GiB:>10.2f} G")
     lines.append(f"\n  {'communication per step':<28}{'contract':>12}{'XLA census':>12}")
     census = {}
     for r in (xla or {}).get("census", []):
