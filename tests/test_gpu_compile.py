@@ -80,6 +80,23 @@ def test_without_the_cuda_plugin_it_says_what_to_install(monkeypatch):
         gpu_compile.main([])
 
 
+@pytest.mark.parametrize("versions, driver, fix", [
+    ({"jaxlib": "0.12.0.1", "nvidia-cudnn-cu13": "9.28.1.4"}, None, ""),
+    ({"jaxlib": "0.12.1", "nvidia-cudnn-cu13": "9.28.1.4"}, "libcuda.so.1", ""),
+    ({"jaxlib": "0.12.1", "nvidia-cudnn-cu13": "9.28.1.4"}, None, "jaxlib 0.12.1 builds cuDNN's graph as it "
+     "compiles, which loads the CUDA driver (libcuda.so.1), absent here: plan --set model.attention=pallas"),
+    ({"jaxlib": "0.12.0.1"}, None, "pip install nvidia-cudnn-cu13, or plan --set model.attention=pallas"),
+])
+def test_where_cudnn_cannot_compile_without_a_gpu_it_says_why(monkeypatch, versions, driver, fix):
+    """cuDNN's attention compiles without a GPU on jaxlib < 0.12.1, and from 0.12.1 only where the
+    CUDA driver's library loads; never without the cuDNN wheel."""
+    monkeypatch.setattr(gpu_target, "version", versions.get)
+    monkeypatch.setattr(gpu_target.ctypes.util, "find_library", lambda name: driver)
+    found = gpu_target.cudnn_fix()
+    assert found.startswith(fix) and (found == "") == (fix == ""), found
+    assert gpu_target.cudnn_compiles() == (fix == "")
+
+
 @pytest.mark.parametrize("given, level", [("", "0"), ("--xla_gpu_autotune_level=4", "4")])
 def test_compile_only_flags_turn_autotuning_off_unless_asked(monkeypatch, given, level):
     """check_plugin's XLA_FLAGS: autotuning off (a compile-only device cannot time a candidate)

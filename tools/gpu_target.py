@@ -24,6 +24,7 @@ part's. Why by hand: jax ships no target descriptions, and XLA's live in its sou
 from __future__ import annotations
 
 import contextlib
+import ctypes.util
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -98,6 +99,27 @@ def plugin_installed() -> bool:
     if importlib.util.find_spec("jax_plugins") is None:
         return False
     return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (13, 12))
+
+
+def cudnn_compiles() -> bool:
+    """Whether XLA GPU compiles a cuDNN call here without a GPU: jaxlib < 0.12.1 emits the call
+    as it is; from 0.12.1 it builds cuDNN's graph at compile time, whose engines load the CUDA
+    driver (libcuda.so.1: "StreamExecutor is null and deviceless cuDNN compilation is not
+    enabled" without one), and the cuDNN wheel must be installed either way."""
+    return not cudnn_fix()
+
+
+def cudnn_fix() -> str:
+    """Why XLA GPU cannot compile a cuDNN call here without a GPU, and what to do ('' where it
+    can: `cudnn_compiles`)."""
+    if version("nvidia-cudnn-cu13") is None and version("nvidia-cudnn-cu12") is None:
+        return "pip install nvidia-cudnn-cu13, or plan --set model.attention=pallas"
+    release = tuple(int(part) for part in (version("jaxlib") or "0").split(".")[:3] if part.isdigit())
+    if release < (0, 12, 1) or ctypes.util.find_library("cuda") is not None:
+        return ""
+    return (f"jaxlib {version('jaxlib')} builds cuDNN's graph as it compiles, which loads the CUDA driver "
+            "(libcuda.so.1), absent here: plan --set model.attention=pallas (a fused core of the same memory "
+            "terms), or compile with jaxlib < 0.12.1")
 
 
 def check_plugin(who: str) -> None:

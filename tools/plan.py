@@ -145,7 +145,7 @@ def dry_run(cfg: RunConfig, gpu: roofline.GPU, as_json: bool, measured: Measured
     else:
         from sharding.cores import building_for
         from sharding.mesh import requested_devices
-        from tools.gpu_target import GPUS, devices, listed
+        from tools.gpu_target import GPUS, cudnn_fix, devices, listed
 
         target = GPUS[compile_for]
         compile_only = devices(target, requested_devices(cfg.parallel))
@@ -156,8 +156,8 @@ def dry_run(cfg: RunConfig, gpu: roofline.GPU, as_json: bool, measured: Measured
             except RuntimeError as e:
                 if "cuDNN" not in str(e):
                     raise
-                raise ConfigError(f"--compile-for-gpu: the cudnn attention core needs cuDNN here to compile ({e}): "
-                                  "pip install nvidia-cudnn-cu13, or plan --set model.attention=pallas") from None
+                raise ConfigError(f"--compile-for-gpu: the cudnn attention core does not compile here "
+                                  f"({str(e).strip().splitlines()[0]}): {cudnn_fix()}") from None
     cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
     report = plan(cfg, dict(mesh.shape), gpu, xla, measured)
     print(json.dumps(report, indent=1, default=str) if as_json else format_plan(report))
