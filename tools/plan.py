@@ -119,7 +119,7 @@ def xla_figures(cfg: RunConfig, mesh, recheck_above: float | None = None) -> dic
     figures = {"platform": target()[0], "device_kind": mesh.devices.flat[0].device_kind,
                "attention": program.strategies.attention, "memory": mem, "flops_per_device": cost.get("flops"),
                "census": rows}
-    if target()[0] == "gpu" and recheck_above is not None and mem["peak"] > recheck_above:
+    if figures["platform"] == "gpu" and recheck_above is not None and mem["peak"] > recheck_above:
         print(f"plan: XLA's peak is {mem['peak'] / GiB:.1f} GiB, over the estimate by more than {LHS_RECHECK}x and "
               f"{LHS_RECHECK_GIB} GiB: compiling again with the latency-hiding scheduler off", file=sys.stderr,
               flush=True)
