@@ -7,7 +7,7 @@ X/(p·V)): blocks [X, ...] as stored, X split over stage; device s runs [V, Lc, 
 the model's chunk v·p + s (layers (v·p + s)·Lc ... + Lc - 1), or in zbv's V (pipeline/tables.py)
 chunks s and 2p-1-s. V = 1 runs the stored layout (no data moves); V > 1 lays the stage's cast
 layers out inside the engine every step, each chunk stored elsewhere moving once by
-collective-permute, and their fp32 gradients back (pipeline/layout.py; tools.traffic.layout). The
+collective-permute, and their fp32 gradients back (pipeline/layout.py; tools.pipeline_traffic.layout). The
 embedding and final norm are whole on every stage for the step, the head as the stage's columns
 of the vocabulary (the embedding and head stored 1/p a stage, the embedding gathered once, the
 head's columns exchanged: pipeline/stage_weights.py) and used inside the schedule: the

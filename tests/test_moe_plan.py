@@ -10,7 +10,7 @@ import pytest
 from configs import apply_overrides, get_preset
 from conftest import run_module
 from sharding.mesh import AXES
-from tools import estimate, roofline, traffic
+from tools import estimate, links, roofline, traffic
 from tools.activations import dense_expert_copies
 from tools.bandwidth import load
 from tools.plan_report import format_plan, plan
@@ -177,8 +177,8 @@ def test_search_over_ep_respects_the_experts():
 
 def test_expert_axis_link_is_nvlink_inside_a_node():
     sizes = ONE | {"fsdp": 8, "expert": 8}
-    assert traffic.link_bandwidth(sizes, "expert") == traffic.NVLINK
-    assert traffic.link_bandwidth(sizes | {"tensor": 2, "fsdp": 4}, "expert") == traffic.INFINIBAND
+    assert links.link_bandwidth(sizes, "expert") == links.NVLINK
+    assert links.link_bandwidth(sizes | {"tensor": 2, "fsdp": 4}, "expert") == links.INFINIBAND
 
 
 def test_plan_shows_ep_and_the_all_to_all(tmp_path):

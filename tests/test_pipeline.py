@@ -288,14 +288,14 @@ def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_
     """pp=2 at M = 4, 8, 16: the ticks permute [b, L, D] (b = 2 sequences per microbatch), no
     stacked weight is gathered over stage (the embedding and head, stored 1/p a stage, are: once
     each, pipeline/stage_weights.py; under 1f1b the head as each stage's vocabulary columns, by
-    an all-to-all there and one back: pipeline/head.py), and the bytes over stage are tools.traffic.stage's
+    an all-to-all there and one back: pipeline/head.py), and the bytes over stage are tools.pipeline_traffic.stage's
     exactly: under gpipe 2T permutes of a microbatch for the T ticks of the table (bubble
     ticks included) and the M/2 outputs dealt to stage 0's head and their cotangents back
     (pipeline.circular.dealt); under 1f1b a permute at each tick that some stage receives by
     it (pipeline.tick_program.moves: M each way at p = 2, of the 2M + 2 ticks); and the
     embedding and head gathered, their gradients reduce-scattered, the norm's all-reduced
     (pipeline/engine.py)."""
-    from tools import traffic
+    from tools import pipeline_traffic
     from tools.hlo import compiled_census
     from tools.pipeline_figures import pipeline_figures
 
@@ -315,7 +315,7 @@ def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_
         whole = 2 if schedule == "gpipe" else 1  # 1f1b: the embedding whole, the head's columns exchanged
         assert gathers == scatters == [(tables, 1)] * whole, (gathers, scatters)
         assert exchanged == [(tables // 2, 1)] * (2 - whole) * 2, exchanged
-        assert stage_bytes(ops) == pytest.approx(traffic.stage(cfg, mesh_sizes(cfg)), rel=1e-3), m
+        assert stage_bytes(ops) == pytest.approx(pipeline_traffic.stage(cfg, mesh_sizes(cfg)), rel=1e-3), m
         if schedule == "1f1b":
             assert pipeline_figures(cfg, mesh_sizes(cfg))["permute_ticks"] == (m, m)
 
@@ -326,11 +326,11 @@ def test_census_permutes_on_stage_and_gathers_no_stacked_weights(schedule, temp_
     ("zb-h1", 1, "pp=2,tp=2 full"), ("zbv", 2, "pp=2,tp=2 sp"), ("gpipe", 1, "pp=2,tp=2 sp")])
 def test_stage_census_is_the_tick_program_contract(schedule, v, mesh):
     """M = 4, 2p layers: the bytes over stage of the stage that sends the most are
-    tools.traffic.stage's (T permutes for the T ticks of zb-h1's and zbv's tables at p = 2, where
+    tools.pipeline_traffic.stage's (T permutes for the T ticks of zb-h1's and zbv's tables at p = 2, where
     each device sends one of the two, 2T at p = 4; 2T on interleaved-1f1b's ring; interleaved as
     gpipe with V·M + p - 1 ticks, both rings), and for V = 2 the layers laid out from the stored
     split every step by collective-permutes before and after the ticks (pipeline/layout.py,
-    traffic.layout): of the stage's 2 chunks 1 leaves it at p = 2, 2 at p = 4 (interleaved's
+    pipeline_traffic.layout): of the stage's 2 chunks 1 leaves it at p = 2, 2 at p = 4 (interleaved's
     stage 0 keeps chunk 0, stage 3 chunk 7; zbv's stage 0 chunk 0), in the compute dtype, and
     their fp32 gradients come back; no all-to-all (XLA's own re-lay moved 1.75x the device's fp32 layer weights each way at p = 4)
     but, in the 1F1B family, the two of the head's columns (pipeline/head.py: its stored 1/p there, its gradient's back).
@@ -341,13 +341,13 @@ def test_stage_census_is_the_tick_program_contract(schedule, v, mesh):
     under remat full (2 layers a chunk), the embedding's lookup in every F cell and its backward
     at stage 0's M chunk-0 B ticks (in every tick until 2026-12-02: zbv's census under SP
     read 1.25x today's); gpipe's layers run in every tick, idle ones on zeros, T/V = M + 1 times
-    (traffic.layer_runs; counted M times, the census read 1.21x; now 1.01x). The contract
+    (pipeline_traffic.layer_runs; counted M times, the census read 1.21x; now 1.01x). The contract
     leaves out XLA's all-reduces of fp32 vectors: the vocab-parallel loss's max and sums
     ([b, L] per head) and, under sequence parallelism, the norms' scale gradients ([D] per
     layer run). They are about 1/D of the activations' bytes: 1.0-1.2% of gpipe's and the SP
     cases' tensor bytes at this case's D = 64, hence 1.5% there; the census never reads below
     the contract."""
-    from tools import traffic
+    from tools import pipeline_traffic, traffic
     from tools.shape import DTYPE_BYTES, local_layer_params
     from pipeline.layout import SCOPE
     from sharding.checks import ONE_F_ONE_B
@@ -370,15 +370,15 @@ def test_stage_census_is_the_tick_program_contract(schedule, v, mesh):
         if schedule in ONE_F_ONE_B:  # cells in a switch
             every_branch = census(compiled.as_text(), dict(mesh.shape))
             assert per_device([c for c in every_branch if c.axes == ("tensor",)]) > 1.5 * tensor
-    assert stage_bytes(ops) == pytest.approx(traffic.stage(cfg, sizes), rel=1e-3)
+    assert stage_bytes(ops) == pytest.approx(pipeline_traffic.stage(cfg, sizes), rel=1e-3)
     exchanged = [c.elements for c in ops if c.axes == ("stage",) and c.kind == "all-to-all"]
     head = cfg.model.vocab_size * cfg.model.d_model // (sizes["tensor"] * sizes["stage"])  # a device's stored 1/p
     assert exchanged == [head] * 2 * (schedule in ONE_F_ONE_B), exchanged
     c = DTYPE_BYTES[cfg.model.compute_dtype]
     layers = local_layer_params(cfg, sizes)  # 2 of 2p
     laid_out = per_device([op for op in ops if SCOPE in op.op_name])
-    assert laid_out == pytest.approx(max(traffic.layout(cfg, sizes)), rel=1e-3)
-    assert max(traffic.layout(cfg, sizes)) == pytest.approx((c + 4) * layers / 2 * (p // 2) if v > 1 else 0, rel=1e-3)
+    assert laid_out == pytest.approx(max(pipeline_traffic.layout(cfg, sizes)), rel=1e-3)
+    assert max(pipeline_traffic.layout(cfg, sizes)) == pytest.approx((c + 4) * layers / 2 * (p // 2) if v > 1 else 0, rel=1e-3)
 
 
 @pytest.fixture(scope="module")

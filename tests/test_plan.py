@@ -22,7 +22,7 @@ from configs import ConfigError, apply_overrides, get_preset
 from conftest import ROOT, SMALL, child_env, mesh_sizes, run_module, small_config
 from sharding.mesh import AXES, build_mesh, parse_mesh
 from sharding.strategies import parallelize
-from tools import estimate, gpu_target, op_kinds, pipeline_figures, roofline, trace_summary, traffic
+from tools import estimate, gpu_target, links, op_kinds, pipeline_figures, roofline, trace_summary, traffic
 from tools.activations import chunk_residuals, stack_activations, zb_stash
 from tools.bandwidth import load
 from tools.oom import advice
@@ -145,8 +145,8 @@ def test_estimate_terms_follow_the_mesh():
     whole = estimate.memory(apply_overrides(cfg, ["parallel.fsdp_gather_once=true"]), one | {"fsdp": 8})
     assert whole["gathered once"] == pytest.approx(p / 8 * 7 * (2 + 4), rel=0.01)  # bf16 weights + fp32 accumulator
     assert estimate.memory(cfg, one | {"fsdp": 8})["gathered once"] == 0
-    assert traffic.link_bandwidth(one | {"data": 8, "tensor": 8}, "tensor") == traffic.NVLINK
-    assert traffic.link_bandwidth(one | {"data": 8, "tensor": 8}, "data") == traffic.INFINIBAND
+    assert links.link_bandwidth(one | {"data": 8, "tensor": 8}, "tensor") == links.NVLINK
+    assert links.link_bandwidth(one | {"data": 8, "tensor": 8}, "data") == links.INFINIBAND
     k = cfg.train.global_batch_size // 2  # 128 microbatches of one sequence per data rank
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
         piped = apply_overrides(cfg, [f"parallel.microbatches={k}", f"parallel.schedule={schedule}",
@@ -283,7 +283,7 @@ def test_search_ranks_only_meshes_that_fit_and_tp_stays_in_a_node():
     assert len(ranked) + rejected == len(meshes(cfg, 512))
     for c in ranked:
         assert math.prod(c["sizes"].values()) == 512
-        assert c["sizes"]["tensor"] * c["sizes"]["sequence"] <= traffic.GPUS_PER_NODE
+        assert c["sizes"]["tensor"] * c["sizes"]["sequence"] <= links.GPUS_PER_NODE
         assert c["memory"]["peak"] <= gpu.memory
         assert estimate.memory(c["cfg"], c["sizes"])["peak"] <= gpu.memory
     pure_dp = dict(zip(AXES, (1, 512, 1, 1, 1, 1)))
@@ -567,7 +567,7 @@ def test_measured_links_set_the_step_time(tmp_path):
     datasheet = roofline.step_time(cfg, sizes, roofline.GPUS["h100"])
     g = 4 * local_params(cfg, sizes)  # fp32 gradient bytes of the device's tensor shard, reduced once per step
     assert report["time"]["comm_s"]["data"] == pytest.approx(100e-6 + 2 * g * 7 / 8 / 20e9)
-    assert datasheet["comm_s"]["data"] == pytest.approx(2 * g * 7 / 8 / traffic.INFINIBAND)
+    assert datasheet["comm_s"]["data"] == pytest.approx(2 * g * 7 / 8 / links.INFINIBAND)
     assert report["time"]["comm_s"]["tensor"] == datasheet["comm_s"]["tensor"]
     assert report["links"] == {"data": f"measured {path} (all-reduce: 100.0 us + bytes / 20 GB/s, on dp=8,tp=8)",
                                "tensor": "datasheet NVLink 450 GB/s"}

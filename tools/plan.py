@@ -59,6 +59,7 @@ from sharding.mesh import AXES, format_mesh
 from tools import estimate, roofline, traffic
 from tools.bandwidth import Measured, add_bandwidth_arg, load
 from tools.calibration import add_calibration_arg, rated_gpu
+from tools.links import GPUS_PER_NODE, INFINIBAND, NVLINK
 from tools.measure import check_at_least
 from tools.plan_report import above_best_mfu, format_plan, links_of, not_judged, plan
 from tools.search import no_mesh_takes, reason, search, settings
@@ -173,8 +174,8 @@ def run_search(cfg: RunConfig, gpus: int, gpu: roofline.GPU, confirm: int, as_js
     ranked, rejected = search(cfg, gpus, gpu, links_of(cfg, measured))
     found = measured.links(cfg.parallel.context_impl) if measured else {}
     links = {a: measured.label(link) for a, link in found.items()} | {
-        "other axes" if found else "every axis": f"datasheet NVLink {traffic.NVLINK / 1e9:.0f} GB/s inside a node of {traffic.GPUS_PER_NODE}, "
-                      f"InfiniBand {traffic.INFINIBAND / 1e9:.0f} GB/s across"}
+        "other axes" if found else "every axis": f"datasheet NVLink {NVLINK / 1e9:.0f} GB/s inside a node of {GPUS_PER_NODE}, "
+                      f"InfiniBand {INFINIBAND / 1e9:.0f} GB/s across"}
     if not ranked and not rejected:
         raise ConfigError(no_mesh_takes(cfg, gpus))
     if not ranked:

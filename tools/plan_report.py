@@ -12,13 +12,14 @@ from configs import RunConfig
 from sharding.mesh import format_mesh
 from tools import estimate, roofline, traffic
 from tools.bandwidth import Measured
+from tools.links import Links, datasheet_link
 from tools.oom import remedy
 from tools.shape import GiB, core as device_core
 
 LHS_OFF_FLAG = "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=false"
 
 
-def links_of(cfg: RunConfig, measured: Measured | None) -> traffic.Links | None:
+def links_of(cfg: RunConfig, measured: Measured | None) -> Links | None:
     """The measured {axis: (latency_s, bytes_per_s)} for roofline.step_time, or None (datasheet)."""
     if measured is None:
         return None
@@ -28,7 +29,7 @@ def links_of(cfg: RunConfig, measured: Measured | None) -> traffic.Links | None:
 def link_sources(cfg: RunConfig, sizes: dict[str, int], axes: list[str], measured: Measured | None) -> dict[str, str]:
     """{axis: 'measured FILE (...)' or 'datasheet NVLink 450 GB/s'} for each of `axes`."""
     found = measured.links(cfg.parallel.context_impl) if measured else {}
-    return {a: measured.label(found[a]) if a in found else traffic.datasheet_link(sizes, a) for a in axes}
+    return {a: measured.label(found[a]) if a in found else datasheet_link(sizes, a) for a in axes}
 
 
 def plan(cfg: RunConfig, sizes: dict[str, int], gpu: roofline.GPU, xla: dict | None,

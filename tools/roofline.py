@@ -27,7 +27,7 @@ rate, not the datasheet peak (GPU.rates names the published figures; `tools.plan
              stacked residuals: tests/test_calibration.py holds the gap).
 MFU is still model FLOPs over the datasheet peak. Each axis's bytes take their link's time
 (tools/traffic.py). Two figures: communication not overlapped (compute + comm) and fully
-overlapped (max). Then / (1 - bubble), the schedule's (tools/traffic.py, stage).
+overlapped (max). Then / (1 - bubble), the schedule's (tools/pipeline_figures.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from sharding.checks import expert_d_ff
 from tools.activations import stack_activations
 from tools.pipeline_figures import pipeline_figures
 from tools.shape import dispatch_rows, local_params, shape
-from tools.traffic import Links, comm_time, communication
+from tools.links import Links, comm_time
+from tools.traffic import communication
 from training.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token
 
 

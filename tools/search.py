@@ -7,7 +7,7 @@ model), with tp and sp·tp inside one node (<= 8), that the step itself accepts
 dp·fsdp·ep dividing the global batch, ep dividing the experts, whole groups of moe_every
 layers per stage, ...).
 The expert axis is timed on NVLink when it and the axes inside it (sp, tp) fit in a node, like
-every axis (tools/traffic.link_bandwidth). For
+every axis (tools/links.link_bandwidth). For
 each, the microbatch is the largest that fits the GPU's memory (fewest microbatches: least
 per-microbatch overhead); under a pipeline, every schedule of SCHEDULES is ranked, each with the
 microbatch count (at least pp) of its shortest fitting step, its bubble the lock-step weighted
@@ -34,7 +34,8 @@ from tools.estimate import memory
 from tools.pipeline_figures import pipeline_figures
 from tools.roofline import GPU, step_time
 from tools.shape import GiB, shape
-from tools.traffic import GPUS_PER_NODE, Links, expert
+from tools.links import GPUS_PER_NODE, Links
+from tools.traffic import expert
 
 SCHEDULES = (("gpipe", 1), ("interleaved", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2))  # (name, V)
 # XLA's peak over the estimate of a pipelined step, with a margin: at most 1.12x for the 1F1B

@@ -9,7 +9,8 @@ F_e the expert F, ep = size of `expert`; per MoE layer and microbatch a device s
 [ep, S, D] and its experts compute R = ep·S rows (`dispatch_rows`): dropless S = T·min(k', E/ep),
 capacity S = (E/ep)·ceil(cf·T·k'/E).
 Its users: tools/activations.py (what a layer keeps), tools/estimate.py (memory per device),
-tools/traffic.py (bytes per mesh axis) and tools/roofline.py (FLOPs, step time, MFU).
+tools/traffic.py and tools/pipeline_traffic.py (bytes per mesh axis) and tools/roofline.py (FLOPs,
+step time, MFU).
 """
 
 from __future__ import annotations
@@ -95,6 +96,15 @@ def local_param_parts(cfg: RunConfig, sizes: dict[str, int]) -> tuple[float, flo
     tables = 2 * m.vocab_size * d / (fsdp * tp * table_split(cfg, sizes))
     non_expert = (s.layers - s.moe) * dense + s.moe * moe + tables + d
     return non_expert, s.moe * m.n_experts * 3 * d * fe / (ep * fsdp * tp)
+
+
+def small_parts(cfg: RunConfig, sizes: dict[str, int]) -> tuple[float, float, float]:
+    """(h, n, r) of the module docstring, parameters per device: the head's share (the
+    embedding's too), V·D/(f·t); the norms', (2X + 1)·D (not split); the routers', D·E/f per MoE
+    layer (X and the MoE layers this stage's)."""
+    m, s = cfg.model, shape(cfg, sizes)
+    return (m.vocab_size * m.d_model / (sizes["fsdp"] * sizes["tensor"]), (2 * s.layers + 1) * m.d_model,
+            s.moe * m.d_model * m.n_experts / sizes["fsdp"])
 
 
 def local_params(cfg: RunConfig, sizes: dict[str, int]) -> float:
