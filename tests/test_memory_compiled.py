@@ -68,7 +68,7 @@ def test_where_xla_holds_more_the_plan_compiles_again_without_the_latency_hiding
     1024 a device): XLA GPU's latency-hiding scheduler starts layers' recomputed forwards early,
     to overlap the gradients' all-reduces, and holds them while the GPU has memory to spare, so
     XLA's peak reads over the estimate (1.32x measured with jax 0.12); tools.plan then compiles
-    the step once more with the scheduler off (tools/plan.py, LHS_RECHECK): 0.94x, and the
+    the step once more with the scheduler off (tools/plan_compile.py, LHS_RECHECK): 0.94x, and the
     verdict says how much the scheduler holds."""
     args = ["--config", "125m", "--mesh", "dp=2", "--compile-for-gpu", "--json"]
     for s in ["model.remat=full", "train.seq_len=1024", "train.global_batch_size=16", *PALLAS]:

@@ -26,8 +26,8 @@ from tools import estimate, gpu_target, links, op_kinds, pipeline_figures, roofl
 from tools.activations import chunk_residuals, stack_activations, zb_stash
 from tools.bandwidth import load
 from tools.oom import advice
-from tools.plan import main as plan_main
-from tools.plan import run_search, xla_figures
+from tools.plan import confirmed_text, main as plan_main, run_search
+from tools.plan_compile import xla_figures
 from tools.plan_report import format_plan, plan, scheduler_note
 from tools.search import meshes, search
 from tools.shape import GiB, local_layer_params, local_params, shape
@@ -328,7 +328,8 @@ def test_search_without_a_mesh_that_splits_the_batch_names_one_that_does(preset,
     (["--mesh", "dp=2", "--compile-for-gpu", "--gpu", "a100"], "--compile-for-gpu with --gpu a100: it compiles for "
      "h100 or h200"),
     (["--mesh", "dp=-1", "--compile-for-gpu"], "--compile-for-gpu with --mesh dp=-1: name every axis's size"),
-    (["--search", "--gpus", "8", "--compile-for-gpu"], "--compile-for-gpu with --search: the search compiles"),
+    (["--search", "--gpus", "8", "--compile-for-gpu", "--gpu", "a100"], "--compile-for-gpu with --gpu a100: it "
+     "compiles for h100 or h200"),
 ])
 def test_plan_flags_that_would_be_ignored_or_crash_are_refused(args, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -386,6 +387,27 @@ def test_dry_run_compiled_for_h100s_without_one(core, mesh, sets):
         assert census[axis] == pytest.approx(report["communication"][axis], rel=0.01)
     if "fsdp" in census:
         assert census["fsdp"] == pytest.approx(report["communication"]["fsdp"], rel=0.005)
+
+
+@pytest.mark.skipif(not gpu_target.plugin_installed(), reason="jax's CUDA plugin is not installed "
+                    "(pip install -e '.[gpu-compile]')")
+def test_search_compiled_for_h100s_judges_its_top_mesh():
+    """--search --compile-for-gpu: the top mesh (of 8 H100s, tiny) is compiled by XLA GPU, its peak
+    judged against the GPU's memory, the same bytes as the dry run of that mesh and its --set
+    compiled for H100s; the next is not compiled (--confirm 1)."""
+    pallas = ("--set", "model.attention=pallas")  # jax 0.12.1 compiles cuDNN's attention only with a driver
+    done = run_module("tools.plan", "--config", "tiny", "--gpus", "8", "--search", "--confirm", "1",
+                      "--compile-for-gpu", *pallas, "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    top, second = report["top"][:2]
+    assert report["compiled_for"] == "h100" and "xla_memory_gib" not in second
+    assert top["xla_not_judged"] == [] and top["xla_fits"] and "xla_lhs_off_gib" not in top  # MBs: no recheck
+    sets = [a for s in top["set"] for a in ("--set", s)]
+    planned = run_module("tools.plan", "--config", "tiny", "--mesh", top["mesh"], "--compile-for-gpu", *pallas,
+                         *sets, "--json")
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert top["xla_memory_gib"] * GiB == pytest.approx(json.loads(planned.stdout)["xla"]["memory"]["peak"], rel=1e-9)
 
 
 @pytest.mark.skipif(not gpu_target.plugin_installed(), reason="jax's CUDA plugin is not installed "
@@ -595,7 +617,7 @@ def test_plan_cli_names_the_measured_link(tmp_path):
     assert f"links: data measured {path} (all-reduce: 10.0 us + bytes / 40 GB/s" in out.stdout
     assert "other axes datasheet NVLink 450 GB/s inside a node of 8" in out.stdout
     first, second = (line for line in out.stdout.splitlines() if line.startswith(("1. ", "2. ")))
-    assert re.search(r", XLA \d+ GiB \(cpu's fp32 buffers of a bf16 program.*: not judged\)$", first), first
+    assert re.search(r", XLA \d+\.\d GiB \(cpu's fp32 buffers of a bf16 program.*: not judged\)$", first), first
     assert "XLA" not in second
 
 
@@ -643,7 +665,7 @@ def test_bad_bandwidth_file_is_one_error_line(tmp_path, content, message):
 
 def test_the_scheduler_note_says_whose_memory_the_excess_is():
     """The verdict's sentence on a second compile without XLA's latency-hiding scheduler
-    (tools/plan.py): where that peak is within 5% of the compiled one, the excess over the
+    (tools/plan_compile.py): where that peak is within 5% of the compiled one, the excess over the
     estimate is not the scheduler's; where lower, it names what the scheduler holds."""
     xla = {"memory": {"peak": 12 * GiB}, "lhs_off": {"peak": 11.8 * GiB}}
     assert scheduler_note(xla, 10 * GiB) == ("XLA's peak without its latency-hiding scheduler is 11.8 GiB too "
@@ -668,3 +690,20 @@ def test_where_only_the_schedulers_peak_is_over_the_plan_says_to_turn_it_off(off
     report = plan(cfg, mesh_sizes(cfg), roofline.GPUS["h100"], xla)
     assert report["memory"]["peak"] < roofline.GPUS["h100"].memory and not report["fits"]
     assert report["verdict"].endswith(remedy), report["verdict"]
+
+
+def test_a_searched_meshs_compile_is_judged_against_the_gpu():
+    """The search's line for a mesh it compiled (tools.plan.confirmed_text): not judged on CPU in
+    bf16; compiled for the GPU, whether it fits, and where only the compile without XLA's
+    latency-hiding scheduler fits, the flag."""
+    h100 = roofline.GPUS["h100"]
+    row = {"xla_memory_gib": 90.0, "xla_not_judged": [], "xla_fits": False, "xla_lhs_off_gib": 60.0}
+    assert confirmed_text(row, h100) == (", XLA 90.0 GiB (60.0 without its latency-hiding scheduler): does NOT fit "
+                                         "H100 SXM 80GB's 74.5 GiB (XLA_FLAGS=--xla_gpu_enable_latency_hiding_"
+                                         "scheduler=false fits)")
+    assert confirmed_text(row | {"xla_lhs_off_gib": 78.0}, h100).endswith(": does NOT fit H100 SXM 80GB's 74.5 GiB")
+    assert confirmed_text({"xla_memory_gib": 12.04, "xla_not_judged": [], "xla_fits": True}, h100) == (
+        ", XLA 12.0 GiB, fits H100 SXM 80GB")
+    assert confirmed_text({"xla_memory_gib": 30.0, "xla_not_judged": ["cpu's fp32 buffers of a bf16 program"]},
+                          h100) == ", XLA 30.0 GiB (cpu's fp32 buffers of a bf16 program: not judged)"
+    assert confirmed_text({"mesh": "dp=8"}, h100) == ""

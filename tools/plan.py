@@ -5,12 +5,12 @@
   python -m tools.plan --config llama3-70b --gpus 512 --gpu h100 --global-batch-tokens 4M --search
   python -m tools.plan --config llama3-8b --mesh dp=8,tp=8 --bandwidth bench/results/collectives-gpu-dp8_tp8.json
 
-Dry run: the model is built abstractly (`training.build.make_program`: no parameter is allocated)
-and the real train step is compiled ahead of time for the mesh's device count (fake CPU
-devices on a laptop). One table puts XLA's figures beside the analytic model's
-(tools/estimate.py, traffic.py, roofline.py; the report itself: tools/plan_report.py): per-device memory (`memory_analysis()`: arguments, outputs, temp, and
-args + outputs - aliased + temp, the static peak; XLA CPU's own peak_memory_in_bytes counts
-about the arguments only), the collective census per mesh axis (tools/hlo.py) beside the
+Dry run: the real train step is compiled ahead of time for the mesh's device count, no
+parameter allocated (tools/plan_compile.py: fake CPU devices on a laptop). One table puts XLA's
+figures beside the analytic model's (tools/estimate.py, traffic.py, roofline.py; the report
+itself: tools/plan_report.py): per-device memory (`memory_analysis()`: arguments, outputs,
+temp, and args + outputs - aliased + temp, the static peak; XLA CPU's own peak_memory_in_bytes
+counts about the arguments only), the collective census per mesh axis (tools/hlo.py) beside the
 contract formulas, FLOPs per device (`cost_analysis()`, which on CPU counts the program as
 compiled there) beside 6·N·tokens + attention, the roofline step time and MFU on `--gpu`, and a
 verdict. Memory on CPU is not GPU memory: XLA CPU keeps bf16 matmuls in fp32 buffers, so its
@@ -19,14 +19,8 @@ weighs XLA's peak only when it was compiled for a GPU or in fp32.
 
 --compile-for-gpu: the step is compiled by XLA GPU for --gpu (h100, h200) x the mesh's devices,
 on this machine without a GPU (tools/gpu_target.py), so XLA's memory is the GPU's and is judged.
-Compiled for a GPU (so too a dry run on a GPU machine), XLA GPU's latency-hiding scheduler
-spends the memory the GPU has spare on overlap: gathers and recomputed forwards started early,
-their results held. Where XLA's peak is over the estimate by LHS_RECHECK x and LHS_RECHECK_GIB,
-the step is compiled once more with the scheduler off (jax.jit's compiler_options, for that
-compile only) and the report gives that peak too (`lhs_off`, the memory-minimal schedule: 1b
-tp=4,dp=2 under remat full compiled for H100s, 24.6 GiB as compiled, 11.2 without the
-scheduler, the estimate 11.1; a lower limit does not bring the scheduler down to it: README,
-Plan a run).
+Where XLA GPU's latency-hiding scheduler holds more than the estimate, the step is compiled once
+more without it and the report gives that peak too (`lhs_off`: tools/plan_compile.py).
 
 A mesh with pp > 1 compiles the pipelined step of its `parallel.schedule`; the estimate models
 that schedule's memory (gpipe holds M microbatches, 1f1b at most pp: the in-flight peak of its
@@ -35,9 +29,11 @@ table) and bubble (its table's, lock-step and weighted: pipeline/schedule.py).
 Search (--search): tools/search.py ranks every mesh of --gpus analytically, choosing the
 micro batch (or, under a pipeline, the schedule and microbatch count: every schedule is ranked
 by its table's lock-step bubble and printed, the fastest the config accepts is chosen) of each;
-the top 3 are compiled, XLA's memory printed beside each (--confirm N to change; 0 to skip;
-marked "not judged" where it is no GPU figure, as in the dry run's verdict: a CPU compile). When no mesh of
---gpus splits the global batch, the error names the smallest batch that one does.
+the top 3 are compiled, XLA's memory printed beside each (--confirm N to change; 0 to skip):
+on CPU, marked "not judged" where it is no GPU figure (as in the dry run's verdict); with
+--compile-for-gpu by XLA GPU for --gpu's GPUs, judged against the GPU's memory (and without the
+latency-hiding scheduler where it holds more than the estimate, as in the dry run). When no
+mesh of --gpus splits the global batch, the error names the smallest batch that one does.
 
 Links (--bandwidth FILE, the record `python -m tools.collectives` writes): each mesh axis the
 record measures is timed with its fit, latency + bytes / busbw, the op per axis chosen in
@@ -51,24 +47,19 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
 
 from configs import ConfigError, RunConfig, apply_overrides
 from configs.parser import Parser
 from sharding.mesh import AXES, format_mesh
-from tools import estimate, roofline, traffic
+from tools import roofline, traffic
 from tools.bandwidth import Measured, add_bandwidth_arg, load
 from tools.calibration import add_calibration_arg, rated_gpu
 from tools.links import GPUS_PER_NODE, INFINIBAND, NVLINK
 from tools.measure import check_at_least
-from tools.plan_report import above_best_mfu, format_plan, links_of, not_judged, plan
+from tools.plan_compile import compiled
+from tools.plan_report import LHS_OFF_FLAG, above_best_mfu, format_plan, links_of, not_judged, plan
 from tools.search import no_mesh_takes, reason, search, settings
 from tools.shape import GiB
-
-# XLA's peak over LHS_RECHECK x the estimate and over it by LHS_RECHECK_GIB (less is within the 1-2 GiB
-# of CUDA and NCCL buffers the estimate leaves out): compiled again with the latency-hiding scheduler off
-LHS_RECHECK, LHS_RECHECK_GIB = 1.1, 0.5
-LHS_OFF = {"xla_gpu_enable_latency_hiding_scheduler": False}
 
 
 def parse_tokens(text: str) -> int:
@@ -93,72 +84,14 @@ def with_batch_tokens(cfg: RunConfig, tokens: int | None) -> RunConfig:
     return apply_overrides(cfg, [f"train.global_batch_size={tokens // cfg.train.seq_len}"])
 
 
-def xla_figures(cfg: RunConfig, mesh, recheck_above: float | None = None) -> dict:
-    """Compile the real step (pipelined too) on abstract inputs: memory, FLOPs and census per
-    device, and the attention core compiled. A core this backend cannot run (cudnn on a
-    laptop's CPU) is compiled as model.attention=auto: the plan says so beside XLA's memory.
-    Compiled for a GPU with XLA's peak over `recheck_above` bytes: the memory of a second compile
-    with XLA GPU's latency-hiding scheduler off, `lhs_off` (module docstring)."""
-    from sharding.cores import core_problem, target
-    from tools.hlo import compiled_census, summary
-    from training.build import make_program, compile_step, xla_memory
-
-    m = cfg.model
-    if core_problem(m.attention, *target(), m.compute_dtype, m.head_dim):
-        cfg = apply_overrides(cfg, ["model.attention=auto"])
-    program = make_program(cfg, mesh)  # outside set_mesh (see its docstring)
-
-    def memory(options: dict | None = None) -> tuple:
-        compiled, _, _ = compile_step(program.step_fn, mesh, program.state, program.abstract_batch(), options)
-        found = xla_memory(compiled)
-        return compiled, {k: found[k] for k in ("argument", "output", "alias", "temp")} | {"peak": found["static_peak"]}
-
-    compiled, mem = memory()
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, list) else cost) or {}  # none from a GPU compile without one
-    rows = summary(compiled_census(compiled, cfg, mesh))
-    figures = {"platform": target()[0], "device_kind": mesh.devices.flat[0].device_kind,
-               "attention": program.strategies.attention, "memory": mem, "flops_per_device": cost.get("flops"),
-               "census": rows}
-    if figures["platform"] == "gpu" and recheck_above is not None and mem["peak"] > recheck_above:
-        print(f"plan: XLA's peak is {mem['peak'] / GiB:.1f} GiB, over the estimate by more than {LHS_RECHECK}x and "
-              f"{LHS_RECHECK_GIB} GiB: compiling again with the latency-hiding scheduler off", file=sys.stderr,
-              flush=True)
-        figures["lhs_off"] = memory(LHS_OFF)[1]
-    return figures
-
-
 def dry_run(cfg: RunConfig, gpu: roofline.GPU, as_json: bool, measured: Measured | None = None,
             compile_for: str | None = None) -> int:
     """Compile cfg's step on its mesh (fake devices were requested by the caller; or, with
     `compile_for` a tools/gpu_target.py GPU, that GPU's compile-only devices) and print the plan,
     on the measured links where `measured` (tools/bandwidth.py) covers an axis."""
-    from sharding.mesh import build_mesh, mesh_config
+    from sharding.mesh import mesh_config
 
-    def recheck(mesh) -> float:  # XLA's peak above which a GPU compile is redone without the LHS
-        meshed = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
-        est = estimate.memory(meshed, dict(mesh.shape))["peak"]
-        return max(LHS_RECHECK * est, est + LHS_RECHECK_GIB * GiB)
-
-    if compile_for is None:
-        mesh = build_mesh(cfg.parallel)
-        xla = xla_figures(cfg, mesh, recheck(mesh))
-    else:
-        from sharding.cores import building_for
-        from sharding.mesh import requested_devices
-        from tools.gpu_target import GPUS, cudnn_fix, devices, listed
-
-        target = GPUS[compile_for]
-        compile_only = devices(target, requested_devices(cfg.parallel))
-        mesh = build_mesh(cfg.parallel, compile_only)
-        with building_for("gpu", target.capability), listed(compile_only):
-            try:
-                xla = xla_figures(cfg, mesh, recheck(mesh))
-            except RuntimeError as e:
-                if "cuDNN" not in str(e):
-                    raise
-                raise ConfigError(f"--compile-for-gpu: the cudnn attention core does not compile here "
-                                  f"({str(e).strip().splitlines()[0]}): {cudnn_fix()}") from None
+    xla, mesh = compiled(cfg, compile_for)
     cfg = dataclasses.replace(cfg, parallel=mesh_config(mesh, cfg.parallel))
     report = plan(cfg, dict(mesh.shape), gpu, xla, measured)
     print(json.dumps(report, indent=1, default=str) if as_json else format_plan(report))
@@ -166,11 +99,10 @@ def dry_run(cfg: RunConfig, gpu: roofline.GPU, as_json: bool, measured: Measured
 
 
 def run_search(cfg: RunConfig, gpus: int, gpu: roofline.GPU, confirm: int, as_json: bool,
-               measured: Measured | None = None) -> int:
+               measured: Measured | None = None, compile_for: str | None = None) -> int:
     """Rank the meshes of `gpus` GPUs (on the measured links where `measured` covers an axis);
-    compile the top `confirm`, pipelined ones too, to confirm memory."""
-    from sharding.mesh import build_mesh
-
+    compile the top `confirm`, pipelined ones too, to confirm memory: on this process's fake
+    devices, or with `compile_for` (a tools/gpu_target.py GPU) by XLA GPU for that GPU."""
     ranked, rejected = search(cfg, gpus, gpu, links_of(cfg, measured))
     found = measured.links(cfg.parallel.context_impl) if measured else {}
     links = {a: measured.label(link) for a, link in found.items()} | {
@@ -191,15 +123,14 @@ def run_search(cfg: RunConfig, gpus: int, gpu: roofline.GPU, confirm: int, as_js
                      "schedules": [{k: v for k, v in row.items() if k != "cfg"} for row in c["schedules"]]})
         if i < confirm:
             trial = dataclasses.replace(c["cfg"], parallel=dataclasses.replace(c["cfg"].parallel, **c["sizes"]))
-            xla = xla_figures(trial, build_mesh(trial.parallel))
-            rows[-1]["xla_memory_gib"] = xla["memory"]["peak"] / GiB
-            rows[-1]["xla_not_judged"] = not_judged(trial, c["sizes"], xla)
+            rows[-1] |= confirmed(trial, c["sizes"], compiled(trial, compile_for)[0], gpu)
     piped = next(((i, c) for i, c in enumerate(ranked, 1) if c["sizes"]["stage"] > 1), None)
     best_pipeline = piped and {"rank": piped[0], "mesh": format_mesh(piped[1]["sizes"]),
                                "schedules": [{k: v for k, v in row.items() if k != "cfg"}
                                              for row in piped[1]["schedules"]]}
     if as_json:
-        print(json.dumps({"config": cfg.name, "gpus": gpus, "gpu": gpu.name, "rates": gpu.rates,
+        print(json.dumps({"config": cfg.name, "gpus": gpus, "gpu": gpu.name, "compiled_for": compile_for or "cpu",
+                          "rates": gpu.rates,
                           "best_mfu": gpu.best_mfu, "candidates": len(ranked) + rejected,
                           "rejected": rejected, "links": links, "top": rows, "best_pipeline": best_pipeline},
                          indent=1))
@@ -210,10 +141,8 @@ def run_search(cfg: RunConfig, gpus: int, gpu: roofline.GPU, confirm: int, as_js
     if any(r["mfu_overlap"] > gpu.best_mfu for r in rows):
         print(f"* {above_best_mfu(max(r['mfu_overlap'] for r in rows), gpu)}")
     for i, r in enumerate(rows, 1):
-        confirmed = "" if "xla_memory_gib" not in r else f", XLA {r['xla_memory_gib']:.0f} GiB" + (
-            f" ({' and '.join(r['xla_not_judged'])}: not judged)" if r["xla_not_judged"] else "")
         print(f"{i}. {r['mesh']:<24} {r['step_s_overlap']:.2f} s/step overlapped ({r['step_s_no_overlap']:.2f} s "
-              f"not), MFU {100 * r['mfu_overlap']:.0f}%{'*' if r['mfu_overlap'] > gpu.best_mfu else ''}{confirmed}"
+              f"not), MFU {100 * r['mfu_overlap']:.0f}%{'*' if r['mfu_overlap'] > gpu.best_mfu else ''}{confirmed_text(r, gpu)}"
               f"\n   --set {' --set '.join(r['set'])}\n"
               f"   {r['reason']}")
         if r["schedules"]:
@@ -222,6 +151,35 @@ def run_search(cfg: RunConfig, gpus: int, gpu: roofline.GPU, confirm: int, as_js
         print(f"best pipeline: {best_pipeline['mesh']} (rank {best_pipeline['rank']}), schedules: "
               + ", ".join(schedule_summary(row) for row in best_pipeline["schedules"]))
     return 0
+
+
+def confirmed(cfg: RunConfig, sizes: dict[str, int], xla: dict, gpu: roofline.GPU) -> dict:
+    """A searched mesh's compile (tools.plan_compile.compiled): XLA's peak, its peak without the
+    latency-hiding scheduler where it was compiled again, why it is not judged (a CPU compile of
+    a 16-bit program), and, judged, whether it fits the GPU."""
+    row = {"xla_memory_gib": xla["memory"]["peak"] / GiB, "xla_not_judged": not_judged(cfg, sizes, xla)}
+    if "lhs_off" in xla:
+        row["xla_lhs_off_gib"] = xla["lhs_off"]["peak"] / GiB
+    if not row["xla_not_judged"]:
+        row["xla_fits"] = xla["memory"]["peak"] <= gpu.memory
+    return row
+
+
+def confirmed_text(row: dict, gpu: roofline.GPU) -> str:
+    """', XLA 24.6 GiB (11.2 without its latency-hiding scheduler)': a row's `confirmed` figures,
+    with the verdict where they are judged ('' for a row not compiled)."""
+    if "xla_memory_gib" not in row:
+        return ""
+    text = f", XLA {row['xla_memory_gib']:.1f} GiB"
+    if "xla_lhs_off_gib" in row:
+        text += f" ({row['xla_lhs_off_gib']:.1f} without its latency-hiding scheduler)"
+    if row["xla_not_judged"]:
+        return text + f" ({' and '.join(row['xla_not_judged'])}: not judged)"
+    if row["xla_fits"]:
+        return text + f", fits {gpu.name}"
+    rescue = row.get("xla_lhs_off_gib", math.inf) * GiB <= gpu.memory
+    return text + f": does NOT fit {gpu.name}'s {gpu.memory / GiB:.1f} GiB" + (
+        f" ({LHS_OFF_FLAG} fits)" if rescue else "")
 
 
 def schedule_summary(row: dict) -> str:
@@ -249,9 +207,6 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     check_at_least(args, 1, "--gpus")
     check_at_least(args, 0, "--confirm")
-    if args.search and args.compile_for_gpu:
-        raise ConfigError("--compile-for-gpu with --search: the search compiles its top meshes on CPU; "
-                          "plan the chosen --mesh with --compile-for-gpu")
     if args.search and args.mesh:
         raise ConfigError(f"--mesh {args.mesh} with --search: the search chooses the mesh of --gpus; drop --mesh, "
                           "or drop --search to plan that mesh")
@@ -262,32 +217,35 @@ def main(argv: list[str]) -> int:
     cfg = with_batch_tokens(run_config(args), tokens)
     measured = load(args.bandwidth) if args.bandwidth else None
     gpu = rated_gpu(args.gpu, args.calibration)
+    compile_for = check_compile_for_gpu(cfg, args) if args.compile_for_gpu else None
     if args.search:
         if not args.gpus:
             raise ConfigError("--search needs --gpus N, the GPU count to plan for")
-        request_fake_devices(dataclasses.replace(cfg, parallel=dataclasses.replace(
-            cfg.parallel, **({a: 1 for a in AXES} | {"data": args.gpus}))))
-        return run_search(cfg, args.gpus, gpu, args.confirm, args.json, measured)
-    if args.compile_for_gpu:
-        return compile_for_gpu(cfg, args, gpu, measured)
-    request_fake_devices(cfg)
-    return dry_run(cfg, gpu, args.json, measured)
+        if compile_for is None:
+            request_fake_devices(dataclasses.replace(cfg, parallel=dataclasses.replace(
+                cfg.parallel, **({a: 1 for a in AXES} | {"data": args.gpus}))))
+        return run_search(cfg, args.gpus, gpu, args.confirm, args.json, measured, compile_for)
+    if compile_for is None:
+        request_fake_devices(cfg)
+    return dry_run(cfg, gpu, args.json, measured, compile_for)
 
 
-def compile_for_gpu(cfg: RunConfig, args: argparse.Namespace, gpu: roofline.GPU, measured: Measured | None) -> int:
-    """--compile-for-gpu: the dry run compiled by XLA GPU for --gpu x the mesh's device count
-    (tools/gpu_target.py), so its memory is judged against the GPU and its census is of the
-    GPU program (NCCL collectives as XLA GPU combines and schedules them)."""
+def check_compile_for_gpu(cfg: RunConfig, args: argparse.Namespace) -> str:
+    """--compile-for-gpu: the GPU XLA GPU compiles for (tools/gpu_target.py), once the request is
+    one it can compile: --gpu h100 or h200, every axis of a planned --mesh sized (the GPU count),
+    and jax's CUDA plugin installed. The dry run's memory is then judged against the GPU and its
+    census is of the GPU program (NCCL collectives as XLA GPU combines and schedules them); so
+    too the searched meshes' memory (--search --confirm)."""
     from sharding.mesh import requested_devices
     from tools.gpu_target import GPUS, check_plugin
 
     if args.gpu not in GPUS:
         raise ConfigError(f"--compile-for-gpu with --gpu {args.gpu}: it compiles for {' or '.join(GPUS)}")
-    if requested_devices(cfg.parallel) is None:
+    if not args.search and requested_devices(cfg.parallel) is None:
         raise ConfigError(f"--compile-for-gpu with --mesh {args.mesh or '(none)'}: name every axis's size "
                           "(no -1), the GPU count it compiles for")
     check_plugin("tools.plan --compile-for-gpu")
-    return dry_run(cfg, gpu, args.json, measured, compile_for=args.gpu)
+    return args.gpu
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The plan's report: the analytic model of a run on a mesh (tools/estimate.py, traffic.py,
 roofline.py) beside XLA's figures of the compiled step when there are any, the link each
 axis is timed on, and the verdict; as a dict (`plan`, which tools.plan prints as JSON) and as
-the table `format_plan` prints. Pure arithmetic and text: the compile is tools/plan.py's.
+the table `format_plan` prints. Pure arithmetic and text: the compile is tools/plan_compile.py's.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def not_judged(cfg: RunConfig, sizes: dict[str, int], xla: dict) -> list[str]:
 
 
 def scheduler_note(xla: dict, estimated: float) -> str:
-    """What XLA's peak is without its latency-hiding scheduler (`lhs_off`, tools/plan.py), and
+    """What XLA's peak is without its latency-hiding scheduler (`lhs_off`, tools/plan_compile.py), and
     so how much of it the scheduler holds: gathers and recomputed forwards it starts early to
     overlap collectives, their results held, up to its memory limit (XLA GPU: 95% of 80% of the
     GPU's memory, less the step's inputs and outputs). A tighter limit does not bring it down
