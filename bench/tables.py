@@ -42,6 +42,9 @@ PROSE_ONLY = {
                                        "quoted in sentences in the planner's memory paragraph",
     "lhs-off-h100-compiled": "XLA GPU's compiled peak with its latency-hiding scheduler on, off and limited, beside "
                              "the estimate: README's table of it is written by hand, with the prose",
+    "search-1b-h100-compiled": "the top meshes of a search compiled for H100s, and the fsdp census and peak of "
+                               "unrolled layers under remat none before and after the estimate counted their kept "
+                               "gathers, quoted in sentences in the planner's memory paragraph",
     "gpipe-head-h100-compiled": "XLA GPU's compiled peak of gpipe and interleaved steps and the estimate before and "
                                 "after their head and weights changed, quoted as ranges in the planner's memory paragraph",
     "gpipe-head-dealt-h100-compiled": "XLA GPU's compiled peak and stage census of gpipe and interleaved steps before "

@@ -30,7 +30,7 @@ from tools.plan import confirmed_text, main as plan_main, run_search
 from tools.plan_compile import xla_figures
 from tools.plan_report import format_plan, plan, scheduler_note
 from tools.search import meshes, search
-from tools.shape import GiB, local_layer_params, local_params, shape
+from tools.shape import GiB, layers_gathered_once, local_layer_params, local_params, shape
 
 # 125m scanned: unrolled (its preset's default) at fp32 compute, XLA CPU keeps one more copy of
 # the layers' parameters, their slices (dp=8: 3126 MiB against the scan's 2802, +324 MiB = the
@@ -160,6 +160,28 @@ def test_estimate_terms_follow_the_mesh():
             # the M/4 heads each stage runs between them
             assert t["bubble"] == pytest.approx(1 - (4 * v * k + k * h / 4) / (4 * (v * k + 3) + k / 4 * h))
     assert t["overlap_s"] <= t["no_overlap_s"]
+
+
+def test_unrolled_zero3_under_remat_none_gathers_each_layer_once_and_keeps_it():
+    """1b (its layers unrolled) on fsdp=8 under remat none: XLA gathers each layer's weights once
+    per microbatch and keeps them for the backward (tools.shape.layers_gathered_once). The
+    estimate holds the 16 layers' bf16 weights whole in the backward phase (`gathered layers`),
+    the contract gathers them once less than scanned layers do: c·w·f·(f-1)/f per microbatch
+    fewer. Scanned, under remat full, beside tp=2 or with the weights gathered once for the
+    step, neither."""
+    cfg, sizes = get_preset("1b"), dict(zip(AXES, (1, 1, 8, 1, 1, 1)))
+    m = cfg.model
+    layer = 2 * m.d_model * m.n_heads * m.head_dim + 2 * m.d_model * m.n_kv_heads * m.head_dim + 3 * m.d_model * m.d_ff
+    assert layers_gathered_once(cfg, sizes)
+    assert estimate.memory(cfg, sizes)["gathered layers"] == pytest.approx(m.n_layers * layer * 2, rel=1e-9)
+    scanned = apply_overrides(cfg, ["model.scan_layers=true"])
+    k = shape(cfg, sizes).k
+    fewer = traffic.communication(scanned, sizes)["fsdp"] - traffic.communication(cfg, sizes)["fsdp"]
+    assert fewer == pytest.approx(k * 2 * m.n_layers * layer * 7 / 8, rel=1e-9)
+    for other, mesh in ((scanned, sizes), (apply_overrides(cfg, ["model.remat=full"]), sizes),
+                        (cfg, sizes | {"fsdp": 4, "tensor": 2}),
+                        (apply_overrides(cfg, ["parallel.fsdp_gather_once=true"]), sizes)):
+        assert not layers_gathered_once(other, mesh) and estimate.memory(other, mesh)["gathered layers"] == 0
 
 
 SCHEDULE_CASES = [("gpipe", 1), ("interleaved", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
@@ -347,6 +369,7 @@ def test_plan_flags_that_would_be_ignored_or_crash_are_refused(args, message):
                                           "attention without a GPU here (tools.gpu_target.cudnn_fix)")),
     ("xla", "pp=2,dp=2,sp=2", ["parallel.schedule=gpipe", "parallel.microbatches=4"]),
     ("pallas", "dp=2,fsdp=2,tp=2", ["model.remat=full"]),
+    ("pallas", "fsdp=4", ["model.scan_layers=false"]),
 ])
 def test_dry_run_compiled_for_h100s_without_one(core, mesh, sets):
     """--compile-for-gpu: XLA GPU compiles the step for 4 H100s (8 for gpipe) on this CPU machine (the pallas
@@ -370,7 +393,9 @@ def test_dry_run_compiled_for_h100s_without_one(core, mesh, sets):
     scan's TP regions gather FSDP's weights inside the checkpoint, once for the recompute and
     once for the forward (at the region's edge: 1.24x the fsdp contract), and the gradients
     still leave as reduce-scatters over fsdp and all-reduces over data (a plain sharding
-    constraint's transpose had made them all-reduces over data and fsdp)."""
+    constraint's transpose had made them all-reduces over data and fsdp). Unrolled under remat
+    none (fsdp=4), XLA gathers each layer once and keeps it for the backward, as the contract
+    counts (tools.shape.layers_gathered_once; counted twice, the census read 0.69x)."""
     done = run_module("tools.plan", "--config", "tiny", "--mesh", mesh, "--compile-for-gpu",
                       "--set", f"model.attention={core}", *(a for x in sets for a in ("--set", x)), "--json")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -18,6 +18,11 @@ Memory (bytes per device), the terms `memory()` returns:
               gradients (measured on XLA CPU: the optimizer phase holds about 2 gradient copies)
   gathered    FSDP as XLA's ZeRO-3 only: the embedding and head gathered whole (V·D/t each,
               param dtype) and their full-size gradients before the reduce: 4 · V·D/t · 4
+  gathered layers  XLA's ZeRO-3 where it keeps each layer's forward gather for the backward
+              (tools.shape.layers_gathered_once: unrolled layers under remat none, no tensor
+              axis): the X/pp layers' weights whole in the compute dtype, (P_layers·f)·c, held
+              from the forward to the backward (backward phase); 1b on fsdp=8, 8 x 2048 a
+              device, compiled for H100s: XLA's peak 1.19x the estimate without it, 1.11x with
   gathered once  parallel.fsdp_gather_once, and every pipeline schedule under fsdp: the rest of the
               weights whole over fsdp in the compute dtype and a whole fp32 gradient
               accumulator: P_local·(fsdp-1)·(c + 4) (the embedding and head among them, so
@@ -71,7 +76,7 @@ Memory (bytes per device), the terms `memory()` returns:
               tiles them away).
 
 Peak = params + optimizer + gradients + gathered + gathered once + accumulator
-       + max(update, tables + cast + saved + working):
+       + max(update, gathered layers + tables + cast + saved + working):
 the optimizer phase and the backward phase do not overlap in time. Against the 1b step measured
 on one H100 (unrolled, remat none, 4 to 20 sequences a microbatch, k = 1 to 4): 1.03-1.11x
 (bench/results/batch-1b-*.json; tests/test_calibration.py), and 1.02-1.06x XLA's static peak of
@@ -118,7 +123,8 @@ from configs.base import RunConfig
 from sharding.checks import accumulation_axes, dealt_heads, explicit_context, head_per_microbatch
 from tools.activations import chunk_residuals, dense_expert_copies, layer_activations, stack_activations, zb_stash
 from tools.pipeline_figures import SPLIT, STASHING, pipeline_figures
-from tools.shape import DTYPE_BYTES, core, held_tables, local_layer_params, local_params, shape, table_split
+from tools.shape import (DTYPE_BYTES, core, held_tables, layers_gathered_once, local_layer_params, local_params, shape,
+                         table_split)
 
 
 def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[str, float]:
@@ -155,6 +161,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
     layer = max(layer_activations(cfg, sizes, "none", moe) for moe in kinds)
     once = "fsdp" in accumulation_axes(cfg, sizes)  # the weights gathered whole for the step
     tick_sum = local_layer_params(cfg, sizes) * sizes["fsdp"] * 4  # gpipe, interleaved: the ticks' fp32 sum
+    layer_weights = local_layer_params(cfg, sizes) - 2 * s.layers * m.d_model  # less the norms (not split)
     head_grad = m.vocab_size * m.d_model / sizes["tensor"] / sizes["stage"] * 4 if stashing else 0.0  # its columns'
     terms = {
         "params": p_local * param_b,
@@ -164,6 +171,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
         # parallel.fsdp_gather_once: the weights whole in the compute dtype and the whole fp32
         # gradient accumulator, for the step (training/step.py)
         "gathered once": p_local * (sizes["fsdp"] - 1) * (c + 4) if once else 0.0,
+        "gathered layers": layer_weights * sizes["fsdp"] * c if layers_gathered_once(cfg, sizes) else 0.0,
         "tables": (held_tables(cfg, sizes) - 2 / table_split(cfg, sizes)) * m.vocab_size * m.d_model / sizes["tensor"]
         * (c + 4),
         "cast": p_local * c if stashing else 0.0,
@@ -174,5 +182,6 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
                        head_grad),
     }
     fixed = sum(terms[n] for n in ("params", "optimizer", "gradients", "gathered", "gathered once", "accumulator"))
-    terms["peak"] = fixed + max(terms["update"], terms["tables"] + terms["cast"] + saved + terms["working"])
+    backward = terms["gathered layers"] + terms["tables"] + terms["cast"] + saved + terms["working"]
+    terms["peak"] = fixed + max(terms["update"], backward)
     return terms

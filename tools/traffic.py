@@ -36,7 +36,10 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     of the device (after the fsdp split), h the head's as the
                                     embedding's: the layers' weights all-gathered forward
                                     and again backward in the compute dtype (cast, then
-                                    gathered), the embedding and head forward only (the head's
+                                    gathered; once, 2c·w for 3c·w, where XLA keeps the
+                                    forward's gather: unrolled layers under remat none
+                                    without a tensor axis, tools.shape.layers_gathered_once),
+                                    the embedding and head forward only (the head's
                                     kept for backward, the lookup's backward needs no table);
                                     the gradients reduce-scattered as G_c, the norms (not split)
                                     all-reduced in fp32; with parallel.fsdp_gather_once
@@ -121,7 +124,8 @@ from __future__ import annotations
 from configs.base import RunConfig
 from sharding.checks import accumulation_axes
 from tools.pipeline_traffic import circular, extra_embeddings, head_dx, heads, layer_runs, stage
-from tools.shape import DTYPE_BYTES, dispatch_rows, held_tables, local_param_parts, shape, small_parts, table_split
+from tools.shape import (DTYPE_BYTES, dispatch_rows, held_tables, layers_gathered_once, local_param_parts, shape,
+                         small_parts, table_split)
 
 # r per remat policy, (plain TP, sequence parallelism): the tensor all-reduces a layer's backward
 # runs again (module docstring)
@@ -164,9 +168,11 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         # the head's columns alone (h/p) where they come by all-to-all over stage (pipeline/head.py)
         tables = (held_tables(cfg, sizes) - 2 / table_split(cfg, sizes)) * head  # beyond the stored ones
         fsdp = ((c + 4) * (own - norms + tables) * f + 8 * norms) * frac["fsdp"]
-    else:  # ZeRO-3 per microbatch: the layers' weights gathered twice, embedding and head once
+    else:  # ZeRO-3 per microbatch: the layers' weights gathered twice (once where XLA keeps the
+        # forward's gather for the backward: tools.shape.layers_gathered_once), embedding and head once
         layers = own - norms - 2 * head
-        fsdp = s.k * ((3 * c * (layers + head) + 4 * head) * f + 8 * norms) * frac["fsdp"]
+        gathers = 1 if layers_gathered_once(cfg, sizes) else 2
+        fsdp = s.k * (((gathers + 1) * c * layers + 3 * c * head + 4 * head) * f + 8 * norms) * frac["fsdp"]
     volume = {
         "stage": stage(cfg, sizes),
         "data": data,
