@@ -48,14 +48,14 @@ def xla_figures(cfg: RunConfig, mesh, recheck_above: float | None = None) -> dic
     program = make_program(cfg, mesh)  # outside set_mesh (see its docstring)
 
     def memory(options: dict | None = None) -> tuple:
-        compiled, _, _ = compile_step(program.step_fn, mesh, program.state, program.abstract_batch(), options)
-        found = xla_memory(compiled)
-        return compiled, {k: found[k] for k in ("argument", "output", "alias", "temp")} | {"peak": found["static_peak"]}
+        executable, _, _ = compile_step(program.step_fn, mesh, program.state, program.abstract_batch(), options)
+        found = xla_memory(executable)
+        return executable, {k: found[k] for k in ("argument", "output", "alias", "temp")} | {"peak": found["static_peak"]}
 
-    compiled, mem = memory()
-    cost = compiled.cost_analysis()
+    executable, mem = memory()
+    cost = executable.cost_analysis()
     cost = (cost[0] if isinstance(cost, list) else cost) or {}  # none from a GPU compile without one
-    rows = summary(compiled_census(compiled, cfg, mesh))
+    rows = summary(compiled_census(executable, cfg, mesh))
     figures = {"platform": target()[0], "device_kind": mesh.devices.flat[0].device_kind,
                "attention": program.strategies.attention, "memory": mem, "flops_per_device": cost.get("flops"),
                "census": rows}
