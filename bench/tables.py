@@ -142,6 +142,8 @@ PROSE_ONLY = {
     "embedding-grad-1f1b": "the 1F1B family's embedding backward before and after it scattered into the fp32 "
                            "accumulator in place: CPU step ratios, H100 compiles and an estimate, quoted in the "
                            "pipeline paragraph",
+    "layer-gathers-h100-compiled": "the fsdp census of unrolled layers in shard_map regions against the contract before "
+                                   "and after it counted one gather: README's table of it is written by hand",
 }
 
 

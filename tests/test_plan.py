@@ -30,7 +30,7 @@ from tools.plan import confirmed_text, main as plan_main, run_search
 from tools.plan_compile import xla_figures
 from tools.plan_report import format_plan, plan, scheduler_note
 from tools.search import meshes, search
-from tools.shape import GiB, layers_gathered_once, local_layer_params, local_params, shape
+from tools.shape import GiB, layer_gathers, layers_gathered_once, local_layer_params, local_params, shape, small_parts
 
 # 125m scanned: unrolled (its preset's default) at fp32 compute, XLA CPU keeps one more copy of
 # the layers' parameters, their slices (dp=8: 3126 MiB against the scan's 2802, +324 MiB = the
@@ -182,6 +182,34 @@ def test_unrolled_zero3_under_remat_none_gathers_each_layer_once_and_keeps_it():
                         (cfg, sizes | {"fsdp": 4, "tensor": 2}),
                         (apply_overrides(cfg, ["parallel.fsdp_gather_once=true"]), sizes)):
         assert not layers_gathered_once(other, mesh) and estimate.memory(other, mesh)["gathered layers"] == 0
+
+
+@pytest.mark.parametrize("mesh, sets, gathers", [
+    ("fsdp=4,tp=2", ["model.remat=none"], 2),  # plain TP under remat none: forward, then backward
+    ("fsdp=4,tp=2", ["model.remat=dots"], 1), ("fsdp=4,tp=2", ["model.remat=full"], 1),  # in the checkpoint
+    ("fsdp=4,tp=2", ["parallel.sequence_parallel=true"], 1),  # regions manual over the batch axes
+    ("fsdp=4,sp=2", ["model.remat=full"], 1), ("fsdp=4,sp=2", [], 1),  # context parallelism's regions
+    ("fsdp=8", ["model.remat=full"], 2),  # no regions: the recompute gathers again
+    ("fsdp=4,tp=2", ["model.scan_layers=true", "model.remat=full"], 2),  # scanned: never once
+    ("fsdp=4,tp=2", ["parallel.tp_impl=gspmd", "model.remat=full"], 2),  # no shard_map regions
+    ("dp=8", ["model.remat=full"], 2)])  # no fsdp (no fsdp bytes to count either)
+def test_unrolled_layers_in_regions_are_gathered_once(mesh, sets, gathers):
+    """tools.shape.layer_gathers on 1b (unrolled) and what the fsdp contract counts of it: c·w·f
+    fewer bytes (f-1)/f per gather left out per microbatch, w the device's layer weights. Under
+    SP the head's gradient is reduce-scattered in the compute dtype (c·h for 4h). The census of
+    each, compiled for H100s, is in layer_gathers's docstring."""
+    cfg = apply_overrides(get_preset("1b"), sets)
+    cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
+    sizes = mesh_sizes(cfg)
+    assert layer_gathers(cfg, sizes) == gathers
+    if sizes["fsdp"] == 1:
+        return
+    f, c, k = sizes["fsdp"], 2, shape(cfg, sizes).k
+    head, norms, _ = small_parts(cfg, sizes)
+    w = local_params(cfg, sizes) - norms - 2 * head
+    sp = cfg.parallel.sequence_parallel
+    want = k * (((gathers + 1) * c * w + 3 * c * head + (c if sp else 4) * head) * f + 8 * norms) * (f - 1) / f
+    assert traffic.communication(cfg, sizes)["fsdp"] == pytest.approx(want, rel=1e-9)
 
 
 SCHEDULE_CASES = [("gpipe", 1), ("interleaved", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
@@ -370,6 +398,7 @@ def test_plan_flags_that_would_be_ignored_or_crash_are_refused(args, message):
     ("xla", "pp=2,dp=2,sp=2", ["parallel.schedule=gpipe", "parallel.microbatches=4"]),
     ("pallas", "dp=2,fsdp=2,tp=2", ["model.remat=full"]),
     ("pallas", "fsdp=4", ["model.scan_layers=false"]),
+    ("pallas", "fsdp=2,tp=2", ["model.scan_layers=false", "parallel.sequence_parallel=true"]),
 ])
 def test_dry_run_compiled_for_h100s_without_one(core, mesh, sets):
     """--compile-for-gpu: XLA GPU compiles the step for 4 H100s (8 for gpipe) on this CPU machine (the pallas
@@ -395,7 +424,9 @@ def test_dry_run_compiled_for_h100s_without_one(core, mesh, sets):
     still leave as reduce-scatters over fsdp and all-reduces over data (a plain sharding
     constraint's transpose had made them all-reduces over data and fsdp). Unrolled under remat
     none (fsdp=4), XLA gathers each layer once and keeps it for the backward, as the contract
-    counts (tools.shape.layers_gathered_once; counted twice, the census read 0.69x)."""
+    counts (tools.shape.layers_gathered_once; counted twice, the census read 0.69x); so too
+    unrolled in the TP regions under SP (tools.shape.layer_gathers), where the head's gradient
+    is reduce-scattered in bf16 (both counted as before, 0.68x)."""
     done = run_module("tools.plan", "--config", "tiny", "--mesh", mesh, "--compile-for-gpu",
                       "--set", f"model.attention={core}", *(a for x in sets for a in ("--set", x)), "--json")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -36,12 +36,15 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     of the device (after the fsdp split), h the head's as the
                                     embedding's: the layers' weights all-gathered forward
                                     and again backward in the compute dtype (cast, then
-                                    gathered; once, 2c·w for 3c·w, where XLA keeps the
-                                    forward's gather: unrolled layers under remat none
-                                    without a tensor axis, tools.shape.layers_gathered_once),
+                                    gathered; once, 2c·w for 3c·w, where one gather serves
+                                    both: unrolled layers under remat none without a tensor
+                                    axis, or in shard_map regions but for plain TP under remat
+                                    none, tools.shape.layer_gathers),
                                     the embedding and head forward only (the head's
                                     kept for backward, the lookup's backward needs no table);
-                                    the gradients reduce-scattered as G_c, the norms (not split)
+                                    the gradients reduce-scattered as G_c (under sequence
+                                    parallelism the head's in the compute dtype: c·h for
+                                    4h; XLA reduces it before its cast), the norms (not split)
                                     all-reduced in fp32; with parallel.fsdp_gather_once
                                     ((c + 4)·(P'-n)·f + 8n)·(f-1)/f: the weights gathered whole
                                     in the compute dtype once per step, the fp32 gradient sum
@@ -51,13 +54,14 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     and head, stored 1/p a stage, first gathered whole over
                                     stage (2h of P'·f, not 2h/p; in the 1F1B family the head's
                                     columns alone where tools.shape.held_tables: h + h/p).
-                                    Under remat with
-                                    explicit TP the layers gather inside their checkpoint
-                                    (sharding.tensor_parallel.TensorParallel.gather_in_checkpoint):
-                                    unrolled, XLA merges each microbatch's forward and
-                                    backward gathers there, the census reads 0.72-0.84x this;
-                                    scanned it reads 1.000x (the head gathered before its
-                                    region: TensorParallel.logits)
+                                    Under remat with explicit TP the layers gather inside
+                                    their checkpoint (sharding.tensor_parallel.TensorParallel.
+                                    gather_in_checkpoint): unrolled, the one gather
+                                    (layer_gathers); scanned, two (the head gathered before
+                                    its region: TensorParallel.logits). Scanned with SP under
+                                    remat none, XLA gathers the attention's weights twice and
+                                    the MLP's once: 125m on fsdp=4,tp=2 read 0.84x (not
+                                    modelled)
   expert  k · 2 · G'(ep-1)/ep       G' = G_c less the routed experts: every other weight treats
                                     `expert` as a data axis, reduced per microbatch where XLA
                                     places the reductions (beside XLA's ZeRO-3, or at k = 1);
@@ -124,8 +128,8 @@ from __future__ import annotations
 from configs.base import RunConfig
 from sharding.checks import accumulation_axes
 from tools.pipeline_traffic import circular, extra_embeddings, head_dx, heads, layer_runs, stage
-from tools.shape import (DTYPE_BYTES, dispatch_rows, held_tables, layers_gathered_once, local_param_parts, shape,
-                         small_parts, table_split)
+from tools.shape import (DTYPE_BYTES, dispatch_rows, held_tables, layer_gathers, local_param_parts, shape, small_parts,
+                         table_split, tensor_regions)
 
 # r per remat policy, (plain TP, sequence parallelism): the tensor all-reduces a layer's backward
 # runs again (module docstring)
@@ -168,11 +172,14 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         # the head's columns alone (h/p) where they come by all-to-all over stage (pipeline/head.py)
         tables = (held_tables(cfg, sizes) - 2 / table_split(cfg, sizes)) * head  # beyond the stored ones
         fsdp = ((c + 4) * (own - norms + tables) * f + 8 * norms) * frac["fsdp"]
-    else:  # ZeRO-3 per microbatch: the layers' weights gathered twice (once where XLA keeps the
-        # forward's gather for the backward: tools.shape.layers_gathered_once), embedding and head once
+    else:  # ZeRO-3 per microbatch: the layers' weights gathered twice (once where one gather serves
+        # the forward and the backward: tools.shape.layer_gathers), embedding and head once
         layers = own - norms - 2 * head
-        gathers = 1 if layers_gathered_once(cfg, sizes) else 2
-        fsdp = s.k * (((gathers + 1) * c * layers + 3 * c * head + 4 * head) * f + 8 * norms) * frac["fsdp"]
+        # the head's gradient leaves its matmul in the compute dtype and is reduced in fp32, but
+        # under SP XLA reduce-scatters it before the cast (module docstring)
+        head_grad = c if cfg.parallel.sequence_parallel and tensor_regions(cfg, sizes) else 4
+        fsdp = s.k * (((layer_gathers(cfg, sizes) + 1) * c * layers + 3 * c * head + head_grad * head) * f
+                      + 8 * norms) * frac["fsdp"]
     volume = {
         "stage": stage(cfg, sizes),
         "data": data,
