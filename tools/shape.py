@@ -80,6 +80,14 @@ def held_tables(cfg: RunConfig, sizes: dict[str, int]) -> float:
     return 2 - (1 - 1 / p) * columns
 
 
+def attention_params(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """One layer's attention weights held by one device: wq and wo [D, N·H] split by fsdp (D) and
+    tensor (heads), wk and wv [D, K·H] likewise, replicated over tensor when t does not divide K."""
+    m, fsdp, tp = cfg.model, sizes["fsdp"], sizes["tensor"]
+    kv_split = tp if m.n_kv_heads % tp == 0 else 1
+    return 2 * m.d_model * m.n_heads * m.head_dim / (fsdp * tp) + 2 * m.d_model * m.n_kv_heads * m.head_dim / (fsdp * kv_split)
+
+
 def local_param_parts(cfg: RunConfig, sizes: dict[str, int]) -> tuple[float, float]:
     """(non-expert, expert) parameters held by one device: weights split by fsdp (D) and tensor
     (heads, F, V); kv weights replicated over tensor when t does not divide K; norms replicated;
@@ -88,9 +96,8 @@ def local_param_parts(cfg: RunConfig, sizes: dict[str, int]) -> tuple[float, flo
     MLP, and (the second figure) its routed experts [E, D, F_e] split by ep (E), fsdp (D) and
     tensor (F_e)."""
     m, fsdp, tp, ep = cfg.model, sizes["fsdp"], sizes["tensor"], sizes.get("expert", 1)
-    d, h, fe = m.d_model, m.head_dim, expert_d_ff(m)
-    kv_split = tp if m.n_kv_heads % tp == 0 else 1
-    attention = 2 * d * m.n_heads * h / (fsdp * tp) + 2 * d * m.n_kv_heads * h / (fsdp * kv_split) + 2 * d
+    d, fe = m.d_model, expert_d_ff(m)
+    attention = attention_params(cfg, sizes) + 2 * d  # and the layer's two norms
     dense = attention + 3 * d * m.d_ff / (fsdp * tp)
     moe = attention + d * m.n_experts / fsdp + 3 * d * m.n_shared_experts * fe / (fsdp * tp)
     s = shape(cfg, sizes)
@@ -129,28 +136,39 @@ def tensor_regions(cfg: RunConfig, sizes: dict[str, int]) -> bool:
     return cfg.parallel.tp_impl == "shard_map" and sizes["tensor"] > 1
 
 
-def layer_gathers(cfg: RunConfig, sizes: dict[str, int]) -> int:
+def layer_gathers(cfg: RunConfig, sizes: dict[str, int]) -> float:
     """How many times XLA's ZeRO-3 all-gathers each layer's weights per microbatch (the fsdp
-    contract, tools/traffic.py): for the forward and again for the backward, but once where one
-    gather serves both, which needs the layers unrolled (a scan's backward loop cannot reach the
-    forward loop's gather): under remat none without shard_map regions (`layers_gathered_once`),
-    and in the regions (explicit TP, context parallelism) under every remat policy
-    (TensorParallel.gather_in_checkpoint makes the gather a value of the checkpoint) and under
-    remat none where the regions are manual over the batch axes too (sequence parallelism,
-    context); not under remat none in plain TP's regions, nor under a remat policy without
-    regions, whose recompute gathers again. Compiled for H100s (XLA GPU, its scheduler off),
-    the fsdp census of 125m on fsdp=4,tp=2 read 0.777x a contract of two gathers under remat
-    dots and full, 0.711x with SP under none, dots and full (its head's gradient besides:
-    tools/traffic.py); 1b 0.701x (full) and 0.680x (SP, none); 125m fsdp=4,sp=2 (ring, full)
-    0.777x; 1.000x with one. Plain TP under remat none read 1.000x of two."""
+    contract, tools/traffic.py), in units of the device's layer weights: for the forward and
+    again for the backward, but once where one gather serves both. Unrolled: under remat none
+    without shard_map regions (`layers_gathered_once`), and in the regions (explicit TP,
+    context parallelism) under every remat policy (TensorParallel.gather_in_checkpoint makes the
+    gather a value of the checkpoint) and under remat none where the regions are manual over the
+    batch axes too (sequence parallelism, context); not under remat none in plain TP's regions,
+    nor under a remat policy without regions, whose recompute gathers again. Scanned (a scan's
+    backward loop cannot reach the forward loop's gather), twice, but with sequence parallelism
+    under remat none, where the forward loop's gathered MLP weights are the scan's residuals and
+    the attention's are gathered again: 1 + the attention's share (dense layers; MoE's not
+    measured). Compiled for H100s (XLA GPU, its scheduler off), the fsdp census of 125m on
+    fsdp=4,tp=2 read 0.777x a contract of two gathers under remat dots and full, 0.711x with SP
+    under none, dots and full (its head's gradient besides: tools/traffic.py); 1b 0.701x (full)
+    and 0.680x (SP, none); 125m fsdp=4,sp=2 (ring, full) 0.777x; scanned with SP under remat
+    none, 125m 0.841x and llama3-8b (2 layers) 0.897x; 1.000x with these counts. Plain TP under
+    remat none, and scanned under dots or full with SP, read 1.000x of two."""
     m, p = cfg.model, cfg.parallel
     if layers_gathered_once(cfg, sizes):
-        return 1
-    zero3 = sizes["fsdp"] > 1 and "fsdp" not in accumulation_axes(cfg, sizes)
-    tensor = tensor_regions(cfg, sizes)
+        return 1.0
+    if sizes["fsdp"] == 1 or "fsdp" in accumulation_axes(cfg, sizes):
+        return 2.0
+    tensor, s = tensor_regions(cfg, sizes), shape(cfg, sizes)
+    if m.scan_layers:
+        if tensor and p.sequence_parallel and m.remat == "none" and not s.moe:
+            weights = local_layer_params(cfg, sizes) - 2 * s.layers * m.d_model  # less the norms
+            return 1 + s.layers * attention_params(cfg, sizes) / weights
+        return 2.0
     context = explicit_context(cfg, sizes["sequence"]) is not None
     merged = (tensor or context) and (m.remat != "none" or p.sequence_parallel or context)
-    return 1 if zero3 and not m.scan_layers and merged else 2
+    return 1.0 if merged else 2.0
+
 
 def local_params(cfg: RunConfig, sizes: dict[str, int]) -> float:
     """Parameters held by one device, expert and non-expert (`local_param_parts`)."""

@@ -39,7 +39,7 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     gathered; once, 2c·w for 3c·w, where one gather serves
                                     both: unrolled layers under remat none without a tensor
                                     axis, or in shard_map regions but for plain TP under remat
-                                    none, tools.shape.layer_gathers),
+                                    none; a fraction of w scanned, tools.shape.layer_gathers),
                                     the embedding and head forward only (the head's
                                     kept for backward, the lookup's backward needs no table);
                                     the gradients reduce-scattered as G_c (under sequence
@@ -59,9 +59,8 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     gather_in_checkpoint): unrolled, the one gather
                                     (layer_gathers); scanned, two (the head gathered before
                                     its region: TensorParallel.logits). Scanned with SP under
-                                    remat none, XLA gathers the attention's weights twice and
-                                    the MLP's once: 125m on fsdp=4,tp=2 read 0.84x (not
-                                    modelled)
+                                    remat none, the MLP's weights once, the attention's twice
+                                    (layer_gathers)
   expert  k · 2 · G'(ep-1)/ep       G' = G_c less the routed experts: every other weight treats
                                     `expert` as a data axis, reduced per microbatch where XLA
                                     places the reductions (beside XLA's ZeRO-3, or at k = 1);
