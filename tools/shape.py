@@ -150,10 +150,11 @@ def layer_gathers(cfg: RunConfig, sizes: dict[str, int]) -> float:
     the attention's are gathered again: 1 + the attention's share (dense layers; MoE's not
     measured). Compiled for H100s (XLA GPU, its scheduler off), the fsdp census of 125m on
     fsdp=4,tp=2 read 0.777x a contract of two gathers under remat dots and full, 0.711x with SP
-    under none, dots and full (its head's gradient besides: tools/traffic.py); 1b 0.701x (full)
-    and 0.680x (SP, none); 125m fsdp=4,sp=2 (ring, full) 0.777x; scanned with SP under remat
-    none, 125m 0.841x and llama3-8b (2 layers) 0.897x; 1.000x with these counts. Plain TP under
-    remat none, and scanned under dots or full with SP, read 1.000x of two."""
+    under none, dots and full (the head's gradient in fp32 counted too: tools/traffic.py); 1b
+    0.701x (full) and 0.680x (SP, none); 125m fsdp=4,sp=2 (ring, full) 0.777x; scanned with SP
+    under remat none, 125m 0.785x and llama3-8b (2 layers) 0.777x; 1.000x with these counts
+    (bench/results/layer-gathers-h100-compiled.json). Plain TP under remat none read 1.000x of
+    two, and scanned under dots or full with SP too, but for the head's gradient."""
     m, p = cfg.model, cfg.parallel
     if layers_gathered_once(cfg, sizes):
         return 1.0
