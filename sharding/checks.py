@@ -157,6 +157,12 @@ def check_batch(cfg: RunConfig, sizes: dict[str, int]) -> None:
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by sp={sizes['sequence']}")
 
 
+def explicit_tensor(cfg: RunConfig, tp: int) -> bool:
+    """Whether tensor parallelism over tp devices is written out as shard_map regions
+    (sharding/tensor_parallel.py) rather than left to GSPMD."""
+    return cfg.parallel.tp_impl == "shard_map" and tp > 1
+
+
 def explicit_context(cfg: RunConfig, sp: int) -> str | None:
     """The context parallelism written out over a `sequence` axis of sp devices (ring or
     allgather: sharding/context_parallel.py); None at sp = 1, or where XLA all-gathers K and V

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from configs.base import ModelConfig, RunConfig
 from sharding.cores import choose_core, target
-from sharding.checks import accumulation_axes, check_run, explicit_context
+from sharding.checks import accumulation_axes, check_run, explicit_context, explicit_tensor
 from sharding.tensor_parallel import TensorParallel
 from sharding.xla_flags import program_options
 
@@ -89,7 +89,7 @@ def parallelize(cfg: RunConfig, sizes: dict[str, int]) -> Strategies:
     p, m = cfg.parallel, cfg.model
     context = explicit_context(cfg, sizes["sequence"])
     core = device_core(m, context=context is not None)
-    regions = (p.tp_impl == "shard_map" and sizes["tensor"] > 1) or context is not None  # shard_maps
+    regions = explicit_tensor(cfg, sizes["tensor"]) or context is not None  # shard_maps
     return Strategies(
         tensor=TensorParallel(p.tp_impl, p.sequence_parallel, p.tp_overlap, check_vma=core == "xla",
                               context=context is not None,

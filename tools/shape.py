@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from configs.base import RunConfig
 from sharding.checks import (ONE_F_ONE_B, accumulation_axes, batch_ranks, expert_d_ff, explicit_context,
-                             microbatches, moe_layers)
+                             explicit_tensor, microbatches, moe_layers)
 from sharding.cores import choose_core
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -85,7 +85,7 @@ def attention_params(cfg: RunConfig, sizes: dict[str, int]) -> float:
     tensor (heads), wk and wv [D, K·H] likewise, replicated over tensor when t does not divide K."""
     m, fsdp, tp = cfg.model, sizes["fsdp"], sizes["tensor"]
     kv_split = tp if m.n_kv_heads % tp == 0 else 1
-    return 2 * m.d_model * m.n_heads * m.head_dim / (fsdp * tp) + 2 * m.d_model * m.n_kv_heads * m.head_dim / (fsdp * kv_split)
+    return 2 * m.d_model * m.head_dim * (m.n_heads / (fsdp * tp) + m.n_kv_heads / (fsdp * kv_split))
 
 
 def local_param_parts(cfg: RunConfig, sizes: dict[str, int]) -> tuple[float, float]:
@@ -131,11 +131,6 @@ def layers_gathered_once(cfg: RunConfig, sizes: dict[str, int]) -> bool:
             and "fsdp" not in accumulation_axes(cfg, sizes))
 
 
-def tensor_regions(cfg: RunConfig, sizes: dict[str, int]) -> bool:
-    """Whether the layers run explicit TP (shard_map regions over `tensor`, tp > 1)."""
-    return cfg.parallel.tp_impl == "shard_map" and sizes["tensor"] > 1
-
-
 def layer_gathers(cfg: RunConfig, sizes: dict[str, int]) -> float:
     """How many times XLA's ZeRO-3 all-gathers each layer's weights per microbatch (the fsdp
     contract, tools/traffic.py), in units of the device's layer weights: for the forward and
@@ -160,7 +155,7 @@ def layer_gathers(cfg: RunConfig, sizes: dict[str, int]) -> float:
         return 1.0
     if sizes["fsdp"] == 1 or "fsdp" in accumulation_axes(cfg, sizes):
         return 2.0
-    tensor, s = tensor_regions(cfg, sizes), shape(cfg, sizes)
+    tensor, s = explicit_tensor(cfg, sizes["tensor"]), shape(cfg, sizes)
     if m.scan_layers:
         if tensor and p.sequence_parallel and m.remat == "none" and not s.moe:
             weights = local_layer_params(cfg, sizes) - 2 * s.layers * m.d_model  # less the norms

@@ -125,10 +125,10 @@ Each axis's time on its link: tools/links.py.
 from __future__ import annotations
 
 from configs.base import RunConfig
-from sharding.checks import accumulation_axes
+from sharding.checks import accumulation_axes, explicit_tensor
 from tools.pipeline_traffic import circular, extra_embeddings, head_dx, heads, layer_runs, stage
 from tools.shape import (DTYPE_BYTES, dispatch_rows, held_tables, layer_gathers, local_param_parts, shape, small_parts,
-                         table_split, tensor_regions)
+                         table_split)
 
 # r per remat policy, (plain TP, sequence parallelism): the tensor all-reduces a layer's backward
 # runs again (module docstring)
@@ -176,7 +176,7 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         layers = own - norms - 2 * head
         # the head's gradient leaves its matmul in the compute dtype and is reduced in fp32, but
         # under SP XLA reduce-scatters it before the cast (module docstring)
-        head_grad = c if cfg.parallel.sequence_parallel and tensor_regions(cfg, sizes) else 4
+        head_grad = c if cfg.parallel.sequence_parallel and explicit_tensor(cfg, sizes["tensor"]) else 4
         fsdp = s.k * (((layer_gathers(cfg, sizes) + 1) * c * layers + 3 * c * head + head_grad * head) * f
                       + 8 * norms) * frac["fsdp"]
     volume = {
