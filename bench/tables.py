@@ -144,6 +144,8 @@ PROSE_ONLY = {
                            "pipeline paragraph",
     "layer-gathers-h100-compiled": "the fsdp census of unrolled layers in shard_map regions against the contract before "
                                    "and after it counted one gather: README's table of it is written by hand",
+    "region-fsdp-h100-compiled": "the collectives of the regions manual over fsdp before and after they gathered "
+                                 "their own weights: README's table of it is written by hand",
 }
 
 

@@ -65,8 +65,7 @@ class Embed(nnx.Module):
         the rows, cast to `dtype` as taken. The explicit tensor-parallel runs use it: XLA's own
         lookup from a vocab-split table all-gathers the table under SP, and aborts inside the
         1f1b stage region on jax 0.12."""
-        table = constrain(self.table[...], ("vocab", None))
-        return vocab_parallel_take(table, tokens, sequence_parallel, dtype)
+        return vocab_parallel_take(self.table[...], tokens, sequence_parallel, dtype)
 
 
 def rotary(length: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:

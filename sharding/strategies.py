@@ -93,7 +93,8 @@ def parallelize(cfg: RunConfig, sizes: dict[str, int]) -> Strategies:
     return Strategies(
         tensor=TensorParallel(p.tp_impl, p.sequence_parallel, p.tp_overlap, check_vma=core == "xla",
                               context=context is not None,
-                              gather_in_checkpoint=m.remat != "none" and sizes["fsdp"] > 1 and regions),
+                              gather_in_checkpoint=m.remat != "none" and sizes["fsdp"] > 1 and regions,
+                              gather_in_region=sizes["fsdp"] > 1 and (m.scan_layers or m.remat == "none")),
         context=context,
         attention=core,
         remat=m.remat,

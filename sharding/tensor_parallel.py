@@ -41,8 +41,9 @@ kv weight per layer.
 The shard_map is manual over `tensor` only: data and fsdp stay automatic, so XLA still splits
 the batch and gathers FSDP weights at the region's edge. Under SP it is manual over data and
 fsdp too (XLA cannot partition an all-gather over `tensor` of a batch split on an automatic
-axis: it would gather the batch); the weights' gradients are then summed over data and fsdp
-inside the region (an all-reduce, where GSPMD reduce-scatters FSDP gradients on GPUs).
+axis: it would gather the batch). Such a region takes each weight as the device's fsdp shard and
+all-gathers it itself, so that its transpose reduce-scatters the gradient over fsdp before the
+sum over the other batch axes (TensorParallel.gather_in_region).
 
 Backward collectives come from the manual-axis types (check_vma): `pcast` to varying
 transposes to the all-reduce of dx, and a weight replicated over a manual axis gets its
@@ -69,6 +70,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from sharding.accumulation import FSDP, automatic, gather
 from sharding.collective_matmul import gather_ring, scatter_ring
 from sharding.context_parallel import AXIS as CONTEXT_AXIS
 from sharding.rules import axis_size, logical_to_spec, not_manual
@@ -164,6 +166,32 @@ gathered_forward_only.defvjp(lambda w, spec: (lax.with_sharding_constraint(w, sp
                               lambda spec, _, g: (g,))
 
 
+def gathered_inside(w: jax.Array, spec: P, others: tuple[str, ...], split: P = P()) -> jax.Array:
+    """In a region manual over fsdp: w, the device's fsdp shard laid out as `spec`, all-gathered
+    whole over fsdp (sharding/accumulation.gather, on each shard of the automatic axes `split`
+    names). The transpose reduce-scatters its gradient over fsdp; the region's edge then sums
+    the shard over the other manual batch axes, `others` (w made varying over them before the
+    gather, in a typed region: after it, the sum would be of the whole gradient)."""
+    if others:
+        w = lax.pcast(w, others, to="varying")
+    return gather(spec, w, split)
+
+
+def batch_axes_beside_fsdp(manual: Sequence[str]) -> tuple[str, ...]:
+    """The manual axes of a region, of size > 1, over which a weight's fsdp shard is summed
+    after its reduce-scatter (`gathered_inside`): the batch and sequence axes but fsdp."""
+    return tuple(a for a in manual if a not in (FSDP, AXIS) and axis_size(a) > 1)
+
+
+def _gathering(fn: Callable, specs: dict[str, P], splits: dict[str, P], others: tuple[str, ...]) -> Callable:
+    """fn with its weights `gathered_inside` first."""
+    def gathered(ops, x, weights, *consts):
+        whole = {name: gathered_inside(w, specs[name], others, splits[name]) for name, w in weights.items()}
+        return fn(ops, x, whole, *consts)
+
+    return gathered
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """How the model's tensor-parallel regions run (decided by sharding/strategies.py).
@@ -182,7 +210,22 @@ class TensorParallel:
     residuals from each layer's forward to its backward (the head's, gathered so under every
     policy, lives from the loss's forward to its backward, next to each other). XLA CPU's fp32
     program holds one more copy of the device's layer weights with it (tests/test_plan.py
-    counts it)."""
+    counts it).
+
+    gather_in_region (set with fsdp > 1 where the layers are scanned or under remat none): a
+    region manual over fsdp (under SP, or context parallelism) takes each weight as the
+    device's fsdp shard and all-gathers it inside (`_gathering`), so that the transpose
+    reduce-scatters each gradient over fsdp and then sums the shard over the region's other
+    batch axes: ZeRO-3's reduction, and data's on 1/f of it. Given the weight whole over fsdp,
+    the region's transpose summed the whole gradient over all its batch axes in one
+    all-reduce, and XLA GPU split that into a reduce-scatter only where fsdp was the one axis
+    or the layers unrolled beside `sequence`. Compiled for H100s: 125m scanned on fsdp=4,sp=2
+    (ring, remat none) moved 297 MB of all-reduce over fsdp+sequence, 1.90 GB in all; now
+    1.73 GB, what the unrolled layers move; on dp=2,fsdp=2,tp=2 with SP (unrolled) the layers' 127 MB all-reduce over data+fsdp
+    is a reduce-scatter and an all-reduce of 42.5 MB each
+    (bench/results/region-fsdp-h100-compiled.json). Unrolled under a remat policy
+    gather_in_checkpoint's one gather stays: gathered inside the checkpoint, the recompute
+    would gather again."""
 
     impl: str = "shard_map"
     sequence_parallel: bool = False
@@ -190,6 +233,7 @@ class TensorParallel:
     check_vma: bool = True  # False around the fused cores, pallas and cudnn (see the module docstring)
     context: bool = False  # context parallelism: the regions are manual over `sequence` too
     gather_in_checkpoint: bool = False  # the layers run under a remat policy: gather weights in it (region)
+    gather_in_region: bool = False  # a region manual over fsdp gathers its weights itself (class docstring)
 
     @property
     def activation_names(self) -> tuple[str, str, str]:
@@ -224,9 +268,10 @@ class TensorParallel:
         manual = self.manual_axes()
         if not manual:
             return fn(Local(), x, arrays, *consts)
-        within = (AXIS,) if tensor else ()
+        fsdp = self.gather_in_region and FSDP in manual
+        within = (AXIS,) * tensor + (FSDP,) * fsdp
         specs = {name: logical_to_spec(names, a.shape, mesh, within=within) for name, (a, names) in weights.items()}
-        if self.gather_in_checkpoint:  # FSDP's gather as a value of the layer's checkpoint (class docstring)
+        if self.gather_in_checkpoint and not fsdp:  # FSDP's gather as a value of the layer's checkpoint (class docstring)
             arrays = {name: gathered_forward_only(a, specs[name]) for name, a in arrays.items()}
         x_spec = logical_to_spec(self.activation_names, x.shape, mesh, within=manual)
         const_spec = P(CONTEXT_AXIS) if CONTEXT_AXIS in manual else P()
@@ -235,6 +280,10 @@ class TensorParallel:
         # whose cotangent comes from that unchecked region, refuses the mismatch: run it unchecked
         check_vma = not kernel or (self.check_vma and CONTEXT_AXIS not in mesh.manual_axes)
         ops = Sharded(size, self.sequence_parallel, self.overlap, check_vma) if tensor else Local()
+        if fsdp:  # each device's fsdp shard in, gathered inside (class docstring)
+            splits = {name: logical_to_spec(names, a.shape, mesh, within=automatic(manual))
+                      for name, (a, names) in weights.items()}
+            fn = _gathering(fn, specs, splits, batch_axes_beside_fsdp(manual) if check_vma else ())
         body = jax.shard_map(
             functools.partial(fn, ops), in_specs=(x_spec, specs, *(const_spec,) * len(consts)),
             out_specs=x_spec, axis_names=set(manual), check_vma=check_vma,

@@ -25,31 +25,40 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
-from jax.sharding import PartitionSpec as P
 
 from sharding.context_parallel import AXIS as CONTEXT_AXIS
 from sharding.rules import axis_size, constrain, logical_to_spec, not_manual, varying_as
-from sharding.tensor_parallel import AXIS, BATCH_AXES, Sharded, TensorParallel, gathered_forward_only
+from sharding.tensor_parallel import (AXIS, BATCH_AXES, FSDP, Sharded, TensorParallel, batch_axes_beside_fsdp,
+                                      gathered_forward_only, gathered_inside)
 
 
 def vocab_parallel_take(table: jax.Array, tokens: jax.Array, sequence_parallel: bool = False,
                         dtype: DTypeLike | None = None) -> jax.Array:
-    """table [V, D] (V split over tensor), tokens [B, L] -> [B, L, D] ([B, L/T, D] under SP), as
+    """table [V, D] (V split over tensor, D over fsdp as stored), tokens [B, L] -> [B, L, D] ([B, L/T, D] under SP), as
     one region over tensor: each device takes the tokens that fall in its V/T rows (zeros
     elsewhere), then a psum of [B, L, D] over tensor, 2·B·L·D·(T-1)/T elements (under SP a
     reduce-scatter over L, half that; backward an all-gather of dx); backward otherwise a local
     scatter-add. Under SP, GSPMD's own lookup would all-gather the whole table over data and
     tensor every step (V·D: 525M for Llama 3). The batch and sequence axes are manual too: with
     them automatic, XLA partitions the backward scatter-add by all-gathering dx and the tokens
-    over them instead of summing the table's gradient there. `dtype`: the rows are cast to it
-    as taken, before any collective (default: the table's); the transpose from an fp32 table then
-    scatters an fp32 gradient (pipeline/cells.py's `embed_grad`) behind the same collectives."""
+    over them instead of summing the table's gradient there; and the region takes the table's
+    fsdp shard and gathers it itself (tensor_parallel.gathered_inside: its gradient is
+    reduce-scattered over fsdp, then summed over the other batch axes). `dtype`: the rows are
+    cast to it as taken, before any collective (default: the table's); the transpose from an
+    fp32 table then scatters an fp32 gradient (pipeline/cells.py's `embed_grad`) behind the same
+    collectives."""
     dtype = dtype or table.dtype
     if axis_size(AXIS) == 1:
-        return jnp.take(table, tokens, axis=0).astype(dtype)
+        return jnp.take(constrain(table, ("vocab", None)), tokens, axis=0).astype(dtype)
     mesh, manual = jax.sharding.get_abstract_mesh(), _take_region_axes()
+    fsdp = FSDP in manual and axis_size(FSDP) > 1
+    if not fsdp:  # whole over fsdp before the region: gathered (or stored so) outside it
+        table = constrain(table, ("vocab", None))
+    table_spec = logical_to_spec(("vocab", "embed"), table.shape, mesh, within=(AXIS, FSDP) if fsdp else (AXIS,))
 
     def local(rows: jax.Array, ids: jax.Array) -> jax.Array:
+        if fsdp:
+            rows = gathered_inside(rows, table_spec, batch_axes_beside_fsdp(manual))
         idx = ids - lax.axis_index(AXIS) * rows.shape[0]
         mine = (idx >= 0) & (idx < rows.shape[0])
         x = jnp.take(rows, jnp.clip(idx, 0, rows.shape[0] - 1), axis=0).astype(dtype)
@@ -59,7 +68,7 @@ def vocab_parallel_take(table: jax.Array, tokens: jax.Array, sequence_parallel: 
     ids_spec = logical_to_spec(("batch", "length"), tokens.shape, mesh, within=manual)
     out_names = ("batch", "sp_length" if sequence_parallel else "length", "act_embed")
     out_spec = logical_to_spec(out_names, (*tokens.shape, table.shape[1]), mesh, within=manual)
-    return jax.shard_map(local, in_specs=(P(AXIS, None), ids_spec), out_specs=out_spec,
+    return jax.shard_map(local, in_specs=(table_spec, ids_spec), out_specs=out_spec,
                          axis_names=set(manual))(table, tokens)
 
 
@@ -86,8 +95,11 @@ def vocab_parallel_logits(tp: TensorParallel, x: jax.Array, head: jax.Array, dx_
     [B, L, V], V split over tensor where `tp` runs its regions with shard_map (else one
     `head_matmul` that GSPMD partitions); `dx_dtype`: head_matmul's.
 
-    Under fsdp the head is gathered before the region, forward only, in the compute dtype
-    (pinned to its fsdp split first, so that GSPMD casts the shard rather than gathering fp32):
+    Where the region is manual over fsdp (SP, context parallelism) it takes the head's fsdp
+    shard and gathers it itself (tensor_parallel.gathered_inside: the gradient reduce-scattered
+    over fsdp before the sum over data or sequence; the gathered head is what the backward
+    reads). Otherwise, under fsdp the head is gathered before the region, forward only, in the
+    compute dtype (pinned to its fsdp split first, so that GSPMD casts the shard rather than gathering fp32):
     the gathered head is then what the backward reads. Left to the region's edge, the transpose
     read the primal, fsdp-split head and gathered it again, per microbatch: on llama3-8b
     (fsdp=4,tp=2, 2 microbatches) 0.79 GB per step more than the contract's one gather, 1.10x
@@ -97,13 +109,20 @@ def vocab_parallel_logits(tp: TensorParallel, x: jax.Array, head: jax.Array, dx_
     if tp.impl == "gspmd" or size == 1:
         return head_matmul(x, head, dx_dtype)
     manual = tp.manual_axes()
+    fsdp = FSDP in manual and axis_size(FSDP) > 1
     ops = Sharded(size, tp.sequence_parallel, tp.overlap)
     x_spec = logical_to_spec(tp.activation_names, x.shape, mesh, within=manual)
-    w_spec = logical_to_spec(("embed", "vocab"), head.shape, mesh, within=(AXIS,))
-    head = gathered_forward_only(constrain(head, ("embed", "vocab")), w_spec)  # FSDP's gather (docstring)
+    w_spec = logical_to_spec(("embed", "vocab"), head.shape, mesh, within=(AXIS, FSDP) if fsdp else (AXIS,))
+    if not fsdp:
+        head = gathered_forward_only(constrain(head, ("embed", "vocab")), w_spec)  # FSDP's gather (docstring)
     out_spec = logical_to_spec(("batch", "length", "vocab"), (*x.shape[:2], head.shape[1]), mesh, within=manual)
-    body = jax.shard_map(lambda x, w: ops.column(x, lambda x: head_matmul(x, w, dx_dtype)),
-                         in_specs=(x_spec, w_spec), out_specs=out_spec, axis_names=set(manual))
+
+    def local(x: jax.Array, w: jax.Array) -> jax.Array:
+        if fsdp:
+            w = gathered_inside(w, w_spec, batch_axes_beside_fsdp(manual))
+        return ops.column(x, lambda x: head_matmul(x, w, dx_dtype))
+
+    body = jax.shard_map(local, in_specs=(x_spec, w_spec), out_specs=out_spec, axis_names=set(manual))
     return body(x, head)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.gpu_mesh import label
+from configs import get_preset
 from conftest import GPU_INTERPRET, ROOT, child_env, run_module
 
 
@@ -77,7 +78,12 @@ def test_mesh_stage_on_four_devices(tmp_path):
     with sequence parallelism, and pp=2,dp=2 (1f1b): each trains, and its compiled collectives equal tools.traffic's contract on data,
     tensor and stage within 1%. Over fsdp XLA CPU reduces the gradients with an all-reduce (it
     lacks GPU's reduce-scatter pass, tests/test_hlo.py), so the census reads above the contract
-    there, by less than the gradients' share again."""
+    there, by less than the gradients' share again; but with sequence parallelism every region
+    is manual over fsdp and reduce-scatters its own gradients (TensorParallel.gather_in_region,
+    the embedding's and head's regions), and XLA CPU takes the tables' gathers out of the k = 4
+    microbatch loop (each table's shard is the same in every microbatch; XLA GPU gathers them
+    in each, as the contract counts: fsdp=2,tp=2 with SP at k = 4 read 0.997x it compiled for
+    H100s): 3 of the 4 gathers of each table less."""
     from configs import ConfigError
     from tools.bandwidth import load
 
@@ -101,9 +107,14 @@ def test_mesh_stage_on_four_devices(tmp_path):
     assert {m: set(r["bytes_per_axis"]) for m, r in rows.items()} == {
         "dp=4": {"data"}, "fsdp=4": {"fsdp"}, "fsdp=2,tp=2": {"fsdp", "tensor"}, "fsdp=2,tp=2 sp": {"fsdp", "tensor"},
         "pp=2,dp=2": {"stage", "data"}}
-    for r in rows.values():
+    m = get_preset("tiny").model
+    for name, r in rows.items():
         for axis, b in r["bytes_per_axis"].items():
-            if axis == "fsdp":
+            if axis == "fsdp" and name == "fsdp=2,tp=2 sp":
+                k, f, t = r["batch_shape"][0], 2, 2
+                hoisted = 2 * (k - 1) * 4 * m.vocab_size * m.d_model / (f * t) * (f - 1)  # fp32 on CPU
+                assert b["census"] == pytest.approx(b["contract"] - hoisted, rel=1e-4), (r["mesh"], b)
+            elif axis == "fsdp":
                 assert 1 < b["ratio"] < 2, (r["mesh"], b)
             else:
                 assert b["ratio"] == pytest.approx(1, abs=0.01), (r["mesh"], axis, b)

@@ -314,6 +314,34 @@ def test_fsdp_gather_once_moves_the_same_bytes_whatever_k():
     assert all(c.trips == 1 for c in four + one)
 
 
+REGIONS_OVER_FSDP = [("fsdp=4,sp=2",), ("dp=2,fsdp=2,tp=2", "parallel.sequence_parallel=true")]
+
+
+@pytest.mark.parametrize("case", REGIONS_OVER_FSDP, ids=[" ".join(c) for c in REGIONS_OVER_FSDP])
+def test_regions_over_fsdp_reduce_scatter_before_the_other_batch_axes(case):
+    """Regions manual over fsdp and another batch axis (context parallelism; SP beside data)
+    take each weight's fsdp shard and gather it themselves (TensorParallel.gather_in_region,
+    and the embedding's and head's regions under TP): each gradient is reduce-scattered over
+    fsdp (fp32 buffers on CPU: 4·P·(f-1)/f, P the device's layer weights and tables before the
+    fsdp split), then its 1/f shard is all-reduced over the other axis; no all-reduce spans
+    fsdp and another axis but for the norms' gradients (not split by fsdp). Given the weights
+    whole over fsdp, the regions' transpose summed every gradient over fsdp+sequence (or
+    data+fsdp) in one all-reduce, each device receiving all of it, and XLA GPU, compiled for
+    H100s, reduce-scattered none of the layers' gradients in the layer scan."""
+    mesh, *sets = case
+    found, _, cfg = compiled(mesh, *sets)
+    m, p = cfg.model, cfg.parallel
+    f, t, (other, n) = p.fsdp, p.tensor, ("sequence", p.sequence) if p.sequence > 1 else ("data", p.data)
+    attention = 2 * m.d_model * (m.n_heads + m.n_kv_heads) * m.head_dim
+    weights = (m.n_layers * (attention + 3 * m.d_model * m.d_ff) + 2 * m.vocab_size * m.d_model * (t > 1)) / t
+    scattered = 4 * weights * (f - 1) / f
+    assert total(found, ("reduce-scatter",), ("fsdp",)) == pytest.approx(scattered, rel=1e-6)
+    assert total(found, ("all-reduce",), (other,)) >= 2 * 4 * weights / f * (n - 1) / n * (1 - 1e-6)
+    joint = [c for c in found if c.kind == "all-reduce" and "fsdp" in c.axes and len(c.axes) > 1]
+    norms = (2 * m.n_layers + 1) * m.d_model
+    assert sum(c.elements for c in joint) <= norms + 16  # and the gradient norm's partial sums
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved", "1f1b", "zb-h1", "zbv"])
 def test_pipeline_gathers_and_reduces_once_per_step(schedule):
     """pp=2,dp=2,fsdp=2 (tiny, fp32: 32 sequences, 8 per batch rank), M = 4 and 8 microbatches:

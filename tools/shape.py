@@ -140,28 +140,27 @@ def layer_gathers(cfg: RunConfig, sizes: dict[str, int]) -> float:
     gather a value of the checkpoint) and under remat none where the regions are manual over the
     batch axes too (sequence parallelism, context); not under remat none in plain TP's regions,
     nor under a remat policy without regions, whose recompute gathers again. Scanned (a scan's
-    backward loop cannot reach the forward loop's gather), twice, but with sequence parallelism
-    under remat none, where the forward loop's gathered MLP weights are the scan's residuals and
-    the attention's are gathered again: 1 + the attention's share (dense layers; MoE's not
-    measured). Compiled for H100s (XLA GPU, its scheduler off), the fsdp census of 125m on
-    fsdp=4,tp=2 read 0.777x a contract of two gathers under remat dots and full, 0.711x with SP
-    under none, dots and full (the head's gradient in fp32 counted too: tools/traffic.py); 1b
-    0.701x (full) and 0.680x (SP, none); 125m fsdp=4,sp=2 (ring, full) 0.777x; scanned with SP
-    under remat none, 125m 0.785x and llama3-8b (2 layers) 0.777x; 1.000x with these counts
-    (bench/results/layer-gathers-h100-compiled.json). Plain TP under remat none read 1.000x of
-    two, and scanned under dots or full with SP too, but for the head's gradient."""
+    backward loop cannot reach the forward loop's gather), twice, but under remat none in
+    regions manual over fsdp, which gather their weights themselves
+    (TensorParallel.gather_in_region): the forward loop's gathered weights are the scan's
+    residuals (dense layers; MoE's not measured). Compiled for H100s (XLA GPU, its scheduler
+    off), the fsdp census of 125m on fsdp=4,tp=2 read 0.777x a contract of two gathers under
+    remat dots and full, 0.711x with SP under none, dots and full (the head's gradient in fp32
+    counted too: tools/traffic.py); 1b 0.701x (full) and 0.680x (SP, none); 125m fsdp=4,sp=2
+    (ring, full) 0.777x; 1.000x with these counts (bench/results/layer-gathers-h100-compiled.json).
+    Plain TP under remat none read 1.000x of two, and scanned under dots or full with SP too,
+    but for the head's gradient. Scanned with SP or context under remat none: bench/results/
+    region-fsdp-h100-compiled.json."""
     m, p = cfg.model, cfg.parallel
     if layers_gathered_once(cfg, sizes):
         return 1.0
     if sizes["fsdp"] == 1 or "fsdp" in accumulation_axes(cfg, sizes):
         return 2.0
-    tensor, s = explicit_tensor(cfg, sizes["tensor"]), shape(cfg, sizes)
-    if m.scan_layers:
-        if tensor and p.sequence_parallel and m.remat == "none" and not s.moe:
-            weights = local_layer_params(cfg, sizes) - 2 * s.layers * m.d_model  # less the norms
-            return 1 + s.layers * attention_params(cfg, sizes) / weights
-        return 2.0
+    tensor = explicit_tensor(cfg, sizes["tensor"])
     context = explicit_context(cfg, sizes["sequence"]) is not None
+    if m.scan_layers:
+        over_fsdp = (tensor and p.sequence_parallel) or context  # TensorParallel.manual_axes
+        return 1.0 if over_fsdp and m.remat == "none" and not shape(cfg, sizes).moe else 2.0
     merged = (tensor or context) and (m.remat != "none" or p.sequence_parallel or context)
     return 1.0 if merged else 2.0
 

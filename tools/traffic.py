@@ -57,10 +57,11 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     Under remat with explicit TP the layers gather inside
                                     their checkpoint (sharding.tensor_parallel.TensorParallel.
                                     gather_in_checkpoint): unrolled, the one gather
-                                    (layer_gathers); scanned, two (the head gathered before
-                                    its region: TensorParallel.logits). Scanned with SP under
-                                    remat none, the MLP's weights once, the attention's twice
-                                    (layer_gathers)
+                                    (layer_gathers); scanned, two (the head once: sharding.
+                                    vocab_parallel.vocab_parallel_logits). Scanned under remat
+                                    none in regions manual over fsdp (SP, context), once: they
+                                    gather the weights themselves and the scan keeps them
+                                    (TensorParallel.gather_in_region, layer_gathers)
   expert  k · 2 · G'(ep-1)/ep       G' = G_c less the routed experts: every other weight treats
                                     `expert` as a data axis, reduced per microbatch where XLA
                                     places the reductions (beside XLA's ZeRO-3, or at k = 1);
@@ -125,7 +126,7 @@ Each axis's time on its link: tools/links.py.
 from __future__ import annotations
 
 from configs.base import RunConfig
-from sharding.checks import accumulation_axes, explicit_tensor
+from sharding.checks import accumulation_axes, explicit_context, explicit_tensor
 from tools.pipeline_traffic import circular, extra_embeddings, head_dx, heads, layer_runs, stage
 from tools.shape import (DTYPE_BYTES, dispatch_rows, held_tables, layer_gathers, local_param_parts, shape, small_parts,
                          table_split)
@@ -174,10 +175,7 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     else:  # ZeRO-3 per microbatch: the layers' weights gathered twice (once where one gather serves
         # the forward and the backward: tools.shape.layer_gathers), embedding and head once
         layers = own - norms - 2 * head
-        # the head's gradient leaves its matmul in the compute dtype and is reduced in fp32, but
-        # under SP XLA reduce-scatters it before the cast (module docstring)
-        head_grad = c if cfg.parallel.sequence_parallel and explicit_tensor(cfg, sizes["tensor"]) else 4
-        fsdp = s.k * (((layer_gathers(cfg, sizes) + 1) * c * layers + 3 * c * head + head_grad * head) * f
+        fsdp = s.k * (((layer_gathers(cfg, sizes) + 1) * c * layers + 3 * c * head + head_grad(cfg, sizes) * head) * f
                       + 8 * norms) * frac["fsdp"]
     volume = {
         "stage": stage(cfg, sizes),
@@ -204,7 +202,16 @@ def per_microbatch_reductions(cfg: RunConfig, sizes: dict[str, int], own: float,
     layers = c * (own - 2 * head / table_split(cfg, sizes) - norms - routers) + 4 * routers  # experts included
     trips = layer_runs(cfg, sizes)
     once = 1 if circular(cfg, sizes) else s.k
-    return trips * layers + once * (4 * head + c * head + 4 * norms), trips * c * experts
+    return trips * layers + once * (head_grad(cfg, sizes) * head + c * head + 4 * norms), trips * c * experts
+
+
+def head_grad(cfg: RunConfig, sizes: dict[str, int]) -> int:
+    """Bytes an element of the head's gradient is reduced in per microbatch: it leaves its matmul
+    in the compute dtype and XLA reduces it after the cast to fp32, but where the head's region
+    is manual over the batch axes (explicit TP with SP or context parallelism) the region sums
+    it as it leaves (sharding/vocab_parallel.py)."""
+    regions = cfg.parallel.sequence_parallel or explicit_context(cfg, sizes["sequence"]) is not None
+    return DTYPE_BYTES[cfg.model.compute_dtype] if regions and explicit_tensor(cfg, sizes["tensor"]) else 4
 
 
 def expert(cfg: RunConfig, sizes: dict[str, int]) -> float:
