@@ -221,9 +221,10 @@ class TensorParallel:
     all-reduce, and XLA GPU split that into a reduce-scatter only where fsdp was the one axis
     or the layers unrolled beside `sequence`. Compiled for H100s: 125m scanned on fsdp=4,sp=2
     (ring, remat none) moved 297 MB of all-reduce over fsdp+sequence, 1.90 GB in all; now
-    1.73 GB, what the unrolled layers move; on dp=2,fsdp=2,tp=2 with SP (unrolled) the layers' 127 MB all-reduce over data+fsdp
-    is a reduce-scatter and an all-reduce of 42.5 MB each
-    (bench/results/region-fsdp-h100-compiled.json). Unrolled under a remat policy
+    1.73 GB, what the unrolled layers move; on dp=2,fsdp=2,tp=2 with SP (unrolled) the 203 MB
+    all-reduce over data+fsdp (the layers', the embedding's and head's: their regions gather
+    the same way, sharding/vocab_parallel.py) is a reduce-scatter and an all-reduce of 67.6 MB
+    each (bench/results/region-fsdp-h100-compiled.json). Unrolled under a remat policy
     gather_in_checkpoint's one gather stays: gathered inside the checkpoint, the recompute
     would gather again."""
 

@@ -12,8 +12,9 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           1/p of them where fsdp·p divides D: tools.shape.table_split); a reduction per microbatch moves each as
           the backward leaves it, G_c = c·(P' - h - n - r) + 4·(h + n + r): the layers' and the
           embedding's gradients in the compute dtype (bf16 matmuls, a bf16 scatter-add), the
-          head's and the routers' (their matmuls make fp32 logits) and the norms' in fp32;
-          h = V·D/(f·t), n the norms' (2X + 1)·D, r the routers' D·E/f per MoE layer.
+          head's and the routers' (their matmuls make fp32 logits) and the norms' in fp32
+          (the head's in the compute dtype where its region sums it, SP or context beside
+          explicit TP: `head_grad`); h = V·D/(f·t), n the norms' (2X + 1)·D, r the routers' D·E/f per MoE layer.
           Under gpipe and interleaved where a batch axis is not manual (sequence
           under context_impl=gspmd: XLA's reduction inside autodiff's transpose of the tick
           scan) XLA reduces the layers' gradients in every tick, bubble ticks included (T/V
