@@ -171,9 +171,13 @@ class Routing:
 
 
 def _rank_within(group: jax.Array, groups: int) -> jax.Array:
-    """For each element of `group` [m] (ints < groups): how many earlier elements share its group."""
+    """For each element of `group` [m] (ints < groups): how many earlier elements share its group.
+    The running count is read at the element's own group by an index (take_along_axis), not by
+    summing it masked with the one-hot: XLA GPU (jax 0.12.1) rewrote that sum into a gather its
+    emitter cannot lower ("Non-simplified HLO Gather", an abort) in the layer scan under
+    capacity dispatch (moe-tiny on dp=2, dp=4, fsdp=4,sp=2; unrolled or dropless, it compiled)."""
     onehot = jax.nn.one_hot(group, groups, dtype=jnp.int32)  # [m, G]
-    return jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
+    return jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - 1, group[:, None], axis=1)[:, 0]
 
 
 def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:

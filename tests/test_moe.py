@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 from collections import Counter
 
@@ -22,13 +23,14 @@ from jax.sharding import NamedSharding
 
 from configs import apply_overrides, get_preset
 from configs.base import ModelConfig
-from conftest import assert_same_run, run_steps, small_config
+from conftest import assert_same_run, run_module, run_steps, small_config
 from model.moe import MoE, Routing
 from model.transformer import Transformer, count_params
 from sharding.expert_parallel import Experts
 from sharding.mesh import AXES, build_mesh, parse_mesh
 from sharding.rules import logical_to_spec, param_shardings
 from sharding.tensor_parallel import TensorParallel
+from tools.gpu_target import plugin_installed
 from tools.hlo import step_census
 from training.metrics import param_counts
 
@@ -86,6 +88,31 @@ def test_layer_equals_a_token_by_token_loop(dispatch, cf):
     y, stats = layer(jnp.asarray(x))
     np.testing.assert_allclose(y, _by_token(layer, x), rtol=1e-5, atol=1e-6)
     assert float(stats["dropped"]) == 0.0
+
+
+def test_rank_within_counts_the_earlier_members_of_each_group():
+    """model.moe._rank_within (each assignment's slot in its expert's buffer) against a loop."""
+    from model.moe import _rank_within
+
+    group = np.random.default_rng(0).integers(0, 8, size=200)
+    seen: Counter = Counter()
+    want = []
+    for g in group:
+        want.append(seen[g])
+        seen[g] += 1
+    assert np.array_equal(np.asarray(_rank_within(jnp.asarray(group), 8)), want)
+
+
+@pytest.mark.skipif(not plugin_installed(), reason="jax's CUDA plugin is not installed (pip install -e '.[gpu-compile]')")
+def test_the_capacity_dispatch_compiles_for_an_h100_in_the_layer_scan():
+    """moe-tiny (capacity dispatch, layers scanned) compiled by XLA GPU for two H100s on this CPU
+    machine. When `_rank_within` summed the running count masked by the one-hot, XLA GPU (jax
+    0.12.1) rewrote that sum into a gather its emitter cannot lower and aborted the process
+    ("Non-simplified HLO Gather is not supported"; dropless and unrolled layers compiled)."""
+    done = run_module("tools.plan", "--config", "moe-tiny", "--mesh", "dp=2", "--set", "train.global_batch_size=8",
+                      "--set", "model.attention=pallas", "--compile-for-gpu", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["xla"]["platform"] == "gpu"
 
 
 def test_capacity_drops_exactly_the_overflow():
