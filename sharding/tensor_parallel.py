@@ -166,27 +166,30 @@ gathered_forward_only.defvjp(lambda w, spec: (lax.with_sharding_constraint(w, sp
                               lambda spec, _, g: (g,))
 
 
-def gathered_inside(w: jax.Array, spec: P, others: tuple[str, ...], split: P = P()) -> jax.Array:
-    """In a region manual over fsdp: w, the device's fsdp shard laid out as `spec`, all-gathered
-    whole over fsdp (sharding/accumulation.gather, on each shard of the automatic axes `split`
-    names). The transpose reduce-scatters its gradient over fsdp; the region's edge then sums
-    the shard over the other manual batch axes, `others` (w made varying over them before the
-    gather, in a typed region: after it, the sum would be of the whole gradient)."""
-    if others:
+def fsdp_manual(manual: Sequence[str]) -> bool:
+    """Whether a region manual over `manual` holds fsdp (of size > 1) itself: it then takes its
+    weights as each device's fsdp shard and gathers them (`gathered_inside`)."""
+    return FSDP in manual and axis_size(FSDP) > 1
+
+
+def gathered_inside(w: jax.Array, spec: P, manual: Sequence[str], split: P = P(), typed: bool = True) -> jax.Array:
+    """In a region manual over fsdp (and the rest of `manual`): w, the device's fsdp shard laid
+    out as `spec`, all-gathered whole over fsdp (sharding/accumulation.gather, on each shard of
+    the automatic axes `split` names). The transpose reduce-scatters its gradient over fsdp; the
+    region's edge then sums the shard over its other batch axes of size > 1. In a typed region
+    (`typed`, check_vma) w is made varying over them before the gather: after it, the sum would
+    be of the whole gradient; unchecked, the edge sums each input's cotangent as it came in."""
+    others = tuple(a for a in manual if a not in (FSDP, AXIS) and axis_size(a) > 1)
+    if typed and others:
         w = lax.pcast(w, others, to="varying")
     return gather(spec, w, split)
 
 
-def batch_axes_beside_fsdp(manual: Sequence[str]) -> tuple[str, ...]:
-    """The manual axes of a region, of size > 1, over which a weight's fsdp shard is summed
-    after its reduce-scatter (`gathered_inside`): the batch and sequence axes but fsdp."""
-    return tuple(a for a in manual if a not in (FSDP, AXIS) and axis_size(a) > 1)
-
-
-def _gathering(fn: Callable, specs: dict[str, P], splits: dict[str, P], others: tuple[str, ...]) -> Callable:
+def _gathering(fn: Callable, specs: dict[str, P], splits: dict[str, P], manual: Sequence[str],
+               typed: bool) -> Callable:
     """fn with its weights `gathered_inside` first."""
     def gathered(ops, x, weights, *consts):
-        whole = {name: gathered_inside(w, specs[name], others, splits[name]) for name, w in weights.items()}
+        whole = {name: gathered_inside(w, specs[name], manual, splits[name], typed) for name, w in weights.items()}
         return fn(ops, x, whole, *consts)
 
     return gathered
@@ -269,7 +272,7 @@ class TensorParallel:
         manual = self.manual_axes()
         if not manual:
             return fn(Local(), x, arrays, *consts)
-        fsdp = self.gather_in_region and FSDP in manual
+        fsdp = self.gather_in_region and fsdp_manual(manual)
         within = (AXIS,) * tensor + (FSDP,) * fsdp
         specs = {name: logical_to_spec(names, a.shape, mesh, within=within) for name, (a, names) in weights.items()}
         if self.gather_in_checkpoint and not fsdp:  # FSDP's gather as a value of the layer's checkpoint (class docstring)
@@ -284,7 +287,7 @@ class TensorParallel:
         if fsdp:  # each device's fsdp shard in, gathered inside (class docstring)
             splits = {name: logical_to_spec(names, a.shape, mesh, within=automatic(manual))
                       for name, (a, names) in weights.items()}
-            fn = _gathering(fn, specs, splits, batch_axes_beside_fsdp(manual) if check_vma else ())
+            fn = _gathering(fn, specs, splits, manual, check_vma)
         body = jax.shard_map(
             functools.partial(fn, ops), in_specs=(x_spec, specs, *(const_spec,) * len(consts)),
             out_specs=x_spec, axis_names=set(manual), check_vma=check_vma,

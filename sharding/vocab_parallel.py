@@ -28,7 +28,7 @@ from jax.typing import DTypeLike
 
 from sharding.context_parallel import AXIS as CONTEXT_AXIS
 from sharding.rules import axis_size, constrain, logical_to_spec, not_manual, varying_as
-from sharding.tensor_parallel import (AXIS, BATCH_AXES, FSDP, Sharded, TensorParallel, batch_axes_beside_fsdp,
+from sharding.tensor_parallel import (AXIS, BATCH_AXES, FSDP, Sharded, TensorParallel, fsdp_manual,
                                       gathered_forward_only, gathered_inside)
 
 
@@ -48,17 +48,17 @@ def vocab_parallel_take(table: jax.Array, tokens: jax.Array, sequence_parallel: 
     fp32 table then scatters an fp32 gradient (pipeline/cells.py's `embed_grad`) behind the same
     collectives."""
     dtype = dtype or table.dtype
-    if axis_size(AXIS) == 1:
-        return jnp.take(constrain(table, ("vocab", None)), tokens, axis=0).astype(dtype)
     mesh, manual = jax.sharding.get_abstract_mesh(), _take_region_axes()
-    fsdp = FSDP in manual and axis_size(FSDP) > 1
-    if not fsdp:  # whole over fsdp before the region: gathered (or stored so) outside it
+    fsdp = axis_size(AXIS) > 1 and fsdp_manual(manual)
+    if not fsdp:  # whole over fsdp before the lookup: gathered (or stored so) outside its region
         table = constrain(table, ("vocab", None))
+    if axis_size(AXIS) == 1:
+        return jnp.take(table, tokens, axis=0).astype(dtype)
     table_spec = logical_to_spec(("vocab", "embed"), table.shape, mesh, within=(AXIS, FSDP) if fsdp else (AXIS,))
 
     def local(rows: jax.Array, ids: jax.Array) -> jax.Array:
         if fsdp:
-            rows = gathered_inside(rows, table_spec, batch_axes_beside_fsdp(manual))
+            rows = gathered_inside(rows, table_spec, manual)
         idx = ids - lax.axis_index(AXIS) * rows.shape[0]
         mine = (idx >= 0) & (idx < rows.shape[0])
         x = jnp.take(rows, jnp.clip(idx, 0, rows.shape[0] - 1), axis=0).astype(dtype)
@@ -109,7 +109,7 @@ def vocab_parallel_logits(tp: TensorParallel, x: jax.Array, head: jax.Array, dx_
     if tp.impl == "gspmd" or size == 1:
         return head_matmul(x, head, dx_dtype)
     manual = tp.manual_axes()
-    fsdp = FSDP in manual and axis_size(FSDP) > 1
+    fsdp = fsdp_manual(manual)
     ops = Sharded(size, tp.sequence_parallel, tp.overlap)
     x_spec = logical_to_spec(tp.activation_names, x.shape, mesh, within=manual)
     w_spec = logical_to_spec(("embed", "vocab"), head.shape, mesh, within=(AXIS, FSDP) if fsdp else (AXIS,))
@@ -119,7 +119,7 @@ def vocab_parallel_logits(tp: TensorParallel, x: jax.Array, head: jax.Array, dx_
 
     def local(x: jax.Array, w: jax.Array) -> jax.Array:
         if fsdp:
-            w = gathered_inside(w, w_spec, batch_axes_beside_fsdp(manual))
+            w = gathered_inside(w, w_spec, manual)
         return ops.column(x, lambda x: head_matmul(x, w, dx_dtype))
 
     body = jax.shard_map(local, in_specs=(x_spec, w_spec), out_specs=out_spec, axis_names=set(manual))

@@ -131,7 +131,7 @@ def layers_gathered_once(cfg: RunConfig, sizes: dict[str, int]) -> bool:
             and "fsdp" not in accumulation_axes(cfg, sizes))
 
 
-def layer_gathers(cfg: RunConfig, sizes: dict[str, int]) -> float:
+def layer_gathers(cfg: RunConfig, sizes: dict[str, int]) -> int:
     """How many times XLA's ZeRO-3 all-gathers each layer's weights per microbatch (the fsdp
     contract, tools/traffic.py), in units of the device's layer weights: for the forward and
     again for the backward, but once where one gather serves both. Unrolled: under remat none
@@ -153,16 +153,16 @@ def layer_gathers(cfg: RunConfig, sizes: dict[str, int]) -> float:
     region-fsdp-h100-compiled.json."""
     m, p = cfg.model, cfg.parallel
     if layers_gathered_once(cfg, sizes):
-        return 1.0
+        return 1
     if sizes["fsdp"] == 1 or "fsdp" in accumulation_axes(cfg, sizes):
-        return 2.0
+        return 2
     tensor = explicit_tensor(cfg, sizes["tensor"])
     context = explicit_context(cfg, sizes["sequence"]) is not None
     if m.scan_layers:
         over_fsdp = (tensor and p.sequence_parallel) or context  # TensorParallel.manual_axes
-        return 1.0 if over_fsdp and m.remat == "none" and not shape(cfg, sizes).moe else 2.0
+        return 1 if over_fsdp and m.remat == "none" and not shape(cfg, sizes).moe else 2
     merged = (tensor or context) and (m.remat != "none" or p.sequence_parallel or context)
-    return 1.0 if merged else 2.0
+    return 1 if merged else 2
 
 
 def local_params(cfg: RunConfig, sizes: dict[str, int]) -> float:
