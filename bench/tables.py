@@ -146,6 +146,8 @@ PROSE_ONLY = {
                                    "and after it counted one gather: README's table of it is written by hand",
     "region-fsdp-h100-compiled": "the collectives of the regions manual over fsdp before and after they gathered "
                                  "their own weights: README's table of it is written by hand",
+    "moe-region-fsdp-h100-compiled": "the collectives of MoE models before and after the MoE region gathered its "
+                                     "own weights: README's table of it is written by hand",
 }
 
 

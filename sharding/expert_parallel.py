@@ -5,7 +5,7 @@ Layout (ep = size of the expert axis, E experts, E/ep per device, t = tp):
 
   x            [B, L, D]        the block's activations, split over every token axis (data,
                                 fsdp, expert, sequence; L over tensor too under SP)
-  router       [D, E]           replicated (FSDP: gathered at the region's edge)
+  router       [D, E]           replicated (FSDP: gathered, see Gradients)
   w_gate, w_up [E/ep, D, F/t]   E split over expert, F over tensor
   w_down       [E/ep, F/t, D]
 
@@ -37,8 +37,13 @@ partition the dispatch.
 
 Gradients: the router is replicated over every manual axis, so its gradient is summed over all
 of them (check_vma's typing); expert weights are split over `expert` and summed over the other
-token axes. FSDP-split weights are gathered at the edge by XLA and their gradients all-reduced
-in the region (as the SP regions of tensor_parallel.py do).
+token axes. FSDP-split weights (D over fsdp) come in as each device's shard and are all-gathered
+inside the region (TensorParallel.gather_in_region, tensor_parallel.gathered_inside, as the SP
+regions do), so their gradients are reduce-scattered over fsdp before the sum over data:
+compiled for H100s, moe-tiny on dp=2,fsdp=2,ep=2 had all-reduced the experts' whole gradient
+over data and fsdp together (3.5 MB), and moves 0.88x the bytes in all now; mixtral-8x7b (2
+layers) on that mesh 0.81x (bench/results/moe-region-fsdp-h100-compiled.json). Unrolled under
+a remat policy (gather_in_region off) XLA still gathers them at the region's edge.
 
 Router statistics (the load-balancing loss, the z-loss, the load) are over the whole batch:
 `Experts.total` sums them over the token axes, so the loss equals the single-device run's.
@@ -67,9 +72,11 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from sharding.accumulation import FSDP, automatic
 from sharding.context_parallel import AXIS as CONTEXT_AXIS
 from sharding.rules import axis_size, logical_to_spec, not_manual
-from sharding.tensor_parallel import AXIS as TENSOR_AXIS, BATCH_AXES, Local, Sharded, TensorParallel, Weights
+from sharding.tensor_parallel import (AXIS as TENSOR_AXIS, BATCH_AXES, Local, Sharded, TensorParallel, Weights,
+                                      fsdp_manual, gathering)
 
 AXIS = "expert"
 TOKEN_AXES = (*BATCH_AXES, CONTEXT_AXIS)  # every axis that splits the tokens
@@ -124,9 +131,15 @@ def region(fn: Callable, x: jax.Array, weights: Weights, tp: TensorParallel) -> 
     )
     if not manual:
         return fn(ops, x, arrays)
-    weight_axes = tuple(a for a in (AXIS, TENSOR_AXIS) if a in manual)  # the experts split outside, if so
+    fsdp = tp.gather_in_region and fsdp_manual(manual)  # each device's fsdp shard in, gathered inside
+    # the experts split over expert and tensor outside, if so; over fsdp too where gathered inside
+    weight_axes = tuple(a for a in (AXIS, TENSOR_AXIS) if a in manual) + (FSDP,) * fsdp
     specs = {name: logical_to_spec(names, a.shape, mesh, within=weight_axes) for name, (a, names) in weights.items()}
     x_spec = logical_to_spec(tp.activation_names, x.shape, mesh, within=manual)
+    if fsdp:
+        splits = {name: logical_to_spec(names, a.shape, mesh, within=automatic(manual))
+                  for name, (a, names) in weights.items()}
+        fn = gathering(fn, specs, splits, manual, checked)
     body = jax.shard_map(functools.partial(fn, ops), in_specs=(x_spec, specs), out_specs=(x_spec, P()),
                          axis_names=set(manual), check_vma=checked)
     return body(x, arrays)

@@ -179,14 +179,15 @@ def gathered_inside(w: jax.Array, spec: P, manual: Sequence[str], split: P = P()
     region's edge then sums the shard over its other batch axes of size > 1. In a typed region
     (`typed`, check_vma) w is made varying over them before the gather: after it, the sum would
     be of the whole gradient; unchecked, the edge sums each input's cotangent as it came in."""
-    others = tuple(a for a in manual if a not in (FSDP, AXIS) and axis_size(a) > 1)
-    if typed and others:
-        w = lax.pcast(w, others, to="varying")
+    if typed:  # over the other axes it is not varying over already (the experts are, over `expert`)
+        varying = jax.typeof(w).manual_axis_type.varying
+        others = tuple(a for a in manual if a not in (FSDP, AXIS, *varying) and axis_size(a) > 1)
+        w = lax.pcast(w, others, to="varying") if others else w
     return gather(spec, w, split)
 
 
-def _gathering(fn: Callable, specs: dict[str, P], splits: dict[str, P], manual: Sequence[str],
-               typed: bool) -> Callable:
+def gathering(fn: Callable, specs: dict[str, P], splits: dict[str, P], manual: Sequence[str],
+              typed: bool) -> Callable:
     """fn with its weights `gathered_inside` first."""
     def gathered(ops, x, weights, *consts):
         whole = {name: gathered_inside(w, specs[name], manual, splits[name], typed) for name, w in weights.items()}
@@ -217,7 +218,7 @@ class TensorParallel:
 
     gather_in_region (set with fsdp > 1 where the layers are scanned or under remat none): a
     region manual over fsdp (under SP, or context parallelism) takes each weight as the
-    device's fsdp shard and all-gathers it inside (`_gathering`), so that the transpose
+    device's fsdp shard and all-gathers it inside (`gathering`), so that the transpose
     reduce-scatters each gradient over fsdp and then sums the shard over the region's other
     batch axes: ZeRO-3's reduction, and data's on 1/f of it. Given the weight whole over fsdp,
     the region's transpose summed the whole gradient over all its batch axes in one
@@ -287,7 +288,7 @@ class TensorParallel:
         if fsdp:  # each device's fsdp shard in, gathered inside (class docstring)
             splits = {name: logical_to_spec(names, a.shape, mesh, within=automatic(manual))
                       for name, (a, names) in weights.items()}
-            fn = _gathering(fn, specs, splits, manual, check_vma)
+            fn = gathering(fn, specs, splits, manual, check_vma)
         body = jax.shard_map(
             functools.partial(fn, ops), in_specs=(x_spec, specs, *(const_spec,) * len(consts)),
             out_specs=x_spec, axis_names=set(manual), check_vma=check_vma,

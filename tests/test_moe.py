@@ -105,14 +105,28 @@ def test_rank_within_counts_the_earlier_members_of_each_group():
 
 @pytest.mark.skipif(not plugin_installed(), reason="jax's CUDA plugin is not installed (pip install -e '.[gpu-compile]')")
 def test_the_capacity_dispatch_compiles_for_an_h100_in_the_layer_scan():
-    """moe-tiny (capacity dispatch, layers scanned) compiled by XLA GPU for two H100s on this CPU
-    machine. When `_rank_within` summed the running count masked by the one-hot, XLA GPU (jax
-    0.12.1) rewrote that sum into a gather its emitter cannot lower and aborted the process
-    ("Non-simplified HLO Gather is not supported"; dropless and unrolled layers compiled)."""
-    done = run_module("tools.plan", "--config", "moe-tiny", "--mesh", "dp=2", "--set", "train.global_batch_size=8",
-                      "--set", "model.attention=pallas", "--compile-for-gpu", "--json")
+    """moe-tiny (capacity dispatch, layers scanned, remat none) compiled by XLA GPU for eight
+    H100s on dp=2,fsdp=2,ep=2 on this CPU machine. When `_rank_within` summed the running count
+    masked by the one-hot, XLA GPU (jax 0.12.1) rewrote that sum into a gather its emitter
+    cannot lower and aborted the process ("Non-simplified HLO Gather is not supported"; dropless
+    and unrolled layers compiled). Its census is the contract's (tools/traffic.py) within 1% on
+    every axis, fsdp within 0.5%: the scan keeps the MoE region's gathered experts and routers,
+    once (tools.shape.expert_gathers; counted twice, 0.72x), the region reduce-scatters their
+    gradients over fsdp before the sum over data (TensorParallel.gather_in_region; before, one
+    all-reduce over data and fsdp of 3.5 MB, none of it reduce-scattered), and XLA reduces the
+    other weights' gradients over data and expert together (counted apart, data read 1.09x and
+    expert 0.94x)."""
+    done = run_module("tools.plan", "--config", "moe-tiny", "--mesh", "dp=2,fsdp=2,ep=2", "--set",
+                      "train.global_batch_size=8", "--set", "model.attention=pallas", "--compile-for-gpu", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout)["xla"]["platform"] == "gpu"
+    report = json.loads(done.stdout)
+    assert report["xla"]["platform"] == "gpu"
+    rows, by_axis = report["xla"]["census"], Counter()
+    for r in rows:  # a collective over several axes under the first
+        by_axis[r["axes"].split("+")[0]] += r["bytes_per_device"]
+    assert dict(by_axis) == pytest.approx(report["communication"], rel=0.01)
+    assert by_axis["fsdp"] == pytest.approx(report["communication"]["fsdp"], rel=0.005)
+    assert not [r for r in rows if r["kind"] == "all-reduce" and r["axes"] == "data+fsdp"]
 
 
 def test_capacity_drops_exactly_the_overflow():
@@ -143,16 +157,18 @@ def _devices(cfg) -> list:
 
 
 LAYER_MESHES = ["ep=2", "ep=4", "ep=8", "dp=2,ep=4", "ep=2,tp=2", "ep=2,tp=2 sp", "fsdp=2,ep=2", "fsdp=2,ep=2,tp=2",
-                 "ep=2,sp=2", "ep=4 capacity"]
+                 "dp=2,fsdp=2,ep=2 gathered", "fsdp=2,ep=2,tp=2 sp gathered", "ep=2,sp=2", "ep=4 capacity"]
 
 
 @functools.cache
 def _layer_grads(mesh_spec: str | None):
     """Value and gradients (weights and input) of Σ y·c + aux + z for one MoE layer (E 8, top 2,
     fp32) on a batch [8, 16, 32], on `mesh_spec` ('sp': sequence parallelism; 'capacity': cf
-    E/k, so nothing is dropped; sp=2: the tokens' L split over sequence) or on one device."""
+    E/k, so nothing is dropped; 'gathered': the region takes the weights' fsdp shards and
+    gathers them itself, TensorParallel.gather_in_region; sp=2: the tokens' L split over
+    sequence) or on one device."""
     spec, *flags = (mesh_spec or "").split(" ")
-    tp = TensorParallel(sequence_parallel="sp" in flags)
+    tp = TensorParallel(sequence_parallel="sp" in flags, gather_in_region="gathered" in flags)
     m = ModelConfig(d_model=32, n_experts=8, experts_per_token=2, expert_d_ff=48, compute_dtype="float32",
                     moe_dispatch="capacity" if "capacity" in flags else "dropless", capacity_factor=4.0)
     graphdef, params = nnx.split(MoE(m, tp, m.moe_dispatch, rngs=nnx.Rngs(3)))
@@ -178,7 +194,8 @@ def _layer_grads(mesh_spec: str | None):
 def test_layer_on_expert_meshes_equals_one_device(mesh):
     """The layer's value and every gradient (router, experts, input) on each mesh equal one
     device's, rtol 1e-5 (fp32; only reduction orders differ): experts over ep 2, 4, 8; beside
-    data, tensor (the experts' F split; with sequence parallelism), fsdp, sequence; capacity
+    data, tensor (the experts' F split; with sequence parallelism), fsdp (the weights gathered
+    at the region's edge, or inside it from each device's shard), sequence; capacity
     dispatch."""
     (value, grads), (want, want_grads) = _layer_grads(mesh), _layer_grads(None)
     np.testing.assert_allclose(value, want, rtol=1e-5)
@@ -243,8 +260,11 @@ def test_census_holds_the_expert_contract(dispatch, remat):
     ep·S·D elements (dropless S = n·min(k, E/ep), capacity (E/ep)·C); dropless adds one int32
     all-to-all of the expert ids forward. Full remat repeats the forward's (in the backward).
     Their bytes equal tools.traffic.expert within 2%; the attention weights' gradients are
-    reduced over data and expert together."""
+    reduced over data and expert together, as the contract counts them: the census on data
+    (data+expert under data) and on expert equal tools.traffic's within 1% (counted apart, the
+    expert axis's share of those gradients had been counted over expert alone)."""
     from tools import traffic
+    from tools.hlo import per_device
 
     cfg, found = _moe_census("dp=2,ep=4", f"model.moe_dispatch={dispatch}", f"model.remat={remat}")
     again = remat == "full"
@@ -264,6 +284,28 @@ def test_census_holds_the_expert_contract(dispatch, remat):
     assert sum(c.bytes_per_step for c in a2a) == pytest.approx(traffic.expert(cfg, sizes), rel=0.02)
     grads = Counter(c.axes for c in found if c.kind == "all-reduce")
     assert grads[("data", "expert")] > 0
+    contract = traffic.communication(cfg, sizes)
+    by_axis = {axis: per_device([c for c in found if c.axes[0] == axis]) for axis in ("data", "expert")}
+    assert by_axis == pytest.approx({axis: contract[axis] for axis in by_axis}, rel=0.01)
+
+
+def test_the_expert_region_reduce_scatters_over_fsdp_before_data():
+    """moe-tiny (fp32, scanned, remat none) on dp=2,fsdp=2,ep=2: the MoE region, manual over
+    data, fsdp and expert, takes the experts' and the router's fsdp shards and gathers them
+    itself (TensorParallel.gather_in_region, sharding/expert_parallel.py), so their gradients
+    are reduce-scattered over fsdp (4·P·(f-1)/f, P the device's E/ep experts and the routers)
+    and the experts' 1/f shard all-reduced over data (2·4·P_e/f·(n-1)/n; the routers' shard
+    goes with the other weights, over data and expert). Given the weights whole over fsdp, the
+    region's transpose all-reduced the experts' whole gradient over data and fsdp together
+    (7.1 MB a device here; compiled for H100s, 3.5 MB on moe-tiny's bf16)."""
+    cfg, found = _moe_census("dp=2,fsdp=2,ep=2")
+    m, (n, f, ep) = cfg.model, (cfg.parallel.data, cfg.parallel.fsdp, cfg.parallel.expert)
+    experts = m.n_layers * m.n_experts // ep * 3 * m.d_model * m.expert_d_ff
+    routers = m.n_layers * m.d_model * m.n_experts
+    bytes_of = lambda kind, axes: sum(c.bytes_per_step for c in found if c.kind == kind and c.axes == axes)  # noqa: E731
+    assert bytes_of("reduce-scatter", ("fsdp",)) == pytest.approx(4 * (experts + routers) * (f - 1) / f, rel=1e-9)
+    assert bytes_of("all-reduce", ("data",)) == pytest.approx(2 * 4 * experts / f * (n - 1) / n, rel=1e-9)
+    assert bytes_of("all-reduce", ("data", "fsdp")) == 0
 
 
 # --- presets and the load-balancing loss -------------------------------------------------------

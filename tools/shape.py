@@ -143,7 +143,7 @@ def layer_gathers(cfg: RunConfig, sizes: dict[str, int]) -> int:
     backward loop cannot reach the forward loop's gather), twice, but under remat none in
     regions manual over fsdp, which gather their weights themselves
     (TensorParallel.gather_in_region): the forward loop's gathered weights are the scan's
-    residuals (dense layers; MoE's not measured). Compiled for H100s (XLA GPU, its scheduler
+    residuals. The MoE regions' own weights: `expert_gathers`. Compiled for H100s (XLA GPU, its scheduler
     off), the fsdp census of 125m on fsdp=4,tp=2 read 0.777x a contract of two gathers under
     remat dots and full, 0.711x with SP under none, dots and full (the head's gradient in fp32
     counted too: tools/traffic.py); 1b 0.701x (full) and 0.680x (SP, none); 125m fsdp=4,sp=2
@@ -160,9 +160,22 @@ def layer_gathers(cfg: RunConfig, sizes: dict[str, int]) -> int:
     context = explicit_context(cfg, sizes["sequence"]) is not None
     if m.scan_layers:
         over_fsdp = (tensor and p.sequence_parallel) or context  # TensorParallel.manual_axes
-        return 1 if over_fsdp and m.remat == "none" and not shape(cfg, sizes).moe else 2
+        return 1 if over_fsdp and m.remat == "none" else 2
     merged = (tensor or context) and (m.remat != "none" or p.sequence_parallel or context)
     return 1 if merged else 2
+
+
+def expert_gathers(cfg: RunConfig, sizes: dict[str, int]) -> int:
+    """`layer_gathers` of the MoE regions' weights (the routed experts and the routers,
+    sharding/expert_parallel.py): scanned under remat none, once, whatever the dense weights
+    beside them do: the region is manual over fsdp, and the scan keeps its gathered weights
+    from the forward loop to the backward's, whether the region gathers them itself
+    (TensorParallel.gather_in_region) or XLA at its edge. Compiled for H100s, moe-tiny's fsdp
+    census read 0.70x (fsdp=4), 0.72x (dp=2,fsdp=2,ep=2 and fsdp=2,ep=2,tp=2) and 0.68x
+    (dp=2,fsdp=2,ep=2,tp=2 with SP) of a contract of two gathers (bench/results/
+    moe-region-fsdp-h100-compiled.json)."""
+    m = cfg.model
+    return 1 if m.scan_layers and m.remat == "none" else layer_gathers(cfg, sizes)
 
 
 def local_params(cfg: RunConfig, sizes: dict[str, int]) -> float:

@@ -32,7 +32,10 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     that slice over data before the tensor sum. With `expert`
                                     in the step's region too (MoE, ep > 1) the other weights'
                                     sum is all-reduced over data and expert together (N = dp·ep,
-                                    counted here; under expert at dp = 1)
+                                    counted here; under expert at dp = 1); so too where XLA
+                                    reduces per microbatch (k = 1) beside dp > 1 and sp = 1:
+                                    2·G'(N-1)/N of G' (below) under data, and the routed
+                                    experts' 2·(G_c - G')(dp-1)/dp over data alone
   fsdp    k·((3c·(w + h) + 4h)·f + 8n)·(f-1)/f    XLA's ZeRO-3 per microbatch, w the layers' weights
                                     of the device (after the fsdp split), h the head's as the
                                     embedding's: the layers' weights all-gathered forward
@@ -40,7 +43,8 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     gathered; once, 2c·w for 3c·w, where one gather serves
                                     both: unrolled layers under remat none without a tensor
                                     axis, or in shard_map regions but for plain TP under remat
-                                    none; a fraction of w scanned, tools.shape.layer_gathers),
+                                    none: tools.shape.layer_gathers; the MoE regions' experts and
+                                    routers scanned under remat none once: expert_gathers),
                                     the embedding and head forward only (the head's
                                     kept for backward, the lookup's backward needs no table);
                                     the gradients reduce-scattered as G_c (under sequence
@@ -67,7 +71,8 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     `expert` as a data axis, reduced per microbatch where XLA
                                     places the reductions (beside XLA's ZeRO-3, or at k = 1);
                                     where it is one of the step's accumulation axes (every
-                                    pipeline's too), once per step with data's (above)
+                                    pipeline's too), once per step with data's (above), and
+                                    per microbatch beside data > 1 with data's too (above)
           + all-to-alls, per MoE layer and microbatch: dispatch and combine forward, their
           transposes backward, 4 · (ep-1)/ep · ep·S·D·c; dropless adds the int32 expert ids
           forward, (ep-1)/ep · ep·S·4; remat=full repeats the forward's (6 and 2 ids;
@@ -129,8 +134,8 @@ from __future__ import annotations
 from configs.base import RunConfig
 from sharding.checks import accumulation_axes, explicit_context, explicit_tensor
 from tools.pipeline_traffic import circular, extra_embeddings, head_dx, heads, layer_runs, stage
-from tools.shape import (DTYPE_BYTES, dispatch_rows, held_tables, layer_gathers, local_param_parts, shape, small_parts,
-                         table_split)
+from tools.shape import (DTYPE_BYTES, dispatch_rows, expert_gathers, held_tables, layer_gathers, local_param_parts,
+                         shape, small_parts, table_split)
 
 # r per remat policy, (plain TP, sequence parallelism): the tensor all-reduces a layer's backward
 # runs again (module docstring)
@@ -154,11 +159,15 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     # XLA's per-microbatch reduction over data takes one kv head of the replicated wk, wv per
     # device, not all K; the step's once-per-step psum takes the whole (tensor-summed) weights
     own -= kv_replicated * (not local) * s.layers * 2 * m.d_model * (m.n_kv_heads - 1) * m.head_dim / f
-    head, norms, _ = small_parts(cfg, sizes)
+    head, norms, routers = small_parts(cfg, sizes)
     reduced, expert_share = per_microbatch_reductions(cfg, sizes, own, experts)
     data = (2 * 4 * own if "data" in local else 2 * reduced) * frac["data"]
     sequence = 2 * reduced * frac["sequence"]
     expert_grads = 2 * (reduced - expert_share) * frac["expert"]
+    if not {"data", "expert"} & set(local) and sizes["data"] > 1 and sizes["expert"] > 1 and sizes["sequence"] == 1:
+        # XLA reduces the other weights over data and expert together (counted under data)
+        n = sizes["data"] * sizes["expert"]
+        data, expert_grads = 2 * expert_share * frac["data"] + 2 * (reduced - expert_share) * (n - 1) / n, 0.0
     if "sequence" in local:  # one all-reduce over data and sequence together, counted under the first
         n = sizes["data"] * sizes["sequence"]
         once = 2 * 4 * own * (n - 1) / n
@@ -175,9 +184,10 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         fsdp = ((c + 4) * (own - norms + tables) * f + 8 * norms) * frac["fsdp"]
     else:  # ZeRO-3 per microbatch: the layers' weights gathered twice (once where one gather serves
         # the forward and the backward: tools.shape.layer_gathers), embedding and head once
-        layers = own - norms - 2 * head
-        fsdp = s.k * (((layer_gathers(cfg, sizes) + 1) * c * layers + 3 * c * head + head_grad(cfg, sizes) * head) * f
-                      + 8 * norms) * frac["fsdp"]
+        routed = experts + routers  # the MoE regions' weights (tools.shape.expert_gathers)
+        layers = own - norms - 2 * head - routed
+        gathered = (layer_gathers(cfg, sizes) + 1) * layers + (expert_gathers(cfg, sizes) + 1) * routed
+        fsdp = s.k * ((c * gathered + 3 * c * head + head_grad(cfg, sizes) * head) * f + 8 * norms) * frac["fsdp"]
     volume = {
         "stage": stage(cfg, sizes),
         "data": data,
