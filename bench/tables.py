@@ -148,6 +148,8 @@ PROSE_ONLY = {
                                  "their own weights: README's table of it is written by hand",
     "moe-region-fsdp-h100-compiled": "the collectives of MoE models before and after the MoE region gathered its "
                                      "own weights: README's table of it is written by hand",
+    "joint-reduction-h100-compiled": "the census of XLA's joint gradient reductions against the contract before and "
+                                     "after it counted them so, quoted in a sentence",
 }
 
 

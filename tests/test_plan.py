@@ -404,13 +404,13 @@ def test_plan_flags_that_would_be_ignored_or_crash_are_refused(args, message):
     ("pallas", "fsdp=4", ["model.scan_layers=false"]),
     ("pallas", "fsdp=2,tp=2", ["model.scan_layers=false", "parallel.sequence_parallel=true"]),
     ("pallas", "fsdp=2,tp=2", ["parallel.sequence_parallel=true"]),
-    ("xla", "fsdp=2,sp=2", []),
+    ("xla", "dp=2,fsdp=2,sp=2", []),
 ])
 def test_dry_run_compiled_for_h100s_without_one(core, mesh, sets):
-    """--compile-for-gpu: XLA GPU compiles the step for 4 H100s (8 for gpipe) on this CPU machine (the pallas
-    core's Triton kernels, or cuDNN's call, under shard_map inside the tensor-parallel regions:
-    jax's custom partitioning of the cuDNN call failed there with an AttributeError before it
-    ran per device too); its memory is judged against the GPU, and its census is the GPU
+    """--compile-for-gpu: XLA GPU compiles the step for 4 H100s (8 for gpipe and dp=2,fsdp=2,sp=2)
+    on this CPU machine (the pallas core's Triton kernels, or cuDNN's call, under shard_map inside
+    the tensor-parallel regions: jax's custom partitioning of the cuDNN call failed there with an
+    AttributeError before it ran per device too); its memory is judged against the GPU, and its census is the GPU
     program's, which the contract (tools/traffic.py) counts: on every axis within 2% (the
     grad-norm's few partial sums on fsdp+tensor counted with fsdp). The tensor axis's
     all-reduces are the bf16 activations (within 1%: the loss's few f32 beside them). With no
@@ -433,10 +433,12 @@ def test_dry_run_compiled_for_h100s_without_one(core, mesh, sets):
     counts (tools.shape.layers_gathered_once; counted twice, the census read 0.69x); so too
     unrolled in the TP regions under SP (tools.shape.layer_gathers), where the head's gradient
     is reduce-scattered in bf16 (both counted as before, 0.68x); and scanned in the regions
-    manual over fsdp (SP, context parallelism: fsdp=2,sp=2's ring), which gather the weights
-    themselves and reduce-scatter their gradients over fsdp before the sum over sequence
+    manual over fsdp (SP, context parallelism: dp=2,fsdp=2,sp=2's ring), which gather the weights
+    themselves and reduce-scatter their gradients over fsdp before the sum over data and sequence
     (TensorParallel.gather_in_region; before it, an all-reduce over fsdp+sequence: the fsdp
-    census of fsdp=2,sp=2 read 1.31x the contract, its sequence census 0.78x)."""
+    census of fsdp=2,sp=2 read 1.31x the contract, its sequence census 0.78x). That sum is one
+    all-reduce over data and sequence together, which the contract counts as one group under
+    data (counted over each axis apart, data read 1.5x)."""
     done = run_module("tools.plan", "--config", "tiny", "--mesh", mesh, "--compile-for-gpu",
                       "--set", f"model.attention={core}", *(a for x in sets for a in ("--set", x)), "--json")
     assert done.returncode == 0, done.stderr[-3000:]

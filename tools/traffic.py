@@ -20,22 +20,25 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           scan) XLA reduces the layers' gradients in every tick, bubble ticks included (T/V
           times, T the table's ticks), the head's, the embedding's and norms' once per step
           (`per_microbatch_reductions`)
-  data    2 · G(N-1)/N              once per step (the k microbatches summed first; per
-                                    microbatch, k · 2 · G_c(N-1)/N, where
-                                    sharding.checks.accumulation_axes is empty: k = 1, sp > 1
-                                    beside XLA's fsdp or an expert axis; every pipeline schedule
-                                    reduces over data once per step: pipeline/engine.py);
-                                    P' counts this device's E/ep experts (they are reduced over
-                                    data), and of the wk, wv that tensor replicates (t does not
-                                    divide K) one kv head when reduced per microbatch: each
-                                    device's gradient covers the head it uses, and XLA reduces
-                                    that slice over data before the tensor sum. With `expert`
-                                    in the step's region too (MoE, ep > 1) the other weights'
-                                    sum is all-reduced over data and expert together (N = dp·ep,
-                                    counted here; under expert at dp = 1); so too where XLA
-                                    reduces per microbatch (k = 1) beside dp > 1 and sp = 1:
-                                    2·G'(N-1)/N of G' (below) under data, and the routed
-                                    experts' 2·(G_c - G')(dp-1)/dp over data alone
+  data    2 · G(N-1)/N              the gradient reductions over the batch axes a weight is
+                                    replicated on (data, expert, sequence; the routed experts
+                                    split over expert: data, sequence), in groups: over the
+                                    step's accumulation axes (sharding.checks.accumulation_axes;
+                                    every pipeline schedule's: pipeline/engine.py) once per step,
+                                    the k microbatches' fp32 sum (G); over the others, where XLA
+                                    places the reductions (k = 1, or sp > 1 beside XLA's fsdp or
+                                    an expert axis), as the backward leaves them (G_c, k times).
+                                    Each group is one all-reduce over all its axes together, N
+                                    their product, counted under its first axis (as the census
+                                    counts a collective): data where dp > 1. Counted apart, the
+                                    census of XLA's joint reduction read 1.5x on data at k = 1 on
+                                    dp=2,sp=2 and dp=2,fsdp=2,sp=2 (tiny, 125m), 1.1-2.7x beside
+                                    expert (bench/results/joint-reduction-h100-compiled.json,
+                                    moe-region-fsdp-h100-compiled.json).
+                                    P' counts this device's E/ep experts, and of the wk, wv that
+                                    tensor replicates (t does not divide K) one kv head when
+                                    reduced per microbatch: each device's gradient covers the head
+                                    it uses, and XLA reduces that slice before the tensor sum
   fsdp    k·((3c·(w + h) + 4h)·f + 8n)·(f-1)/f    XLA's ZeRO-3 per microbatch, w the layers' weights
                                     of the device (after the fsdp split), h the head's as the
                                     embedding's: the layers' weights all-gathered forward
@@ -67,12 +70,9 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     none in regions manual over fsdp (SP, context), once: they
                                     gather the weights themselves and the scan keeps them
                                     (TensorParallel.gather_in_region, layer_gathers)
-  expert  k · 2 · G'(ep-1)/ep       G' = G_c less the routed experts: every other weight treats
-                                    `expert` as a data axis, reduced per microbatch where XLA
-                                    places the reductions (beside XLA's ZeRO-3, or at k = 1);
-                                    where it is one of the step's accumulation axes (every
-                                    pipeline's too), once per step with data's (above), and
-                                    per microbatch beside data > 1 with data's too (above)
+  expert  2 · G'(ep-1)/ep           G' = G_c (or G) less the routed experts: every other weight
+                                    treats `expert` as a data axis (above), counted here where
+                                    it leads its group (no data in it)
           + all-to-alls, per MoE layer and microbatch: dispatch and combine forward, their
           transposes backward, 4 · (ep-1)/ep · ep·S·D·c; dropless adds the int32 expert ids
           forward, (ep-1)/ep · ep·S·4; remat=full repeats the forward's (6 and 2 ids;
@@ -108,11 +108,8 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           run their chunk in every tick, idle ones on zeros: the layers' collectives (tensor,
           expert, sequence) run T/V times per step, not k (pipeline_traffic.layer_runs; tiny's census on
           pp=2,tp=2 under gpipe: (M+1)/M of the k-count before the contract counted it).
-  sequence the gradients per microbatch, as over data (every weight is replicated over
-          sequence): k · 2 · G_c(N-1)/N; where the accumulation region is manual over sequence
-          too (sharding.checks.accumulation_axes), once per step in one all-reduce over data
-          and sequence together, 2 · G(N-1)/N with N = dp·sp, counted under data where dp > 1
-          (the census counts a collective under its first axis);
+  sequence the gradients, as over data (every weight is replicated over sequence), counted
+          here where it leads its group (no data or expert in it);
           plus K and V per layer and microbatch, E = b·(L/sp)·K'·H elements of one local block
           (K' = the kv heads of the device: K/t, or 1 when t does not divide K):
             ring       2E(sp-1)·c forward; backward 2E(sp-1)·c (K, V again) + 2E(sp-1)·4
@@ -130,6 +127,8 @@ Each axis's time on its link: tools/links.py.
 """
 
 from __future__ import annotations
+
+import math
 
 from configs.base import RunConfig
 from sharding.checks import accumulation_axes, explicit_context, explicit_tensor
@@ -161,22 +160,17 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
     own -= kv_replicated * (not local) * s.layers * 2 * m.d_model * (m.n_kv_heads - 1) * m.head_dim / f
     head, norms, routers = small_parts(cfg, sizes)
     reduced, expert_share = per_microbatch_reductions(cfg, sizes, own, experts)
-    data = (2 * 4 * own if "data" in local else 2 * reduced) * frac["data"]
-    sequence = 2 * reduced * frac["sequence"]
-    expert_grads = 2 * (reduced - expert_share) * frac["expert"]
-    if not {"data", "expert"} & set(local) and sizes["data"] > 1 and sizes["expert"] > 1 and sizes["sequence"] == 1:
-        # XLA reduces the other weights over data and expert together (counted under data)
-        n = sizes["data"] * sizes["expert"]
-        data, expert_grads = 2 * expert_share * frac["data"] + 2 * (reduced - expert_share) * (n - 1) / n, 0.0
-    if "sequence" in local:  # one all-reduce over data and sequence together, counted under the first
-        n = sizes["data"] * sizes["sequence"]
-        once = 2 * 4 * own * (n - 1) / n
-        data, sequence = (once, 0.0) if sizes["data"] > 1 else (0.0, once)
-    if "expert" in local:  # the same over data and expert, the routed experts (split over expert) over data alone
-        n = sizes["data"] * sizes["expert"]
-        once = 2 * 4 * (own - experts) * (n - 1) / n
-        data = 2 * 4 * experts * frac["data"] + (once if sizes["data"] > 1 else 0.0)
-        expert_grads = 0.0 if sizes["data"] > 1 else once
+    # each gradient is all-reduced over the batch axes it is replicated on, one group for the
+    # step's accumulation axes (the fp32 sum, once per step) and one for the others (as the
+    # backward leaves it, per microbatch), counted under the group's first axis
+    grads = dict.fromkeys(("data", "expert", "sequence"), 0.0)
+    for axes, once, per_microbatch in ((("data", "expert", "sequence"), own - experts, reduced - expert_share),
+                                       (("data", "sequence"), experts, expert_share)):  # the routed experts
+        for held, weights in ((True, 4 * once), (False, per_microbatch)):
+            group = [a for a in axes if sizes[a] > 1 and (a in local) == held]
+            if group:
+                n = math.prod(sizes[a] for a in group)
+                grads[group[0]] += 2 * weights * (n - 1) / n
     if "fsdp" in local:  # gathered whole once per step, the fp32 sum reduce-scattered once; the
         # embedding and head gathered over stage first (2h a device), reduce-scattered over stage after;
         # the head's columns alone (h/p) where they come by all-to-all over stage (pipeline/head.py)
@@ -190,10 +184,10 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
         fsdp = s.k * ((c * gathered + 3 * c * head + head_grad(cfg, sizes) * head) * f + 8 * norms) * frac["fsdp"]
     volume = {
         "stage": stage(cfg, sizes),
-        "data": data,
+        "data": grads["data"],
         "fsdp": fsdp,
-        "expert": expert_grads + expert(cfg, sizes),
-        "sequence": sequence + context(cfg, sizes),
+        "expert": grads["expert"] + expert(cfg, sizes),
+        "sequence": grads["sequence"] + context(cfg, sizes),
         "tensor": (layer_runs(cfg, sizes) * layer_tensor + (s.k + heads(cfg, sizes) * head_dx(cfg, sizes)) * 2 * act
                    + extra_embeddings(cfg, sizes) * act) * frac["tensor"],
     }
