@@ -35,8 +35,9 @@ per block computed, the all-gather at once. Backward: the ring 2E(sp-1) + 2E(sp-
 the all-gather 2E(sp-1) + 2E(sp-1) fp32. Gradient partial sums stay fp32 until their last
 device has added its share; the ring sends them home in the compute dtype, which they are
 cast to there anyway (XLA GPU had moved that cast ahead of the send by itself, for dV and not
-always dK: 125m dp=2,sp=2 in bf16). XLA may also send a block's first hop in bf16 where the
-core computed that gradient in bf16 (the Pallas core's dV): below this count, never above.
+always dK: 125m dp=2,sp=2 in bf16). XLA also sends a block's first hop in bf16 where the core
+computed its own block's dK and dV in bf16 (the Pallas core, compiled for H100s), before their
+cast to fp32: tools.traffic.context counts that hop in the compute dtype.
 
 Memory per device. Saved for the backward (`jax.custom_vjp`): q, k, v, out and lse of the local
 rows, O(l): no [L, L] scores and no full-length K/V outlive a layer. Ring: while running, two
@@ -49,9 +50,11 @@ lengths where that L term does not fit, or where each step's transfer must hide 
 block's compute. One caveat: when the forward and the backward are one program with no loop
 between them, XLA merges the backward's K/V sends with the forward's identical ones (CSE; XLA
 CPU does, an optimization_barrier on the residuals does not stop it), keeping the received
-blocks from forward to backward. The model's layer scan keeps them apart (forward and backward
-are different loops); under remat the recomputed forward shares the backward's loop body,
-where XLA can merge them the same way (one layer's blocks then live through its backward).
+blocks from forward to backward: unrolled layers under remat none (XLA GPU too; the all-gather
+impl's second gather likewise; tools.traffic.context counts one set there). The model's layer
+scan keeps them apart (forward and backward are different loops); under remat the recomputed
+forward shares the backward's loop body, where XLA can merge them the same way (one layer's
+blocks then live through its backward).
 
 The public functions run per device inside a `jax.shard_map` that is manual over `axis`
 (they call axis_index, ppermute, all_gather); `context_parallel_attention` wraps one in such a

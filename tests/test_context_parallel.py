@@ -228,6 +228,22 @@ def test_step_census_holds_the_context_contract(impl):
     assert sum(c.bytes_per_step for c in kv) == pytest.approx(traffic.context(cfg, sizes), rel=0.02)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_unrolled_layers_send_k_and_v_once(impl):
+    """Unrolled under remat none the forward and the backward are one program with nothing
+    between them, and XLA merges the backward's K/V sends (the ring's permutes, or the second
+    all-gather) with the forward's: tiny on dp=2,sp=4 (fp32) moves tools.traffic.context's
+    bytes on `sequence` exactly, which counts K and V once there (compiled for H100s too:
+    bench/results/joint-reduction-h100-compiled.json; counted twice, the ring read 0.60x and
+    the all-gathers 0.75x)."""
+    from tools import traffic
+
+    cfg, found = _step_census("dp=2,sp=4", f"parallel.context_impl={impl}", "model.scan_layers=false")
+    kv = [c for c in found if "sequence" in c.axes and c.kind != "all-reduce"]
+    sizes = {"stage": 1, "data": 2, "fsdp": 1, "expert": 1, "sequence": 4, "tensor": 1}
+    assert sum(c.bytes_per_step for c in kv) == pytest.approx(traffic.context(cfg, sizes), rel=1e-9)
+
+
 GRADIENT_CASES = [("dp=2,sp=4", ("data", "sequence")), ("sp=8", ("sequence",))]
 
 

@@ -404,7 +404,7 @@ def test_plan_flags_that_would_be_ignored_or_crash_are_refused(args, message):
     ("pallas", "fsdp=4", ["model.scan_layers=false"]),
     ("pallas", "fsdp=2,tp=2", ["model.scan_layers=false", "parallel.sequence_parallel=true"]),
     ("pallas", "fsdp=2,tp=2", ["parallel.sequence_parallel=true"]),
-    ("xla", "dp=2,fsdp=2,sp=2", []),
+    ("pallas", "dp=2,fsdp=2,sp=2", []),
 ])
 def test_dry_run_compiled_for_h100s_without_one(core, mesh, sets):
     """--compile-for-gpu: XLA GPU compiles the step for 4 H100s (8 for gpipe and dp=2,fsdp=2,sp=2)
@@ -424,9 +424,11 @@ def test_dry_run_compiled_for_h100s_without_one(core, mesh, sets):
     bf16, the dK/dV partial sums in fp32 and home in bf16 (sharding/context_parallel.py), as
     tools.traffic.context counts (before the ring cast them itself, XLA GPU moved dV's cast
     ahead of the last send but not dK's, and the census read 0.92x a contract that counted that
-    send in fp32). Under remat full the layer
-    scan's TP regions gather FSDP's weights inside the checkpoint, once for the recompute and
-    once for the forward (at the region's edge: 1.24x the fsdp contract), and the gradients
+    send in fp32); with the pallas core (dp=2,fsdp=2,sp=2) the ring's first hop of dK/dV goes in
+    bf16 too, the kernel's own block sent before its cast to fp32 (counted in fp32, 0.80x).
+    Under remat full the layer scan's TP regions gather FSDP's weights inside the checkpoint,
+    once for the recompute and once for the forward (at the region's edge: 1.24x the fsdp
+    contract), and the gradients
     still leave as reduce-scatters over fsdp and all-reduces over data (a plain sharding
     constraint's transpose had made them all-reduces over data and fsdp). Unrolled under remat
     none (fsdp=4), XLA gathers each layer once and keeps it for the backward, as the contract

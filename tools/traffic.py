@@ -114,11 +114,19 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           (K' = the kv heads of the device: K/t, or 1 when t does not divide K):
             ring       2E(sp-1)·c forward; backward 2E(sp-1)·c (K, V again) + 2E(sp-1)·4
                        (dK, dV in fp32 travel with their blocks) + 2E·c (the last send
-                       takes them home, cast to the compute dtype first)
+                       takes them home, cast to the compute dtype first); with a fused
+                       core (pallas) the first of the fp32 sends in c: the block's own
+                       dK, dV leave the kernel in c, and XLA sends them before their cast
             allgather  2E(sp-1)·c forward (all-gather); backward 2E(sp-1)·c (gathered
                        again) + 2E(sp-1)·4 (reduce-scatter of dK, dV in fp32)
           remat=full adds nothing: the recomputed forward needs the blocks the backward sends
-          again, and XLA merges the two (the census of tiny on dp=2,sp=4 shows one set)
+          again, and XLA merges the two (the census of tiny on dp=2,sp=4 shows one set);
+          unrolled layers under remat none send K and V once: forward and backward are one
+          program with nothing between them, and XLA merges the backward's sends (or gathers)
+          with the forward's. Compiled for H100s with the pallas core, the ring read 0.80x
+          (sp=2), 0.92x (sp=4) and 0.97x (sp=8) of the count without the first hop in c, and
+          unrolled under remat none the ring 0.60x and the all-gathers 0.75x of one with the
+          second set; 1.00x now (bench/results/joint-reduction-h100-compiled.json)
             gspmd      2 all-gathers of K and V per layer forward, 2 reduce-scatters backward
   (data and fsdp times k: the compiled step gathers the weights and reduces the gradients in
   each microbatch of the accumulation scan, as the census of a k > 1 step shows)
@@ -133,8 +141,8 @@ import math
 from configs.base import RunConfig
 from sharding.checks import accumulation_axes, explicit_context, explicit_tensor
 from tools.pipeline_traffic import circular, extra_embeddings, head_dx, heads, layer_runs, stage
-from tools.shape import (DTYPE_BYTES, dispatch_rows, expert_gathers, held_tables, layer_gathers, local_param_parts,
-                         shape, small_parts, table_split)
+from tools.shape import (DTYPE_BYTES, core, dispatch_rows, expert_gathers, held_tables, layer_gathers,
+                         local_param_parts, shape, small_parts, table_split)
 
 # r per remat policy, (plain TP, sequence parallelism): the tensor all-reduces a layer's backward
 # runs again (module docstring)
@@ -242,5 +250,12 @@ def context(cfg: RunConfig, sizes: dict[str, int]) -> float:
     if impl == "gspmd":
         return 2 * layer_runs(cfg, sizes) * s.layers * s.tokens * 2 * m.n_kv_heads * m.head_dim * c * (sp - 1)
     e = s.b * cfg.train.seq_len // sp * (m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else 1) * m.head_dim
-    home = 2 * e * c if impl == "ring" else 0.0  # the ring's last send takes dK, dV home, cast
-    return layer_runs(cfg, sizes) * s.layers * (2 * 2 * e * (sp - 1) * c + 2 * e * (sp - 1) * 4 + home)
+    # K and V forward, and again backward but where XLA merges the two sends (one program, no loop
+    # or recompute between them: unrolled layers under remat none)
+    kv = (1 if not m.scan_layers and m.remat == "none" and sizes["stage"] == 1 else 2) * 2 * e * (sp - 1) * c
+    if impl == "allgather":
+        return layer_runs(cfg, sizes) * s.layers * (kv + 2 * e * (sp - 1) * 4)
+    # dK, dV partial sums in fp32, but the first hop's in c where a fused core made them (XLA sends
+    # them before their cast), and home in c (cast first)
+    first = c if core(cfg, sizes) != "xla" else 4
+    return layer_runs(cfg, sizes) * s.layers * (kv + 2 * e * (first + (sp - 2) * 4) + 2 * e * c)
