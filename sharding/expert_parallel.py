@@ -72,7 +72,7 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from sharding.accumulation import FSDP, automatic
+from sharding.accumulation import FSDP
 from sharding.context_parallel import AXIS as CONTEXT_AXIS
 from sharding.rules import axis_size, logical_to_spec, not_manual
 from sharding.tensor_parallel import (AXIS as TENSOR_AXIS, BATCH_AXES, Local, Sharded, TensorParallel, Weights,
@@ -137,9 +137,7 @@ def region(fn: Callable, x: jax.Array, weights: Weights, tp: TensorParallel) -> 
     specs = {name: logical_to_spec(names, a.shape, mesh, within=weight_axes) for name, (a, names) in weights.items()}
     x_spec = logical_to_spec(tp.activation_names, x.shape, mesh, within=manual)
     if fsdp:
-        splits = {name: logical_to_spec(names, a.shape, mesh, within=automatic(manual))
-                  for name, (a, names) in weights.items()}
-        fn = gathering(fn, specs, splits, manual, checked)
+        fn = gathering(fn, weights, specs, manual, checked)
     body = jax.shard_map(functools.partial(fn, ops), in_specs=(x_spec, specs), out_specs=(x_spec, P()),
                          axis_names=set(manual), check_vma=checked)
     return body(x, arrays)

@@ -186,11 +186,15 @@ def gathered_inside(w: jax.Array, spec: P, manual: Sequence[str], split: P = P()
     return gather(spec, w, split)
 
 
-def gathering(fn: Callable, specs: dict[str, P], splits: dict[str, P], manual: Sequence[str],
-              typed: bool) -> Callable:
-    """fn with its weights `gathered_inside` first."""
-    def gathered(ops, x, weights, *consts):
-        whole = {name: gathered_inside(w, specs[name], manual, splits[name], typed) for name, w in weights.items()}
+def gathering(fn: Callable, weights: Weights, specs: dict[str, P], manual: Sequence[str], typed: bool) -> Callable:
+    """fn with its weights (`weights`: {name: (array, logical names)}, laid out as `specs`)
+    `gathered_inside` first, each on its shards of the axes the region leaves automatic."""
+    mesh = jax.sharding.get_abstract_mesh()
+    splits = {name: logical_to_spec(names, a.shape, mesh, within=automatic(manual))
+              for name, (a, names) in weights.items()}
+
+    def gathered(ops, x, arrays, *consts):
+        whole = {name: gathered_inside(w, specs[name], manual, splits[name], typed) for name, w in arrays.items()}
         return fn(ops, x, whole, *consts)
 
     return gathered
@@ -286,9 +290,7 @@ class TensorParallel:
         check_vma = not kernel or (self.check_vma and CONTEXT_AXIS not in mesh.manual_axes)
         ops = Sharded(size, self.sequence_parallel, self.overlap, check_vma) if tensor else Local()
         if fsdp:  # each device's fsdp shard in, gathered inside (class docstring)
-            splits = {name: logical_to_spec(names, a.shape, mesh, within=automatic(manual))
-                      for name, (a, names) in weights.items()}
-            fn = gathering(fn, specs, splits, manual, check_vma)
+            fn = gathering(fn, weights, specs, manual, check_vma)
         body = jax.shard_map(
             functools.partial(fn, ops), in_specs=(x_spec, specs, *(const_spec,) * len(consts)),
             out_specs=x_spec, axis_names=set(manual), check_vma=check_vma,
