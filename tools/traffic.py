@@ -27,7 +27,10 @@ its census is compared at model.compute_dtype=float32, where the two agree):
                                     every pipeline schedule's: pipeline/engine.py) once per step,
                                     the k microbatches' fp32 sum (G); over the others, where XLA
                                     places the reductions (k = 1, or sp > 1 beside XLA's fsdp or
-                                    an expert axis), as the backward leaves them (G_c, k times).
+                                    an expert axis), as the backward leaves them (G_c, k times;
+                                    the embedding's and head's once where the step's own scan
+                                    runs the k: XLA GPU moves them out of it,
+                                    `per_microbatch_reductions`).
                                     Each group is one all-reduce over all its axes together, N
                                     their product, counted under its first axis (as the census
                                     counts a collective): data where dp > 1. Counted apart, the
@@ -127,7 +130,11 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           (sp=2), 0.92x (sp=4) and 0.97x (sp=8) of the count without the first hop in c, and
           unrolled under remat none the ring 0.60x and the all-gathers 0.75x of one with the
           second set; 1.00x now (bench/results/joint-reduction-h100-compiled.json)
-            gspmd      2 all-gathers of K and V per layer forward, 2 reduce-scatters backward
+            gspmd      2 all-gathers of K and V per layer forward, 2 reduce-scatters backward:
+                       the least it needs; XLA's partitioner moves more (it gathers the
+                       queries too): compiled for H100s, tiny on dp=2,sp=2
+                       moves 5.0x this over sequence with the pallas core, 7.3x with the xla
+                       core (not modelled)
   (data and fsdp times k: the compiled step gathers the weights and reduces the gradients in
   each microbatch of the accumulation scan, as the census of a k > 1 step shows)
   stage   what the pipeline's tick programs send, and its tables' gathers: tools/pipeline_traffic.py
@@ -205,17 +212,27 @@ def communication(cfg: RunConfig, sizes: dict[str, int]) -> dict[str, float]:
 def per_microbatch_reductions(cfg: RunConfig, sizes: dict[str, int], own: float,
                               experts: float) -> tuple[float, float]:
     """(bytes, of which routed experts) per step of the gradients a reduction per microbatch
-    moves (module docstring, G_c), `own` the device's parameters P': k·G_c, but under gpipe and
-    interleaved (autodiff's transpose of the tick scan, where XLA keeps a batch axis:
-    sequence under context_impl=gspmd) the layers' gradients are reduced in every tick, bubble
-    ticks included (T/V per chunk), and the head's, the embedding's and the norms' once (the lookup and the head's one
-    batch or scan take the M microbatches at once)."""
+    moves (module docstring, G_c), `own` the device's parameters P': k·G_c, but
+    - under gpipe and interleaved (autodiff's transpose of the tick scan, where XLA keeps a
+      batch axis: sequence under context_impl=gspmd) the layers' gradients are reduced in every
+      tick, bubble ticks included (T/V per chunk), and the head's, the embedding's and the
+      norms' once (the lookup and the head's one batch or scan take the M microbatches at once);
+    - in the step's own microbatch scan (k > 1 with no accumulation region: sp > 1 beside XLA's
+      fsdp or an expert axis, training/step.py) XLA GPU moves the embedding's and the head's
+      all-reduces out of the loop (their sums only feed its accumulator): once per step, in
+      the dtype they leave the backward in. The layers' stay in it (the layer scan's, and
+      unrolled ones' too), as do the norms' mostly (the final norm's leaves, and scanned
+      tiny's all: 0.4% of its data bytes; not counted).
+      Counted k times, XLA's census read 0.65x the contract on data on 125m dp=2,fsdp=2,sp=2
+      at k = 4, 0.91x on tiny; 1.000x and 0.996x now (bench/results/hoisted-tables-h100-compiled.json).
+      XLA CPU places these reductions otherwise (the CPU tests compare no such step with it)."""
     s, c = shape(cfg, sizes), DTYPE_BYTES[cfg.model.compute_dtype]
     head, norms, routers = small_parts(cfg, sizes)
     layers = c * (own - 2 * head / table_split(cfg, sizes) - norms - routers) + 4 * routers  # experts included
     trips = layer_runs(cfg, sizes)
     once = 1 if circular(cfg, sizes) else s.k
-    return trips * layers + once * (head_grad(cfg, sizes) * head + c * head + 4 * norms), trips * c * experts
+    tables = 1 if sizes["stage"] == 1 and not accumulation_axes(cfg, sizes) else once  # the step's own scan
+    return trips * layers + tables * (head_grad(cfg, sizes) * head + c * head) + once * 4 * norms, trips * c * experts
 
 
 def head_grad(cfg: RunConfig, sizes: dict[str, int]) -> int:

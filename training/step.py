@@ -47,7 +47,8 @@ regions nest in either and sum the router statistics over its axes as well, and 
 one of the axes of both, but here beside XLA's ZeRO-3 (fsdp > 1 without fsdp_gather_once),
 where it stays theirs and XLA reduces the other weights' gradients over it per microbatch. sp > 1 beside
 XLA's fsdp or an expert axis keeps XLA's placement (in a pipeline over sequence only), a
-reduction per microbatch (per tick in gpipe and interleaved).
+reduction per microbatch (per tick in gpipe and interleaved); in this step's own scan XLA GPU
+moves the embedding's and head's out of the loop, once per step (tools.traffic counts both).
 Non-finite steps: when the loss or the gradient norm is NaN or inf, the step keeps the old
 parameters and optimizer state (an elementwise select per parameter and moment, which XLA fuses
 into the optimizer's elementwise update) and counts the step in `bad_steps` (in a row) and
