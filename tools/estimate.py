@@ -18,6 +18,9 @@ Memory (bytes per device), the terms `memory()` returns:
               gradients (measured on XLA CPU: the optimizer phase holds about 2 gradient copies)
   gathered    FSDP as XLA's ZeRO-3 only: the embedding and head gathered whole (V·D/t each,
               param dtype) and their full-size gradients before the reduce: 4 · V·D/t · 4
+              (high: compiled for H100s XLA holds about the head's bf16 gather, 2 bytes per
+              V·D/t, llama3-8b reading 0.79-0.81x the peak; kept while 1b's and 125m's
+              estimate is low elsewhere: bench/results/estimate-zero3-tables-h100-compiled.json)
   gathered layers  XLA's ZeRO-3 where it keeps each layer's forward gather for the backward
               (tools.shape.layers_gathered_once: unrolled layers under remat none, no tensor
               axis): the X/pp layers' weights whole in the compute dtype, (P_layers·f)·c, held
