@@ -132,9 +132,8 @@ its census is compared at model.compute_dtype=float32, where the two agree):
           second set; 1.00x now (bench/results/joint-reduction-h100-compiled.json)
             gspmd      2 all-gathers of K and V per layer forward, 2 reduce-scatters backward:
                        the least it needs; XLA's partitioner moves more (it gathers the
-                       queries too): compiled for H100s, tiny on dp=2,sp=2
-                       moves 5.0x this over sequence with the pallas core, 7.3x with the xla
-                       core (not modelled)
+                       queries too): compiled for H100s, tiny on dp=2,sp=2 moves 5.0x this
+                       over sequence with the pallas core, 7.3x with the xla core (not modelled)
   (data and fsdp times k: the compiled step gathers the weights and reduces the gradients in
   each microbatch of the accumulation scan, as the census of a k > 1 step shows)
   stage   what the pipeline's tick programs send, and its tables' gathers: tools/pipeline_traffic.py
