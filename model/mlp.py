@@ -4,6 +4,16 @@ Layout: w_gate, w_up [D, F] ('embed', 'mlp') column-parallel; w_down [F, D] ('ml
 row-parallel, as one tensor-parallel region (sharding/tensor_parallel.py): the hidden
 [B, L, F] stays split over `tensor` and the down projection ends in one all-reduce of
 [B, L, D] (forward; one more in backward), or a reduce-scatter under sequence parallelism.
+
+Memory: the backward needs gate, up and the hidden (the down projection's weight gradient),
+three [B, L, F/T] arrays a layer under remat none. Left to autodiff it also keeps silu(gate),
+the product's other operand: XLA GPU (jax 0.12.1) wrote it out of the forward's fusion as a
+fourth array (1b compiled for one H100, 8 x 2048 tokens, remat none: 39.98 GiB peak, 16 GiB of
+it F-wide). `swiglu` recomputes silu(gate) from gate in the backward's elementwise fusion
+instead: a jax.checkpoint of the gating alone, whose CSE barrier keeps XLA from merging the
+recomputation back into the forward's (without it the peak was unchanged): 36.16 GiB
+(bench/results/swiglu-recompute-h100-compiled.json). The MoE experts' hidden goes through it
+too (model/moe.py).
 """
 
 from __future__ import annotations
@@ -17,6 +27,16 @@ from configs.base import ModelConfig
 from model.layers import param
 from sharding.rules import constrain
 from sharding.tensor_parallel import Local, Sharded, TensorParallel
+
+
+def _gated(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up, keeping only gate and up for the backward (module docstring)."""
+    return jax.checkpoint(_gated, prevent_cse=True)(gate, up)
+
 
 NAMES = {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}
 
@@ -40,6 +60,6 @@ class MLP(nnx.Module):
         """One device's F/T columns: x [B, L, D] (or L/T rows under SP) -> [B, L, D] (or L/T)."""
         gate, up = ops.column(x, lambda x: (jnp.einsum("bld,df->blf", x, w["w_gate"]),
                                             jnp.einsum("bld,df->blf", x, w["w_up"])))
-        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+        hidden = constrain(swiglu(gate, up), ("batch", "length", "mlp"))
         hidden = checkpoint_name(hidden, "mlp_hidden")
         return ops.row(hidden, lambda h: jnp.einsum("blf,fd->bld", h, w["w_down"]))

@@ -49,7 +49,7 @@ from flax import nnx
 from configs.base import ConfigError, ModelConfig
 from model.kernels.grouped_matmul import grouped_matmul, problem
 from model.layers import param
-from model.mlp import MLP
+from model.mlp import MLP, swiglu
 from sharding.checks import expert_d_ff
 from sharding.cores import target
 from sharding.expert_parallel import Experts, region
@@ -180,14 +180,10 @@ def _rank_within(group: jax.Array, groups: int) -> jax.Array:
     return jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - 1, group[:, None], axis=1)[:, 0]
 
 
-def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    return jax.nn.silu(gate) * up
-
-
 def _batched(rows: jax.Array, w: dict) -> jax.Array:
     """rows [ep, E/ep, C, D] grouped by local expert -> outputs of the same shape."""
     grouped = jnp.swapaxes(rows, 0, 1).reshape(rows.shape[1], -1, rows.shape[-1])  # [E/ep, ep·C, D]
-    hidden = _swiglu(jnp.einsum("ecd,edf->ecf", grouped, w["w_gate"]), jnp.einsum("ecd,edf->ecf", grouped, w["w_up"]))
+    hidden = swiglu(jnp.einsum("ecd,edf->ecf", grouped, w["w_gate"]), jnp.einsum("ecd,edf->ecf", grouped, w["w_up"]))
     out = jnp.einsum("ecf,efd->ecd", hidden, w["w_down"]).reshape(rows.shape[1], rows.shape[0], -1, rows.shape[-1])
     return jnp.swapaxes(out, 0, 1)
 
@@ -198,6 +194,6 @@ def _grouped(rows: jax.Array, ids: jax.Array, local: int, w: dict, matmul: Calla
     order = jnp.argsort(ids, stable=True)
     sizes = jnp.sum(jax.nn.one_hot(ids, local, dtype=jnp.int32), axis=0)  # empty rows count nowhere
     sorted_rows = rows[order]
-    hidden = _swiglu(matmul(sorted_rows, w["w_gate"], sizes), matmul(sorted_rows, w["w_up"], sizes))
+    hidden = swiglu(matmul(sorted_rows, w["w_gate"], sizes), matmul(sorted_rows, w["w_up"], sizes))
     out = matmul(hidden, w["w_down"], sizes)
     return jnp.zeros_like(out).at[order].set(out)

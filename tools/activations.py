@@ -4,8 +4,8 @@ and the experts' zero-padded copies under XLA's ragged_dot. Letters as in tools/
 
 Per layer and token, in elements (c bytes each unless fp32 is said):
   remat none  4·D (block inputs, norm outputs) + (N+2K)·H/t (q, k, v)
-              + N·H/t (output) + 3·F/t (gate, up, hidden: the silu is recomputed
-              in the backward's fusion); a fused core (pallas, cudnn) adds its
+              + N·H/t (output) + 3·F/t (gate, up, hidden: silu(gate) is recomputed
+              in the backward, model.mlp.swiglu); a fused core (pallas, cudnn) adds its
               fp32 logsumexp, 4·N/t bytes; the xla core adds 2·N·H/t (K, V
               repeated to N heads) and 3·N/t·L (scores, masked scores, probs:
               fp32; model.attention=auto is resolved as on the GPU: `core`).
@@ -148,17 +148,19 @@ def chunk_residuals(cfg: RunConfig, sizes: dict[str, int]) -> float:
 
 # zb-h1's stash per layer by remat policy: (extra N·H/t of query cotangents, D-wide and F-wide
 # bf16 arrays, fp32 [T, 1] norm statistics, fp32 copies of the norms' scales)
-_ZB_TERMS = {"none": (0, 2, 3, 2, 2), "dots": (1, 2, 3, 2, 2), "attn": (0, 3, 4, 1, 1), "full": (1, 4, 4, 0, 0)}
+_ZB_TERMS = {"none": (0, 2, 2, 2, 2), "dots": (1, 2, 2, 2, 2), "attn": (0, 3, 4, 1, 1), "full": (1, 4, 4, 0, 0)}
 
 
 def zb_stash(cfg: RunConfig, sizes: dict[str, int]) -> float:
     """Bytes zb-h1's (zbv's) B leaves for its W per microbatch and chunk (pipeline/split_backward.py),
     the chunk's X/(pp·V) layers (V = 2 under zbv, else 1), per layer:
     the output cotangents of its q, k, v projections and of its MLP, the matmul inputs W reads
-    that B recomputed (the norms' outputs, the MLP hidden: under none too, the chunk's
-    checkpoint keeping no elementwise result), and each norm's fp32 normalised input for its
-    scale's gradient, 4·D·4 bytes a token (`_ZB_TERMS` by policy; dense layers, equal to the
-    traced stash: tests/test_pipeline.py)."""
+    that B recomputed (the norms' outputs: under none too, the chunk's checkpoint keeping no
+    elementwise result; the MLP hidden under attn and full, where B recomputes gate and up;
+    under none and dots W recomputes it from the gate and up its slot keeps, model.mlp.swiglu's
+    checkpoint being its own: one [T, F/t] a layer less than B stashing it), and each norm's
+    fp32 normalised input for its scale's gradient, 4·D·4 bytes a token (`_ZB_TERMS` by
+    policy; dense layers, equal to the traced stash: tests/test_pipeline.py)."""
     m, s, tp = cfg.model, shape(cfg, sizes), sizes["tensor"]
     queries, d, f, stats, scales = _ZB_TERMS[m.remat]
     heads = (m.n_heads * (1 + queries) + 2 * m.n_kv_heads) * m.head_dim / tp
