@@ -56,7 +56,7 @@ def test_memory_estimate_within_15_percent_of_xla(preset, mesh, remat):
     cfg = dataclasses.replace(cfg, parallel=parse_mesh(mesh, cfg.parallel))
     xla = xla_figures(cfg, build_mesh(cfg.parallel))
     sizes = mesh_sizes(cfg)
-    est = estimate.memory(cfg, sizes, scan_copies=1)["peak"]  # XLA CPU holds the scan's stack once
+    est = estimate.memory(cfg, sizes, cpu=True)["peak"]  # as XLA CPU compiles it
     if parallelize(cfg, sizes).tensor.gather_in_checkpoint:
         est += 4 * local_layer_params(cfg, sizes)  # XLA CPU's fp32 copy of them (TensorParallel's docstring)
     print(f"{preset} {mesh} remat={remat}: estimate {est / 2**20:.1f} MiB, "

@@ -44,7 +44,7 @@ Per layer and token, in elements (c bytes each unless fp32 is said):
   the layer scan under none: twice the layers' terms (XLA GPU stacks each
               layer's residuals and copies them; 148,276 bytes per token and
               layer for 1b's 75,920 unrolled; XLA CPU holds them once:
-              `memory(scan_copies=)`); under dots, attn and full the
+              `memory(cpu=)`); under dots, attn and full the
               terms exactly (47,104, 14,336 and 4,096 bytes; same compiles)
   unrolled layers (model.scan_layers=false): the policy's terms, as for the
               scan but for none's second copy (1b compiled for one H100, 8 x 2048

@@ -16,11 +16,17 @@ Memory (bytes per device), the terms `memory()` returns:
   gradients   P_local · 4                              fp32 (they arrive through the bf16 cast)
   update      P_local · 4 when replicated over fsdp    optax's clipped update, held beside the
               gradients (measured on XLA CPU: the optimizer phase holds about 2 gradient copies)
-  gathered    FSDP as XLA's ZeRO-3 only: the embedding and head gathered whole (V·D/t each,
-              param dtype) and their full-size gradients before the reduce: 4 · V·D/t · 4
-              (high: compiled for H100s XLA holds about the head's bf16 gather, 2 bytes per
-              V·D/t, llama3-8b reading 0.79-0.81x the peak; kept while 1b's and 125m's
-              estimate is low elsewhere: bench/results/estimate-zero3-tables-h100-compiled.json)
+  gathered    FSDP as XLA's ZeRO-3 only: the head's weight gathered whole in the compute
+              dtype, V·D/t·c (measured: halving llama3-8b's V, XLA GPU's peak fell by 2.0 and
+              1.2 bytes per V·D beyond the stored shards and the logits, at k = 2 and 1;
+              bench/results/estimate-zero3-tables-h100-compiled.json); XLA CPU (`cpu=`) also
+              holds the two tables' whole fp32 gradients, which it all-reduces and slices where
+              XLA GPU reduce-scatters: V·D/t·(c + 8), an upper bound (125m, 256 tokens a
+              device, fp32 compute, c = 4: 9.7 bytes per V·D/t on fsdp=8 under remat none, 11.2
+              under full; 8.0 on dp=2,fsdp=2,tp=2 under none). Until 2026-12-07 it counted
+              both tables and both gradients, 16 bytes: llama3-8b's XLA GPU peak read 0.79-0.81x
+              the estimate, and 1b's 1.08-1.11x only because XLA kept a fourth [T, F] array a
+              layer that the saved activations do not count (model.mlp.swiglu)
   gathered layers  XLA's ZeRO-3 where it keeps each layer's forward gather for the backward
               (tools.shape.layers_gathered_once: unrolled layers under remat none, no tensor
               axis): the X/pp layers' weights whole in the compute dtype, (P_layers·f)·c, held
@@ -130,10 +136,11 @@ from tools.shape import (DTYPE_BYTES, core, held_tables, layers_gathered_once, l
                          table_split)
 
 
-def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[str, float]:
-    """The memory terms per device, in bytes, and their peak (module docstring). scan_copies: how
-    many times the layer scan under remat none holds its stacked residuals, 2 as XLA GPU
-    compiles it; XLA CPU holds them once (tests/test_plan.py compares with a CPU compile)."""
+def memory(cfg: RunConfig, sizes: dict[str, int], cpu: bool = False) -> dict[str, float]:
+    """The memory terms per device, in bytes, and their peak (module docstring), as XLA GPU
+    compiles the step; cpu: as XLA CPU does (tests/test_plan.py compares with a CPU compile),
+    which holds the layer scan's stacked residuals under remat none once, not twice, and
+    reduces FSDP's table gradients by an all-reduce of the whole fp32 gradient (`gathered`)."""
     m, s = cfg.model, shape(cfg, sizes)
     p_local, param_b, c = local_params(cfg, sizes), DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[m.compute_dtype]
     piped = sizes["stage"] > 1
@@ -147,7 +154,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
         saved = table["ticks"] * chunk_residuals(cfg, sizes)
         saved += 4 * s.k * s.tokens * m.d_model * c  # [M, b, L, D] in, out, cotangents
     else:  # the layer scan under none stacks each layer's residuals and copies them: twice
-        saved = (scan_copies if m.scan_layers and m.remat == "none" else 1) * stack_activations(cfg, sizes, m.remat)
+        saved = (1 if cpu or not m.scan_layers or m.remat != "none" else 2) * stack_activations(cfg, sizes, m.remat)
     # gpipe and interleaved: the head of the ceil(M/p) microbatches dealt to the stage at once
     # under remat none, else one microbatch's at a time in a scan, recomputed in the backward
     # (pipeline.circular.head_loss), whose int32 iota of vocabulary ids [b, L, V/t] XLA hoists
@@ -170,7 +177,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int], scan_copies: int = 2) -> dict[
         "params": p_local * param_b,
         "optimizer": 2 * p_local * param_b,
         "gradients": p_local * 4,
-        "gathered": 4 * m.vocab_size * m.d_model / sizes["tensor"] * 4 if sizes["fsdp"] > 1 and not once else 0.0,
+        "gathered": m.vocab_size * m.d_model / sizes["tensor"] * (c + 8 * cpu) if sizes["fsdp"] > 1 and not once else 0.0,
         # parallel.fsdp_gather_once: the weights whole in the compute dtype and the whole fp32
         # gradient accumulator, for the step (training/step.py)
         "gathered once": p_local * (sizes["fsdp"] - 1) * (c + 4) if once else 0.0,
