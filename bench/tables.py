@@ -154,7 +154,10 @@ PROSE_ONLY = {
                                     "after it counted the tables' reductions once: README's table of it is written by "
                                     "hand",
     "estimate-zero3-tables-h100-compiled": "the memory estimate beside XLA's peak under ZeRO-3 with large and small "
-                                           "vocabularies, measured and not changed: quoted in a paragraph",
+                                           "vocabularies, the slope the `gathered` term now counts: quoted in a "
+                                           "paragraph",
+    "swiglu-recompute-h100-compiled": "XLA's peak before and after the SwiGLU gating's own checkpoint, and the "
+                                      "estimate beside it: README's table of it is written by hand",
 }
 
 

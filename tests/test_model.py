@@ -87,7 +87,8 @@ def test_remat_saves_memory_scanned_and_unrolled():
     """Compiled temp memory of the gradient, 4 layers of 8 x 128 tokens (the xla core's [B, N, L, L]
     scores dominate): remat full keeps under half of what none keeps, with the layer scan and
     unrolled alike. Unrolled, each layer's checkpoint lowers with an optimization barrier
-    (prevent_cse, model/remat.py): without it XLA merged each layer's recomputation into its
+    (prevent_cse, model/remat.py), beside the one of its SwiGLU gating's own checkpoint
+    (model.mlp.swiglu, under every policy): without it XLA merged each layer's recomputation into its
     forward and kept every intermediate (full within 3% of none here; 1b compiled for one H100:
     40.2 GiB under full, dots and none). XLA CPU before jaxlib 0.11 schedules the recomputation
     early and keeps them anyway (72.8 MB against 74.8 on jax 0.10.2), so there the test holds the
@@ -105,7 +106,7 @@ def test_remat_saves_memory_scanned_and_unrolled():
             lowered = grad.lower(params)
             temp[scan, name] = lowered.compile().memory_analysis().temp_size_in_bytes
             if not scan:
-                assert lowered.as_text().count("optimization_barrier") == (4 if name == "full" else 0)
+                assert lowered.as_text().count("optimization_barrier") == (8 if name == "full" else 4)
     assert temp[True, "full"] < 0.5 * temp[True, "none"], temp
     if JAXLIB >= (0, 11):
         assert temp[False, "full"] < 0.5 * temp[False, "none"], temp

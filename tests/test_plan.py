@@ -60,7 +60,7 @@ def test_memory_estimate_within_15_percent_of_xla(preset, mesh, remat):
     if parallelize(cfg, sizes).tensor.gather_in_checkpoint:
         est += 4 * local_layer_params(cfg, sizes)  # XLA CPU's fp32 copy of them (TensorParallel's docstring)
     print(f"{preset} {mesh} remat={remat}: estimate {est / 2**20:.1f} MiB, "
-          f"XLA {xla['memory']['peak'] / 2**20:.1f} MiB")
+          f"XLA {xla['memory']['peak'] / 2**20:.1f} MiB, {est / xla['memory']['peak']:.3f}x")
     assert est == pytest.approx(xla["memory"]["peak"], rel=0.15)
 
 

@@ -7,15 +7,17 @@ Per layer and token, in elements (c bytes each unless fp32 is said):
               + N·H/t (output) + 3·F/t (gate, up, hidden: silu(gate) is recomputed
               in the backward, model.mlp.swiglu); a fused core (pallas, cudnn) adds its
               fp32 logsumexp, 4·N/t bytes; the xla core adds 2·N·H/t (K, V
-              repeated to N heads) and 3·N/t·L (scores, masked scores, probs:
-              fp32; model.attention=auto is resolved as on the GPU: `core`).
+              repeated to N heads) and 2·N/t·L fp32 (two copies of the scores
+              and probabilities, of the three autodiff leaves: XLA CPU held about
+              two on jax 0.12.1 and three on 0.10.2, tiny on dp=8, fp32;
+              model.attention=auto is resolved as on the GPU: `core`).
               Measured on XLA GPU's own compile for an H100 (tools.plan
               --compile-for-gpu, 1b at 2 and 4 layers x 4 and 8 sequences of
               2048): 75,920 bytes per token and layer under cudnn and pallas,
               the terms' 75,904; d_ff 4096 and n_kv_heads 32 move it by the
               terms' 3·F and 2·K·H exactly. Its xla core: 434,448 bytes
-              against these terms' 870,400 (fewer fp32 score copies than
-              counted: an upper bound there).
+              against these terms' 608,256 (1.3 fp32 score copies where
+              they count 2: an upper bound there; 870,400 with 3 copies).
   context parallel (ring, allgather): q, k, v, out and the fp32 lse only,
               (2N+2K)·H/t + 4·N/t bytes: its custom_vjp saves no scores
   MoE layer   the dense layer's terms with 3·n_shared·F_e/t for the MLP's,
@@ -100,8 +102,8 @@ def layer_activations(cfg: RunConfig, sizes: dict[str, int], remat: str, moe: bo
     heads, scores = qkv + out, m.n_heads / tp * 4  # q, k, v, output; the fp32 logsumexp
     if core(cfg, sizes) == "xla" and not explicit_context(cfg, sizes["sequence"]):  # context
         # parallelism's custom_vjp keeps the above whatever the core; the xla core alone keeps K, V
-        # repeated to N heads and its fp32 scores, masked scores and probs instead of the logsumexp
-        heads, scores = heads + 2 * out, 3 * m.n_heads / tp * cfg.train.seq_len * 4
+        # repeated to N heads and two fp32 [N/t, L] copies of its scores instead of the logsumexp
+        heads, scores = heads + 2 * out, 2 * m.n_heads / tp * cfg.train.seq_len * 4
     per_token = 4 * m.d_model + heads + mlp
     return s.tokens * (per_token * c + scores) + routed
 
