@@ -69,7 +69,8 @@ def _ways(data: dict, tiles: tuple[Tile, ...]) -> tuple[dict, dict]:
     import jax.numpy as jnp
 
     from model.kernels.grouped_matmul import hopper, problem
-    from model.moe import _batched, _grouped, _swiglu
+    from model.mlp import swiglu
+    from model.moe import _batched, _grouped
     from sharding.cores import target
 
     e, ids, rows = data["experts"], data["ids"], data["rows"]
@@ -77,7 +78,7 @@ def _ways(data: dict, tiles: tuple[Tile, ...]) -> tuple[dict, dict]:
     def loop(x, w):
         out = jnp.zeros_like(x)
         for i in range(e):
-            y = jnp.dot(_swiglu(jnp.dot(x, w["w_gate"][i]), jnp.dot(x, w["w_up"][i])), w["w_down"][i])
+            y = jnp.dot(swiglu(jnp.dot(x, w["w_gate"][i]), jnp.dot(x, w["w_up"][i])), w["w_down"][i])
             out = out + jnp.where((ids == i)[:, None], y, 0)
         return out
 
