@@ -7,11 +7,12 @@ row-parallel, as one tensor-parallel region (sharding/tensor_parallel.py): the h
 
 Memory: the backward needs gate, up and the hidden (the down projection's weight gradient),
 three [B, L, F/T] arrays a layer under remat none. Left to autodiff it also keeps silu(gate),
-the product's other operand: XLA GPU (jax 0.12.1) wrote it out of the forward's fusion as a
+the product's other operand: XLA GPU on jax 0.12.1 wrote it out of the forward's fusion as a
 fourth array (1b compiled for one H100, 8 x 2048 tokens, remat none: 39.98 GiB peak, 16 GiB of
-it F-wide). `swiglu` recomputes silu(gate) from gate in the backward's elementwise fusion
-instead: a jax.checkpoint of the gating alone, whose CSE barrier keeps XLA from merging the
-recomputation back into the forward's (without it the peak was unchanged): 36.16 GiB
+it F-wide), where 0.12.0.1 had recomputed it (bench/results/memory-terms-1b-h100-compiled.json).
+`swiglu` recomputes silu(gate) from gate in the backward's elementwise fusion: a
+jax.checkpoint of the gating alone, whose CSE barrier keeps XLA from merging the recomputation
+back into the forward's (without it the peak was unchanged): 36.16 GiB
 (bench/results/swiglu-recompute-h100-compiled.json). The MoE experts' hidden goes through it
 too (model/moe.py).
 """

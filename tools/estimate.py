@@ -172,12 +172,13 @@ def memory(cfg: RunConfig, sizes: dict[str, int], cpu: bool = False) -> dict[str
     once = "fsdp" in accumulation_axes(cfg, sizes)  # the weights gathered whole for the step
     tick_sum = local_layer_params(cfg, sizes) * sizes["fsdp"] * 4  # gpipe, interleaved: the ticks' fp32 sum
     layer_weights = local_layer_params(cfg, sizes) - 2 * s.layers * m.d_model  # less the norms (not split)
-    head_grad = m.vocab_size * m.d_model / sizes["tensor"] / sizes["stage"] * 4 if stashing else 0.0  # its columns'
+    one_table = m.vocab_size * m.d_model / sizes["tensor"]  # elements of the embedding's or head's V·D/t
+    head_grad = one_table / sizes["stage"] * 4 if stashing else 0.0  # its columns'
     terms = {
         "params": p_local * param_b,
         "optimizer": 2 * p_local * param_b,
         "gradients": p_local * 4,
-        "gathered": m.vocab_size * m.d_model / sizes["tensor"] * (c + 8 * cpu) if sizes["fsdp"] > 1 and not once else 0.0,
+        "gathered": one_table * (c + 8 * cpu) if sizes["fsdp"] > 1 and not once else 0.0,
         # parallel.fsdp_gather_once: the weights whole in the compute dtype and the whole fp32
         # gradient accumulator, for the step (training/step.py)
         "gathered once": p_local * (sizes["fsdp"] - 1) * (c + 4) if once else 0.0,
