@@ -19,6 +19,8 @@ too (model/moe.py).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -30,13 +32,10 @@ from sharding.rules import constrain
 from sharding.tensor_parallel import Local, Sharded, TensorParallel
 
 
-def _gated(gate: jax.Array, up: jax.Array) -> jax.Array:
-    return jax.nn.silu(gate) * up
-
-
+@functools.partial(jax.checkpoint, prevent_cse=True)
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """silu(gate) * up, keeping only gate and up for the backward (module docstring)."""
-    return jax.checkpoint(_gated, prevent_cse=True)(gate, up)
+    return jax.nn.silu(gate) * up
 
 
 NAMES = {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}

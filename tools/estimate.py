@@ -154,7 +154,7 @@ def memory(cfg: RunConfig, sizes: dict[str, int], cpu: bool = False) -> dict[str
         saved = table["ticks"] * chunk_residuals(cfg, sizes)
         saved += 4 * s.k * s.tokens * m.d_model * c  # [M, b, L, D] in, out, cotangents
     else:  # the layer scan under none stacks each layer's residuals and copies them: twice
-        saved = (1 if cpu or not m.scan_layers or m.remat != "none" else 2) * stack_activations(cfg, sizes, m.remat)
+        saved = (2 if m.scan_layers and m.remat == "none" and not cpu else 1) * stack_activations(cfg, sizes, m.remat)
     # gpipe and interleaved: the head of the ceil(M/p) microbatches dealt to the stage at once
     # under remat none, else one microbatch's at a time in a scan, recomputed in the backward
     # (pipeline.circular.head_loss), whose int32 iota of vocabulary ids [b, L, V/t] XLA hoists
