@@ -1,10 +1,12 @@
-"""Batch layout (microbatches per step) and its errors; the abstract program allocates nothing."""
+"""Batch layout (microbatches per step) and its errors; the abstract program allocates nothing;
+every mesh initialises the state one device does."""
 
 import jax
+import numpy as np
 import pytest
 
 from configs import ConfigError
-from conftest import small_config
+from conftest import one_device_init, pipeline_devices, small_config
 from sharding.mesh import build_mesh, parse_mesh
 from training.build import make_program, batch_layout
 
@@ -52,3 +54,29 @@ def test_abstract_program_of_llama3_8b_allocates_nothing():
     wq = program.shardings.params["blocks"]["attn"]["wq"]
     assert wq.spec == jax.sharding.PartitionSpec(None, "fsdp", None, None)
     assert program.batch_shape == (32, 8, 8192)  # the preset's micro_batch_size=1: one sequence per device per microbatch
+
+
+MOE = ("model.n_experts=8", "model.experts_per_token=2", "model.expert_d_ff=64")
+
+
+@pytest.mark.parametrize("mesh, sets", [
+    ("dp=2,fsdp=2,tp=2", ("parallel.sequence_parallel=true",)),
+    ("fsdp=2,sp=2,tp=2", ()),
+    ("pp=2,fsdp=2,tp=2", ("parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.n_layers=4")),
+    ("fsdp=2,ep=2,tp=2", MOE),
+    ("dp=2,tp=2", ("parallel.tp_impl=gspmd",)),
+], ids=["dp-fsdp-tp-sp", "context", "pipeline", "experts", "gspmd"])
+def test_every_mesh_initialises_the_state_one_device_does(mesh, sets):
+    """A mesh's own init_fn (out_shardings: each device computes its shard of every random
+    draw) gives bit for bit the state of one device (conftest.one_device_init), which the
+    training tests start from instead of compiling each mesh's init."""
+    cfg = small_config(mesh, *sets)
+    mesh = build_mesh(cfg.parallel, pipeline_devices(cfg))
+    program = make_program(cfg, mesh)
+    with jax.set_mesh(mesh):
+        own = jax.device_get(program.init_fn())
+    one = jax.device_get(one_device_init(cfg, program))
+    leaves = jax.tree_util.tree_leaves_with_path(one)
+    assert len(leaves) == len(jax.tree.leaves(own)) > 10
+    for (path, want), got in zip(leaves, jax.tree.leaves(own)):
+        np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path))

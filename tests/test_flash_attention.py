@@ -294,15 +294,14 @@ def test_model_step_with_pallas_equals_xla(tp_flags, corpus):
     for each way of running the tensor-parallel regions."""
     import functools
 
-    from conftest import small_config
-    from training.build import build
+    from conftest import small_config, start
     from training.step import loss_and_grads
 
     results = []
     for core in ("xla", "pallas"):
         cfg = small_config("dp=2,tp=2", f"model.attention={core}", *tp_flags)
         mesh = mesh_of("dp=2,tp=2")
-        job = build(cfg, mesh, corpus=corpus)
+        job = start(cfg, mesh, corpus)
         with jax.set_mesh(mesh):
             grad_fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
                                                 schedule=job.strategies.schedule))

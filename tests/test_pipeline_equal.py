@@ -17,15 +17,14 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import assert_same_run, pipeline_devices as _devices, run_steps, small_config
+from conftest import assert_same_run, pipeline_devices as _devices, run_steps, small_config, start
 from sharding.mesh import build_mesh
-from training.build import build
 from training.step import loss_and_grads
 
 
 def _loss_and_grads(cfg, corpus):
     mesh = build_mesh(cfg.parallel, _devices(cfg))
-    job = build(cfg, mesh, corpus=corpus)
+    job = start(cfg, mesh, corpus)
     with jax.set_mesh(mesh):
         fn = jax.jit(functools.partial(loss_and_grads, graphdef=job.graphdef, cfg=cfg,
                                        schedule=job.strategies.schedule))
