@@ -156,6 +156,8 @@ PROSE_ONLY = {
     "estimate-zero3-tables-h100-compiled": "the memory estimate beside XLA's peak under ZeRO-3 with large and small "
                                            "vocabularies, the slope the `gathered` term now counts: quoted in a "
                                            "paragraph",
+    "scan-moe-memory-h100-compiled": "XLA's peak over the estimate before and after the scan's streams and the "
+                                     "MoE rows' terms, rounded in README's table from the record's ratios",
     "swiglu-recompute-h100-compiled": "XLA's peak before and after the SwiGLU gating's own checkpoint, and the "
                                       "estimate beside it: README's table of it is written by hand",
 }

@@ -222,6 +222,11 @@ def test_125m_and_1b_run_unrolled_where_every_gpu_record_timed_it_faster():
 # GPU records whose unrolled steps under remat full or dots ran with the layers' checkpoints
 # merged into the forward by XLA (prevent_cse off, before 2026-11-27): none's memory, none's time
 BEFORE_PREVENT_CSE = {"scan-vs-unrolled-nvidia-h100-80gb-hbm3-20261126.json"}
+# GPU records made before model.mlp.swiglu's checkpoint (2026-12-07): their layer scan under remat
+# none held its stacked residuals twice; since, it holds them once (tools.activations.scan_streams)
+BEFORE_SWIGLU_CHECKPOINT = {"gpu-nvidia-h100-80gb-hbm3-20261124.json", "gpu-nvidia-h100-80gb-hbm3-20261126.json",
+                            "gpu-nvidia-h100-80gb-hbm3-20261126-second.json", "gpu-nvidia-h200-20261126.json",
+                            "scan-vs-unrolled-nvidia-h100-80gb-hbm3-20261126.json"}
 
 
 @pytest.mark.skipif(not gpu_records(), reason="no `make gpu-check` record from a GPU committed yet")
@@ -234,19 +239,47 @@ def test_the_memory_estimate_bounds_every_measured_gpu_step_within_10_percent():
     layers' checkpoints held unrolled (model/remat.py): XLA kept none's intermediates there
     (125m 9.78 GiB, 1b 40.16, whatever the remat); compiled for an H100 since, 1b keeps 22.69
     GiB under full and 33.19 under dots (estimate 1.09x and 1.06x,
-    bench/results/remat-unrolled-1b-h100-compiled.json)."""
+    bench/results/remat-unrolled-1b-h100-compiled.json). And the scanned steps under none of
+    `BEFORE_SWIGLU_CHECKPOINT`, whose layer scan held its residuals twice (1b compiled for an
+    H100: 3.19 GiB a layer then, 2.44 since): the compiles of the current program hold the
+    estimate there (test_the_estimate_holds_the_h100_compiles_of_the_layer_scan_and_moe_layers)."""
     checked = set()
     for name, r in gpu_training_rows():
         if r["status"] != "ok" or "static_peak" not in r.get("memory_analysis", {}):
             continue
         if name in BEFORE_PREVENT_CSE and r["remat"] != "none" and not scanned(r):
             continue
+        if name in BEFORE_SWIGLU_CHECKPOINT and r["remat"] == "none" and scanned(r):
+            continue
         cfg, sizes = recorded_config(r), {a: 1 for a in AXES} | {"data": r["devices"]}
         ratio = estimate.memory(cfg, sizes)["peak"] / r["memory_analysis"]["static_peak"]
         assert 1.0 <= ratio <= 1.10, (name, r["preset"], r["remat"], scanned(r), ratio)
         checked.add((r["preset"], r["remat"], scanned(r)))
-    assert checked >= {(p, m, True) for p in ("125m", "1b") for m in ("full", "dots", "none")}
+    assert checked >= {(p, m, True) for p in ("125m", "1b") for m in ("full", "dots")}
     assert {("125m", "none", False), ("1b", "none", False)} <= checked
+
+
+def test_the_estimate_holds_the_h100_compiles_of_the_layer_scan_and_moe_layers():
+    """XLA GPU's peak compiled for H100s (bench/results/scan-moe-memory-h100-compiled.json):
+    1b's layer scan under remat none at 4 and 8 layers and mixtral-8x7b's MoE layers on ep=8
+    (dropless with ragged_dot and mosaic, capacity; scanned and unrolled). The record's
+    estimates are this checkout's; scanned, XLA reads 0.94-1.07x the estimate (0.72-0.88x when
+    the scan's residuals counted twice and each routed row 4·D: sent, received, expert output,
+    returned). Unrolled MoE layers read 0.79-0.87x: there XLA holds less of each routed row than
+    the scan does (not yet measured apart)."""
+    record = json.loads((ROOT / "bench" / "results" / "scan-moe-memory-h100-compiled.json").read_text())
+    assert len(record["cases"]) >= 12
+    for case in record["cases"]:
+        cfg = apply_overrides(get_preset(case["config"]), case["sets"])
+        cfg = dataclasses.replace(cfg, parallel=parse_mesh(case["mesh"], cfg.parallel))
+        sizes = {a: max(getattr(cfg.parallel, a), 1) for a in AXES}
+        ratio = case["xla_peak_gib"] * 2**30 / estimate.memory(cfg, sizes)["peak"]
+        assert ratio == pytest.approx(case["xla_over_estimate_after"], abs=0.002), case
+        if cfg.model.scan_layers or not cfg.model.n_experts:
+            assert 0.94 <= ratio <= 1.07, case
+        else:
+            assert 0.79 <= ratio <= 0.87, case
+        assert case["xla_over_estimate_before"] < 0.88 or not cfg.model.scan_layers, case
 
 
 BATCH_RECORDS = sorted((ROOT / "bench" / "results").glob("batch-*.json"))

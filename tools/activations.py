@@ -22,9 +22,17 @@ Per layer and token, in elements (c bytes each unless fp32 is said):
               (2N+2K)·H/t + 4·N/t bytes: its custom_vjp saves no scores
   MoE layer   the dense layer's terms with 3·n_shared·F_e/t for the MLP's,
               plus 2·E fp32 (router logits, probabilities) per token, plus per
-              routed row (R of them, not per token): 4·D (sent, received,
-              expert output, returned) + 3·F_e/t (gate, up, hidden; the
-              dense MLP's measured count, not measured on a MoE compile)
+              routed row (R of them, not per token) D + 3·F_e/t (the rows the
+              experts received, sorted; gate, up, hidden) and a 1-byte D-wide
+              mask, plus per routed copy (k per token) D and its mask (the
+              outputs picked back for the gates' gradient). Measured on
+              mixtral-8x7b's scanned layers compiled for H100s (ep=8, 2048
+              tokens a device): 1,886.5 MB a layer, these terms with the
+              scan's 1,887.7, dropless (ragged_dot or mosaic) and capacity
+              alike; the dispatch buffers sent and returned are not kept (4·D
+              a row counted them until 2026-12-07: 0.73-0.87x). Unrolled, XLA
+              keeps less of the rows than these terms (0.80-0.86x; not measured
+              apart; bench/results/scan-moe-memory-h100-compiled.json)
   remat full  D (the layer input)
   remat dots  (N+2K)·H/t + 2·D + 2·F/t: the projections' outputs (q, k, v,
               the attention's and the MLP's output projections, under TP
@@ -43,11 +51,18 @@ Per layer and token, in elements (c bytes each unless fp32 is said):
               chunk input once where the layers are scanned. Equal to the
               traced slot (pipeline.one_f_one_b.stash_bytes) for dense layers,
               within 1% for MoE and context parallel (tests/test_pipeline.py)
-  the layer scan under none: twice the layers' terms (XLA GPU stacks each
-              layer's residuals and copies them; 148,276 bytes per token and
-              layer for 1b's 75,920 unrolled; XLA CPU holds them once:
-              `memory(cpu=)`); under dots, attn and full the
-              terms exactly (47,104, 14,336 and 4,096 bytes; same compiles)
+  the layer scan under none: the layers' terms, and on XLA GPU wider D-wide
+              streams (`scan_streams`): each layer's four block inputs and norm
+              outputs stacked in fp32, not c, and two more D-wide per token in
+              c (a MoE layer: one in c, the router's fp32 input): 4·D·(4-c) +
+              2·D·c. 1b compiled for one H100 at 4 and 8 scanned layers holds
+              2.44 GiB a layer (8 x 2048 tokens: about 99,500 bytes a token,
+              the terms' 100,480). Before model.mlp.swiglu's checkpoint it held
+              3.19 GiB a layer, 148,276 bytes a token against 75,920 unrolled:
+              the stacks twice, as the estimate then counted. XLA CPU holds the
+              terms alone (`memory(cpu=)`); under dots, attn and full the
+              terms exactly (47,104, 14,336 and 4,096 bytes; 1b's compiles of
+              bench/results/memory-terms-1b-h100-compiled.json)
   unrolled layers (model.scan_layers=false): the policy's terms, as for the
               scan but for none's second copy (1b compiled for one H100, 8 x 2048
               tokens: XLA 22.69 GiB under full, 33.19 under dots, 40.16 under
@@ -94,11 +109,13 @@ def layer_activations(cfg: RunConfig, sizes: dict[str, int], remat: str, moe: bo
         return s.tokens * (m.d_model + qkv + out) * c
     mlp = 3 * m.d_ff / tp
     routed = 0.0
-    if moe:  # shared experts per token; the routed rows; fp32 router logits and probabilities
+    if moe:  # shared experts per token; the routed rows and copies; fp32 router logits and probabilities
         fe = expert_d_ff(m)
         mlp = 3 * m.n_shared_experts * fe / tp
         rows = sizes.get("expert", 1) * dispatch_rows(cfg, sizes)
-        routed = rows * (4 * m.d_model + 3 * fe / tp) * c + s.tokens * 2 * m.n_experts * 4
+        copies = s.tokens * m.experts_per_token
+        routed = (rows * ((m.d_model + 3 * fe / tp) * c + m.d_model) + copies * m.d_model * (c + 1)
+                  + s.tokens * 2 * m.n_experts * 4)
     heads, scores = qkv + out, m.n_heads / tp * 4  # q, k, v, output; the fp32 logsumexp
     if core(cfg, sizes) == "xla" and not explicit_context(cfg, sizes["sequence"]):  # context
         # parallelism's custom_vjp keeps the above whatever the core; the xla core alone keeps K, V
@@ -106,6 +123,16 @@ def layer_activations(cfg: RunConfig, sizes: dict[str, int], remat: str, moe: bo
         heads, scores = heads + 2 * out, 2 * m.n_heads / tp * cfg.train.seq_len * 4
     per_token = 4 * m.d_model + heads + mlp
     return s.tokens * (per_token * c + scores) + routed
+
+
+def scan_streams(cfg: RunConfig, sizes: dict[str, int]) -> float:
+    """Bytes the layer scan under remat none keeps on XLA GPU beyond the device's layers' terms
+    (module docstring): each layer's four D-wide block inputs and norm outputs in fp32, not c,
+    and two more D-wide per token, in c (a MoE layer: one in c, the router's input in fp32)."""
+    m, s = cfg.model, shape(cfg, sizes)
+    c = DTYPE_BYTES[m.compute_dtype]
+    dense, moe = 4 * (4 - c) + 2 * c, 4 * (4 - c) + c + 4
+    return s.tokens * m.d_model * ((s.layers - s.moe) * dense + s.moe * moe)
 
 
 def stack_activations(cfg: RunConfig, sizes: dict[str, int], remat: str) -> float:

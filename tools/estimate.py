@@ -130,7 +130,8 @@ from __future__ import annotations
 
 from configs.base import RunConfig
 from sharding.checks import accumulation_axes, dealt_heads, explicit_context, head_per_microbatch
-from tools.activations import chunk_residuals, dense_expert_copies, layer_activations, stack_activations, zb_stash
+from tools.activations import (chunk_residuals, dense_expert_copies, layer_activations, scan_streams,
+                               stack_activations, zb_stash)
 from tools.pipeline_figures import SPLIT, STASHING, pipeline_figures
 from tools.shape import (DTYPE_BYTES, core, held_tables, layers_gathered_once, local_layer_params, local_params, shape,
                          table_split)
@@ -139,7 +140,8 @@ from tools.shape import (DTYPE_BYTES, core, held_tables, layers_gathered_once, l
 def memory(cfg: RunConfig, sizes: dict[str, int], cpu: bool = False) -> dict[str, float]:
     """The memory terms per device, in bytes, and their peak (module docstring), as XLA GPU
     compiles the step; cpu: as XLA CPU does (tests/test_plan.py compares with a CPU compile),
-    which holds the layer scan's stacked residuals under remat none once, not twice, and
+    which holds the layer scan's stacked residuals under remat none at the layers' terms (no
+    `scan_streams`), and
     reduces FSDP's table gradients by an all-reduce of the whole fp32 gradient (`gathered`)."""
     m, s = cfg.model, shape(cfg, sizes)
     p_local, param_b, c = local_params(cfg, sizes), DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[m.compute_dtype]
@@ -153,8 +155,9 @@ def memory(cfg: RunConfig, sizes: dict[str, int], cpu: bool = False) -> dict[str
     elif piped:  # gpipe, interleaved: autodiff keeps every tick's chunk residuals, by stash_policy
         saved = table["ticks"] * chunk_residuals(cfg, sizes)
         saved += 4 * s.k * s.tokens * m.d_model * c  # [M, b, L, D] in, out, cotangents
-    else:  # the layer scan under none stacks each layer's residuals and copies them: twice
-        saved = (2 if m.scan_layers and m.remat == "none" and not cpu else 1) * stack_activations(cfg, sizes, m.remat)
+    else:  # the layer scan under none holds its D-wide streams wider on XLA GPU (not XLA CPU)
+        saved = stack_activations(cfg, sizes, m.remat)
+        saved += scan_streams(cfg, sizes) if m.scan_layers and m.remat == "none" and not cpu else 0.0
     # gpipe and interleaved: the head of the ceil(M/p) microbatches dealt to the stage at once
     # under remat none, else one microbatch's at a time in a scan, recomputed in the backward
     # (pipeline.circular.head_loss), whose int32 iota of vocabulary ids [b, L, V/t] XLA hoists
