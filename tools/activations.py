@@ -64,7 +64,7 @@ Per layer and token, in elements (c bytes each unless fp32 is said):
               terms exactly (47,104, 14,336 and 4,096 bytes; 1b's compiles of
               bench/results/memory-terms-1b-h100-compiled.json)
   unrolled layers (model.scan_layers=false): the policy's terms, as for the
-              scan but for none's second copy (1b compiled for one H100, 8 x 2048
+              scan but for none's wider streams (1b compiled for one H100, 8 x 2048
               tokens: XLA 22.69 GiB under full, 33.19 under dots, 40.16 under
               none; estimate 1.09x, 1.06x, 1.05x; model/remat.py)
 """
