@@ -265,8 +265,8 @@ def test_the_estimate_holds_the_h100_compiles_of_the_layer_scan_and_moe_layers()
     MoE layers on ep=8 (dropless with ragged_dot and mosaic, capacity; scanned and unrolled).
     The record's estimates are this checkout's; scanned, XLA reads 0.94-1.07x the estimate
     (0.72-0.88x when the scan's residuals counted twice and each routed row 4·D: sent,
-    received, expert output, returned). Unrolled MoE layers read 0.79-0.87x: there XLA holds less of each routed row than
-    the scan does (not yet measured apart)."""
+    received, expert output, returned). Unrolled MoE layers read 0.79-0.87x: there XLA holds
+    less of each routed row than the scan does (not yet measured apart)."""
     record = json.loads((ROOT / "bench" / "results" / "scan-moe-memory-h100-compiled.json").read_text())
     assert len(record["cases"]) >= 14
     for case in record["cases"]:
