@@ -106,7 +106,8 @@ def test_remat_saves_memory_scanned_and_unrolled():
             lowered = grad.lower(params)
             temp[scan, name] = lowered.compile().memory_analysis().temp_size_in_bytes
             if not scan:
-                assert lowered.as_text().count("optimization_barrier") == (8 if name == "full" else 4)
+                # each layer's one or two, and the loss's terms' (model/loss.py)
+                assert lowered.as_text().count("optimization_barrier") == (8 if name == "full" else 4) + 1
     assert temp[True, "full"] < 0.5 * temp[True, "none"], temp
     if JAXLIB >= (0, 11):
         assert temp[False, "full"] < 0.5 * temp[False, "none"], temp
