@@ -259,6 +259,14 @@ def test_the_memory_estimate_bounds_every_measured_gpu_step_within_10_percent():
     assert {("125m", "none", False), ("1b", "none", False)} <= checked
 
 
+def record_estimate(case: dict) -> tuple:
+    """(the config, the estimate's peak in bytes) of a compile record's case: its preset, sets
+    and mesh, one device per mesh position."""
+    cfg = apply_overrides(get_preset(case["config"]), case["sets"])
+    cfg = dataclasses.replace(cfg, parallel=parse_mesh(case["mesh"], cfg.parallel))
+    return cfg, estimate.memory(cfg, {a: max(getattr(cfg.parallel, a), 1) for a in AXES})["peak"]
+
+
 def test_the_estimate_holds_the_h100_compiles_of_the_layer_scan_and_moe_layers():
     """XLA GPU's peak compiled for H100s (bench/results/scan-moe-memory-h100-compiled.json):
     1b's layer scan under remat none at 4, 8 and 16 layers, 125m's at 12, and mixtral-8x7b's
@@ -270,17 +278,14 @@ def test_the_estimate_holds_the_h100_compiles_of_the_layer_scan_and_moe_layers()
     record = json.loads((ROOT / "bench" / "results" / "scan-moe-memory-h100-compiled.json").read_text())
     assert len(record["cases"]) >= 14
     for case in record["cases"]:
-        cfg = apply_overrides(get_preset(case["config"]), case["sets"])
-        cfg = dataclasses.replace(cfg, parallel=parse_mesh(case["mesh"], cfg.parallel))
-        sizes = {a: max(getattr(cfg.parallel, a), 1) for a in AXES}
-        ratio = case["xla_peak_gib"] * 2**30 / estimate.memory(cfg, sizes)["peak"]
+        cfg, estimated = record_estimate(case)
+        ratio = case["xla_peak_gib"] * 2**30 / estimated
         assert ratio == pytest.approx(case["xla_over_estimate_after"], abs=0.002), case
         if cfg.model.scan_layers or not cfg.model.n_experts:
             assert 0.94 <= ratio <= 1.07, case
         else:
             assert 0.79 <= ratio <= 0.87, case
         assert case["xla_over_estimate_before"] < 0.88 or not cfg.model.scan_layers, case
-
 
 
 def test_the_estimate_bounds_the_h100_compiles_with_the_loss_terms_tied():
@@ -293,10 +298,8 @@ def test_the_estimate_bounds_the_h100_compiles_with_the_loss_terms_tied():
     record = json.loads((ROOT / "bench" / "results" / "loss-terms-tied-h100-compiled.json").read_text())
     scanned = 0
     for case in record["cases"]:
-        cfg = apply_overrides(get_preset(case["config"]), case["sets"])
-        cfg = dataclasses.replace(cfg, parallel=parse_mesh(case["mesh"], cfg.parallel))
-        sizes = {a: max(getattr(cfg.parallel, a), 1) for a in AXES}
-        ratio = case["xla_peak_gib_after"] * 2**30 / estimate.memory(cfg, sizes)["peak"]
+        cfg, estimated = record_estimate(case)
+        ratio = case["xla_peak_gib_after"] * 2**30 / estimated
         assert ratio == pytest.approx(case["xla_over_estimate_after"], abs=0.002), case
         if cfg.model.scan_layers and cfg.model.remat == "none" and cfg.parallel.stage == 1:
             scanned += 1
