@@ -62,7 +62,8 @@ def _terms_backward(saved: tuple, g: tuple) -> tuple[jax.Array, None]:
     logits, targets, terms = saved
     (g_log_z, g_target), (log_z, _) = jax.lax.optimization_barrier((g, terms))
     softmax = jnp.exp(logits - log_z[..., None])
-    return g_log_z[..., None] * softmax + jnp.where(_is_target(logits, targets), g_target[..., None], 0.0), None
+    dlogits = g_log_z[..., None] * softmax + jnp.where(_is_target(logits, targets), g_target[..., None], 0.0)
+    return dlogits, None
 
 
 position_terms.defvjp(_terms_forward, _terms_backward)

@@ -309,6 +309,7 @@ def test_the_estimate_bounds_the_h100_compiles_with_the_loss_terms_tied():
               if c["config"] == "1b" and "model.scan_layers=true" in c["sets"]]
     assert len(before) == 3 and min(before) > 1.0
 
+
 BATCH_RECORDS = sorted((ROOT / "bench" / "results").glob("batch-*.json"))
 
 

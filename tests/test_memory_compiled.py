@@ -69,9 +69,10 @@ def test_where_xla_holds_more_the_plan_compiles_again_without_the_latency_hiding
     collectives, and holds them while the GPU has memory to spare, so XLA's peak reads over the
     estimate (1.82x measured with jax 0.12.1; the preset's 16 layers at L = 2048 2.61x);
     tools.plan then compiles the step once more with the scheduler off (tools/plan_compile.py,
-    LHS_RECHECK): 1.005x (1.004x), and the verdict says how much the scheduler holds. (125m on dp=2, this test's case until the loss's terms were tied
-    (model/loss.py), read 1.30x there for another reason: the fp32 logits held through the
-    backward for the loss; now 0.97x, under the recheck's threshold.)"""
+    LHS_RECHECK): 1.005x (1.004x), and the verdict says how much the scheduler holds. (125m on
+    dp=2, this test's case until the loss's terms were tied (model/loss.py), read 1.30x there
+    for another reason: the fp32 logits held through the backward for the loss; now 0.97x,
+    under the recheck's threshold.)"""
     args = ["--config", "1b", "--mesh", "tp=4,dp=2", "--compile-for-gpu", "--json"]
     for s in ["model.remat=full", "model.n_layers=8", "train.seq_len=1024", *PALLAS]:
         args += ["--set", s]

@@ -14,7 +14,8 @@ the step is compiled once more with the scheduler off (jax.jit's compiler_option
 compile only) and the figures give that peak too (`lhs_off`, the memory-minimal schedule: 1b
 tp=4,dp=2 under remat full compiled for H100s, 24.6 GiB as compiled (jax 0.12.0.1), 11.2
 without the scheduler, the estimate 11.1; a lower limit does not bring the scheduler down to
-it: README, Plan a run). The recheck costs one more compile; tiny configs stay under the GiB floor.
+it: README, Plan a run). The recheck costs one more compile; tiny configs stay under the GiB
+floor.
 """
 
 from __future__ import annotations
