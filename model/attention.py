@@ -35,7 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 from configs.base import ConfigError, ModelConfig
 from model.kernels.flash_attention import flash_block_backward, flash_block_forward
 from model.kernels.sharded import per_device, sharded_flash_attention
-from model.layers import apply_rotary, param
+from model.layers import apply_rotary, param, softmax
 from sharding.context_parallel import BlockCore, allgather_attention, ring_attention
 from sharding.cores import core_problem, target
 from sharding.rules import constrain
@@ -55,7 +55,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = True,
     if causal:
         visible = jnp.arange(k.shape[1])[None, :] <= jnp.arange(q.shape[1])[:, None] + offset  # [L, M]
         scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bnlm,bmnh->blnh", probs, v)
 
 

@@ -48,7 +48,7 @@ from flax import nnx
 
 from configs.base import ConfigError, ModelConfig
 from model.kernels.grouped_matmul import grouped_matmul, problem
-from model.layers import param
+from model.layers import param, softmax
 from model.mlp import MLP, swiglu
 from sharding.checks import expert_d_ff
 from sharding.cores import target
@@ -125,7 +125,7 @@ class Routing:
         """tokens [n, D] -> gates [n, k] (renormalised), experts [n, k] int, and the losses."""
         e, k = self.n_experts, self.k
         logits = jnp.einsum("nd,de->ne", tokens.astype(jnp.float32), router.astype(jnp.float32))
-        probs = jax.nn.softmax(logits, axis=-1)
+        probs = softmax(logits, axis=-1)
         top, experts = jax.lax.top_k(probs, k)
         gates = top / jnp.sum(top, axis=-1, keepdims=True)
         n_all = ops.total(jnp.float32(tokens.shape[0]))

@@ -8,9 +8,10 @@ Per layer and token, in elements (c bytes each unless fp32 is said):
               in the backward, model.mlp.swiglu); a fused core (pallas, cudnn) adds its
               fp32 logsumexp, 4·N/t bytes; the xla core adds 2·N·H/t (K, V
               repeated to N heads) and 2·N/t·L fp32 (two copies of the scores
-              and probabilities, of the three autodiff leaves: XLA CPU held about
-              two on jax 0.12.1 and three on 0.10.2, tiny on dp=8, fp32;
-              model.attention=auto is resolved as on the GPU: `core`).
+              and probabilities: XLA CPU holds about two, tiny on dp=8, fp32, on
+              jax 0.10.2 to 0.12.1 alike since model.layers.softmax asks for the
+              custom JVP, three on jax <= 0.11 before; model.attention=auto is
+              resolved as on the GPU: `core`).
               Measured on XLA GPU's own compile for an H100 (tools.plan
               --compile-for-gpu, 1b at 2 and 4 layers x 4 and 8 sequences of
               2048): 75,920 bytes per token and layer under cudnn and pallas,
