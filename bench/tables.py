@@ -160,6 +160,7 @@ PROSE_ONLY = {
                                      "MoE rows' terms, rounded in README's table from the record's ratios",
     "swiglu-recompute-h100-compiled": "XLA's peak before and after the SwiGLU gating's own checkpoint, and the "
                                       "estimate beside it: README's table of it is written by hand",
+    "softmax-custom-jvp-memory": "memory ratios before and after the softmax took its custom JVP, quoted in sentences",
     "loss-terms-tied-h100-compiled": "XLA's peak before and after the loss's terms were tied into its backward, "
                                      "and the estimate beside it: README's table of it is written by hand",
 }

@@ -31,9 +31,11 @@ Per layer and token, in elements (c bytes each unless fp32 is said):
               tokens a device): 1,886.5 MB a layer, these terms with the
               scan's 1,887.7, dropless (ragged_dot or mosaic) and capacity
               alike; the dispatch buffers sent and returned are not kept (4·D
-              a row counted them until 2026-12-07: 0.73-0.87x). Unrolled, XLA
-              keeps less of the rows than these terms (0.80-0.86x; not measured
-              apart; bench/results/scan-moe-memory-h100-compiled.json)
+              a row counted them until 2026-12-07: 0.73-0.87x). Unrolled, XLA's
+              peak reads 0.80-0.86x the estimate, not for the rows: it falls at
+              the backward's start, before any layer's gradient exists, which
+              tools.estimate.memory counts whole (README, under the record
+              bench/results/scan-moe-memory-h100-compiled.json)
   remat full  D (the layer input)
   remat dots  (N+2K)·H/t + 2·D + 2·F/t: the projections' outputs (q, k, v,
               the attention's and the MLP's output projections, under TP
