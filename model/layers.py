@@ -1,4 +1,5 @@
-"""Building blocks: parameters with logical names, RMSNorm, token embedding, rotary embedding.
+"""Building blocks: parameters with logical names, softmax, RMSNorm, token embedding, rotary
+embedding.
 
 Parameters are created in `param_dtype` (fp32 by default) and used in whatever dtype the caller
 casts them to (the train step casts the whole tree to the compute dtype, bf16 by default).
