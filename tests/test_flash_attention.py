@@ -311,3 +311,30 @@ def test_model_step_with_pallas_equals_xla(tp_flags, corpus):
     flat = jax.tree_util.tree_leaves_with_path(grads_xla)
     for (path, want), got in zip(flat, jax.tree.leaves(grads_pallas)):
         np.testing.assert_allclose(got, want, atol=1e-7, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_jitted_kernel_call_traces_once_in_a_fresh_process():
+    """A fresh process (the setting registers once per process, so this session's imports could
+    hide it): a jitted function over the kernel, called twice, is traced once. On jax >= 0.11 the
+    interpreter's first trace imported a module that registers a trace-context setting, and the
+    second call traced and compiled again (model/kernels/__init__.py imports it up front)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, child_env
+
+    script = (
+        "import jax, jax.numpy as jnp\n"
+        "from model.kernels.flash_attention import flash_attention\n"
+        "traces = []\n"
+        "@jax.jit\n"
+        "def f(q):\n"
+        "    traces.append(1)\n"
+        "    return flash_attention(q, q, q, causal=True)\n"
+        "q = jnp.ones((1, 16, 2, 8), jnp.float32)\n"
+        "f(q).block_until_ready(); f(q).block_until_ready()\n"
+        "print(len(traces))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=child_env(JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["1"]

@@ -88,7 +88,7 @@ def test_mesh_stage_on_four_devices(tmp_path):
     from tools.bandwidth import load
 
     out = tmp_path / "gpu.json"
-    env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = child_env(devices=4)
     done = subprocess.run([sys.executable, "-m", "bench.gpu", "--cpu-smoke", "--stages", "mesh", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
