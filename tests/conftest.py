@@ -84,9 +84,8 @@ def child_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     """This session's environment for a child process that asks for its own fake devices (train.py,
     the benchmarks, the tools): XLA_FLAGS keeps every flag but the device count (`devices`: that
     many fake devices instead; the compile-time flags stay either way); `extra` added."""
-    flags = [f for f in os.environ["XLA_FLAGS"].split() if not f.startswith(FAKE_DEVICES)]
-    flags += [f"{FAKE_DEVICES}={devices}"] if devices else []
-    return {**os.environ, "XLA_FLAGS": " ".join(flags), **extra}
+    flags = " ".join(f for f in os.environ["XLA_FLAGS"].split() if not f.startswith(FAKE_DEVICES))
+    return {**os.environ, "XLA_FLAGS": with_flags(flags, devices), **extra}
 
 
 def run_module(*args: str, fake_devices: bool = True) -> subprocess.CompletedProcess:
