@@ -479,6 +479,7 @@ def test_search_compiled_for_h100s_judges_its_top_mesh():
     planned = run_module("tools.plan", "--config", "tiny", "--mesh", top["mesh"], "--compile-for-gpu", *pallas,
                          *sets, "--json")
     assert planned.returncode == 0, planned.stderr[-3000:]
+    assert "persistent compilation cache" not in planned.stderr  # the same program: not read back (gpu_target)
     assert top["xla_memory_gib"] * GiB == pytest.approx(json.loads(planned.stdout)["xla"]["memory"]["peak"], rel=1e-9)
 
 

@@ -15,8 +15,8 @@ stdout/stderr (fds 1 and 2, where the C++ logs go) around each compile. The kern
 target through `sharding.cores.building_for`, and Pallas's Triton lowering through an abstract
 mesh of the target's device kind. Nothing runs: no time, no numerics (those need the GPU,
 bench.tune_attention); a tile that spills or serializes its wgmmas is slow there for a reason
-this report names. The persistent compilation cache is off here, since a cached kernel
-skips ptxas.
+this report names. The persistent compilation cache is off here (`tools.gpu_target.devices`
+turns it off), so no kernel skips ptxas.
 
 Candidates, per head dim: the Triton tiles (`triton_tiling`) and each kernel of `mosaic_tiling`
 and of the default (`default_tiling` for --gpu and --dtype: on Hopper in 16 bits at H = 64 and
@@ -278,7 +278,6 @@ def main(argv: list[str]) -> int:
 
     from tools.measure import environment
 
-    jax.config.update("jax_enable_compilation_cache", False)
     abstract = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
                                          abstract_device=jax.sharding.AbstractDevice(
                                              device_kind=gpu.kind, num_cores=gpu.sms, platform="gpu"))

@@ -147,9 +147,15 @@ def check_plugin(who: str) -> None:
 
 
 def devices(gpu: Gpu, count: int) -> list:
-    """`count` compile-only devices of `gpu`, one host (`check_plugin` first)."""
+    """`count` compile-only devices of `gpu`, one host (`check_plugin` first). jax's persistent
+    compilation cache is turned off for the process: jax writes what compiles for these devices
+    to it but cannot read it back (jax 0.12.1: "PjRtCompiler must be constructed with a Client
+    to call DeserializeLoadedExecutable"), so a second compile of the same program warned and
+    compiled again where JAX_COMPILATION_CACHE_DIR is set."""
     import jax
     from jax.experimental import topologies
+
+    jax.config.update("jax_enable_compilation_cache", False)
 
     try:
         topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{count}",
