@@ -20,7 +20,7 @@ JOBS ?= 2
 # jemalloc in place of glibc's malloc where the machine has it (Debian and Ubuntu: libjemalloc2;
 # .ci/run installs it). The tests' time is mostly XLA compiling, whose LLVM and MLIR passes
 # allocate and free small objects by the million: glibc's malloc took about 12% of the samples
-# of a compile-bound test, and three test files ran in 0.85x the time with jemalloc (README, CI).
+# of a compile-bound test, and three test files ran in 0.83-0.95x the time with jemalloc (README).
 # The tests' numbers do not depend on it. JEMALLOC= runs them with glibc's malloc.
 JEMALLOC ?= $(firstword $(wildcard /usr/lib/*/libjemalloc.so.2 /usr/lib64/libjemalloc.so.2))
 
