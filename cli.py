@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import itertools
 import json
 import os
@@ -172,12 +173,21 @@ def request_fake_devices(cfg: RunConfig, processes: int = 1) -> int | None:
 
 
 def run_cli(entry: Callable[[list[str]], int]) -> NoReturn:
-    """Exit with entry's code; a ConfigError is one `error:` line and exit code 2, no traceback."""
+    """Exit with entry's code; a ConfigError is one `error:` line and exit code 2, no traceback.
+
+    After entry returns, what it left is frozen out of the collector's reach (`gc.freeze`) before
+    the interpreter exits: Python's finalization otherwise walks every object jax and flax made
+    for one last cyclic collection. A tiny train.py run (jax 0.12.1, Python 3.12) took 0.47-0.51 s
+    from its last line to its exit, 0.12 s so. Entry has closed its files and checkpoints by then
+    (the logger, the checkpointer); what is only refcounted is still freed.
+    """
     try:
-        sys.exit(entry(sys.argv[1:]))
+        code = entry(sys.argv[1:])
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    gc.freeze()
+    sys.exit(code)

@@ -1,5 +1,6 @@
 """train.py end to end, through a subprocess, as a user runs it."""
 
+import gc
 import json
 import os
 import subprocess
@@ -48,6 +49,29 @@ def test_log_lines_and_profile_window(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 3, 4]  # step 1 is reported as the compile
     assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb")), "no profiler trace"
+
+
+def test_run_cli_exits_with_the_entrys_code_and_freezes_what_is_left(monkeypatch):
+    """cli.run_cli: entry's exit code; a ConfigError one `error:` line and 2; after a return, the
+    objects left frozen out of the collector (gc.freeze), which spares the exit its last walk."""
+    from cli import run_cli
+    from configs import ConfigError
+
+    def refuse(argv):
+        raise ConfigError("--set x: no")
+
+    monkeypatch.setattr(sys, "argv", ["tool", "--flag"])
+    frozen = gc.get_freeze_count()
+    with pytest.raises(SystemExit) as refused:
+        run_cli(refuse)
+    assert refused.value.code == 2 and gc.get_freeze_count() == frozen
+    seen = []
+    try:
+        with pytest.raises(SystemExit) as done:
+            run_cli(lambda argv: seen.append(argv) or 3)
+        assert done.value.code == 3 and seen == [["--flag"]] and gc.get_freeze_count() > frozen + 10_000
+    finally:
+        gc.unfreeze()  # back in reach for the rest of this worker's tests
 
 
 @pytest.mark.parametrize(
