@@ -172,8 +172,18 @@ def request_fake_devices(cfg: RunConfig, processes: int = 1) -> int | None:
     return needed
 
 
+GC_THRESHOLDS = (100_000, 50, 100)  # Python's default: (700, 10, 10) to 3.12, (2000, 10, 10) on 3.13
+
+
 def run_cli(entry: Callable[[list[str]], int]) -> NoReturn:
     """Exit with entry's code; a ConfigError is one `error:` line and exit code 2, no traceback.
+
+    While entry runs, Python's cyclic collector runs its young generation every 100,000
+    allocations instead of every 700 (`GC_THRESHOLDS`; cycles are still collected): tracing and
+    lowering a train step allocate millions of short-lived objects, and each young collection
+    also walks what survived into the older ones. Alternated three times each (jax 0.12.1, 2
+    cores): a 5-step train.py run of the tests' small model on dp=2,tp=2 took 5.05 s instead of
+    5.61 s, tools.plan's H100 compile of tiny on pp=2,dp=2 4.71 s instead of 5.05 s.
 
     After entry returns, what it left is frozen out of the collector's reach (`gc.freeze`) before
     the interpreter exits: Python's finalization otherwise walks every object jax and flax made
@@ -181,6 +191,7 @@ def run_cli(entry: Callable[[list[str]], int]) -> NoReturn:
     from its last line to its exit, 0.12 s so. Entry has closed its files and checkpoints by then
     (the logger, the checkpointer); what is only refcounted is still freed.
     """
+    gc.set_threshold(*GC_THRESHOLDS)
     try:
         code = entry(sys.argv[1:])
     except ConfigError as e:

@@ -24,14 +24,14 @@ The whole suite (jax 0.10.2, 2 workers, a 2-core machine) took 16:19 with it; 27
 at the previous undisturbed run.
 
 Python's cyclic garbage collector runs its young generation every 100,000 allocations instead of
-every 700 (`GC_THRESHOLDS`): tracing a train step allocates millions of short-lived objects,
-and each young collection also walks what survived into the older ones. In the gpipe and zbv
-cases of tests/test_pipeline_equal.py (jax 0.12, one process) the collector took 3.14 s of 50.7 s
-in 2,206 collections, and 0.84 s in 9 with these thresholds. Cycles are still collected.
-When the session ends, `pytest_unconfigure` freezes what is left (`gc.freeze`), so the
-interpreter exits without a last collection over every object the tests' compiles made: a
-process that had run ten test_hlo.py cases took 1.4 s from its last line to its exit, 0.2 s so
-(the CLIs do the same, cli.run_cli).
+every 700, as in the CLIs (cli.GC_THRESHOLDS, cli.run_cli): tracing a train step allocates
+millions of short-lived objects, and each young collection also walks what survived into the
+older ones. In the gpipe and zbv cases of tests/test_pipeline_equal.py (jax 0.12, one process)
+the collector took 3.14 s of 50.7 s in 2,206 collections, and 0.84 s in 9 with these thresholds.
+Cycles are still collected. When the session ends, `pytest_unconfigure` freezes what is left
+(`gc.freeze`, as the CLIs do), so the interpreter exits without a last collection over every
+object the tests' compiles made: a process that had run ten test_hlo.py cases took 1.4 s from
+its last line to its exit, 0.2 s so.
 """
 
 import atexit
@@ -44,6 +44,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from cli import GC_THRESHOLDS
 from sharding.xla_flags import FAKE_DEVICES, with_flags
 
 DEVICES = 8
@@ -61,7 +62,6 @@ def _test_flags(flags: str) -> str:
     return flags
 
 
-GC_THRESHOLDS = (100_000, 50, 100)  # Python's default: (700, 10, 10) to 3.12, (2000, 10, 10) on 3.13
 gc.set_threshold(*GC_THRESHOLDS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = with_flags(_test_flags(os.environ.get("XLA_FLAGS", "")), DEVICES)

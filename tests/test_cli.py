@@ -51,25 +51,29 @@ def test_log_lines_and_profile_window(tmp_path):
     assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb")), "no profiler trace"
 
 
-def test_run_cli_exits_with_the_entrys_code_and_freezes_what_is_left(monkeypatch):
-    """cli.run_cli: entry's exit code; a ConfigError one `error:` line and 2; after a return, the
-    objects left frozen out of the collector (gc.freeze), which spares the exit its last walk."""
-    from cli import run_cli
+def test_run_cli_exits_with_the_entrys_code_and_freezes_what_is_left(monkeypatch, capsys):
+    """cli.run_cli: entry's exit code; a ConfigError one `error:` line and 2; entry run under
+    cli.GC_THRESHOLDS; after a return, the objects left frozen out of the collector (gc.freeze),
+    which spares the exit its last walk."""
+    from cli import GC_THRESHOLDS, run_cli
     from configs import ConfigError
 
     def refuse(argv):
         raise ConfigError("--set x: no")
 
     monkeypatch.setattr(sys, "argv", ["tool", "--flag"])
+    seen = []
+    monkeypatch.setattr(gc, "set_threshold", lambda *t: seen.append(t))  # this worker keeps its own
     frozen = gc.get_freeze_count()
     with pytest.raises(SystemExit) as refused:
         run_cli(refuse)
-    assert refused.value.code == 2 and gc.get_freeze_count() == frozen
-    seen = []
+    assert refused.value.code == 2 and capsys.readouterr().err == "error: --set x: no\n"
+    assert gc.get_freeze_count() == frozen
     try:
         with pytest.raises(SystemExit) as done:
             run_cli(lambda argv: seen.append(argv) or 3)
-        assert done.value.code == 3 and seen == [["--flag"]] and gc.get_freeze_count() > frozen + 10_000
+        assert done.value.code == 3 and seen == [GC_THRESHOLDS, GC_THRESHOLDS, ["--flag"]]
+        assert gc.get_freeze_count() > frozen + 10_000
     finally:
         gc.unfreeze()  # back in reach for the rest of this worker's tests
 
