@@ -1,4 +1,5 @@
-"""train.py end to end, through a subprocess, as a user runs it."""
+"""train.py end to end, through a subprocess, as a user runs it; and cli.run_cli, which every entry
+point exits through."""
 
 import gc
 import json
@@ -62,8 +63,8 @@ def test_run_cli_exits_with_the_entrys_code_and_freezes_what_is_left(monkeypatch
         raise ConfigError("--set x: no")
 
     monkeypatch.setattr(sys, "argv", ["tool", "--flag"])
-    seen = []
-    monkeypatch.setattr(gc, "set_threshold", lambda *t: seen.append(t))  # this worker keeps its own
+    thresholds, argvs = [], []
+    monkeypatch.setattr(gc, "set_threshold", lambda *t: thresholds.append(t))  # this worker keeps its own
     frozen = gc.get_freeze_count()
     with pytest.raises(SystemExit) as refused:
         run_cli(refuse)
@@ -71,8 +72,8 @@ def test_run_cli_exits_with_the_entrys_code_and_freezes_what_is_left(monkeypatch
     assert gc.get_freeze_count() == frozen
     try:
         with pytest.raises(SystemExit) as done:
-            run_cli(lambda argv: seen.append(argv) or 3)
-        assert done.value.code == 3 and seen == [GC_THRESHOLDS, GC_THRESHOLDS, ["--flag"]]
+            run_cli(lambda argv: argvs.append(argv) or 3)
+        assert done.value.code == 3 and argvs == [["--flag"]] and thresholds == [GC_THRESHOLDS] * 2
         assert gc.get_freeze_count() > frozen + 10_000
     finally:
         gc.unfreeze()  # back in reach for the rest of this worker's tests
