@@ -16,7 +16,8 @@ Cost of a save: the caller blocks while the checksums are computed (one read of 
 device, a few scalars to the host) and while orbax copies this process's shards to host memory
 (state bytes / processes: 12 bytes per parameter with fp32 AdamW; in one process each shard
 whole from one replica, `whole_shard_saves`); the disk write runs in
-background threads while training goes on, holding that host copy until it ends. Disk: those
+background threads while training goes on, holding that host copy until it ends. The blocking
+part is logged as `checkpoint_s`, outside the step time (training/loop.py). Disk: those
 12 bytes per parameter zstd-compressed by orbax (its default), 9.2 measured on 125m after 4 steps
 (bench/results/checkpoint-125m-fsdp2.json); the ratio depends on the values. Restore: the targets are ShapeDtypeStructs carrying the
 *current* mesh's NamedShardings, so each process reads only the chunks of its own shards and

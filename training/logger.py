@@ -83,6 +83,8 @@ class MetricsLogger:
             f"lr {r['lr']:.2e}",
             f"gnorm {r['grad_norm']:.3f}",
         ]
+        if "checkpoint_s" in r:  # a save started in this interval (not in its step time: training/loop.py)
+            parts.append(f"ckpt {r['checkpoint_s']:.1f} s")
         if "moe_aux" in r:  # router statistics, per MoE layer (model/moe.py)
             parts.append(f"moe aux {r['moe_aux']:.3f} load {r['moe_load']:.2f} dropped {r['moe_dropped']:.1%}")
         if r.get("skipped"):

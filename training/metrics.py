@@ -114,5 +114,5 @@ class IntervalTimer:
         return seconds
 
     def skip(self, seconds: float) -> None:
-        """Leave `seconds` of host time (an evaluation) out of the current interval."""
+        """Leave `seconds` of host time (an evaluation, a checkpoint save) out of the current interval."""
         self.start += seconds
