@@ -39,8 +39,20 @@ def cuda_versions() -> dict:
         return {"cuda": "unavailable: jaxlib has no CUDA plugin loaded"}
     names = ("cuda_runtime_get_version", "cuda_driver_get_version", "cudnn_get_version",
              "cufft_get_version", "cusolver_get_version", "cublas_get_version", "cusparse_get_version")
-    return {n.removesuffix("_get_version"): _try(getattr(cv, n)) if hasattr(cv, n) else "unavailable"
+    return {n.removesuffix("_get_version"): _library_version(getattr(cv, n)) if hasattr(cv, n) else "unavailable"
             for n in names}
+
+
+def _library_version(get_version):
+    """A CUDA library's version; a library that is not installed makes jaxlib's call fail with
+    an untranslated SystemError ('nanobind ... exception could not be translated!'), which jax's
+    CUDA plugin reads as 'Unable to load ...': said so here too."""
+    try:
+        return get_version()
+    except SystemError:
+        return "unavailable: jaxlib could not load the library (not installed?)"
+    except Exception as err:  # noqa: BLE001 -- a missing piece is reported, never fatal
+        return f"unavailable: {error_text(err)}"
 
 
 def environment_info() -> dict:
