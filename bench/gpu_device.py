@@ -44,15 +44,17 @@ def cuda_versions() -> dict:
 
 
 def _library_version(get_version):
-    """A CUDA library's version; a library that is not installed makes jaxlib's call fail with
-    an untranslated SystemError ('nanobind ... exception could not be translated!'), which jax's
-    CUDA plugin reads as 'Unable to load ...': said so here too."""
-    try:
-        return get_version()
-    except SystemError:
-        return "unavailable: jaxlib could not load the library (not installed?)"
-    except Exception as err:  # noqa: BLE001 -- a missing piece is reported, never fatal
-        return f"unavailable: {error_text(err)}"
+    """A CUDA library's version, as `_try`; a library that is not installed makes jaxlib's call
+    fail with an untranslated SystemError ('nanobind ... exception could not be translated!'),
+    which jax's CUDA plugin reads as 'Unable to load ...': said so here too."""
+
+    def call():
+        try:
+            return get_version()
+        except SystemError:
+            return "unavailable: jaxlib could not load the library (not installed?)"
+
+    return _try(call)
 
 
 def environment_info() -> dict:
